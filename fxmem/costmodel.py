@@ -1,0 +1,724 @@
+"""The memory cost model: how much memory each part of the graph costs, and when. One place for all of it.
+
+Two methods, same result type (`MemoryEstimate`):
+
+- `static`: runs the forward graph under FakeTensorMode to learn every dispatch-level op's shapes, dtypes and
+  storage aliasing (no real memory), then applies the op table (`fxmem.ops`) for what autograd saves, and walks a
+  liveness model of forward, backward and the optimizer step. Works for models far bigger than RAM.
+- `traced`: runs the real training step (forward, loss, backward, optimizer) under FakeTensorMode with the same
+  storage tracker `fxmem.measure` uses: an exact simulated timeline, still without real memory.
+
+Regions that passes insert (checkpoint, offload) declare themselves through `fxmem.nn.regions.RegionInfo`; the
+static walk models them (recompute in backward, off-device while offloaded).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import ops as optable
+from .measure import StorageTracker, TimelinePoint, backward_label
+from .nn.regions import region_info
+from .program import Program, module_path
+from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
+
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (bnb's min_8bit_size)
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCKSIZE = 256
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes of one steady-state step (training) or one forward (inference)."""
+    params: int = 0
+    buffers: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    inputs: int = 0
+    activations: int = 0  # saved for backward (plus outputs) at the end of forward
+    peak: int = 0
+    peak_phase: str = ""
+    peak_at: str = ""  # node (forward) or node's backward where the peak occurs
+    peak_module: str = ""
+    timeline: list = field(default_factory=list)  # TimelinePoint per node: forward, then backward
+    unknown_ops: list = field(default_factory=list)
+    by_module: list = field(default_factory=list)  # [(module path, bytes saved for backward)] heaviest first
+    flops_forward: int = 0
+    flops_backward: int = 0
+    mode: str = "train"
+    optimizer: str = "adamw"
+    method: str = "static"
+    device: str = "cpu"
+    world_size: int = 1
+    zero_stage: int = 0
+
+    def to_dict(self) -> dict:
+        keys = ("method", "mode", "optimizer", "device", "params", "buffers", "grads", "optimizer_state",
+                "inputs", "activations", "peak", "peak_phase", "peak_at", "peak_module", "flops_forward",
+                "flops_backward", "world_size", "zero_stage")
+        d = {k: getattr(self, k) for k in keys}
+        d["timeline"] = [p.to_dict() for p in self.timeline]
+        d["unknown_ops"] = list(self.unknown_ops)
+        d["by_module"] = [{"module": m, "bytes": b} for m, b in self.by_module]
+        return d
+
+
+# ============================================================================================ entry points
+
+def estimate(model_or_program, args=(), kwargs=None, *, mode: str | None = None, optimizer: str = "adamw",
+             method: str = "static", world_size: int = 1, zero_stage: int = 0, loss_fn=None,
+             device: str | None = None) -> MemoryEstimate:
+    """Estimate the memory of a training step (or an inference forward) without allocating real tensors."""
+    if method not in ("static", "traced"):
+        raise ValueError(f"method must be 'static' or 'traced', got {method!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    program = _as_program(model_or_program, args, kwargs, mode or "train")
+    mode = mode or program.mode
+    if not args and not kwargs:
+        args, kwargs = program.example_args, program.example_kwargs
+    if not isinstance(args, tuple):
+        args = (args,)
+    kwargs = dict(kwargs or {})
+    if mode == "inference":
+        optimizer = "none"
+    if method == "static":
+        est = _static(program, args, kwargs, mode, optimizer, loss_fn)
+    else:
+        est = _traced(program, args, kwargs, mode, optimizer, loss_fn)
+    est.device = str(device or _device_of(program.module))
+    _apply_sharding(est, world_size, zero_stage)
+    return est
+
+
+def _as_program(m, args, kwargs, mode) -> Program:
+    if isinstance(m, Program):
+        return m
+    from .capture import capture
+    return capture(m, args, kwargs, mode=mode)
+
+
+def _device_of(module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _apply_sharding(est: MemoryEstimate, world_size: int, zero_stage: int) -> None:
+    """ZeRO / FSDP: stage 1 shards optimizer state, 2 adds gradients, 3 adds parameters."""
+    est.world_size, est.zero_stage = world_size, zero_stage
+    if world_size == 1 or zero_stage == 0:
+        return
+    saved = 0
+    if zero_stage >= 1:
+        s = est.optimizer_state - math.ceil(est.optimizer_state / world_size)
+        est.optimizer_state -= s
+        saved += s
+    if zero_stage >= 2:
+        s = est.grads - math.ceil(est.grads / world_size)
+        est.grads -= s
+        saved += s
+    if zero_stage >= 3:
+        s = est.params - math.ceil(est.params / world_size)
+        est.params -= s
+        saved += s
+    est.peak = max(0, est.peak - saved)
+
+
+def optimizer_state_bytes(optimizer: str, params: list[torch.Tensor]) -> int:
+    """Bytes of optimizer state for these parameters (bitsandbytes 8-bit: its real state layout)."""
+    total = 0
+    for p in params:
+        if not p.requires_grad:
+            continue
+        n, b = p.numel(), p.numel() * p.element_size()
+        if optimizer in ("adam", "adamw"):
+            total += 2 * b + 4  # exp_avg, exp_avg_sq, float32 step tensor
+        elif optimizer == "sgd-momentum":
+            total += b
+        elif optimizer in ("adamw8bit", "adam8bit", "paged_adamw8bit"):
+            if n < BNB_MIN_8BIT_SIZE:
+                total += 2 * n * 4
+            else:
+                total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCKSIZE)
+    if optimizer in ("adamw8bit", "adam8bit", "paged_adamw8bit") and total:
+        total += 2 * 256 * 4  # the two quantization maps
+    return total
+
+
+def optimizer_step_workspace(optimizer: str, params: list[torch.Tensor]) -> int:
+    """Temporaries of optimizer.step(): torch's foreach Adam/AdamW allocate one params-sized list."""
+    trainable = [p for p in params if p.requires_grad]
+    if optimizer in ("adam", "adamw"):
+        return sum(p.numel() * p.element_size() for p in trainable)
+    if optimizer in ("sgd", "sgd-momentum"):
+        return 0
+    return max((p.numel() * 4 for p in trainable), default=0)
+
+
+# ============================================================================================ static
+
+@dataclass
+class OpRecord:
+    idx: int
+    func: Any
+    node: str
+    module: str
+    in_keys: list  # per positional arg: storage key or None
+    in_bytes: list  # per positional arg: tensor bytes (numel * itemsize)
+    in_rg: list
+    out_keys: list
+    out_bytes: list
+    out_rg: bool
+    new_keys: list  # storages this op created
+    flops: int
+    region: str | None
+    known: bool = True
+    saved: list = field(default_factory=list)  # storage keys saved for backward
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every dispatch-level op with storage identities (fake storages: no real memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[OpRecord] = []
+        self.node = "<input>"
+        self.module = ""
+        self.region: str | None = None
+        self.storage_bytes: dict[int, int] = {}
+        self.keep_alive: list = []  # storages must not be freed and their ids reused during the trace
+        self.grad_enabled = True
+
+    def key(self, t):
+        st = t.untyped_storage()
+        k = st._cdata
+        if k not in self.storage_bytes:
+            self.storage_bytes[k] = int(st.nbytes())
+            self.keep_alive.append(st)
+            return k, True
+        return k, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_keys, in_bytes, in_rg = [], [], []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                k, _ = self.key(a)
+                in_keys.append(k)
+                in_bytes.append(int(a.numel()) * a.element_size())
+                in_rg.append(bool(a.requires_grad))
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                # e.g. cat/stack: treat the list as one argument; keep the first as representative
+                ks = [self.key(t)[0] for t in a]
+                in_keys.append(ks[0])
+                in_bytes.append(sum(int(t.numel()) * t.element_size() for t in a))
+                in_rg.append(any(t.requires_grad for t in a))
+            else:
+                in_keys.append(None)
+                in_bytes.append(0)
+                in_rg.append(False)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        out_keys, out_bytes, new_keys = [], [], []
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                k, new = self.key(t)
+                out_keys.append(k)
+                out_bytes.append(int(t.numel()) * t.element_size())
+                if new:
+                    new_keys.append(k)
+            else:
+                out_keys.append(None)
+                out_bytes.append(0)
+        float_out = any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in outs)
+        out_rg = self.grad_enabled and float_out and any(in_rg)
+        rec = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
+                       out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region)
+        if out_rg:
+            ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
+            slots, rec.known = optable.saved(func, ctx)
+            for kind, i in slots:
+                keys = in_keys if kind == "in" else out_keys
+                if i < len(keys) and keys[i] is not None:
+                    rec.saved.append(keys[i])
+        else:
+            rec.known = optable.lookup(func) is not None or True
+        if optable.lookup(func) is None:
+            rec.known = False
+        self.records.append(rec)
+        return out
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    def __init__(self, gm, recorder: _Recorder):
+        super().__init__(gm)
+        self.rec = recorder
+
+    def run_node(self, n):
+        self.rec.node = n.name
+        self.rec.module = module_path(n)
+        return super().run_node(n)
+
+    def call_module(self, target, args, kwargs):
+        mod = self.fetch_attr(target)
+        info = region_info(mod)
+        if info is None:
+            return super().call_module(target, args, kwargs)
+        prev = self.rec.region
+        self.rec.region = target
+        try:
+            return info.body(*args, **kwargs)  # the region's computation, recorded op by op
+        finally:
+            self.rec.region = prev
+
+
+def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
+    """Run forward (+ loss in train mode) under FakeTensorMode, recording dispatch-level ops."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    gm = program.module
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    with fake_mode:
+        fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    rec = _Recorder()
+    rec.grad_enabled = mode == "train"
+    was = gm.training
+    gm.train(mode == "train")
+    grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
+    try:
+        with fake_mode, grad_ctx:
+            # parameters/buffers/inputs first, so they are known storages (the baseline)
+            params = list(gm.parameters())
+            buffers = list(gm.buffers())
+            rec.node = "<params>"
+            base_keys = {}
+            for t in params + buffers:
+                # the fake mode memoizes conversions: every use of this parameter sees this fake storage
+                base_keys[rec.key(fake_mode.from_tensor(t))[0]] = "param" if isinstance(t, nn.Parameter) \
+                    else "buffer"
+            for t in fake_flat:
+                if isinstance(t, torch.Tensor):
+                    base_keys.setdefault(rec.key(t)[0], "input")
+            with rec:
+                out_flat = _RecordingInterpreter(gm, rec).run(*fake_flat, enable_io_processing=False)
+                output = gm.graph.process_outputs(out_flat)
+                out_keys = {rec.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
+                if mode == "train":
+                    rec.node, rec.module = "loss", ""
+                    fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
+                    loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
+                    out_keys.add(rec.key(loss)[0])
+    finally:
+        gm.train(was)
+    return rec, base_keys, out_keys, params
+
+
+def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryEstimate:
+    rec, base_keys, out_keys, params = trace_forward(program, args, kwargs, mode, loss_fn)
+    R = rec.records
+    sb = rec.storage_bytes
+    est = MemoryEstimate(mode=mode, optimizer=optimizer, method="static")
+    est.params = sum(sb[k] for k, v in base_keys.items() if v == "param")
+    est.buffers = sum(sb[k] for k, v in base_keys.items() if v == "buffer")
+    est.inputs = sum(sb[k] for k, v in base_keys.items() if v == "input")
+    trainable = [p for p in params if p.requires_grad] if mode == "train" else []
+    est.optimizer_state = optimizer_state_bytes(optimizer, trainable) if mode == "train" else 0
+    est.unknown_ops = sorted({str(r.func) for r in R if not r.known and not optable.ignored(r.func)})
+    est.flops_forward = sum(r.flops for r in R)
+    est.flops_backward = 2 * sum(r.flops for r in R if r.out_rg)
+
+    # ---------------------------------------------------------------------------- who saves what, until when
+    regions: dict[str, object] = {}
+    for r in R:
+        if r.region and r.region not in regions:
+            regions[r.region] = region_info(program.module.get_submodule(r.region))
+    region_first: dict[str, int] = {}
+    region_last: dict[str, int] = {}
+    for r in R:
+        if r.region:
+            region_first.setdefault(r.region, r.idx)
+            region_last[r.region] = r.idx
+    created_in: dict[int, int] = {}
+    for r in R:
+        for k in r.new_keys:
+            created_in[k] = r.idx
+    last_use: dict[int, int] = {}
+    for r in R:
+        for k in r.in_keys + r.out_keys:
+            if k is not None:
+                last_use[k] = r.idx
+    saved_until: dict[int, int] = {}  # key -> record index whose backward frees it (the earliest saver)
+    recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
+    offloaded: dict[str, set] = defaultdict(set)
+    for r in R:
+        if not r.out_rg:
+            continue
+        info = regions.get(r.region) if r.region else None
+        for k in r.saved:
+            if base_keys.get(k) in ("param", "buffer", "input"):
+                continue
+            inside = info is not None and created_in.get(k, -1) >= region_first[r.region]
+            if info is not None and info.kind == "recompute" and inside and not info.keeps(r.func):
+                recompute_bytes[r.region] += sb[k]
+                continue
+            if info is not None and info.kind == "offload" and inside:
+                offloaded[r.region].add(k)
+            first = saved_until.get(k)
+            saved_until[k] = r.idx if first is None else min(first, r.idx)
+    # inputs of a recompute region are held by the region until its backward
+    for name, info in regions.items():
+        if info is None or info.kind != "recompute":
+            continue
+        lo, hi = region_first[name], region_last[name]
+        for r in R[lo:hi + 1]:
+            for k in r.in_keys:
+                if k is not None and created_in.get(k, -1) < lo and base_keys.get(k) is None:
+                    saved_until[k] = min(saved_until.get(k, lo), lo)
+
+    # ---------------------------------------------------------------------------- forward walk
+    baseline = est.params + est.buffers + est.inputs + est.optimizer_state
+    cur = baseline
+    peak, peak_at, peak_phase, peak_mod = cur, "start", "forward", ""
+    timeline: list[TimelinePoint] = []
+    live: set[int] = set()
+    frees_at: dict[int, list[int]] = defaultdict(list)
+    for k, i in last_use.items():
+        if k in base_keys or k in out_keys or k in saved_until:
+            continue
+        frees_at[max(i, created_in.get(k, i))].append(k)
+    offload_free_at: dict[int, list[int]] = defaultdict(list)
+    for name, keys in offloaded.items():
+        for k in keys:
+            offload_free_at[max(region_last[name], last_use.get(k, 0))].append(k)
+    saved_by_module: dict[str, int] = defaultdict(int)
+    for k, i in saved_until.items():
+        saved_by_module[R[created_in.get(k, i)].module or "<root>"] += sb[k]
+    for r in R:
+        for k in r.new_keys:
+            if k not in base_keys:
+                live.add(k)
+                cur += sb[k]
+        node_peak = cur
+        if cur > peak:
+            peak, peak_at, peak_phase, peak_mod = cur, r.node, "forward", r.module
+        for k in frees_at.get(r.idx, ()):
+            if k in live:
+                live.discard(k)
+                cur -= sb[k]
+        for k in offload_free_at.get(r.idx, ()):
+            if k in live:
+                live.discard(k)
+                cur -= sb[k]
+        _timeline_add(timeline, "forward", r.node, cur, node_peak)
+    est.activations = cur - baseline
+
+    if mode == "train":
+        cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
+            R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
+            regions, region_first, region_last, recompute_bytes, offloaded, program)
+        # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
+        est.grads = sum(p.numel() * p.element_size() for p in trainable)
+        step_peak = cur + optimizer_step_workspace(optimizer, trainable)
+        if step_peak > peak:
+            peak, peak_at, peak_phase, peak_mod = step_peak, "optimizer.step", "optimizer", ""
+        timeline.append(TimelinePoint("optimizer", "optimizer.step", cur, step_peak))
+    est.peak = peak
+    est.peak_at, est.peak_phase, est.peak_module = peak_at, peak_phase, peak_mod
+    est.timeline = timeline
+    est.by_module = sorted(saved_by_module.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+    return est
+
+
+def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> None:
+    if tl and tl[-1].phase == phase and tl[-1].label == label:
+        tl[-1].live = live
+        tl[-1].peak = max(tl[-1].peak, peak)
+    else:
+        tl.append(TimelinePoint(phase, label, live, peak))
+
+
+def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
+                     region_first, region_last, recompute_bytes, offloaded, program):
+    peak, peak_at, peak_phase, peak_mod = peak_state
+    param_keys = {k for k, v in base_keys.items() if v == "param"}
+    grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+    free_saved_at: dict[int, list[int]] = defaultdict(list)
+    for k, i in saved_until.items():
+        free_saved_at[i].append(k)
+    # the loss gradient seeds backward
+    recomputed_live: dict[str, int] = {}
+    reload_at: dict[int, list[int]] = defaultdict(list)
+    # offloaded tensors come back one region ahead (prefetch) of the region's backward
+    order = sorted(offloaded, key=lambda n: region_first[n])
+    for j, name in enumerate(order):
+        later = order[j + 1] if j + 1 < len(order) else None
+        at = region_last[later] if later is not None else region_last[name]
+        reload_at[at].extend(offloaded[name])
+
+    def bump(label, module):
+        nonlocal peak, peak_at, peak_phase, peak_mod
+        if cur > peak:
+            peak, peak_at, peak_phase, peak_mod = cur, f"{label} (backward)", "backward", module
+
+    for r in reversed(R):
+        for k in reload_at.get(r.idx, ()):
+            cur += sb[k]
+        if r.region and regions.get(r.region) is not None and regions[r.region].kind == "recompute" \
+                and r.idx == region_last[r.region] and r.region not in recomputed_live:
+            recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
+            cur += recomputed_live[r.region]
+        if not r.out_rg:
+            continue
+        node_peak_start = cur
+        # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
+        for k, b in zip(r.out_keys, r.out_bytes):
+            if k is not None and k not in grad_live and b:
+                grad_live[k] = sb.get(k, b)
+                cur += grad_live[k]
+        info = optable.lookup(r.func)
+        passthrough = info is not None and info.grad_passthrough
+        handed_over = False
+        for k, b, rg in zip(r.in_keys, r.in_bytes, r.in_rg):
+            if not rg or k is None:
+                continue
+            if k in grad_live:
+                # accumulation: new grad + old grad -> a transient of the new one's size
+                bump(r.node, r.module)
+                tmp = b
+                cur += tmp
+                bump(r.node, r.module)
+                cur -= tmp
+                continue
+            if passthrough and not handed_over and r.out_keys and r.out_keys[0] in grad_live \
+                    and b <= grad_live[r.out_keys[0]]:
+                grad_live[k] = grad_live.pop(r.out_keys[0])  # the output's grad becomes the input's (a view)
+                handed_over = True
+                continue
+            grad_live[k] = sb.get(k, b) if k not in param_keys else b
+            cur += grad_live[k]
+        bump(r.node, r.module)
+        node_peak = max(cur, node_peak_start)
+        # the op's output grads die, and what it saved
+        for k in r.out_keys:
+            if k is not None and k in grad_live and k not in param_keys:
+                cur -= grad_live.pop(k)
+        for k in free_saved_at.get(r.idx, ()):
+            if k in live:
+                live.discard(k)
+                cur -= sb[k]
+            elif any(k in s for s in offloaded.values()):
+                cur -= sb[k]
+        if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
+            cur -= recomputed_live.pop(r.region)
+        _timeline_add(timeline, "backward", r.node, cur, node_peak)
+    # end of backward: only parameter grads stay (plus the step's outputs, still referenced by the caller)
+    for k in list(grad_live):
+        if k not in param_keys:
+            cur -= grad_live.pop(k)
+    return cur, peak, peak_at, peak_phase, peak_mod
+
+
+# ============================================================================================ traced
+
+def _traced(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryEstimate:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+    gm = program.module
+    with FakeCopyMode(fake_mode):
+        fgm = copy.deepcopy(gm)
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    with fake_mode:
+        fflat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    fargs, fkwargs = pytree.tree_unflatten(fflat, spec)
+    fgm.train(mode == "train")
+    node_label = {"cur": "<input>"}
+
+    class _Labelled(fx.Interpreter):
+        def run_node(self, n):
+            node_label["cur"] = n.name
+            out = super().run_node(n)
+            tag_grad_fns(out, n.name)
+            return out
+
+    def label(func):
+        if tracker.phase == "backward":
+            return backward_label(func) or str(func)
+        if tracker.phase == "optimizer":
+            return "optimizer.step"
+        return node_label["cur"]
+
+    tracker = StorageTracker(label)
+    est = MemoryEstimate(mode=mode, optimizer=optimizer, method="traced")
+    with fake_mode:
+        params = list(fgm.parameters())
+        buffers = list(fgm.buffers())
+        opt = make_torch_optimizer(optimizer, params) if mode == "train" else None
+        est.params = tracker.bytes_of(params)
+        est.buffers = tracker.bytes_of(buffers)
+        est.inputs = tracker.bytes_of(fflat)
+        interp = _Labelled(fgm)
+
+        def run_model(*a, **k):
+            flat_in, _ = pytree.tree_flatten((tuple(a), dict(k)))
+            out = interp.run(*flat_in, enable_io_processing=False)
+            return fgm.graph.process_outputs(out)
+
+        marks = {}
+
+        def mark(phase):
+            if phase == "backward":
+                marks["fwd_end"] = tracker.current
+            if phase == "optimizer":
+                est.grads = sum(int(p.grad.untyped_storage().nbytes()) for p in params if p.grad is not None)
+            tracker.phase = phase
+
+        from .step import training_step
+        if mode == "train":
+            # step 1 creates optimizer state (untracked); step 2 is the steady state
+            training_step(run_model, fargs, fkwargs, opt, loss_fn)
+            from .measure import _optimizer_state
+            state = _optimizer_state(opt) if opt is not None else []
+            est.optimizer_state = tracker.bytes_of(state)
+            tracker.seed(params)
+            tracker.seed(buffers)
+            tracker.seed(fflat)
+            tracker.seed(state)
+            base = tracker.current
+            tracker.reset_peak()
+            tracker.record = True
+            with tracker:
+                training_step(run_model, fargs, fkwargs, opt, loss_fn, mark)
+        else:
+            tracker.seed(params)
+            tracker.seed(buffers)
+            tracker.seed(fflat)
+            base = tracker.current
+            tracker.reset_peak()
+            tracker.record = True
+            tracker.phase = "forward"
+            with tracker, torch.no_grad():
+                out = run_model(*fargs, **fkwargs)
+                marks["fwd_end"] = tracker.current
+                del out
+    tracker.record = False
+    est.activations = max(0, marks.get("fwd_end", base) - base)
+    est.peak = tracker.peak
+    est.peak_at, est.peak_phase = tracker.peak_label, tracker.peak_phase
+    est.timeline = tracker.timeline
+    nodes = {n.name: n for n in program.graph.nodes}
+    if est.peak_at in nodes:
+        est.peak_module = module_path(nodes[est.peak_at])
+    tracker.close()
+    return est
+
+
+def tag_grad_fns(out, label: str) -> None:
+    """Name, in autograd's node metadata, the graph node that created each backward node (for timelines)."""
+    todo = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        try:
+            md = fn.metadata
+        except Exception:  # noqa: BLE001
+            continue
+        if "fxmem_label" in md:
+            continue
+        md["fxmem_label"] = label
+        todo.extend(f for f, _ in fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
+
+
+# ============================================================================================ node costs
+
+@dataclass
+class NodeCost:
+    """What one graph node costs: bytes it creates, bytes autograd keeps for it, its FLOPs."""
+    name: str
+    module: str
+    out_bytes: int = 0
+    saved_bytes: int = 0
+    flops: int = 0
+    ops: list = field(default_factory=list)
+
+
+def node_costs(program: Program, mode: str | None = None) -> dict[str, NodeCost]:
+    """Per-node costs from the static forward trace (for passes deciding what to keep or recompute)."""
+    mode = mode or program.mode
+    rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs, mode)
+    out: dict[str, NodeCost] = {}
+    saved_seen: set[int] = set()
+    for r in rec.records:
+        nc = out.setdefault(r.node, NodeCost(r.node, r.module))
+        nc.flops += r.flops
+        nc.out_bytes += sum(rec.storage_bytes[k] for k in r.new_keys)
+        nc.ops.append(str(r.func))
+        for k in r.saved:
+            if k not in saved_seen and base_keys.get(k) is None:
+                saved_seen.add(k)
+                nc.saved_bytes += rec.storage_bytes[k]
+    return out
+
+
+# ============================================================================================ batch planning
+
+def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str | None = None,
+               optimizer: str = "adamw", loss_fn=None, batch_dim: int = 0, device: str = "cpu",
+               context_bytes: int | None = None, fragmentation: float | None = None, max_batch: int = 1 << 16,
+               method: str = "static") -> dict:
+    """The largest batch size whose estimated peak fits `budget` bytes.
+
+    Reserve: on CUDA 500 MB for the context and 10% for fragmentation by default; on CPU none.
+    Inputs are scaled along `batch_dim` (every tensor input whose size there equals the example's batch).
+    Returns {"batch": n, "peak": bytes, "usable": bytes, "per_sample": bytes}.
+    """
+    if context_bytes is None:
+        context_bytes = 500 * 10 ** 6 if str(device).startswith("cuda") else 0
+    if fragmentation is None:
+        fragmentation = 0.10 if str(device).startswith("cuda") else 0.0
+    usable = int((budget - context_bytes) * (1.0 - fragmentation))
+    program = _as_program(model_or_program, args, kwargs, mode or "train")
+    args, kwargs = (args or program.example_args), (kwargs or program.example_kwargs)
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    b0 = next((t.shape[batch_dim] for t in flat if isinstance(t, torch.Tensor) and t.dim() > batch_dim), None)
+    if b0 is None:
+        raise ValueError("no tensor input has a batch dim to scale")
+
+    def at(n: int) -> int:
+        scaled = []
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == b0:
+                reps = [1] * t.dim()
+                idx = torch.arange(n) % b0
+                scaled.append(t.index_select(batch_dim, idx))
+                del reps
+            else:
+                scaled.append(t)
+        a, k = pytree.tree_unflatten(scaled, spec)
+        return estimate(program, a, k, mode=mode, optimizer=optimizer, method=method, loss_fn=loss_fn).peak
+
+    p1 = at(1)
+    if p1 > usable:
+        return {"batch": 0, "peak": p1, "usable": usable, "per_sample": None}
+    p2 = at(2)
+    per = max(1, p2 - p1)
+    guess = max(1, min(max_batch, 1 + (usable - p1) // per))
+    # verify and walk down if the linear guess was optimistic
+    lo, hi = 1, guess
+    while hi > lo:
+        pk = at(hi)
+        if pk <= usable:
+            break
+        hi = max(lo, int(hi * 0.9) if hi > 20 else hi - 1)
+    return {"batch": hi, "peak": at(hi), "usable": usable, "per_sample": per}

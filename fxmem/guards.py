@@ -1,0 +1,70 @@
+"""Input checks for captured programs, with errors that name the input and the dim.
+
+A bare `torch.export` module fails a call with an unsupported shape with `Guard failed: x.size()[1] == 8`.
+`InputGuard` checks the same constraints itself (static dims, shared symbolic dims, value ranges) and says which
+input, which dim, what was expected and why the dim is fixed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import InputShapeError
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """One dim of one flattened input: `static` holds the fixed size, else `symbol` names a symbolic size."""
+
+    static: int | None
+    symbol: str | None = None
+    lower: int | None = None
+    upper: int | None = None
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str  # user-facing path, e.g. "args[0]" or "kwargs['attention_mask']"
+    dims: tuple[DimSpec, ...] | None  # None: not a tensor
+    dtype: str | None = None
+
+
+class InputGuard(nn.Module):
+    """Checks the flattened inputs of a captured program before the graph runs."""
+
+    def __init__(self, specs: list[InputSpec]):
+        super().__init__()
+        self.specs = list(specs)
+
+    def forward(self, *flat):
+        bound: dict[str, tuple[int, str, int]] = {}
+        for spec, value in zip(self.specs, flat):
+            if spec.dims is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != len(spec.dims):
+                raise InputShapeError(
+                    f"input {spec.name}: expected a {len(spec.dims)}-d tensor (as in the example inputs), "
+                    f"got shape {tuple(value.shape)}")
+            for i, (d, size) in enumerate(zip(spec.dims, value.shape)):
+                size = int(size)
+                if d.static is not None:
+                    if size != d.static:
+                        raise InputShapeError(
+                            f"input {spec.name} dim {i}: the captured model is specialised to size {d.static}, "
+                            f"got {size}. The model forced this dim static during capture (a size-1 example dim, "
+                            f"or the model's code/weights fix it); capture again with example inputs of that shape, "
+                            f"or pass dynamic_shapes=... to fxmem.capture")
+                    continue
+                if d.lower is not None and size < d.lower or d.upper is not None and size > d.upper:
+                    raise InputShapeError(
+                        f"input {spec.name} dim {i}: size {size} is outside the range the model supports "
+                        f"[{d.lower}, {d.upper}] (e.g. a position table or block size)")
+                if d.symbol in bound and bound[d.symbol][0] != size:
+                    other_size, other_name, other_dim = bound[d.symbol]
+                    raise InputShapeError(
+                        f"input {spec.name} dim {i} (size {size}) must equal input {other_name} dim {other_dim} "
+                        f"(size {other_size}): the model uses them together")
+                bound.setdefault(d.symbol, (size, spec.name, i))
+        return None

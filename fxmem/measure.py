@@ -1,0 +1,341 @@
+"""Ground truth: run real steps and record live tensor-storage bytes with a dispatch mode.
+
+`StorageTracker` sees every storage an aten op creates, and learns of its release through `weakref.finalize` on
+the storage object, so it knows exactly how many bytes are live after every op. It is seeded with the storages
+that exist before the step (parameters, buffers, optimizer state, inputs). The same tracker runs under
+FakeTensorMode for the cost model's traced estimate, where no real memory is allocated.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .step import make_torch_optimizer, training_step
+
+
+@dataclass
+class TimelinePoint:
+    phase: str  # forward | backward | optimizer
+    label: str  # fx node name, module path or aten op
+    live: int  # bytes live after the op
+    peak: int  # highest live bytes while the op ran (its outputs plus everything live before)
+
+    def to_dict(self):
+        return {"phase": self.phase, "label": self.label, "live": self.live, "peak": self.peak}
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storage bytes; `label_fn()` names the current position for the timeline."""
+
+    def __init__(self, label_fn: Callable[[Any], str] | None = None):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_label = ""
+        self.peak_phase = ""
+        self.phase = "setup"
+        self.timeline: list[TimelinePoint] = []
+        self.label_fn = label_fn
+        self.record = False
+        self._finalizers: list[weakref.finalize] = []
+
+    # ------------------------------------------------------------------------------------------- storages
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[int, int] | None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        return st
+
+    def add(self, t: torch.Tensor) -> bool:
+        st = self._key(t)
+        if st is None:
+            return False
+        key = st._cdata
+        if key in self.live:
+            return False
+        n = int(st.nbytes())
+        self.live[key] = n
+        self.current += n
+        self._finalizers.append(weakref.finalize(st, self._release, key))
+        return True
+
+    def _release(self, key: int) -> None:
+        n = self.live.pop(key, 0)
+        self.current -= n
+
+    def seed(self, tree) -> None:
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+
+    def bytes_of(self, tree) -> int:
+        seen, total = set(), 0
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                st = self._key(t)
+                if st is not None and st._cdata not in seen:
+                    seen.add(st._cdata)
+                    total += int(st.nbytes())
+        return total
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+        self.peak_label = "start"
+        self.peak_phase = self.phase
+
+    def close(self) -> None:
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+    # ------------------------------------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_label = self._label(func)
+            self.peak_phase = self.phase
+        if self.record:
+            label = self._label(func)
+            tl = self.timeline
+            if tl and tl[-1].label == label and tl[-1].phase == self.phase:
+                tl[-1].live = self.current
+                tl[-1].peak = max(tl[-1].peak, self.current)
+            else:
+                tl.append(TimelinePoint(self.phase, label, self.current, self.current))
+        return out
+
+    def _label(self, func) -> str:
+        if self.label_fn is not None:
+            lab = self.label_fn(func)
+            if lab:
+                return lab
+        return str(getattr(func, "__name__", func))
+
+
+def backward_label(func) -> str | None:
+    """In backward: the forward node (tagged in grad_fn metadata) whose gradient is being computed."""
+    try:
+        node = torch._C._current_autograd_node()
+    except Exception:  # noqa: BLE001
+        node = None
+    if node is None:
+        return None
+    try:
+        md = node.metadata
+        if "fxmem_label" in md:
+            return md["fxmem_label"]
+    except Exception:  # noqa: BLE001
+        pass
+    return node.name()
+
+
+# ----------------------------------------------------------------------------------------------- profile
+@dataclass
+class MemoryProfile:
+    """Measured memory of one steady-state step. Same fields as MemoryEstimate."""
+    params: int = 0
+    buffers: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    inputs: int = 0
+    activations: int = 0
+    peak: int = 0
+    peak_phase: str = ""
+    peak_at: str = ""
+    timeline: list = field(default_factory=list)
+    unknown_ops: list = field(default_factory=list)
+    mode: str = "train"
+    optimizer: str = "adamw"
+    method: str = "measured"
+    device: str = "cpu"
+    cuda_max_allocated: int | None = None
+    world_size: int = 1
+    zero_stage: int = 0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("method", "mode", "optimizer", "device", "params", "buffers", "grads",
+                                           "optimizer_state", "inputs", "activations", "peak", "peak_phase",
+                                           "peak_at", "world_size", "zero_stage")}
+        d["timeline"] = [p.to_dict() if hasattr(p, "to_dict") else p for p in self.timeline]
+        d["unknown_ops"] = list(self.unknown_ops)
+        if self.cuda_max_allocated is not None:
+            d["cuda_max_allocated"] = self.cuda_max_allocated
+        return d
+
+
+def _as_call(args, kwargs):
+    if not isinstance(args, tuple):
+        args = (args,) if not isinstance(args, list) else tuple(args)
+    return args, dict(kwargs or {})
+
+
+class _ForwardLabels:
+    """Labels forward ops by the innermost module running (hooks) and tags grad_fns with it for backward."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[str] = []
+        self.handles = []
+        if isinstance(model, torch.fx.GraphModule):
+            return  # GraphModules are labelled per node by the interpreter in the cost model
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._pre(name or model.__class__.__name__)))
+            self.handles.append(mod.register_forward_hook(self._post, always_call=True))
+
+    def _pre(self, name):
+        def hook(mod, inp):
+            self.stack.append(name)
+        return hook
+
+    def _post(self, mod, inp, out):
+        if self.stack:
+            self.stack.pop()
+        label = self.stack[-1] if self.stack else None
+        del label
+
+    def current(self):
+        return self.stack[-1] if self.stack else None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, loss_fn=None,
+                      steps: int = 2, label_fn=None, optimizer=None) -> MemoryProfile:
+    """Run `steps` steps; profile the last one (the steady state: optimizer state exists)."""
+    params = [p for p in model.parameters()] if isinstance(model, nn.Module) else []
+    buffers = [b for b in model.buffers()] if isinstance(model, nn.Module) else []
+    if mode == "train" and optimizer is None:
+        optimizer = make_torch_optimizer(optimizer_name, params)
+    labels = _ForwardLabels(model) if label_fn is None else None
+
+    def lab(func):
+        if tracker.phase == "backward":
+            return backward_label(func) or str(func)
+        if label_fn is not None:
+            return label_fn(func)
+        return labels.current() or str(getattr(func, "__name__", func))
+
+    tracker = StorageTracker(lab)
+    prof = MemoryProfile(mode=mode, optimizer=optimizer_name if mode == "train" else "none")
+    device = next((p.device for p in params), torch.device("cpu"))
+    prof.device = str(device)
+    marks = {}
+
+    def mark(phase):
+        if phase == "backward":
+            marks["fwd_end"] = tracker.current
+        tracker.phase = phase if phase != "end" else "end"
+
+    try:
+        for i in range(steps):
+            last = i == steps - 1
+            if last:
+                gc.collect()
+                with torch.no_grad():
+                    pass
+                tracker.seed(params)
+                tracker.seed(buffers)
+                tracker.seed((args, kwargs))
+                if optimizer is not None:
+                    tracker.seed(_optimizer_state(optimizer))
+                prof.params = tracker.bytes_of(params)
+                prof.buffers = tracker.bytes_of(buffers)
+                prof.inputs = tracker.bytes_of((args, kwargs))
+                prof.optimizer_state = tracker.bytes_of(_optimizer_state(optimizer)) if optimizer else 0
+                base = tracker.current
+                tracker.reset_peak()
+                tracker.record = True
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+            ctx = tracker if last else _nullcontext()
+            with ctx:
+                if mode == "train":
+                    _train_step_with_grad_capture(model, args, kwargs, optimizer, loss_fn, mark if last else None,
+                                                  prof if last else None, params)
+                else:
+                    if last:
+                        mark("forward")
+                    with torch.no_grad():
+                        out = model(*args, **kwargs)
+                    if last:
+                        marks["fwd_end"] = tracker.current
+                    del out
+            if last:
+                tracker.record = False
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    prof.cuda_max_allocated = int(torch.cuda.max_memory_allocated(device))
+        prof.activations = max(0, marks.get("fwd_end", base) - base)
+        prof.peak = tracker.peak
+        prof.peak_at = tracker.peak_label
+        prof.peak_phase = tracker.peak_phase
+        prof.timeline = tracker.timeline
+        return prof
+    finally:
+        tracker.close()
+        if labels is not None:
+            labels.close()
+
+
+def _train_step_with_grad_capture(model, args, kwargs, optimizer, loss_fn, mark, prof, params):
+    def m(phase):
+        if mark is not None:
+            if phase == "optimizer" and prof is not None:
+                prof.grads = sum(int(p.grad.untyped_storage().nbytes()) for p in params if p.grad is not None)
+            mark(phase)
+    training_step(model, args, kwargs, optimizer, loss_fn, m)
+
+
+def _optimizer_state(optimizer) -> list:
+    out = []
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif hasattr(v, "__dict__"):
+                out.extend(t for t in vars(v).values() if isinstance(t, torch.Tensor))
+    return out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def measure(model, args=(), kwargs=None, *, mode: str = "train", optimizer: str = "adamw", loss_fn=None,
+            steps: int = 2) -> MemoryProfile:
+    """Measure one steady-state step of `model` on its device (the last of `steps`).
+
+    Runs real steps, so it changes the model's parameters (it trains) — pass a copy to keep the original.
+    A Program or a GraphModule from fxmem is measured the same way as the user's module.
+    """
+    from .program import Program
+    if isinstance(model, Program):
+        model = model.module
+    args, kwargs = _as_call(args, kwargs)
+    was = model.training
+    model.train(mode == "train")
+    try:
+        return run_profiled_step(model, args, kwargs, mode=mode, optimizer_name=optimizer, loss_fn=loss_fn,
+                                 steps=steps)
+    finally:
+        model.train(was)

@@ -1,0 +1,33 @@
+"""How a module that a pass inserted tells the cost model what it does with saved tensors.
+
+A checkpoint region recomputes what its body would save (except ops it keeps); an offload region moves what its
+body saves off the device until backward needs it. Such a module sets `fxmem_region = RegionInfo(...)`; the
+cost model runs `body` in its static trace and models the region's memory. Passes own their modules; this is
+the only contract between them and the cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+
+@dataclass
+class RegionInfo:
+    kind: str  # "recompute" | "offload"
+    body: Callable[..., Any]  # the computation, called with the region's inputs
+    keep_ops: frozenset = field(default_factory=frozenset)  # op packet names whose outputs are saved anyway
+    tier: str = "cpu"  # offload: "cpu" | "disk"
+
+    def keeps(self, func) -> bool:
+        if not self.keep_ops:
+            return False
+        name = str(getattr(func, "overloadpacket", func)).split(".")[-1]
+        full = str(func)
+        return name in self.keep_ops or full in self.keep_ops
+
+
+def region_info(mod: nn.Module) -> RegionInfo | None:
+    info = getattr(mod, "fxmem_region", None)
+    return info if isinstance(info, RegionInfo) else None

@@ -1,0 +1,395 @@
+"""The op table: for every aten op fxmem meets, its category, FLOPs, and what autograd saves for backward.
+
+Two levels of ops appear:
+- graph level: the ops in a captured Program (`aten.linear`, `aten.matmul`, `aten.dropout`, ...); passes match on
+  these, and the table gives their category;
+- dispatch level: what those ops decompose into when they run below autograd (`aten.addmm`, `aten.bmm`,
+  `aten.clone` for a non-viewable reshape, `aten.bernoulli_` for CPU dropout, ...). This is what autograd saves
+  tensors for, so the static cost model applies the `saves` rules here.
+
+`saves(ctx)` returns which inputs ("in", i) and outputs ("out", i) autograd keeps for this op, given which tensor
+inputs require grad. Rules follow the derivative formulas in PyTorch's derivatives.yaml. Unknown ops get a
+conservative default (all tensor inputs saved when the output needs grad) and are reported.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+aten = torch.ops.aten
+
+# categories
+MATMUL = "matmul"          # mm/bmm/linear/conv: expensive, worth keeping
+POINTWISE = "pointwise"
+REDUCTION = "reduction"
+NORM = "normalization"
+VIEW = "view"              # no new storage
+RANDOM = "random"
+ATTENTION = "attention"
+INDEXING = "indexing"      # gather/scatter/index_select/embedding
+CREATION = "creation"      # arange/zeros/full: no inputs needing grad
+COPY = "copy"              # clone/_to_copy/cat: a new storage, nothing saved
+LOSS = "loss"
+OTHER = "other"
+
+
+@dataclass(frozen=True)
+class SaveCtx:
+    """What the save rule needs: which tensor args need grad, and the op's arguments."""
+    args: tuple
+    kwargs: dict
+    requires_grad: tuple[bool, ...]  # per positional arg (False for non-tensors)
+    device: str = "cpu"
+
+    def rg(self, i: int) -> bool:
+        return i < len(self.requires_grad) and self.requires_grad[i]
+
+    def is_tensor(self, i: int) -> bool:
+        return i < len(self.args) and isinstance(self.args[i], torch.Tensor)
+
+
+Saved = list  # of ("in", i) / ("out", i)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    category: str
+    saves: Callable[[SaveCtx], Saved] = field(default=lambda c: [])
+    flops: Callable[[tuple, object], int] | None = None  # (args, out) -> FLOPs
+    grad_passthrough: bool = False  # gradient flows as a view of grad_out (no new buffer)
+
+
+# ---------------------------------------------------------------------------------------------- save rules
+def _none(c):
+    return []
+
+
+def _in0(c):
+    return [("in", 0)]
+
+
+def _out0(c):
+    return [("out", 0)]
+
+
+def _mm(c):  # a @ b: grad_a needs b, grad_b needs a
+    s = []
+    if c.rg(0):
+        s.append(("in", 1))
+    if c.rg(1):
+        s.append(("in", 0))
+    return s
+
+
+def _addmm(c):  # bias + a @ b
+    s = []
+    if c.rg(1):
+        s.append(("in", 2))
+    if c.rg(2):
+        s.append(("in", 1))
+    return s
+
+
+def _mul(c):
+    s = []
+    if c.is_tensor(1):
+        if c.rg(0):
+            s.append(("in", 1))
+        if c.rg(1):
+            s.append(("in", 0))
+    return s
+
+
+def _div(c):
+    if not c.is_tensor(1):
+        return []
+    s = [("in", 1)] if (c.rg(0) or c.rg(1)) else []
+    if c.rg(1):
+        s.append(("in", 0))
+    return s
+
+
+def _masked_fill(c):
+    return [("in", 1)]
+
+
+def _where(c):
+    return [("in", 0)]
+
+
+def _conv(c):
+    s = []
+    if c.rg(1) or c.rg(2):
+        s.append(("in", 0))
+    if c.rg(0):
+        s.append(("in", 1))
+    return s
+
+
+def _layer_norm(c):  # input, weight, bias, mean, rstd
+    return [("in", 0), ("in", 2), ("in", 3), ("out", 1), ("out", 2)]
+
+
+def _batch_norm(c):  # input, weight, running stats, save_mean, save_invstd
+    return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
+
+
+def _group_norm(c):
+    return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
+
+
+def _sdpa_flash_cpu(c):  # q, k, v, out, logsumexp
+    return [("in", 0), ("in", 1), ("in", 2), ("out", 0), ("out", 1)]
+
+
+def _sdpa_math(c):
+    return [("in", 0), ("in", 1), ("in", 2), ("in", 3)]
+
+
+def _index_args(*idx):
+    def rule(c):
+        return [("in", i) for i in idx if c.is_tensor(i)]
+    return rule
+
+
+def _nll(c):
+    return [("in", 1), ("out", 1)]
+
+
+def _pow_scalar(c):
+    return [("in", 0)]
+
+
+def _max_pool(c):
+    return [("in", 0), ("out", 1)]
+
+
+def _all_tensor_inputs(c):
+    return [("in", i) for i, a in enumerate(c.args) if isinstance(a, torch.Tensor)]
+
+
+DEFAULT_SAVES = _all_tensor_inputs
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+def _numel(t) -> int:
+    return int(t.numel()) if isinstance(t, torch.Tensor) else 0
+
+
+def _first_out(out):
+    if isinstance(out, (tuple, list)):
+        return out[0] if out else None
+    return out
+
+
+def _flops_mm(args, out):
+    a, b = args[0], args[1]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _flops_addmm(args, out):
+    a, b = args[1], args[2]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] + _numel(_first_out(out))
+
+
+def _flops_bmm(args, out):
+    a, b = args[0], args[1]
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _flops_baddbmm(args, out):
+    return _flops_bmm(args[1:], out) + _numel(_first_out(out))
+
+
+def _flops_linear(args, out):
+    x, w = args[0], args[1]
+    return 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+
+
+def _flops_matmul(args, out):
+    a, b = args[0], args[1]
+    o = _first_out(out)
+    k = a.shape[-1]
+    return 2 * _numel(o) * k
+
+
+def _flops_conv(args, out):
+    w = args[1]
+    o = _first_out(out)
+    groups = args[8] if len(args) > 8 and isinstance(args[8], int) else 1
+    per_out = (w.shape[1]) * math.prod(w.shape[2:])
+    del groups  # w.shape[1] is already in_channels / groups
+    return 2 * _numel(o) * per_out
+
+
+def _flops_sdpa(args, out):
+    q, k = args[0], args[1]
+    b_h = math.prod(q.shape[:-2])
+    return 4 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+
+
+def _flops_pointwise(args, out):
+    return sum(_numel(t) for t in (out if isinstance(out, (tuple, list)) else [out]))
+
+
+def _flops_reduce(args, out):
+    return _numel(args[0]) if args and isinstance(args[0], torch.Tensor) else 0
+
+
+def _flops_zero(args, out):
+    return 0
+
+
+def _flops_norm(args, out):
+    return 5 * _numel(args[0])
+
+
+def _flops_softmax(args, out):
+    return 5 * _numel(args[0])
+
+
+# ---------------------------------------------------------------------------------------------- the table
+OPS: dict = {}
+
+
+def _reg(ops, info):
+    for op in ops:
+        pkt = getattr(aten, op.split(".")[0], None)
+        if pkt is None:
+            continue
+        if "." in op:
+            ov = getattr(pkt, op.split(".", 1)[1], None)
+            if ov is not None:
+                OPS[ov] = info
+        else:
+            for name in pkt.overloads():
+                OPS[getattr(pkt, name)] = info
+
+
+_views = ["view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "slice", "select",
+          "unsqueeze", "squeeze", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+          "narrow", "diagonal", "unflatten", "flatten", "view_as", "expand_as", "movedim", "lift_fresh",
+          "_reshape_alias", "unfold", "numpy_T", "mT", "swapaxes", "tensor_split", "contiguous"]
+_reg(_views, OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
+
+_reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
+_reg(["bmm"], OpInfo(MATMUL, _mm, _flops_bmm))
+_reg(["addmm"], OpInfo(MATMUL, _addmm, _flops_addmm))
+_reg(["baddbmm"], OpInfo(MATMUL, _addmm, _flops_baddbmm))
+_reg(["matmul", "einsum"], OpInfo(MATMUL, _mm, _flops_matmul))
+_reg(["linear"], OpInfo(MATMUL, _mm, _flops_linear))
+_reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution", "conv_transpose2d", "conv_transpose1d"],
+     OpInfo(MATMUL, _conv, _flops_conv))
+
+_reg(["add", "sub", "rsub", "neg", "add_", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))
+_reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
+_reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
+_reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
+      "reciprocal", "abs", "sqrt_"], OpInfo(POINTWISE, _in0, _flops_pointwise))
+_reg(["pow"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
+_reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "hardtanh", "threshold"],
+     OpInfo(POINTWISE, _out0, _flops_pointwise))
+_reg(["masked_fill", "masked_fill_"], OpInfo(POINTWISE, _masked_fill, _flops_pointwise))
+_reg(["where"], OpInfo(POINTWISE, _where, _flops_pointwise))
+_reg(["clamp", "clamp_min", "clamp_max", "minimum", "maximum"], OpInfo(POINTWISE, _all_tensor_inputs, _flops_pointwise))
+_reg(["eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "__and__", "__or__",
+      "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign", "floor", "ceil", "round", "trunc",
+      "remainder", "fmod", "floor_divide"], OpInfo(POINTWISE, _none, _flops_pointwise))
+_reg(["_softmax", "softmax", "_log_softmax", "log_softmax"], OpInfo(NORM, _out0, _flops_softmax))
+_reg(["native_layer_norm", "layer_norm"], OpInfo(NORM, _layer_norm, _flops_norm))
+_reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+      "_batch_norm_with_update", "batch_norm", "_native_batch_norm_legit_no_training",
+      "_batch_norm_no_update"], OpInfo(NORM, _batch_norm, _flops_norm))
+_reg(["native_group_norm", "group_norm"], OpInfo(NORM, _group_norm, _flops_norm))
+_reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out", 1)], _flops_norm))
+_reg(["sum", "mean", "amax", "amin", "cumsum", "logsumexp", "prod", "any", "all", "argmax", "argmin"],
+     OpInfo(REDUCTION, _none, _flops_reduce))
+_reg(["max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "topk", "sort"],
+     OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))
+_reg(["bernoulli", "bernoulli_", "rand_like", "randn_like", "uniform_", "normal_", "rand", "randn",
+      "randint", "randperm"], OpInfo(RANDOM, _none, _flops_pointwise))
+_reg(["native_dropout"], OpInfo(RANDOM, lambda c: [("out", 1)], _flops_pointwise))
+_reg(["dropout", "feature_dropout", "alpha_dropout"], OpInfo(RANDOM, lambda c: [("out", 0)], _flops_pointwise))
+_reg(["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+      "_scaled_dot_product_fused_attention_overrideable"], OpInfo(ATTENTION, _sdpa_flash_cpu, _flops_sdpa))
+_reg(["scaled_dot_product_attention", "_scaled_dot_product_attention_math"],
+     OpInfo(ATTENTION, _sdpa_math, _flops_sdpa))
+_reg(["embedding"], OpInfo(INDEXING, _index_args(1), _flops_zero))
+_reg(["index_select", "gather"], OpInfo(INDEXING, _index_args(2), _flops_zero))
+_reg(["index"], OpInfo(INDEXING, _index_args(1), _flops_zero))
+_reg(["scatter_add", "scatter_add_", "scatter", "scatter_", "scatter_reduce", "scatter_reduce_", "index_add",
+      "index_add_", "index_put", "index_put_", "index_copy"],
+     OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+_reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like",
+      "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "tril", "triu", "eye", "linspace",
+      "empty_strided", "fill_", "zero_", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
+      "_local_scalar_dense", "lift_fresh_copy", "tensor"], OpInfo(CREATION, _none, _flops_zero))
+_reg(["clone", "_to_copy", "to", "cat", "stack", "repeat", "copy_", "copy", "roll", "flip", "pad",
+      "constant_pad_nd", "repeat_interleave", "type_as", "_unsafe_index", "tile", "masked_select",
+      "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d"],
+     OpInfo(COPY, _none, _flops_zero, grad_passthrough=False))
+_reg(["max_pool2d_with_indices", "max_pool1d_with_indices", "max_pool3d_with_indices"],
+     OpInfo(REDUCTION, _max_pool, _flops_reduce))
+_reg(["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d",
+      "adaptive_avg_pool1d", "adaptive_max_pool2d"], OpInfo(REDUCTION, _in0, _flops_reduce))
+_reg(["nll_loss_forward", "nll_loss", "nll_loss2d_forward"], OpInfo(LOSS, _nll, _flops_reduce))
+_reg(["cross_entropy_loss", "cross_entropy"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
+_reg(["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits", "binary_cross_entropy",
+      "kl_div", "huber_loss"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
+
+
+def lookup(op) -> OpInfo | None:
+    """The table entry for an OpOverload (or its packet), or None if unknown."""
+    info = OPS.get(op)
+    if info is None and hasattr(op, "overloadpacket"):
+        info = OPS.get(getattr(op.overloadpacket, "default", None))
+    return info
+
+
+def category(op) -> str:
+    info = lookup(op)
+    if info is not None:
+        return info.category
+    name = getattr(op, "__name__", "")
+    if name in ("getitem",):
+        return VIEW
+    return OTHER
+
+
+def op_name(op) -> str:
+    return str(op)
+
+
+def flops(op, args, out) -> int:
+    info = lookup(op)
+    if info is None or info.flops is None:
+        return _flops_pointwise(args, out)
+    try:
+        return int(info.flops(args, out))
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return _flops_pointwise(args, out)
+
+
+def saved(op, ctx: SaveCtx) -> tuple[Saved, bool]:
+    """(saved slots, known?) for one op call."""
+    info = lookup(op)
+    if info is None:
+        return DEFAULT_SAVES(ctx), False
+    return info.saves(ctx), True
+
+
+# ops with no tensor outputs or that fxmem itself inserts; never "unknown"
+IGNORED = {"getitem", "count_batch", "sym_size", "_assert_tensor_metadata", "_assert_scalar"}
+
+
+def ignored(op) -> bool:
+    """prim ops (device, layout queries) and bookkeeping ops carry no memory and are never 'unknown'."""
+    name = str(op)
+    parts = name.split(".")
+    if parts[0] == "prim":
+        return True
+    return len(parts) > 1 and parts[1] in IGNORED

@@ -1,0 +1,176 @@
+"""The Program: what capture produces and every pass reads and rewrites.
+
+A Program holds the trainable GraphModule (aten-level graph, original parameter names), the example inputs, the
+input structure, and per-node metadata. `refresh()` re-validates the graph and recomputes each node's concrete
+shape/dtype/requires-grad at the example inputs (`node.meta["fxmem_val"]`, a FakeTensor), which the cost model
+reads. Passes must not mutate existing parameters in place (they create new ones): `snapshot()` shares modules.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class SpecializedDim:
+    input: str
+    dim: int
+    size: int
+
+    def __str__(self):
+        return f"{self.input} dim {self.dim} = {self.size}"
+
+
+@dataclass
+class Program:
+    module: fx.GraphModule
+    example_args: tuple
+    example_kwargs: dict
+    mode: str = "train"
+    input_names: list[str] = field(default_factory=list)
+    input_specs: list = field(default_factory=list)
+    specialized: list[SpecializedDim] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    model_name: str = "Model"
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.module.graph
+
+    # ----------------------------------------------------------------------------------------------- inputs
+    def flat_inputs(self, args=None, kwargs=None) -> list:
+        args = self.example_args if args is None else args
+        kwargs = self.example_kwargs if kwargs is None else kwargs
+        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        return flat
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------------------------- graph upkeep
+    def refresh(self, *, dce: bool = True) -> None:
+        """lint, dead-code elimination, recompile, and concrete metadata at the example inputs."""
+        g = self.module.graph
+        if dce:
+            g.eliminate_dead_code(is_impure_node=_is_impure)
+        g.lint()
+        self.module.recompile()
+        propagate_meta(self.module, self.flat_inputs(), self.mode)
+
+    def snapshot(self) -> "Program":
+        """A copy for rollback: a new graph and GraphModule; submodules and parameters are shared."""
+        gm = self.module
+        new_graph = copy.deepcopy(gm.graph)
+        new_gm = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
+        for attr in ("_in_spec", "_out_spec"):
+            if hasattr(gm, attr):
+                setattr(new_gm, attr, getattr(gm, attr))
+        # carry every submodule (graph_copy keeps only those referenced)
+        for name, mod in gm.named_children():
+            if not hasattr(new_gm, name):
+                new_gm.add_module(name, mod)
+        new_gm.train(gm.training)
+        return Program(module=new_gm, example_args=self.example_args, example_kwargs=self.example_kwargs,
+                       mode=self.mode, input_names=list(self.input_names), input_specs=list(self.input_specs),
+                       specialized=list(self.specialized), notes=list(self.notes), model_name=self.model_name)
+
+    def code(self) -> str:
+        return self.module.code
+
+
+def _is_impure(node: fx.Node) -> bool:
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "call_module":
+        return True  # guards, checkpoint regions, stateful modules: keep
+    if node.op == "call_function":
+        t = node.target
+        if getattr(t, "_schema", None) is not None and t._schema.is_mutable:
+            return True
+        if t is torch.ops.aten._assert_tensor_metadata.default:
+            return True
+        name = getattr(t, "__name__", "")
+        if name in ("count_batch",) or name.startswith("_assert"):
+            return True
+    return node.is_impure() if hasattr(node, "is_impure") else False
+
+
+# --------------------------------------------------------------------------------------------- metadata
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module path of a node ('' for the root), from `nn_module_stack`."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return node.meta.get("fxmem_module_path", "")
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """[(path, type name), ...] outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, ty in stack.values():
+        tname = ty if isinstance(ty, str) else getattr(ty, "__qualname__", str(ty))
+        out.append((_clean_path(path), tname.rsplit(".", 1)[-1]))
+    return [p for p in out if p[0] != ""] or out
+
+
+def _clean_path(path: str) -> str:
+    # export writes "L['self'].transformer.h[0]" in some versions and "transformer.h.0" in others
+    p = path.replace("L['self']", "").replace("L__self__", "")
+    p = p.replace("[", ".").replace("]", "").replace("'", "")
+    p = p.replace("._modules.", ".")
+    while ".." in p:
+        p = p.replace("..", ".")
+    return p.strip(".")
+
+
+def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
+    """Run the graph under FakeTensorMode at the example inputs; store concrete outputs in meta["fxmem_val"].
+
+    Parameters keep their requires_grad, so meta says which values need grad (train mode). No real memory.
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with fake_mode:
+        fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+
+    class _Prop(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["fxmem_val"] = out
+            return out
+
+    grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
+    was_training = gm.training
+    gm.train(mode == "train")
+    try:
+        with fake_mode, grad_ctx:
+            _Prop(gm).run(*fake_inputs, enable_io_processing=False)
+    finally:
+        gm.train(was_training)
+
+
+def tensor_bytes(t) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return int(t.numel()) * t.element_size()
+
+
+def tree_tensor_bytes(v) -> int:
+    return sum(tensor_bytes(x) for x in pytree.tree_leaves(v))
+
+
+def call_signature_repr(program: Program) -> str:
+    return ", ".join(program.input_names)
+
+
+def as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
