@@ -1,0 +1,370 @@
+"""Passes and the PassManager: run the policy's passes in canonical order, re-validate and verify after each.
+
+A pass is a small class:
+
+    @register
+    class CheckpointPass:
+        name = "checkpoint"
+        exact = True                 # exact passes must keep outputs and gradients equal
+        Options = CheckpointOptions  # a dataclass; the policy validates `passes.checkpoint` against it
+        def run(self, program, ctx) -> PassResult: ...
+
+It reads the Program and the cost model (`ctx.estimate`, `fxmem.costmodel.node_costs`), rewrites the graph (in
+place on the Program it is given — the manager hands it a snapshot), and returns the Changes it made. Passes must
+not mutate existing parameters in place: create new ones (rollback shares parameters with the snapshot).
+
+After each pass: lint, dead-code elimination, recompile, metadata refresh, re-estimate, verification on the
+example inputs. A failing exact pass, or a lossy pass over the tolerance, is rolled back and the report says why.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .compare import Deviation, compare_outputs, deviation
+from .errors import FxmemError, PassError, PolicyError
+from .program import Program
+
+CANONICAL_ORDER = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
+
+
+@dataclass
+class Change:
+    kind: str
+    module: str
+    nodes_before: list = field(default_factory=list)
+    nodes_after: list = field(default_factory=list)
+    reason: str = ""
+    bytes_saved: int | None = None  # estimated by the cost model
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self):
+        return {"kind": self.kind, "module": self.module, "nodes_before": list(self.nodes_before),
+                "nodes_after": list(self.nodes_after), "reason": self.reason, "bytes_saved": self.bytes_saved,
+                "details": _jsonable(self.details)}
+
+
+@dataclass
+class PassResult:
+    program: Program
+    modified: bool
+    changes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    # lossy passes may report their own per-site errors here; the manager measures the whole-model deviation
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class PassRecord:
+    """What happened to one pass, for the report."""
+    name: str
+    status: str  # applied | unchanged | rolled_back | failed
+    exact: bool
+    changes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    reason: str = ""
+    deviation: dict | None = None  # vs the original model (outputs), and per-pass
+    grad_deviation: dict | None = None
+    peak_before: int | None = None
+    peak_after: int | None = None
+    seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+    def to_dict(self, with_timing: bool = True):
+        d = {"name": self.name, "status": self.status, "exact": self.exact,
+             "changes": [c.to_dict() for c in self.changes], "notes": list(self.notes), "reason": self.reason,
+             "deviation": self.deviation, "grad_deviation": self.grad_deviation, "peak_before": self.peak_before,
+             "peak_after": self.peak_after, "metrics": _jsonable(self.metrics)}
+        if with_timing:
+            d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+@dataclass
+class PassContext:
+    policy: Any
+    options: Any
+    mode: str
+    optimizer: str
+    budget: int | None  # resolved bytes (pass budget or the policy's), None = no budget
+    baseline: Any  # MemoryEstimate of the captured program before any pass
+    enabled: tuple  # names of the passes this policy runs
+    calibration: list | None = None
+    loss_fn: Callable | None = None
+    log: Callable[[str], None] = lambda msg: None
+    seed: int = 0
+    model_file: Any = None  # the model file module when run from the CLI (for evaluate())
+
+    def estimate(self, program: Program, method: str = "static"):
+        from .costmodel import estimate
+        return estimate(program, mode=self.mode, optimizer=self.optimizer, method=method, loss_fn=self.loss_fn)
+
+
+# ============================================================================================ registry
+REGISTRY: dict[str, type] = {}
+
+
+def register(cls):
+    """Class decorator: make a pass available to policies under `cls.name`."""
+    name = getattr(cls, "name", None)
+    if name not in CANONICAL_ORDER and not getattr(cls, "test_only", False):
+        raise ValueError(f"pass name {name!r} is not one of {CANONICAL_ORDER}")
+    REGISTRY[name] = cls
+    opts = getattr(cls, "Options", None)
+    if opts is not None:
+        from .policy import register_options
+        register_options(name, opts)
+    return cls
+
+
+_loaded = False
+
+
+def load_passes() -> dict[str, type]:
+    """Import the pass modules (`fxmem.passes`, which is `passes/` in the source tree)."""
+    global _loaded
+    if _loaded:
+        return REGISTRY
+    try:
+        pkg = importlib.import_module("fxmem.passes")
+    except ModuleNotFoundError:
+        src = Path(__file__).resolve().parent.parent / "passes"
+        if not (src / "__init__.py").exists():
+            raise
+        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
+                                                      submodule_search_locations=[str(src)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["fxmem.passes"] = pkg
+        spec.loader.exec_module(pkg)
+    for name in CANONICAL_ORDER:
+        path = Path(pkg.__path__[0]) / f"{name}.py"
+        if path.exists():
+            importlib.import_module(f"fxmem.passes.{name}")
+    _loaded = True
+    return REGISTRY
+
+
+# ============================================================================================ verification
+@dataclass
+class Reference:
+    outputs: Any
+    grads: dict | None
+
+
+def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want_grads: bool = True) -> Reference:
+    """Outputs (and parameter/input gradients in train mode) on the example inputs, deterministically.
+
+    Runs in eval mode (dropout off, batch-norm from running statistics) so two programs can be compared
+    exactly; buffers and `.grad` of the module are left as they were.
+    """
+    from .step import compute_loss
+    gm = program.module
+    was = gm.training
+    prev_grads = {n: p.grad for n, p in gm.named_parameters()}
+    for p in gm.parameters():
+        p.grad = None
+    args, kwargs = program.example_args, program.example_kwargs
+    gm.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if mode == "train" and want_grads:
+                out = gm(*args, **kwargs)
+                loss = compute_loss(loss_fn, out, args, kwargs)
+                loss.backward()
+                grads = {n: p.grad.detach().clone() for n, p in gm.named_parameters() if p.grad is not None}
+                out = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            else:
+                with torch.no_grad():
+                    out = gm(*args, **kwargs)
+                grads = None
+    finally:
+        for n, p in gm.named_parameters():
+            p.grad = prev_grads.get(n)
+        gm.train(was)
+    return Reference(out, grads)
+
+
+def compare_grads(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
+    for name, g in ref.items():
+        h = got.get(name)
+        if h is None:
+            return f"gradient of {name} missing after the pass"
+        if g.shape != h.shape:
+            return f"gradient of {name}: shape {tuple(g.shape)} vs {tuple(h.shape)}"
+        if not torch.allclose(g.double(), h.double(), atol=atol, rtol=rtol):
+            d = (g.double() - h.double()).abs().max().item()
+            return f"gradient of {name}: max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
+    return None
+
+
+# ============================================================================================ manager
+class PassManager:
+    """Runs enabled passes in canonical order with verification and rollback."""
+
+    def __init__(self, policy, *, strict: bool = False, calibration=None, loss_fn=None,
+                 log: Callable[[str], None] | None = None, model_file=None):
+        self.policy = policy
+        self.strict = strict
+        self.calibration = calibration
+        self.loss_fn = loss_fn
+        self.log = log or (lambda msg: None)
+        self.model_file = model_file
+        self.records: list[PassRecord] = []
+
+    def enabled_passes(self) -> list[str]:
+        registry = load_passes()
+        names = []
+        for name in CANONICAL_ORDER:
+            sec = self.policy.passes.get(name)
+            if sec is None or not sec.enabled:
+                continue
+            if name not in registry:
+                raise PolicyError(
+                    f"{_src(self.policy, sec)} passes.{name}: this pass is not implemented in this version of "
+                    f"fxmem (available: {', '.join(sorted(n for n in registry if n in CANONICAL_ORDER)) or 'none'}); "
+                    f"set passes.{name}.enabled: false")
+            names.append(name)
+        for name in sorted(self.policy.passes):
+            if name not in CANONICAL_ORDER and self.policy.passes[name].enabled and name in registry:
+                names.append(name)  # test-only passes run after the canonical ones
+        return names
+
+    def run(self, program: Program, baseline) -> Program:
+        from .costmodel import estimate
+        names = self.enabled_passes()
+        verify = self.policy.verify
+        mode, optimizer = self.policy.mode, self.policy.optimizer
+        original = run_reference(program, mode, self.loss_fn, verify.seed) if verify.enabled else None
+        current_ref = original
+        current_est = baseline
+        for name in names:
+            cls = REGISTRY[name]
+            sec = self.policy.passes[name]
+            opts = sec.options if sec.options is not None else (cls.Options() if hasattr(cls, "Options") else None)
+            budget = self._budget_for(opts, baseline)
+            ctx = PassContext(policy=self.policy, options=opts, mode=mode, optimizer=optimizer, budget=budget,
+                              baseline=baseline, enabled=tuple(names), calibration=self.calibration,
+                              loss_fn=self.loss_fn, log=self.log, seed=verify.seed, model_file=self.model_file)
+            rec = PassRecord(name=name, status="unchanged", exact=bool(getattr(cls, "exact", True)),
+                             peak_before=current_est.peak)
+            self.records.append(rec)
+            self.log(f"[{name}] running")
+            t0 = time.perf_counter()
+            candidate = program.snapshot()
+            try:
+                result = cls().run(candidate, ctx)
+            except FxmemError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a pass bug must not lose the user's model
+                rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
+                rec.notes.append(traceback.format_exc(limit=3))
+                rec.seconds = time.perf_counter() - t0
+                self.log(f"[{name}] failed and was rolled back: {rec.reason}")
+                if self.strict:
+                    raise PassError(f"pass {name} failed: {rec.reason}") from e
+                continue
+            rec.changes, rec.notes, rec.metrics = list(result.changes), list(result.notes), dict(result.metrics)
+            if not result.modified:
+                rec.seconds = time.perf_counter() - t0
+                self.log(f"[{name}] no change")
+                continue
+            new = result.program
+            try:
+                new.refresh()
+            except Exception as e:  # noqa: BLE001
+                self._rollback(rec, f"graph invalid after the pass: {type(e).__name__}: {e}", t0)
+                continue
+            ok = self._verify(rec, new, original, current_ref, verify, t0)
+            if not ok:
+                continue
+            est = estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
+            rec.peak_after = est.peak
+            rec.status = "applied"
+            rec.seconds = time.perf_counter() - t0
+            self.log(f"[{name}] applied: {len(rec.changes)} change(s), estimated peak "
+                     f"{_fmt(current_est.peak)} -> {_fmt(est.peak)}")
+            program, current_est = new, est
+            if verify.enabled:
+                current_ref = run_reference(program, mode, self.loss_fn, verify.seed,
+                                            want_grads=_grads_comparable(rec))
+        return program
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _budget_for(self, opts, baseline) -> int | None:
+        b = getattr(opts, "budget", None) or getattr(self.policy, "budget", None)
+        if b is None:
+            return None
+        if isinstance(b, int):
+            return b
+        return int(b.resolve(baseline.peak))
+
+    def _rollback(self, rec: PassRecord, reason: str, t0: float) -> None:
+        rec.status, rec.reason = "rolled_back", reason
+        rec.seconds = time.perf_counter() - t0
+        self.log(f"[{rec.name}] rolled back: {reason}")
+        if self.strict:
+            raise PassError(f"pass {rec.name} was rolled back: {reason}")
+
+    def _verify(self, rec, new, original, current_ref, verify, t0) -> bool:
+        if not verify.enabled or original is None:
+            return True
+        mode = self.policy.mode
+        exact = rec.exact
+        got = run_reference(new, mode, self.loss_fn, verify.seed, want_grads=exact)
+        dev_orig = deviation(original.outputs, got.outputs)
+        dev_prev = deviation(current_ref.outputs, got.outputs)
+        rec.deviation = {"vs_original": dev_orig.to_dict(), "vs_previous": dev_prev.to_dict()}
+        if exact:
+            err = compare_outputs(current_ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol)
+            if err is None and current_ref.grads is not None and got.grads is not None:
+                err = compare_grads(current_ref.grads, got.grads, verify.grad_atol, verify.grad_rtol)
+                rec.grad_deviation = {"checked": len(current_ref.grads), "ok": err is None}
+            if err is not None:
+                self._rollback(rec, f"exact pass changed the result: {err}", t0)
+                return False
+            return True
+        tol = verify.lossy_tolerance
+        if not (dev_orig.rel <= tol):
+            self._rollback(rec, f"relative output error {dev_orig.rel:.3g} vs the original exceeds the "
+                                f"tolerance {tol:g} (verify.lossy_tolerance)", t0)
+            return False
+        return True
+
+
+def _grads_comparable(rec: PassRecord) -> bool:
+    return True
+
+
+def _src(policy, sec) -> str:
+    src = getattr(policy, "source", "<policy>")
+    line = getattr(sec, "line", None)
+    return f"{Path(str(src)).name}:{line}" if line else str(Path(str(src)).name)
+
+
+def _fmt(n) -> str:
+    from .units import format_bytes
+    return format_bytes(n)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if isinstance(x, Deviation):
+        return x.to_dict()
+    if isinstance(x, torch.Tensor):
+        return x.tolist() if x.numel() <= 64 else f"tensor{tuple(x.shape)}"
+    return str(x)
