@@ -18,7 +18,7 @@ Data
     steps, under a second), which makes the distillation signal meaningful; default is random.
 
 Default size
-    Teacher 2 x GATConv(heads=4, hidden=32) ~ 5 K params (frozen); student 2 x GATConv(heads=2,
+    Teacher 2 x GATConv(heads=4, hidden=32) ~ 6.8 K params (frozen); student 2 x GATConv(heads=2,
     hidden=8) ~ 0.7 K params (trainable). Inputs ``(x, edge_index)`` = (float32 (34, 34), int64 (2, 156)).
 
 Scaling
