@@ -1,0 +1,834 @@
+"""The report of one `fxmem.transform` run: Markdown, JSON (schema-versioned), one self-contained HTML file, plots.
+
+What it shows:
+- summary: memory before/after by category, estimated (cost model, no tensors allocated) and, when the run was
+  measured, measured (real steps under `fxmem.measure`); FLOPs per step before/after (estimated);
+- warnings first: passes that were rolled back or failed, ops the cost model does not know;
+- per pass: status, what changed and where (module paths), why, the measured output deviation;
+- the graph diff (unified diff of the generated code, without codegen's `; x = None` tails) and a table of the
+  nodes each change replaced;
+- a memory timeline plot, before vs after (matplotlib Agg; SVG inline in the HTML, PNG beside it).
+
+Determinism: with `deterministic=True` every renderer leaves out the one non-deterministic part (wall-clock
+timing), and the SVG is written with a fixed `svg.hashsalt` and no date, so the same model, inputs and policy give
+byte-identical files. Every number says whether it is estimated or measured.
+"""
+from __future__ import annotations
+
+import difflib
+import html
+import io
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# summary rows: (attribute, label)
+CATEGORIES = (("params", "parameters"), ("buffers", "buffers"), ("grads", "gradients"),
+              ("optimizer_state", "optimizer state"), ("inputs", "inputs"),
+              ("activations", "activations (saved for backward)"), ("peak", "peak"))
+
+STATUS_MARK = {"applied": "applied", "unchanged": "unchanged", "rolled_back": "ROLLED BACK", "failed": "FAILED"}
+
+try:  # fxmem.units is the one place for byte formatting; keep working while it is being written
+    from .units import format_bytes as _units_format_bytes
+except ImportError:  # pragma: no cover - depends on the tree state
+    _units_format_bytes = None
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return "-"
+    if _units_format_bytes is not None:
+        return _units_format_bytes(int(n))
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    v = float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{sign}{int(v)} B" if unit == "B" else f"{sign}{v:.2f} {unit}"
+        v /= 1024
+    return f"{sign}{v:.2f} TiB"  # unreachable
+
+
+# ============================================================================================ graph diff
+
+_TAIL = re.compile(r";\s+(?:[A-Za-z_][\w.]*\s*=\s*)+None\s*$")
+
+
+def clean_code(code: str) -> list[str]:
+    """Generated code, readable: drop the `;  a = b = None` tails GraphModule codegen adds to free values,
+    trailing whitespace and blank runs."""
+    out: list[str] = []
+    for line in code.splitlines():
+        line = _TAIL.sub("", line).rstrip()
+        if not line and (not out or not out[-1]):
+            continue
+        out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return out
+
+
+def diff_text(a_code: str, b_code: str, a_label: str = "before", b_label: str = "after", context: int = 3) -> str:
+    """Unified diff of two generated programs (cleaned by `clean_code`); '' when they are the same."""
+    lines = difflib.unified_diff(clean_code(a_code), clean_code(b_code), fromfile=a_label, tofile=b_label,
+                                 n=context, lineterm="")
+    return "\n".join(lines)
+
+
+def graph_diff(code_before: str, code_after: str, context: int = 3) -> str:
+    """The graph diff of a report: generated code of the captured program vs the transformed one."""
+    return diff_text(code_before, code_after, "captured", "transformed", context)
+
+
+def replaced_nodes(passes) -> list[dict]:
+    """One row per Change: which pass replaced which nodes with which, where, and the estimated saving."""
+    rows = []
+    for rec in passes:
+        for c in rec.changes:
+            rows.append({"pass": rec.name, "status": rec.status, "kind": c.kind, "module": c.module or "(root)",
+                         "nodes_before": [str(n) for n in c.nodes_before],
+                         "nodes_after": [str(n) for n in c.nodes_after], "bytes_saved": c.bytes_saved,
+                         "reason": c.reason})
+    return rows
+
+
+# ============================================================================================ the report
+
+@dataclass
+class Report:
+    model_name: str
+    policy: dict
+    mode: str
+    optimizer: str
+    before: Any  # fxmem.costmodel.MemoryEstimate
+    after: Any
+    measured_before: Any = None  # fxmem.measure.MemoryProfile
+    measured_after: Any = None
+    passes: list = field(default_factory=list)  # fxmem.pipeline.PassRecord
+    code_before: str = ""
+    code_after: str = ""
+    specialized: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    budget: int | None = None
+    versions: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)  # the only non-deterministic part
+
+    # ------------------------------------------------------------------------------------------ derived
+    @property
+    def measured(self) -> bool:
+        return self.measured_before is not None or self.measured_after is not None
+
+    def graph_diff(self, context: int = 3) -> str:
+        return graph_diff(self.code_before, self.code_after, context)
+
+    def replaced_nodes(self) -> list[dict]:
+        return replaced_nodes(self.passes)
+
+    def problem_passes(self) -> list:
+        return [r for r in self.passes if r.status in ("rolled_back", "failed")]
+
+    def unknown_ops(self) -> list[str]:
+        ops: set[str] = set()
+        for e in (self.before, self.after, self.measured_before, self.measured_after):
+            if e is not None:
+                ops.update(str(o) for o in (e.unknown_ops or []))
+        return sorted(ops)
+
+    def summary_rows(self) -> list[dict]:
+        rows = []
+        for attr, label in CATEGORIES:
+            row = {"category": attr, "label": label, "estimated_before": getattr(self.before, attr),
+                   "estimated_after": getattr(self.after, attr)}
+            if self.measured:
+                row["measured_before"] = getattr(self.measured_before, attr, None)
+                row["measured_after"] = getattr(self.measured_after, attr, None)
+            rows.append(row)
+        return rows
+
+    def budget_line(self) -> str | None:
+        if self.budget is None:
+            return None
+        peak = self.after.peak
+        if peak <= self.budget:
+            verdict = f"fits ({format_bytes(self.budget - peak)} to spare)"
+        else:
+            verdict = f"OVER the budget by {format_bytes(peak - self.budget)}"
+        line = f"budget {format_bytes(self.budget)}: estimated peak after {format_bytes(peak)}, {verdict}"
+        if self.measured_after is not None:
+            mp = self.measured_after.peak
+            line += (f"; measured peak after {format_bytes(mp)}, "
+                     + ("fits" if mp <= self.budget else f"OVER by {format_bytes(mp - self.budget)}"))
+        return line
+
+    # ------------------------------------------------------------------------------------------ JSON
+    def to_dict(self, deterministic: bool = False) -> dict:
+        d = {
+            "schema_version": SCHEMA_VERSION,
+            "model_name": self.model_name,
+            "mode": self.mode,
+            "optimizer": self.optimizer,
+            "policy": self.policy,
+            "budget": self.budget,
+            "estimated": {"before": self.before.to_dict(), "after": self.after.to_dict()},
+            "measured": ({"before": self.measured_before.to_dict() if self.measured_before is not None else None,
+                          "after": self.measured_after.to_dict() if self.measured_after is not None else None}
+                         if self.measured else None),
+            "summary": self.summary_rows(),
+            "passes": [r.to_dict(with_timing=not deterministic) for r in self.passes],
+            "graph": {"code_before": self.code_before, "code_after": self.code_after, "diff": self.graph_diff(),
+                      "replaced_nodes": self.replaced_nodes()},
+            "warnings": {"rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
+                                         for r in self.problem_passes()],
+                         "unknown_ops": self.unknown_ops()},
+            "specialized": [str(s) for s in self.specialized],
+            "notes": [str(n) for n in self.notes],
+            "versions": dict(self.versions),
+        }
+        if not deterministic:
+            d["timing"] = dict(self.timing)
+        return _json_safe(d)
+
+    def to_json(self, deterministic: bool = False) -> str:
+        return json.dumps(self.to_dict(deterministic), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Report":
+        """Rebuild a report from `to_dict`/`report.json` (to re-render or compare saved results)."""
+        from .costmodel import MemoryEstimate
+        from .measure import MemoryProfile, TimelinePoint
+        from .pipeline import Change, PassRecord
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"report schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}")
+
+        def est(x, klass):
+            if x is None:
+                return None
+            names = set(klass.__dataclass_fields__)
+            kw = {k: v for k, v in x.items() if k in names}
+            kw["timeline"] = [TimelinePoint(**p) for p in x.get("timeline", [])]
+            if "by_module" in names:
+                kw["by_module"] = [(m["module"], m["bytes"]) for m in x.get("by_module", [])]
+            return klass(**kw)
+
+        passes = []
+        for p in d.get("passes", []):
+            kw = {k: v for k, v in p.items() if k in PassRecord.__dataclass_fields__}
+            kw["changes"] = [Change(**c) for c in p.get("changes", [])]
+            passes.append(PassRecord(**kw))
+        m = d.get("measured") or {}
+        return cls(model_name=d["model_name"], policy=d["policy"], mode=d["mode"], optimizer=d["optimizer"],
+                   before=est(d["estimated"]["before"], MemoryEstimate),
+                   after=est(d["estimated"]["after"], MemoryEstimate),
+                   measured_before=est(m.get("before"), MemoryProfile),
+                   measured_after=est(m.get("after"), MemoryProfile), passes=passes,
+                   code_before=d["graph"]["code_before"], code_after=d["graph"]["code_after"],
+                   specialized=list(d.get("specialized", [])), notes=list(d.get("notes", [])),
+                   budget=d.get("budget"), versions=dict(d.get("versions", {})), timing=dict(d.get("timing", {})))
+
+    @classmethod
+    def load(cls, path) -> "Report":
+        p = Path(path)
+        if p.is_dir():
+            p = p / "report.json"
+        return cls.from_dict(json.loads(p.read_text()))
+
+    # ------------------------------------------------------------------------------------------ Markdown
+    def to_markdown(self, deterministic: bool = False) -> str:
+        L: list[str] = []
+        L.append(f"# fxmem report: {self.model_name}")
+        L.append("")
+        L.append(f"mode `{self.mode}`, optimizer `{self.optimizer}`, policy `{self.policy.get('name', '?')}`"
+                 + (f", budget {format_bytes(self.budget)}" if self.budget is not None else "")
+                 + ". Estimated = fxmem cost model (static, no tensors allocated); measured = real steps "
+                   "under `fxmem.measure`.")
+        L.append("")
+        warn = self._warning_lines()
+        if warn:
+            L.append("## ⚠ Warnings")
+            L.append("")
+            L.extend(f"- **{w}**" for w in warn)
+            L.append("")
+        L.append("## Summary")
+        L.append("")
+        L.extend(self._summary_table_md())
+        L.append("")
+        L.extend(f"- {s}" for s in self._summary_facts())
+        L.append("")
+        L.append("![memory timeline, before vs after](memory_timeline.png)")
+        L.append("")
+        L.append("## Passes")
+        L.append("")
+        if not self.passes:
+            L.append("No pass ran (the policy enables none).")
+            L.append("")
+        for rec in self.passes:
+            L.extend(self._pass_md(rec))
+        L.append("## Graph diff")
+        L.append("")
+        rows = self.replaced_nodes()
+        if rows:
+            L.append("Replaced nodes (bytes saved: estimated by the cost model):")
+            L.append("")
+            L.append("| pass | kind | module | nodes before | nodes after | est. bytes saved |")
+            L.append("|---|---|---|---|---|---:|")
+            for r in rows:
+                L.append(f"| {r['pass']} | {_md(r['kind'])} | `{_md(r['module'])}` | {_md(_nodes(r['nodes_before']))} "
+                         f"| {_md(_nodes(r['nodes_after']))} | {format_bytes(r['bytes_saved'])} |")
+            L.append("")
+        diff = self.graph_diff()
+        if diff:
+            L.append("```diff")
+            L.append(diff)
+            L.append("```")
+        else:
+            L.append("The transformed program's code is identical to the captured one.")
+        L.append("")
+        if self.specialized or self.notes:
+            L.append("## Capture notes")
+            L.append("")
+            L.extend(f"- static dim: {s}" for s in self.specialized)
+            L.extend(f"- {n}" for n in self.notes)
+            L.append("")
+        L.append("## Policy (resolved)")
+        L.append("")
+        L.append("```json")
+        L.append(json.dumps(_json_safe(self.policy), indent=2, sort_keys=True))
+        L.append("```")
+        L.append("")
+        if self.versions:
+            L.append("Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(self.versions.items())) + ".")
+            L.append("")
+        if not deterministic:
+            L.extend(self._timing_md())
+        return "\n".join(L).rstrip("\n") + "\n"
+
+    def _warning_lines(self) -> list[str]:
+        out = []
+        for r in self.problem_passes():
+            what = "was ROLLED BACK" if r.status == "rolled_back" else "FAILED and was rolled back"
+            out.append(f"pass `{r.name}` {what}: {r.reason or 'no reason recorded'}")
+        unk = self.unknown_ops()
+        if unk:
+            out.append(f"{len(unk)} op(s) unknown to the cost model (estimated as outputs only, nothing saved "
+                       f"for backward): {', '.join(unk)}")
+        if self.budget is not None and self.after.peak > self.budget:
+            out.append(self.budget_line())
+        return out
+
+    def _summary_table_md(self) -> list[str]:
+        mb, ma = self.measured_before, self.measured_after
+        head = "| category | before (estimated) | after (estimated) | change |"
+        sep = "|---|---:|---:|---:|"
+        if self.measured:
+            head += " before (measured) | after (measured) | change |"
+            sep += "---:|---:|---:|"
+        L = [head, sep]
+        for row in self.summary_rows():
+            b, a = row["estimated_before"], row["estimated_after"]
+            label = f"**{row['label']}**" if row["category"] == "peak" else row["label"]
+            line = f"| {label} | {format_bytes(b)} | {format_bytes(a)} | {_change(b, a)} |"
+            if self.measured:
+                b2, a2 = row.get("measured_before"), row.get("measured_after")
+                line += f" {format_bytes(b2)} | {format_bytes(a2)} | {_change(b2, a2)} |"
+            L.append(line)
+        fb = self.before.flops_forward + self.before.flops_backward
+        fa = self.after.flops_forward + self.after.flops_backward
+        line = f"| FLOPs per step (fwd + bwd) | {_flops(fb)} | {_flops(fa)} | {_change(fb, fa)} |"
+        if self.measured:
+            line += " - | - | - |"
+        L.append(line)
+        return L
+
+    def _summary_facts(self) -> list[str]:
+        out = []
+        for tag, e in (("before", self.before), ("after", self.after)):
+            out.append(f"peak {tag} (estimated, {e.method}): {format_bytes(e.peak)} at `{e.peak_at}` "
+                       f"({e.peak_phase}" + (f", module `{e.peak_module}`" if e.peak_module else "") + ")")
+        for tag, e in (("before", self.measured_before), ("after", self.measured_after)):
+            if e is not None:
+                out.append(f"peak {tag} (measured): {format_bytes(e.peak)} at `{e.peak_at}` ({e.peak_phase})")
+        for tag, e in (("before", self.before), ("after", self.after)):
+            out.append(f"FLOPs {tag} (estimated): forward {_flops(e.flops_forward)}, "
+                       f"backward {_flops(e.flops_backward)}")
+        bl = self.budget_line()
+        if bl:
+            out.append(bl)
+        for tag, e in (("before", self.before), ("after", self.after)):
+            if e.by_module:
+                top = ", ".join(f"`{m or '(root)'}` {format_bytes(b)}" for m, b in list(e.by_module)[:5])
+                out.append(f"heaviest modules {tag} (estimated bytes saved for backward): {top}")
+        return out
+
+    def _pass_md(self, rec) -> list[str]:
+        L = [f"### {rec.name}: {STATUS_MARK.get(rec.status, rec.status)}", ""]
+        L.append(f"- {'exact' if rec.exact else 'lossy'} pass; {len(rec.changes)} change(s)")
+        if rec.reason:
+            L.append(f"- **why {rec.status.replace('_', ' ')}:** {rec.reason}")
+        if rec.peak_before is not None or rec.peak_after is not None:
+            L.append(f"- estimated peak: {format_bytes(rec.peak_before)} → {format_bytes(rec.peak_after)}"
+                     + ("" if rec.peak_after is not None else " (not applied)"))
+        L.extend(f"- {line}" for line in _deviation_lines(rec))
+        if rec.changes:
+            L.append("")
+            L.append("| kind | module | why | est. bytes saved |")
+            L.append("|---|---|---|---:|")
+            for c in rec.changes:
+                L.append(f"| {_md(c.kind)} | `{_md(c.module or '(root)')}` | {_md(c.reason)} "
+                         f"| {format_bytes(c.bytes_saved)} |")
+        if rec.notes:
+            L.append("")
+            L.append("Notes:")
+            for n in rec.notes:
+                n = str(n).rstrip()
+                if "\n" in n:
+                    L.extend(["", "```", n, "```", ""])
+                else:
+                    L.append(f"- {n}")
+        mlines = _metric_lines(rec.metrics)
+        if mlines:
+            L.append("")
+            L.append("Metrics:")
+            L.extend(f"  - {m.strip()}" if m.startswith("  ") else f"- {m}" for m in mlines)
+        L.append("")
+        return L
+
+    def _timing_md(self) -> list[str]:
+        L = ["## Timing (wall clock; not part of the deterministic report)", ""]
+        for k, v in sorted(self.timing.items()):
+            L.append(f"- {k}: {v}")
+        for r in self.passes:
+            L.append(f"- pass {r.name}: {r.seconds:.3f} s")
+        L.append("")
+        return L
+
+    # ------------------------------------------------------------------------------------------ HTML
+    def to_html(self, deterministic: bool = False) -> str:
+        e = html.escape
+        P: list[str] = []
+        P.append("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">")
+        P.append(f"<title>fxmem report: {e(self.model_name)}</title>")
+        P.append(f"<style>{_CSS}</style>\n</head>\n<body>")
+        P.append(f"<h1>fxmem report: {e(self.model_name)}</h1>")
+        P.append(f"<p class=\"meta\">mode <code>{e(self.mode)}</code>, optimizer <code>{e(self.optimizer)}</code>, "
+                 f"policy <code>{e(str(self.policy.get('name', '?')))}</code>"
+                 + (f", budget {e(format_bytes(self.budget))}" if self.budget is not None else "")
+                 + ". <span class=\"est\">estimated</span> = fxmem cost model (static, no tensors allocated); "
+                   "<span class=\"meas\">measured</span> = real steps under <code>fxmem.measure</code>.</p>")
+        warn = self._warning_lines()
+        if warn:
+            P.append("<div class=\"warn\" id=\"warnings\"><h2>&#9888; Warnings</h2><ul>")
+            P.extend(f"<li>{_inline_code(x)}</li>" for x in warn)
+            P.append("</ul></div>")
+        P.append("<h2>Summary</h2>")
+        P.append(self._summary_table_html())
+        P.append("<ul class=\"facts\">" + "".join(f"<li>{_inline_code(s)}</li>" for s in self._summary_facts())
+                 + "</ul>")
+        P.append("<h2>Memory timeline</h2>")
+        P.append("<figure class=\"plot\">" + _svg_for_html(timeline_svg(self))
+                 + "<figcaption>Live bytes during one step, before vs after. Each phase is scaled to the same "
+                   "width so phases line up; dashed lines mark the peaks.</figcaption></figure>")
+        P.append("<h2>Passes</h2>")
+        if not self.passes:
+            P.append("<p>No pass ran (the policy enables none).</p>")
+        for rec in self.passes:
+            P.append(self._pass_html(rec))
+        P.append("<h2>Graph diff</h2>")
+        rows = self.replaced_nodes()
+        if rows:
+            P.append("<p>Replaced nodes (bytes saved: <span class=\"est\">estimated</span>):</p>")
+            P.append("<table><tr><th>pass</th><th>kind</th><th>module</th><th>nodes before</th><th>nodes after</th>"
+                     "<th>est. bytes saved</th></tr>")
+            for r in rows:
+                P.append(f"<tr><td>{e(r['pass'])}</td><td>{e(r['kind'])}</td><td><code>{e(r['module'])}</code></td>"
+                         f"<td><code>{e(_nodes(r['nodes_before']))}</code></td>"
+                         f"<td><code>{e(_nodes(r['nodes_after']))}</code></td>"
+                         f"<td class=\"num\">{e(format_bytes(r['bytes_saved']))}</td></tr>")
+            P.append("</table>")
+        diff = self.graph_diff()
+        if diff:
+            P.append("<pre class=\"diff\">" + "\n".join(_diff_line_html(x) for x in diff.splitlines()) + "</pre>")
+        else:
+            P.append("<p>The transformed program's code is identical to the captured one.</p>")
+        if self.specialized or self.notes:
+            P.append("<h2>Capture notes</h2><ul>")
+            P.extend(f"<li>static dim: {e(str(s))}</li>" for s in self.specialized)
+            P.extend(f"<li>{e(str(n))}</li>" for n in self.notes)
+            P.append("</ul>")
+        P.append("<details><summary>Policy (resolved)</summary><pre>"
+                 + e(json.dumps(_json_safe(self.policy), indent=2, sort_keys=True)) + "</pre></details>")
+        if self.versions:
+            P.append("<p class=\"meta\">Versions: "
+                     + e(", ".join(f"{k} {v}" for k, v in sorted(self.versions.items()))) + ".</p>")
+        if not deterministic:
+            P.append("<section id=\"timing\"><h2>Timing (wall clock; not part of the deterministic report)</h2><ul>")
+            P.extend(f"<li>{e(str(k))}: {e(str(v))}</li>" for k, v in sorted(self.timing.items()))
+            P.extend(f"<li>pass {e(r.name)}: {r.seconds:.3f} s</li>" for r in self.passes)
+            P.append("</ul></section>")
+        P.append("</body>\n</html>\n")
+        return "\n".join(P)
+
+    def _summary_table_html(self) -> str:
+        e = html.escape
+        h = ["<table class=\"summary\"><tr><th>category</th><th class=\"est\">before (estimated)</th>"
+             "<th class=\"est\">after (estimated)</th><th>change</th>"]
+        if self.measured:
+            h.append("<th class=\"meas\">before (measured)</th><th class=\"meas\">after (measured)</th>"
+                     "<th>change</th>")
+        h.append("</tr>")
+        for row in self.summary_rows():
+            b, a = row["estimated_before"], row["estimated_after"]
+            cls = " class=\"peak\"" if row["category"] == "peak" else ""
+            h.append(f"<tr{cls}><td>{e(row['label'])}</td><td class=\"num\">{e(format_bytes(b))}</td>"
+                     f"<td class=\"num\">{e(format_bytes(a))}</td><td class=\"num\">{e(_change(b, a))}</td>")
+            if self.measured:
+                b2, a2 = row.get("measured_before"), row.get("measured_after")
+                h.append(f"<td class=\"num\">{e(format_bytes(b2))}</td><td class=\"num\">{e(format_bytes(a2))}</td>"
+                         f"<td class=\"num\">{e(_change(b2, a2))}</td>")
+            h.append("</tr>")
+        fb = self.before.flops_forward + self.before.flops_backward
+        fa = self.after.flops_forward + self.after.flops_backward
+        h.append(f"<tr><td>FLOPs per step (fwd + bwd)</td><td class=\"num\">{_flops(fb)}</td>"
+                 f"<td class=\"num\">{_flops(fa)}</td><td class=\"num\">{e(_change(fb, fa))}</td>"
+                 + ("<td>-</td><td>-</td><td>-</td>" if self.measured else "") + "</tr>")
+        h.append("</table>")
+        return "".join(h)
+
+    def _pass_html(self, rec) -> str:
+        e = html.escape
+        cls = {"rolled_back": "bad", "failed": "bad", "applied": "good"}.get(rec.status, "neutral")
+        P = [f"<section class=\"pass {cls}\" id=\"pass-{e(rec.name)}\">"
+             f"<h3>{e(rec.name)}: <span class=\"status\">{e(STATUS_MARK.get(rec.status, rec.status))}</span></h3><ul>"]
+        P.append(f"<li>{'exact' if rec.exact else 'lossy'} pass; {len(rec.changes)} change(s)</li>")
+        if rec.reason:
+            P.append(f"<li><strong>why {e(rec.status.replace('_', ' '))}:</strong> {e(rec.reason)}</li>")
+        if rec.peak_before is not None or rec.peak_after is not None:
+            P.append(f"<li><span class=\"est\">estimated</span> peak: {e(format_bytes(rec.peak_before))} &rarr; "
+                     f"{e(format_bytes(rec.peak_after))}{'' if rec.peak_after is not None else ' (not applied)'}</li>")
+        P.extend(f"<li>{_inline_code(x)}</li>" for x in _deviation_lines(rec))
+        P.append("</ul>")
+        if rec.changes:
+            P.append("<table><tr><th>kind</th><th>module</th><th>why</th><th>est. bytes saved</th></tr>")
+            for c in rec.changes:
+                P.append(f"<tr><td>{e(c.kind)}</td><td><code>{e(c.module or '(root)')}</code></td>"
+                         f"<td>{e(c.reason)}</td><td class=\"num\">{e(format_bytes(c.bytes_saved))}</td></tr>")
+            P.append("</table>")
+        if rec.notes:
+            P.append("<p>Notes:</p><ul>")
+            for n in rec.notes:
+                n = str(n).rstrip()
+                P.append(f"<li><pre>{e(n)}</pre></li>" if "\n" in n else f"<li>{e(n)}</li>")
+            P.append("</ul>")
+        mlines = _metric_lines(rec.metrics)
+        if mlines:
+            P.append("<p>Metrics:</p><ul class=\"metrics\">" + "".join(f"<li>{_inline_code(m)}</li>" for m in mlines)
+                     + "</ul>")
+        P.append("</section>")
+        return "".join(P)
+
+    # ------------------------------------------------------------------------------------------ files
+    def save(self, directory, deterministic: bool = False) -> dict[str, Path]:
+        """Write report.md, report.html, report.json, memory_timeline.png and memory_timeline.svg."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        paths = {"markdown": d / "report.md", "html": d / "report.html", "json": d / "report.json",
+                 "png": d / "memory_timeline.png", "svg": d / "memory_timeline.svg"}
+        paths["markdown"].write_text(self.to_markdown(deterministic), encoding="utf-8")
+        paths["html"].write_text(self.to_html(deterministic), encoding="utf-8")
+        paths["json"].write_text(self.to_json(deterministic), encoding="utf-8")
+        paths["svg"].write_text(timeline_svg(self), encoding="utf-8")
+        paths["png"].write_bytes(timeline_png(self))
+        return paths
+
+
+# ============================================================================================ plot
+
+def _points(timeline) -> list[tuple[str, str, int, int]]:
+    out = []
+    for p in timeline or []:
+        if isinstance(p, dict):
+            out.append((p["phase"], p["label"], int(p["live"]), int(p["peak"])))
+        else:
+            out.append((p.phase, p.label, int(p.live), int(p.peak)))
+    return out
+
+
+PHASES = ("forward", "backward", "optimizer")
+MAX_POINTS_PER_PHASE = 1500
+
+
+def _phases(*timelines) -> list[str]:
+    """Phases present, canonical ones first in step order, any others in order of appearance."""
+    seen: list[str] = []
+    for tl in timelines:
+        for phase, *_ in _points(tl):
+            if phase not in seen:
+                seen.append(phase)
+    return [p for p in PHASES if p in seen] + [p for p in seen if p not in PHASES]
+
+
+def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
+    """x in phase units (phase k spans [k, k+1], so before and after line up phase by phase), y = the most bytes
+    live during each op. Long timelines (measured: one point per aten op) keep the max per bucket, so no spike
+    is lost."""
+    groups: dict[int, list[int]] = {}
+    for phase, _label, live, peak in _points(timeline):
+        groups.setdefault(phases.index(phase), []).append(max(live, peak))
+    xs: list[float] = []
+    ys: list[int] = []
+    for k in sorted(groups):
+        vals = groups[k]
+        if len(vals) > MAX_POINTS_PER_PHASE:
+            n = len(vals)
+            vals = [max(vals[i * n // MAX_POINTS_PER_PHASE:(i + 1) * n // MAX_POINTS_PER_PHASE])
+                    for i in range(MAX_POINTS_PER_PHASE)]
+        n = len(vals)
+        for i, v in enumerate(vals):
+            xs.append(k + (i + 0.5) / n)
+            ys.append(v)
+    return xs, ys
+
+
+def _unit(maxval: int) -> tuple[str, float]:
+    for unit, scale in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if maxval >= scale:
+            return unit, float(scale)
+    return "B", 1.0
+
+
+_BEFORE, _AFTER, _BUDGET = "#3b6fb6", "#2e9a5a", "#c0392b"
+
+
+def timeline_figure(report: Report):
+    """A matplotlib Figure (Agg canvas, no pyplot state): estimated timeline before vs after, and the measured
+    one in a second panel when the run was measured."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    panels = [("estimated (cost model, static)", report.before, report.after)]
+    if report.measured:
+        panels.append(("measured (fxmem.measure, real step)", report.measured_before, report.measured_after))
+    fig = Figure(figsize=(10, 3.6 * len(panels) + 0.4), dpi=100)
+    FigureCanvasAgg(fig)
+    values = [report.budget or 0]
+    for _t, b, a in panels:
+        for e in (b, a):
+            if e is not None:
+                values.append(e.peak)
+                values.extend(max(p[2], p[3]) for p in _points(e.timeline))
+    unit, scale = _unit(max(values))
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (title, b, a) in zip(axes, panels):
+        phases = _phases(*(e.timeline for e in (b, a) if e is not None)) or ["forward"]
+        for e, color, tag in ((b, _BEFORE, "before"), (a, _AFTER, "after")):
+            if e is None:
+                continue
+            xs, ys = _series(e.timeline, phases)
+            if xs:
+                ax.plot(xs, [y / scale for y in ys], color=color, lw=1.6, drawstyle="steps-mid",
+                        label=f"{tag}: peak {format_bytes(e.peak)}")
+            ax.axhline(e.peak / scale, color=color, lw=1, ls="--", alpha=0.8)
+        if report.budget is not None:
+            ax.axhline(report.budget / scale, color=_BUDGET, lw=1.2, ls=":",
+                       label=f"budget {format_bytes(report.budget)}")
+        for k in range(1, len(phases)):
+            ax.axvline(k, color="#999999", lw=0.8)
+        ax.set_xlim(0, len(phases))
+        ax.set_ylim(bottom=0)
+        ax.set_xticks([k + 0.5 for k in range(len(phases))])
+        ax.set_xticklabels(phases)
+        ax.set_ylabel(f"live memory ({unit})")
+        ax.set_title(f"{report.model_name}: memory during one {report.mode} step, {title}", fontsize=11)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(loc="upper left", fontsize=9, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _render(report: Report, fmt: str) -> bytes:
+    import matplotlib
+    with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
+                                "font.family": "DejaVu Sans"}):
+        fig = timeline_figure(report)
+        buf = io.BytesIO()
+        meta = {"Date": None} if fmt == "svg" else {"Software": None}
+        fig.savefig(buf, format=fmt, metadata=meta)
+    return buf.getvalue()
+
+
+def timeline_svg(report: Report) -> str:
+    """The timeline plot as SVG text, byte-for-byte deterministic (fixed hash salt, no date)."""
+    return _render(report, "svg").decode("utf-8")
+
+
+def timeline_png(report: Report) -> bytes:
+    return _render(report, "png")
+
+
+def _svg_for_html(svg: str) -> str:
+    """Inline SVG for HTML5: no XML prolog, no RDF metadata, no namespace URIs (the HTML parser puts inline
+    <svg> and xlink:href in the right namespaces), so the file holds no external URL at all."""
+    svg = re.sub(r"<\?xml[^>]*\?>\s*", "", svg)
+    svg = re.sub(r"<!DOCTYPE[^>]*>\s*", "", svg)
+    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+    return svg.strip()
+
+
+# ============================================================================================ helpers
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1200px;margin:24px auto;
+padding:0 16px;color:#222;line-height:1.45}
+h1{font-size:1.6em;margin-bottom:4px}h2{border-bottom:1px solid #ddd;padding-bottom:3px;margin-top:28px}
+code,pre{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,Consolas,monospace;font-size:0.9em}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
+tr.peak td{font-weight:bold}.meta{color:#555}
+.est{color:#1f4e8c}.meas{color:#1e7b34}
+.warn{border:2px solid #c0392b;background:#fdecea;padding:4px 16px;margin:12px 0;border-radius:4px}
+.warn h2{color:#c0392b;border:none;margin-top:8px}
+section.pass{border-left:5px solid #bbb;padding:2px 12px;margin:12px 0;background:#fafafa}
+section.pass.good{border-color:#2e8b57}section.pass.bad{border-color:#c0392b;background:#fdecea}
+section.pass.bad .status{color:#c0392b}
+figure.plot{margin:8px 0}figure.plot svg{width:100%;height:auto}
+figcaption{color:#555;font-size:0.9em}
+pre.diff{background:#f7f7f7;border:1px solid #ddd;padding:8px;overflow-x:auto;white-space:pre}
+pre.diff .add{background:#e6ffed;color:#22863a;display:inline-block;min-width:100%}
+pre.diff .del{background:#ffeef0;color:#b31d28;display:inline-block;min-width:100%}
+pre.diff .hunk{color:#6f42c1}pre.diff .file{color:#555;font-weight:bold}
+""".strip().replace("\n", "")
+
+
+def _diff_line_html(line: str) -> str:
+    e = html.escape(line)
+    if line.startswith(("+++", "---")):
+        return f"<span class=\"file\">{e}</span>"
+    if line.startswith("@@"):
+        return f"<span class=\"hunk\">{e}</span>"
+    if line.startswith("+"):
+        return f"<span class=\"add\">{e}</span>"
+    if line.startswith("-"):
+        return f"<span class=\"del\">{e}</span>"
+    return e
+
+
+def _inline_code(text: str) -> str:
+    """Escape, then render `backticks` and **bold** the way the Markdown does."""
+    t = html.escape(text, quote=False)
+    t = re.sub(r"`([^`]*)`", r"<code>\1</code>", t)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
+
+
+def _md(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _nodes(nodes) -> str:
+    nodes = [str(n) for n in nodes]
+    if len(nodes) > 12:
+        return ", ".join(nodes[:12]) + f", … (+{len(nodes) - 12})"
+    return ", ".join(nodes) if nodes else "-"
+
+
+def _change(b, a) -> str:
+    if b is None or a is None:
+        return "-"
+    if b == a:
+        return "0"
+    if b == 0:
+        return "new"
+    return f"{(a - b) / b * 100:+.1f}%"
+
+
+def _flops(n) -> str:
+    n = float(n or 0)
+    for unit, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= s:
+            return f"{n / s:.3g} {unit}FLOP"
+    return f"{n:.0f} FLOP"
+
+
+def _num(x) -> str:
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _deviation_lines(rec) -> list[str]:
+    out = []
+    dev = rec.deviation or {}
+    for key, label in (("vs_original", "the original model"), ("vs_previous", "the previous pass")):
+        d = dev.get(key)
+        if d:
+            out.append(f"output deviation vs {label} (measured on the example inputs): max abs "
+                       f"{_num(d.get('max_abs'))}, relative {_num(d.get('rel'))}")
+    g = rec.grad_deviation
+    if g:
+        if "ok" in g:
+            out.append(f"gradients (measured on the example inputs): {g.get('checked', '?')} checked, "
+                       + ("equal within tolerance" if g["ok"] else "**differ**"))
+        else:
+            out.append("gradient deviation (measured): " + json.dumps(_json_safe(g), sort_keys=True))
+    if not dev and rec.status == "applied":
+        out.append("output deviation: not measured (verification disabled)")
+    return out
+
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _sparkline(counts) -> str:
+    vals = [float(c) for c in counts]
+    top = max(vals) if vals else 0
+    if top <= 0:
+        return _SPARK[0] * len(vals)
+    return "".join(_SPARK[min(len(_SPARK) - 1, int(v / top * (len(_SPARK) - 1) + 0.5))] for v in vals)
+
+
+def _metric_lines(metrics: dict) -> list[str]:
+    """Compact, deterministic lines for a pass's metrics; histograms become sparklines."""
+    out = []
+    for key in sorted(metrics or {}, key=str):
+        val = metrics[key]
+        if key == "histograms" and isinstance(val, dict):
+            edges = val.get("bin_edges")
+            rng = (f" (bins {_num(float(edges[0]))} … {_num(float(edges[-1]))})"
+                   if isinstance(edges, (list, tuple)) and len(edges) >= 2 else "")
+            out.append(f"histograms{rng}:")
+            for layer in sorted((k for k in val if k != "bin_edges"), key=str):
+                counts = val[layer]
+                if isinstance(counts, (list, tuple)) and counts and all(isinstance(c, (int, float)) for c in counts):
+                    out.append(f"  `{layer}` {_sparkline(counts)} (n={_num(sum(counts))})")
+            continue
+        if isinstance(val, (int, float, str, bool)) or val is None:
+            out.append(f"{key}: {_num(val)}")
+        else:
+            text = json.dumps(_json_safe(val), sort_keys=True)
+            out.append(f"{key}: `{text if len(text) <= 300 else text[:297] + '...'}`")
+    return out
+
+
+def _json_safe(x):
+    """JSON-ready, deterministic: str keys, non-finite floats as strings, tuples as lists, objects via to_dict."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if hasattr(x, "to_dict"):
+        return _json_safe(x.to_dict())
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return _json_safe(x.item())
+    if hasattr(x, "tolist"):
+        return _json_safe(x.tolist())
+    return str(x)
