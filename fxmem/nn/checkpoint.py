@@ -1,0 +1,98 @@
+"""CheckpointRegion: the module the checkpoint pass puts around a region of the graph.
+
+    region = CheckpointRegion(body, keep_ops={"mm", "addmm"})   # body: the region's GraphModule
+    y = region(x, w, b)  # train + grad: torch.utils.checkpoint(body, ..., use_reentrant=False)
+
+In training with autograd on, the body runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False,
+preserve_rng_state=True)`: only the region's inputs are kept, and the body runs again in backward. RNG state is
+restored for the recomputation, so dropout draws the same masks. A selective policy
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) saves the outputs of the ops named in
+`keep_ops` (aten packet names, e.g. "mm", "addmm", "bmm", "convolution") instead of recomputing them.
+
+Buffers the body updates in place (batch-norm running statistics) would be updated a second time by the
+recomputation; the region snapshots the inputs listed in `restore_args` before recomputing and copies them back
+afterwards, so buffers end the step exactly as without checkpointing. (Under torch.compile the recomputation is
+done by the compiler's partitioner on a functionalized graph, which does not repeat buffer updates.)
+In eval mode or under no_grad the body is simply called.
+
+`fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=...)` tells the cost model what it does.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx, nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                  noop_context_fn)
+
+from .regions import RegionInfo
+
+# dispatch-level ops worth keeping under selective checkpointing: matmuls, convolutions, attention kernels
+MATMUL_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "mkldnn_convolution",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})
+
+
+def _packet_name(func) -> str:
+    return str(getattr(func, "overloadpacket", func)).split(".")[-1]
+
+
+def _policy(keep: frozenset, ctx, func, *args, **kwargs):
+    """Selective checkpoint policy: save the outputs of `keep` ops, recompute everything else."""
+    name = _packet_name(func)
+    if name in keep or str(func) in keep:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointRegion(nn.Module):
+    """Runs `body` under non-reentrant activation checkpointing in training (see the module docstring)."""
+
+    def __init__(self, body: fx.GraphModule, keep_ops=(), label: str = "", restore_args=()):
+        super().__init__()
+        self.body = body
+        self.keep_ops = frozenset(keep_ops)
+        self.label = label  # the module path the region came from, for reports
+        self.restore_args = tuple(restore_args)  # inputs (buffers) the body mutates: restored after recompute
+        self.fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=self.keep_ops)
+
+    def _context_fn(self):
+        return create_selective_checkpoint_contexts(functools.partial(_policy, self.keep_ops))
+
+    def forward(self, *args):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.body(*args)
+        fn = self.body
+        if self.restore_args and not torch.compiler.is_compiling():
+            fn = _RestoringBody(self.body, self.restore_args)
+        context_fn = self._context_fn if self.keep_ops else noop_context_fn
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+
+    def extra_repr(self) -> str:
+        keep = ", ".join(sorted(self.keep_ops)) if self.keep_ops else "nothing (full recompute)"
+        return f"label={self.label!r}, keeps={keep}"
+
+
+class _RestoringBody:
+    """Calls `body`; from the second call on (the recomputation) restores the mutated inputs afterwards."""
+
+    def __init__(self, body, restore_args):
+        self.body, self.restore_args, self.calls = body, restore_args, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == 1:
+            return self.body(*args)
+        with torch.no_grad():
+            saved = [(args[i], args[i].detach().clone()) for i in self.restore_args
+                     if isinstance(args[i], torch.Tensor)]
+        try:
+            return self.body(*args)
+        finally:
+            with torch.no_grad():
+                for t, s in saved:
+                    t.copy_(s)

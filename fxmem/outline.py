@@ -1,0 +1,215 @@
+"""Outline a set of nodes of a Program's graph into a child GraphModule called through one `call_module` node.
+
+Passes that wrap part of a graph in a module (checkpoint regions, offload regions) share this helper:
+
+    from fxmem.outline import outline
+    call = outline(program, nodes, "ckpt_h_0", wrap=lambda body: CheckpointRegion(body))
+
+What it does, in order:
+
+1. `nodes` is the region. get_attr nodes are never moved: parameters and buffers stay owned by the outer module
+   (state_dict keys are unchanged) and are passed into the region as arguments, like every other value the
+   region reads from outside. Placeholders of the child are named after the outer values they receive.
+2. The region must be *convex*: no path leaves the region and comes back into it (else it could not be one
+   call). A non-convex set raises `OutlineError` naming a node on the offending path.
+3. The child graph returns the region's values used outside (one value, or a tuple when there are several;
+   the outer graph then reads them with `operator.getitem` nodes that keep the original names' meaning).
+4. `wrap(child)` builds the module (e.g. a CheckpointRegion around the child); it is added to the outer module
+   under `name` (made unique: `ckpt_h_0`, `ckpt_h_0_1`, ...) and the region's nodes are replaced by the call.
+5. The outer graph is re-ordered topologically with the smallest possible change (a stable sort on the
+   original positions), so execution order, and therefore memory behaviour, stays as it was elsewhere.
+
+Node meta is kept: the child's nodes carry the original meta (`nn_module_stack`, `val`, `fxmem_val`, ...); the
+call node gets the region's common `nn_module_stack` prefix and `meta["val"]` of its outputs.
+
+Call `program.refresh()` after outlining (the PassManager does it after every pass).
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Callable, Iterable
+
+from torch import fx, nn
+
+from .errors import FxmemError
+from .program import Program
+
+__all__ = ["outline", "OutlineError", "region_boundary", "unique_name", "stable_toposort"]
+
+
+class OutlineError(FxmemError):
+    """The nodes given to `outline` cannot become one call (not convex, contain placeholders/outputs, ...)."""
+
+
+def region_boundary(nodes: Iterable[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(inputs, outputs) of a node set, in graph order.
+
+    inputs: values defined outside the set (get_attr nodes included) that nodes of the set read.
+    outputs: nodes of the set that a node outside the set reads.
+    """
+    members = {n for n in nodes if n.op != "get_attr"}
+    ins: dict[fx.Node, None] = {}
+    outs: dict[fx.Node, None] = {}
+    for n in _in_graph_order(members):
+        for a in n.all_input_nodes:
+            if a not in members:
+                ins.setdefault(a, None)
+        if any(u not in members for u in n.users):
+            outs[n] = None
+    return list(ins), list(outs)
+
+
+def unique_name(root: nn.Module, name: str) -> str:
+    """`name`, or `name_1`, `name_2`, ... if the root already has such an attribute."""
+    base = name.replace(".", "_") or "region"
+    cand, i = base, 0
+    while hasattr(root, cand):
+        i += 1
+        cand = f"{base}_{i}"
+    return cand
+
+
+def outline(program: Program, nodes: list[fx.Node], name: str,
+            wrap: Callable[[fx.GraphModule], nn.Module] | None = None) -> fx.Node:
+    """Replace `nodes` of `program`'s graph by one call to a new submodule; return the call node.
+
+    program: the Program to rewrite (in place). nodes: the region (any order; get_attr nodes are left outside).
+    name: attribute name for the new submodule on the root (dots become underscores; made unique).
+    wrap: builds the module from the child GraphModule (default: the child itself).
+    Raises OutlineError if the region is empty, contains placeholders/outputs, or is not convex.
+    """
+    gm = program.module
+    graph = gm.graph
+    members = [n for n in _in_graph_order(set(nodes)) if n.op != "get_attr"]
+    if not members:
+        raise OutlineError(f"outline {name!r}: no nodes to outline")
+    bad = [n.name for n in members if n.op in ("placeholder", "output")]
+    if bad:
+        raise OutlineError(f"outline {name!r}: cannot outline placeholder/output nodes {bad}")
+    member_set = set(members)
+    _check_convex(member_set, name)
+    inputs, outputs = region_boundary(members)
+    if not outputs:
+        raise OutlineError(f"outline {name!r}: the region's values are never used outside it "
+                           f"(nothing to return; first node {members[0].name})")
+
+    # ---------------------------------------------------------------------------- the child graph
+    child = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        ph = child.placeholder(a.name)
+        ph.meta = dict(a.meta)
+        env[a] = ph
+    for n in members:
+        env[n] = child.node_copy(n, lambda a: env[a])
+    if len(outputs) == 1:
+        child.output(env[outputs[0]])
+    else:
+        child.output(tuple(env[o] for o in outputs))
+    child.lint()
+    body = fx.GraphModule(nn.Module(), child, class_name="Region_" + name.replace(".", "_"))
+    mod = wrap(body) if wrap is not None else body
+
+    attr = unique_name(gm, name)
+    gm.add_submodule(attr, mod)
+
+    # ---------------------------------------------------------------------------- the call in the outer graph
+    with graph.inserting_after(members[-1]):
+        call = graph.call_module(attr, tuple(inputs))
+    call.meta["nn_module_stack"] = _common_stack(members)
+    call.meta["fxmem_region"] = attr
+    if len(outputs) == 1:
+        call.meta.update({k: v for k, v in outputs[0].meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in member_set)
+    else:
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        prev = call
+        for i, o in enumerate(outputs):
+            with graph.inserting_after(prev):
+                g = graph.call_function(operator.getitem, (call, i))
+            g.meta = {k: v for k, v in o.meta.items() if k in ("val", "fxmem_val", "tensor_meta",
+                                                                  "nn_module_stack", "stack_trace")}
+            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in member_set and u is not call)
+            prev = g
+    for n in reversed(members):
+        graph.erase_node(n)
+    stable_toposort(graph)
+    graph.lint()
+    gm.recompile()
+    return call
+
+
+# ============================================================================================ helpers
+
+def _in_graph_order(nodes: set) -> list[fx.Node]:
+    if not nodes:
+        return []
+    graph = next(iter(nodes)).graph
+    return [n for n in graph.nodes if n in nodes]
+
+
+def _check_convex(members: set, name: str) -> None:
+    """No path member -> outside -> ... -> member."""
+    order = {n: i for i, n in enumerate(next(iter(members)).graph.nodes)}
+    last = max(order[n] for n in members)
+    # forward search from outside users of members, limited to nodes before the region's last node
+    frontier = [u for n in members for u in n.users if u not in members and order[u] < last]
+    seen: set = set()
+    while frontier:
+        x = frontier.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        for u in x.users:
+            if u in members:
+                raise OutlineError(f"outline {name!r}: the nodes are not convex: {x.name} (outside) reads a "
+                                   f"region value and feeds {u.name} (inside)")
+            if order[u] < last:
+                frontier.append(u)
+
+
+def _common_stack(members: list[fx.Node]) -> dict:
+    stacks = [list((n.meta.get("nn_module_stack") or {}).items()) for n in members]
+    stacks = [s for s in stacks if s]
+    if not stacks:
+        return {}
+    common = stacks[0]
+    for s in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(s)) and common[k][0] == s[k][0]:
+            k += 1
+        common = common[:k]
+    return dict(common)
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Re-order `graph` topologically, keeping each node as early as its original position allows.
+
+    Kahn's algorithm with a heap on the original positions: when the graph is already ordered nothing moves.
+    """
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    heap = [pos[n] for n in nodes if indeg[n] == 0]
+    heapq.heapify(heap)
+    order: list[fx.Node] = []
+    while heap:
+        n = nodes[heapq.heappop(heap)]
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, pos[u])
+    if len(order) != len(nodes):
+        raise OutlineError("graph has a cycle after outlining")
+    if order == nodes:
+        return
+    # move nodes into place: append each after the previous one
+    output = [n for n in order if n.op == "output"]
+    prev = None
+    for n in order:
+        if prev is not None and prev.next is not n:
+            prev.append(n)
+        prev = n
+    del output
