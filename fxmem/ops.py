@@ -289,7 +289,7 @@ _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
       "reciprocal", "abs", "sqrt_"], OpInfo(POINTWISE, _in0, _flops_pointwise))
-_reg(["pow"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
+_reg(["pow", "pow_"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
 _reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "hardtanh", "threshold"],
      OpInfo(POINTWISE, _out0, _flops_pointwise))
 _reg(["masked_fill", "masked_fill_"], OpInfo(POINTWISE, _masked_fill, _flops_pointwise))

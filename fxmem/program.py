@@ -62,7 +62,8 @@ class Program:
             g.eliminate_dead_code(is_impure_node=_is_impure)
         g.lint()
         self.module.recompile()
-        propagate_meta(self.module, self.flat_inputs(), self.mode)
+        from .costmodel import with_data_dependent_fallback
+        with_data_dependent_fallback(lambda: propagate_meta(self.module, self.flat_inputs(), self.mode))
 
     def snapshot(self) -> "Program":
         """A copy for rollback: a new graph and GraphModule; submodules and parameters are shared."""

@@ -1,0 +1,230 @@
+"""`fxmem optimize | estimate | diff | policies`.
+
+A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
+Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget), 1 internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from .errors import FxmemError, ModelFileError
+
+MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
+                   "calibration_data(), evaluate(module)); it is user code and runs as such")
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "cmd", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except FxmemError as e:
+        print(f"fxmem: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fxmem: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        print(f"fxmem: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxmem", description="A model-surgery compiler that makes PyTorch models "
+                                "fit in memory. " + MODEL_FILE_HELP[0].upper() + MODEL_FILE_HELP[1:] + ".")
+    sub = p.add_subparsers(dest="cmd")
+
+    e = sub.add_parser("estimate", help="estimate (and optionally measure) the memory of a training step")
+    e.add_argument("model", help=MODEL_FILE_HELP)
+    e.add_argument("--mode", choices=["train", "inference"], default="train")
+    e.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, adamw8bit, ...")
+    e.add_argument("--method", choices=["static", "traced"], default="static")
+    e.add_argument("--measure", action="store_true", help="also run real steps and show measured bytes")
+    e.add_argument("--budget", help="device budget like 16GiB: print the largest batch that fits")
+    e.add_argument("--device", default="cpu", help="device the budget is for (cuda reserves context memory)")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    e.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    e.set_defaults(func=cmd_estimate)
+
+    o = sub.add_parser("optimize", help="transform a model under a policy and write the result and a report")
+    o.add_argument("model", help=MODEL_FILE_HELP)
+    o.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
+    o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak")
+    o.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --out atomically")
+    o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
+    o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
+    o.add_argument("--strict", action="store_true", help="a pass that fails or is rolled back is an error")
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--quiet", action="store_true")
+    o.set_defaults(func=cmd_optimize)
+
+    d = sub.add_parser("diff", help="graph diff of two saved results, or of a saved result and its original")
+    d.add_argument("a", help="a directory written by fxmem optimize")
+    d.add_argument("b", nargs="?", help="another result directory (default: A's original graph)")
+    d.set_defaults(func=cmd_diff)
+
+    pp = sub.add_parser("policies", help="list presets, or show one resolved")
+    pp.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    pp.add_argument("name", nargs="?")
+    pp.set_defaults(func=cmd_policies)
+    return p
+
+
+# ============================================================================================ estimate
+
+def cmd_estimate(a) -> int:
+    import torch  # noqa: F401
+
+    from .capture import capture
+    from .costmodel import estimate, plan_batch
+    from .modelfile import check_inputs, load_model_file
+    from .units import format_bytes, parse_size
+    budget = None
+    if a.budget is not None:
+        try:
+            budget = parse_size(a.budget)
+        except ValueError as e:
+            raise ModelFileError(f"--budget: {e}") from None
+    mf = load_model_file(a.model)
+    check_inputs(mf)
+    program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
+    program.refresh()
+    try:
+        est = estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
+                       world_size=a.world_size, zero_stage=a.zero_stage)
+    except ValueError as e:
+        raise ModelFileError(str(e)) from None
+    measured = None
+    if a.measure:
+        import copy
+
+        from .measure import measure
+        measured = measure(copy.deepcopy(program.module), mf.args, mf.kwargs, mode=a.mode, optimizer=a.optimizer,
+                           loss_fn=mf.loss_fn)
+    plan = None
+    if budget is not None:
+        plan = plan_batch(program, budget=budget, mode=a.mode, optimizer=a.optimizer, loss_fn=mf.loss_fn,
+                          device=a.device)
+    if a.json:
+        out = {"model": str(a.model), "estimate": est.to_dict(), "specialized": [str(s) for s in program.specialized]}
+        if measured is not None:
+            out["measured"] = measured.to_dict()
+        if plan is not None:
+            out["plan_batch"] = plan
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    rows = ["params", "buffers", "grads", "optimizer_state", "inputs", "activations", "peak"]
+    head = f"{'':18s}{'estimated (' + est.method + ')':>22s}"
+    if measured is not None:
+        head += f"{'measured':>16s}{'ratio':>8s}"
+    print(f"fxmem estimate: {Path(a.model).name}  mode={a.mode}  optimizer={est.optimizer}  "
+          f"world_size={a.world_size} zero_stage={a.zero_stage}")
+    print(head)
+    for r in rows:
+        line = f"{r:18s}{format_bytes(getattr(est, r)):>22s}"
+        if measured is not None:
+            m = getattr(measured, r)
+            ratio = f"{getattr(est, r) / m:.3f}" if m else "-"
+            line += f"{format_bytes(m):>16s}{ratio:>8s}"
+        print(line)
+    print(f"peak at: {est.peak_at} ({est.peak_phase}{', ' + est.peak_module if est.peak_module else ''})")
+    if measured is not None:
+        print(f"measured peak at: {measured.peak_at} ({measured.peak_phase})")
+    print(f"FLOPs per step (estimated): forward {est.flops_forward:.3g}, backward {est.flops_backward:.3g}")
+    if est.by_module:
+        print("heaviest modules (bytes saved for backward, estimated):")
+        for m, b in est.by_module[:10]:
+            print(f"  {format_bytes(b):>12s}  {m}")
+    print("unknown ops: " + (", ".join(est.unknown_ops) if est.unknown_ops else "none"))
+    if program.specialized:
+        print("static dims: " + "; ".join(str(s) for s in program.specialized))
+    if plan is not None:
+        if plan["batch"] == 0:
+            print(f"budget {a.budget}: even batch 1 does not fit (estimated peak {format_bytes(plan['peak'])})")
+        else:
+            print(f"budget {a.budget} ({a.device}): largest batch that fits = {plan['batch']} "
+                  f"(estimated peak {format_bytes(plan['peak'])}, usable {format_bytes(plan['usable'])})")
+    return 0
+
+
+# ============================================================================================ optimize
+
+def cmd_optimize(a) -> int:
+    from .api import save_result, transform
+    from .modelfile import check_inputs, load_model_file
+    from .units import format_bytes
+    out = Path(a.out) if a.out else Path("fxmem-out") / Path(a.model).stem
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not a.overwrite:
+        raise FxmemError(f"{out}: already exists and is not empty; nothing was written (choose another --out, "
+                         "or pass --overwrite to replace it atomically)")
+    mf = load_model_file(a.model)
+    check_inputs(mf)
+    log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    calibration = mf.calibration(limit=64)
+    res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=a.budget, calibration=calibration,
+                    loss_fn=mf.loss_fn, measure=a.measure, strict=a.strict, overrides=a.set, log=log,
+                    model_file=mf.module)
+    save_result(res, out, overwrite=a.overwrite)
+    if a.json:
+        print(res.report.to_json())
+        return 0
+    b, af = res.before, res.after
+    print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
+    print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")
+    for r in ("params", "grads", "optimizer_state", "activations", "peak"):
+        print(f"{r:18s}{format_bytes(getattr(b, r)):>14s}{format_bytes(getattr(af, r)):>14s}")
+    if res.measured_before is not None:
+        print(f"{'peak (measured)':18s}{format_bytes(res.measured_before.peak):>14s}"
+              f"{format_bytes(res.measured_after.peak):>14s}")
+    for rec in res.records:
+        extra = f" — {rec.reason}" if rec.reason else ""
+        print(f"  pass {rec.name:11s} {rec.status:12s} {len(rec.changes)} change(s){extra}")
+    print(f"wrote {out}/ (report.md, report.html, report.json, transformed.py, module)")
+    return 0
+
+
+# ============================================================================================ diff / policies
+
+def cmd_diff(a) -> int:
+    from .report import diff_text
+    A = Path(a.a)
+    for d in [A] + ([Path(a.b)] if a.b else []):
+        if not (d / "manifest.json").exists():
+            raise FxmemError(f"{d}: not a result directory written by fxmem optimize (no manifest.json)")
+    if a.b:
+        B = Path(a.b)
+        text = diff_text((A / "transformed.py").read_text(), (B / "transformed.py").read_text(),
+                         f"{A}/transformed.py", f"{B}/transformed.py")
+    else:
+        text = diff_text((A / "original.py").read_text(), (A / "transformed.py").read_text(),
+                         f"{A}/original.py", f"{A}/transformed.py")
+    print(text if text.strip() else "no differences")
+    return 0
+
+
+def cmd_policies(a) -> int:
+    from .policy import list_presets, load_policy
+    if a.action == "list":
+        for name in list_presets():
+            pol = load_policy(name)
+            print(f"{name:12s} {pol.description}")
+        return 0
+    if not a.name:
+        raise FxmemError("fxmem policies show NAME: name a preset or a YAML file")
+    print(load_policy(a.name).dump_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
