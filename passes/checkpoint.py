@@ -1,0 +1,687 @@
+"""Checkpoint pass: land the training step under a memory budget with the least extra compute.
+
+Given a budget (bytes, or a fraction of the baseline peak), the pass chooses, for each candidate region of the
+graph, one of three things:
+
+    keep       the region runs as captured; autograd saves what it saves
+    selective  recompute in backward, but save the outputs of matmul-like ops (mm/addmm/bmm/convolution/attention
+               kernels); pointwise and normalization ops are recomputed (selective activation checkpointing)
+    full       recompute the whole region in backward; only its inputs are kept
+
+Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
+module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...). Each candidate is a run
+of consecutive nodes of one module call.
+
+The memory model (Chen et al. 2016 / Rotor style, on the cost model's timeline). Checkpointing region i frees
+`freed_i(choice)` bytes (what autograd would save inside the region, minus what selective keeps) for every point
+of the step after region i's forward and before its backward, i.e. every forward or backward point at a node
+later in the graph than region i. Inside a region's own backward the recomputation brings its tensors back, as
+without checkpointing. So with baseline live bytes `live(p)` (the cost model's static timeline) the plan's peak is
+
+    peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
+
+and the pass minimises the sum of recompute costs subject to peak(plan) <= budget. Regions sorted by position
+make the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised,
+always rounding in the safe direction), or a MILP (scipy's HiGHS `milp`) for graphs whose regions are not a
+chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs the LP bound) is
+reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget:
+a lower budget never gets a higher planned peak.
+
+Emission: each chosen region is outlined (`fxmem.outline`) into a `CheckpointRegion` submodule named
+`ckpt_<module path>` that calls its body through `torch.utils.checkpoint(use_reentrant=False,
+preserve_rng_state=True)` (dropout masks are reproduced exactly), with a selective policy for `selective`.
+Parameters stay owned by the outer module (state_dict keys unchanged) and are passed in as arguments.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import fx
+
+from fxmem.costmodel import trace_forward
+from fxmem.errors import BudgetError, PolicyError
+from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
+from fxmem.outline import OutlineError, outline, region_boundary
+from fxmem.pipeline import Change, PassResult, register
+from fxmem.program import Program, module_stack
+from fxmem.units import Budget, format_bytes, parse_budget
+
+CHOICES = ("keep", "selective", "full")
+
+
+@dataclass
+class CheckpointOptions:
+    """Options of `passes.checkpoint` in a policy."""
+    budget: Budget | None = None  # '4GiB', '40%' (of the baseline peak); None: the policy's budget
+    solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
+    selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
+    cost: Literal["flops", "profile"] = "flops"  # recompute cost: op-table FLOPs, or timed on the example inputs
+    time_limit: float = 10.0  # seconds for the MILP before the greedy fallback
+    slack: float = 0.05  # stated tolerance: measured peak <= budget * (1 + slack)
+    keep_ops: list[str] = field(default_factory=lambda: sorted(MATMUL_OPS))  # what selective regions save
+    regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
+    min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
+
+
+# ============================================================================================ candidates
+
+@dataclass
+class Region:
+    """A candidate: consecutive nodes of one module call, with what checkpointing it would free and cost."""
+    path: str
+    nodes: list  # fx.Node, graph order
+    first: int = 0  # position of the first / last node in the graph
+    last: int = 0
+    saved: int = 0  # bytes autograd saves inside the region (created inside)
+    kept: int = 0  # bytes selective keeps (outputs of keep ops)
+    held: int = 0  # bytes of region inputs the region would hold that nobody saves otherwise
+    flops: float = 0.0  # forward cost of the region (recompute cost of `full`)
+    flops_sel: float = 0.0  # recompute cost of `selective`
+    inputs: list = field(default_factory=list)
+
+    def freed(self, choice: str) -> int:
+        if choice == "full":
+            return max(0, self.saved - self.held)
+        if choice == "selective":
+            return max(0, self.saved - self.kept - self.held)
+        return 0
+
+    def cost(self, choice: str) -> float:
+        return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops}[choice]
+
+
+def _is_region_node(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    t = n.target
+    schema = getattr(t, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    name = getattr(t, "__name__", "")
+    if name == "count_batch" or name.startswith("_assert"):
+        return False
+    if t is torch.ops.aten.sym_size.int or "sym_size" in str(t):
+        return False
+    return True
+
+
+def _paths(n: fx.Node) -> list[str]:
+    return [p for p, _ in module_stack(n) if p]
+
+
+def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit: list[str] | None = None,
+                      min_fraction: float = 0.01) -> list[Region]:
+    """Module-boundary candidates: runs of consecutive nodes of one module call, in graph order."""
+    nodes = [n for n in program.graph.nodes if _is_region_node(n)]
+    total = sum(saved_by_node.values()) or 1
+    if explicit:
+        chosen = list(explicit)
+    else:
+        chosen = _auto_levels(nodes, saved_by_node, total)
+    chosen_set = set(chosen)
+
+    def owner(n):
+        for p in _paths(n):
+            if p in chosen_set:
+                return p
+        return None
+
+    regions: list[Region] = []
+    cur: Region | None = None
+    cur_path = None
+    for n in nodes:
+        p = owner(n)
+        if p is None:
+            # getitem nodes and other glue between nodes of one module stay with it
+            if cur is not None and getattr(n.target, "__name__", "") == "getitem" and n.args[0] in cur.nodes:
+                cur.nodes.append(n)
+                continue
+            cur, cur_path = None, None
+            continue
+        if cur is not None and p == cur_path:
+            cur.nodes.append(n)
+        else:
+            cur = Region(p, [n])
+            cur_path = p
+            regions.append(cur)
+    # unique names for repeated calls of one module (e.g. a shared pool)
+    seen: dict[str, int] = {}
+    for r in regions:
+        k = seen.get(r.path, 0)
+        seen[r.path] = k + 1
+        if k:
+            r.path = f"{r.path}#{k}"
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    for r in regions:
+        r.first, r.last = pos[r.nodes[0]], pos[r.nodes[-1]]
+    if explicit:
+        missing = [p for p in explicit if not any(r.path.split("#")[0] == p for r in regions)]
+        if missing:
+            raise PolicyError(f"passes.checkpoint.regions: no graph nodes belong to module(s) {missing}")
+    return regions
+
+
+def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int) -> list[str]:
+    """Top-level module paths; a module holding over half the saved bytes is replaced by its children."""
+    saved_by_path: dict[str, int] = {}
+    children: dict[str, list[str]] = {}
+    tops: list[str] = []
+    for n in nodes:
+        ps = _paths(n)
+        for d, p in enumerate(ps):
+            saved_by_path[p] = saved_by_path.get(p, 0) + saved_by_node.get(n.name, 0)
+            parent = ps[d - 1] if d else None
+            lst = children.setdefault(parent, []) if parent else tops
+            if p not in lst:
+                lst.append(p)
+    out: list[str] = []
+    todo = list(tops)
+    while todo:
+        p = todo.pop(0)
+        kids = children.get(p, [])
+        if len(kids) >= 2 and saved_by_path.get(p, 0) > 0.5 * total:
+            todo = kids + todo
+        else:
+            out.append(p)
+    return out
+
+
+def measure_regions(program: Program, regions: list[Region], rec, base_keys, keep_ops: frozenset,
+                    node_time: dict[str, float] | None = None) -> None:
+    """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
+    R = rec.records
+    sb = rec.storage_bytes
+    created_in: dict[int, int] = {}
+    for r in R:
+        for k in r.new_keys:
+            created_in[k] = r.idx
+    saved_anywhere: set[int] = set()
+    for r in R:
+        if r.out_rg:
+            saved_anywhere.update(r.saved)
+    by_node: dict[str, list] = {}
+    for r in R:
+        by_node.setdefault(r.node, []).append(r)
+    for reg in regions:
+        names = {n.name for n in reg.nodes}
+        recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
+        idxs = {r.idx for r in recs}
+        saved: set[int] = set()
+        kept: set[int] = set()
+        flops = flops_sel = 0.0
+        for r in recs:
+            is_keep = _packet(r.func) in keep_ops or str(r.func) in keep_ops
+            if node_time is None:
+                flops += r.flops
+                if not is_keep:
+                    flops_sel += r.flops
+            if r.out_rg:
+                for k in r.saved:
+                    if base_keys.get(k) is None and created_in.get(k) in idxs:
+                        saved.add(k)
+            if is_keep:
+                kept.update(k for k in r.new_keys if base_keys.get(k) is None)
+        if node_time is not None:
+            for n in reg.nodes:
+                t = node_time.get(n.name, 0.0)
+                flops += t
+                if not any(_packet(r.func) in keep_ops for r in by_node.get(n.name, [])):
+                    flops_sel += t
+        ins, _ = region_boundary(reg.nodes)
+        held = 0
+        for a in ins:
+            v = a.meta.get("fxmem_val")
+            if isinstance(v, torch.Tensor) and a.op != "get_attr" and a.op != "placeholder":
+                # an input the region must hold; if autograd saves it anyway, nothing extra
+                producer = [r for r in by_node.get(a.name, [])]
+                keys = {k for r in producer for k in r.new_keys}
+                if not (keys & saved_anywhere):
+                    held += sum(sb[k] for k in keys)
+        reg.saved = sum(sb[k] for k in saved)
+        reg.kept = sum(sb[k] for k in kept)
+        reg.held = held
+        reg.flops, reg.flops_sel = float(flops), float(flops_sel)
+        reg.inputs = ins
+        del names
+
+
+def _packet(func) -> str:
+    return str(getattr(func, "overloadpacket", func)).split(".")[-1]
+
+
+# ============================================================================================ memory model
+
+@dataclass
+class Model:
+    """Nested prefix constraints: for k = 0..n, sum of freed over regions[:k] >= need[k]."""
+    regions: list[Region]
+    live_by_prefix: list[int]  # max baseline live bytes over points with k regions before them
+    floor: int  # peak of points no region can help (optimizer step, ...)
+    floor_at: str
+    choices: list[tuple[str, ...]]  # allowed choices per region
+
+    def needs(self, budget: int) -> list[int]:
+        return [max(0, lv - budget) for lv in self.live_by_prefix]
+
+    def peak(self, plan: list[str]) -> int:
+        freed = 0
+        best = self.floor
+        for k, lv in enumerate(self.live_by_prefix):
+            if k:
+                freed += self.regions[k - 1].freed(plan[k - 1])
+            best = max(best, lv - freed)
+        return best
+
+    def cost(self, plan: list[str]) -> float:
+        return sum(r.cost(c) for r, c in zip(self.regions, plan))
+
+    def min_peak(self) -> int:
+        return self.peak([max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)])
+
+
+def build_model(est, regions: list[Region], program: Program, choices) -> Model:
+    """Map the baseline timeline onto prefixes of the region chain."""
+    pos = {n.name: i for i, n in enumerate(program.graph.nodes)}
+    lasts = [r.last for r in regions]
+    n = len(regions)
+    live = [0] * (n + 1)
+    floor, floor_at = 0, ""
+    end = len(pos) + 1
+    for p in est.timeline:
+        if p.phase == "optimizer":
+            if p.peak > floor:
+                floor, floor_at = p.peak, p.label
+            continue
+        at = pos.get(p.label, end if p.label == "loss" else None)
+        if at is None:
+            if p.peak > floor:
+                floor, floor_at = p.peak, p.label
+            continue
+        k = int(np.searchsorted(lasts, at, side="left"))  # regions whose last node is before `at`
+        live[k] = max(live[k], p.peak)
+    return Model(regions, live, floor, floor_at, choices)
+
+
+# ============================================================================================ solvers
+
+@dataclass
+class Solution:
+    plan: list[str]
+    cost: float
+    peak: int
+    solver: str
+    optimal: bool = True
+    gap: float | None = None  # relative gap to a lower bound (greedy fallback)
+    seconds: float = 0.0
+    note: str = ""
+
+
+def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
+    """Exact DP over the chain of regions; bytes quantised to need/q units (freed rounded down, needs up)."""
+    needs = model.needs(budget)
+    top = max(needs)
+    n = len(model.regions)
+    if top == 0:
+        return ["keep"] * n
+    if needs[0] > 0:
+        return None
+    unit = max(1.0, top / q)
+    cap = int(math.ceil(top / unit))
+    need_u = [int(math.ceil(x / unit)) for x in needs]
+    INF = float("inf")
+    dp = np.full(cap + 1, INF)
+    dp[0] = 0.0
+    back = []
+    for k, (reg, ch) in enumerate(zip(model.regions, model.choices)):
+        new = np.full(cap + 1, INF)
+        arg = np.full(cap + 1, -1, dtype=np.int64)
+        src = np.full(cap + 1, -1, dtype=np.int64)
+        for ci, c in enumerate(ch):
+            f = int(reg.freed(c) // unit)
+            cand = dp + reg.cost(c)
+            tmp = np.full(cap + 1, INF)
+            tsrc = np.full(cap + 1, -1, dtype=np.int64)
+            lo = max(0, cap - f)  # states s < lo move to s + f < cap; the rest saturate at cap
+            tmp[f:f + lo] = cand[:lo]
+            tsrc[f:f + lo] = np.arange(lo)
+            j = int(np.argmin(cand[lo:]))
+            if cand[lo + j] < tmp[cap]:
+                tmp[cap], tsrc[cap] = cand[lo + j], lo + j
+            better = tmp < new - 1e-12 * np.maximum(1.0, np.abs(np.where(np.isfinite(new), new, 0.0)))
+            new = np.where(better, tmp, new)
+            arg = np.where(better, ci, arg)
+            src = np.where(better, tsrc, src)
+        new[: need_u[k + 1]] = INF  # prefix constraint after region k
+        dp = new
+        back.append((arg, src))
+    if not np.isfinite(dp).any():
+        return None
+    # cheapest; among equal cost the most freed (lower peak)
+    best = float(dp[np.isfinite(dp)].min())
+    s = int(np.nonzero(dp <= best + 1e-9 * max(1.0, abs(best)))[0].max())
+    plan = []
+    for k in range(n - 1, -1, -1):
+        arg, src = back[k]
+        plan.append(model.choices[k][int(arg[s])])
+        s = int(src[s])
+    return plan[::-1]
+
+
+def solve_milp(model: Model, budget: int, time_limit: float, bound: float | None = None):
+    """MILP via scipy (HiGHS). Returns (plan or None, optimal flag, lp_bound)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    needs = model.needs(budget)
+    n = len(model.regions)
+    var = [(i, c) for i in range(n) for c in model.choices[i]]
+    m = len(var)
+    cost = np.array([model.regions[i].cost(c) for i, c in var])
+    scale = max(1.0, cost.max())
+    cost = cost / scale
+    rows, lo, hi = [], [], []
+    for i in range(n):  # one choice per region
+        rows.append([1.0 if j == i else 0.0 for j, _ in var])
+        lo.append(1.0)
+        hi.append(1.0)
+    bscale = max(1.0, max(needs))
+    for k in range(1, n + 1):
+        if needs[k] <= 0:
+            continue
+        rows.append([model.regions[j].freed(c) / bscale if j < k else 0.0 for j, c in var])
+        lo.append(needs[k] / bscale)
+        hi.append(np.inf)
+    A = np.array(rows)
+    cons = LinearConstraint(A, lo, hi)
+    opts = {"time_limit": float(time_limit), "disp": False}
+    res = milp(cost, constraints=cons, integrality=np.ones(m), bounds=Bounds(0, 1), options=opts)
+    lp = milp(cost, constraints=cons, integrality=np.zeros(m), bounds=Bounds(0, 1))
+    lp_bound = float(lp.fun) * scale if lp.status == 0 else None
+    if res.x is None:
+        return None, False, lp_bound
+    plan = ["keep"] * n
+    for j, (i, c) in enumerate(var):
+        if res.x[j] > 0.5:
+            plan[i] = c
+    return plan, res.status == 0, lp_bound
+
+
+def solve_greedy(model: Model, budget: int) -> list[str] | None:
+    """Upgrade the region with the best bytes-freed per unit cost until the plan fits (nested by budget)."""
+    n = len(model.regions)
+    plan = ["keep"] * n
+    rank = {c: i for i, c in enumerate(CHOICES)}
+    while model.peak(plan) > budget:
+        best, best_ratio = None, -1.0
+        for i, (reg, ch) in enumerate(zip(model.regions, model.choices)):
+            for c in ch:
+                if rank[c] <= rank[plan[i]]:
+                    continue
+                df = reg.freed(c) - reg.freed(plan[i])
+                if df <= 0:
+                    continue
+                dc = reg.cost(c) - reg.cost(plan[i])
+                ratio = df / max(dc, 1e-9)
+                if ratio > best_ratio:
+                    best, best_ratio = (i, c), ratio
+        if best is None:
+            return None
+        plan[best[0]] = best[1]
+    return plan
+
+
+def is_chain(regions: list[Region], program: Program) -> bool:
+    """True if values flow from region to region only forward by one (glue nodes traced through)."""
+    owner: dict[fx.Node, int] = {}
+    for i, r in enumerate(regions):
+        for n in r.nodes:
+            owner[n] = i
+    memo: dict[fx.Node, set] = {}
+
+    def sources(v: fx.Node) -> set:
+        if v in owner:
+            return {owner[v]}
+        if v in memo:
+            return memo[v]
+        memo[v] = set()
+        out = set()
+        for a in v.all_input_nodes:
+            out |= sources(a)
+        memo[v] = out
+        return out
+
+    for i, r in enumerate(regions):
+        for a in r.inputs:
+            for j in sources(a):
+                if j != i - 1 and j != i:
+                    return False
+    return True
+
+
+def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool) -> Solution | None:
+    t0 = time.perf_counter()
+    kind = solver if solver != "auto" else ("dp" if chain else "milp")
+    note = ""
+    optimal, gap = True, None
+    if kind == "dp":
+        plan = solve_dp(model, budget)
+        if plan is not None:
+            # lexicographic tie-break: the lowest budget with the same cost gives the lowest peak
+            plan = _lowest_peak_same_cost(model, plan, budget, lambda b: solve_dp(model, b))
+    elif kind == "milp":
+        plan, optimal, lp_bound = solve_milp(model, budget, time_limit)
+        if plan is not None and optimal:
+            plan = _lowest_peak_same_cost(model, plan, budget,
+                                          lambda b: solve_milp(model, b, time_limit)[0])
+        if plan is None or not optimal:
+            g = solve_greedy(model, budget)
+            if g is not None and (plan is None or model.cost(g) < model.cost(plan)):
+                note = (f"MILP found no proven optimum within time_limit={time_limit:g}s; greedy plan used")
+                plan, kind = g, "greedy"
+            if plan is not None and lp_bound:
+                gap = (model.cost(plan) - lp_bound) / max(lp_bound, 1e-12)
+    else:
+        plan = solve_greedy(model, budget)
+        optimal = False
+        if plan is not None:
+            try:
+                _, _, lp_bound = solve_milp(model, budget, time_limit)
+            except Exception:  # noqa: BLE001 - the bound is informative only
+                lp_bound = None
+            if lp_bound:
+                gap = (model.cost(plan) - lp_bound) / max(lp_bound, 1e-12)
+    if plan is None:
+        return None
+    return Solution(plan, model.cost(plan), model.peak(plan), kind, optimal, gap, time.perf_counter() - t0, note)
+
+
+def _lowest_peak_same_cost(model: Model, plan: list[str], budget: int, solve_at) -> list[str]:
+    """Among plans with the optimal cost, one with the lowest planned peak (bisection on the budget)."""
+    c0 = model.cost(plan)
+    lo, hi = model.min_peak(), model.peak(plan)
+    best = plan
+    for _ in range(24):
+        if hi - lo <= max(1, hi // 4096):
+            break
+        mid = (lo + hi) // 2
+        p = solve_at(mid)
+        if p is not None and model.cost(p) <= c0 * (1 + 1e-9) + 1e-9:
+            best, hi = p, min(model.peak(p), mid)
+        else:
+            lo = mid + 1
+    return best
+
+
+# ============================================================================================ the pass
+
+def resolve_budget(options: CheckpointOptions, ctx, baseline_peak: int) -> int | None:
+    b = options.budget
+    if b is None:
+        return ctx.budget
+    if not isinstance(b, Budget):
+        try:
+            b = parse_budget(b)
+        except ValueError as e:
+            raise PolicyError(f"passes.checkpoint.budget: {e}") from None
+    return int(b.resolve(baseline_peak))
+
+
+def profile_nodes(program: Program, repeats: int = 3) -> dict[str, float]:
+    """Seconds per node on the example inputs (median of `repeats` runs)."""
+    gm = program.module
+    times: dict[str, list[float]] = {}
+
+    class _Timer(fx.Interpreter):
+        def run_node(self, n):
+            t0 = time.perf_counter()
+            out = super().run_node(n)
+            times.setdefault(n.name, []).append(time.perf_counter() - t0)
+            return out
+
+    flat = program.flat_inputs()
+    with torch.no_grad():
+        for _ in range(repeats):
+            _Timer(gm).run(*flat, enable_io_processing=False)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _restore_args(inputs: list, nodes: list, gm) -> tuple[int, ...]:
+    """Indices of region inputs that are buffers the region updates in place (batch-norm running stats)."""
+    mutated: set = set()
+    for n in nodes:
+        t = n.target
+        if t in (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default):
+            for a in n.args[3:5]:
+                if isinstance(a, fx.Node):
+                    mutated.add(a)
+        schema = getattr(t, "_schema", None)
+        if schema is not None:
+            for a, sa in zip(n.args, schema.arguments):
+                if isinstance(a, fx.Node) and sa.alias_info is not None and sa.alias_info.is_write:
+                    mutated.add(a)
+    return tuple(i for i, a in enumerate(inputs) if a in mutated and a.op == "get_attr")
+
+
+@register
+class CheckpointPass:
+    name = "checkpoint"
+    exact = True
+    Options = CheckpointOptions
+
+    def run(self, program: Program, ctx) -> PassResult:
+        opts: CheckpointOptions = ctx.options if isinstance(ctx.options, CheckpointOptions) else CheckpointOptions()
+        notes: list[str] = []
+        t0 = time.perf_counter()
+        if ctx.mode != "train":
+            return PassResult(program, False, notes=["checkpoint: inference mode saves nothing for backward; "
+                                                     "nothing to do"])
+        base_peak = ctx.baseline.peak if ctx.baseline is not None else ctx.estimate(program).peak
+        budget = resolve_budget(opts, ctx, base_peak)
+        if budget is None:
+            return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget or the "
+                                                     "policy's budget); nothing to do"])
+        est0 = ctx.estimate(program)
+        metrics = {"budget": budget, "peak_before": est0.peak, "slack": opts.slack}
+        if est0.peak <= budget:
+            notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
+                         f"{format_bytes(budget)}; nothing recomputed")
+            return PassResult(program, False, notes=notes, metrics=metrics)
+
+        keep_ops = frozenset(opts.keep_ops)
+        rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs, ctx.mode,
+                                             ctx.loss_fn)
+        saved_by_node: dict[str, int] = {}
+        seen: set = set()
+        for r in rec.records:
+            for k in r.saved:
+                if k not in seen and base_keys.get(k) is None:
+                    seen.add(k)
+                    saved_by_node[r.node] = saved_by_node.get(r.node, 0) + rec.storage_bytes[k]
+        regions = candidate_regions(program, saved_by_node, opts.regions or None)
+        node_time = profile_nodes(program) if opts.cost == "profile" else None
+        measure_regions(program, regions, rec, base_keys, keep_ops, node_time)
+        total_saved = sum(r.saved for r in regions) or 1
+        if not opts.regions:
+            regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
+        choices = [("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
+                   and r.flops_sel < r.flops else ("keep", "full") for r in regions]
+        model = build_model(est0, regions, program, choices)
+        chain = is_chain(regions, program)
+        metrics.update({"candidates": len(regions), "chain": chain})
+
+        min_peak = max(model.min_peak(), model.floor)
+        if min_peak > budget:
+            msg = self._budget_message(budget, min_peak, est0, model)
+            if "offload" not in ctx.enabled:
+                raise BudgetError(msg)
+            notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
+                               "recomputed (the lowest peak checkpointing reaches).")
+            plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(regions, choices)]
+            sol = Solution(plan, model.cost(plan), model.peak(plan), "max", True)
+        else:
+            sol = solve(model, budget, opts.solver, opts.time_limit, chain)
+            if sol is None:
+                raise BudgetError(self._budget_message(budget, min_peak, est0, model))
+        if sol.note:
+            notes.append("checkpoint: " + sol.note)
+
+        changes = self._emit(program, regions, sol.plan, keep_ops)
+        program.refresh()
+        est1 = ctx.estimate(program)
+        metrics.update({
+            "solver": sol.solver, "optimal": sol.optimal, "gap": sol.gap, "solve_seconds": round(sol.seconds, 4),
+            "planned_peak": sol.peak, "estimated_peak": est1.peak, "recompute_flops": sol.cost
+            if opts.cost == "flops" else None, "recompute_seconds": sol.cost if opts.cost == "profile" else None,
+            "forward_flops": est0.flops_forward, "plan": {r.path: c for r, c in zip(regions, sol.plan)},
+            "transform_seconds": round(time.perf_counter() - t0, 3),
+        })
+        if est1.peak > budget * (1 + opts.slack):
+            notes.append(f"checkpoint: estimated peak after the pass {format_bytes(est1.peak)} is above the "
+                         f"budget {format_bytes(budget)} + {opts.slack:.0%} slack (planned "
+                         f"{format_bytes(sol.peak)})")
+        ctx.log(f"[checkpoint] {sum(c != 'keep' for c in sol.plan)}/{len(regions)} regions recomputed "
+                f"({sol.solver}); planned peak {format_bytes(sol.peak)}, estimated {format_bytes(est1.peak)}, "
+                f"budget {format_bytes(budget)}")
+        return PassResult(program, bool(changes), changes=changes, notes=notes, metrics=metrics)
+
+    # ------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _budget_message(budget, min_peak, est, model) -> str:
+        fixed = est.params + est.buffers + est.grads + est.optimizer_state + est.inputs
+        return (f"checkpoint: budget {format_bytes(budget)} is below the lowest peak checkpointing reaches, "
+                f"about {format_bytes(min_peak)} (baseline {format_bytes(est.peak)}). What cannot be checkpointed: "
+                f"parameters {format_bytes(est.params)}, gradients {format_bytes(est.grads)}, optimizer state "
+                f"{format_bytes(est.optimizer_state)}, buffers {format_bytes(est.buffers)}, inputs "
+                f"{format_bytes(est.inputs)} (together {format_bytes(fixed)}), plus the inputs each recomputed "
+                f"region keeps and the last region's activations. Raise the budget, or enable the offload pass.")
+
+    @staticmethod
+    def _emit(program: Program, regions: list[Region], plan: list[str], keep_ops: frozenset) -> list[Change]:
+        changes = []
+        for reg, choice in zip(regions, plan):
+            if choice == "keep":
+                continue
+            keep = keep_ops if choice == "selective" else frozenset()
+            ins, _ = region_boundary(reg.nodes)
+            restore = _restore_args(ins, reg.nodes, program.module)
+            label = reg.path.split("#")[0]
+            before = [n.name for n in reg.nodes]
+            try:
+                call = outline(program, reg.nodes, "ckpt_" + reg.path.replace("#", "_"),
+                               wrap=lambda body, keep=keep, label=label, restore=restore:
+                               CheckpointRegion(body, keep, label=label, restore_args=restore))
+            except OutlineError as e:
+                changes.append(Change("checkpoint_skipped", label, before, [], f"not outlined: {e}", 0))
+                continue
+            changes.append(Change(
+                kind="checkpoint_" + choice, module=label, nodes_before=before, nodes_after=[call.name],
+                reason=(f"{choice} recompute: frees about {format_bytes(reg.freed(choice))} of saved activations "
+                        f"for {reg.cost(choice):.3g} recompute cost"
+                        + (f" (keeps outputs of {', '.join(sorted(keep))})" if keep else "")),
+                bytes_saved=reg.freed(choice),
+                details={"choice": choice, "saved_bytes": reg.saved, "kept_bytes": reg.kept if keep else 0,
+                         "recompute_cost": reg.cost(choice), "submodule": call.target}))
+        return changes
