@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .units import format_bytes as _format_bytes
+
 SCHEMA_VERSION = 1
 
 # summary rows: (attribute, label)
@@ -34,25 +36,10 @@ CATEGORIES = (("params", "parameters"), ("buffers", "buffers"), ("grads", "gradi
 
 STATUS_MARK = {"applied": "applied", "unchanged": "unchanged", "rolled_back": "ROLLED BACK", "failed": "FAILED"}
 
-try:  # fxmem.units is the one place for byte formatting; keep working while it is being written
-    from .units import format_bytes as _units_format_bytes
-except ImportError:  # pragma: no cover - depends on the tree state
-    _units_format_bytes = None
-
 
 def format_bytes(n) -> str:
-    if n is None:
-        return "-"
-    if _units_format_bytes is not None:
-        return _units_format_bytes(int(n))
-    n = int(n)
-    sign = "-" if n < 0 else ""
-    v = float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if v < 1024 or unit == "TiB":
-            return f"{sign}{int(v)} B" if unit == "B" else f"{sign}{v:.2f} {unit}"
-        v /= 1024
-    return f"{sign}{v:.2f} TiB"  # unreachable
+    """`fxmem.units.format_bytes`, with '-' for a missing value."""
+    return "-" if n is None else _format_bytes(int(n))
 
 
 # ============================================================================================ graph diff
@@ -408,7 +395,8 @@ class Report:
         return L
 
     # ------------------------------------------------------------------------------------------ HTML
-    def to_html(self, deterministic: bool = False) -> str:
+    def to_html(self, deterministic: bool = False, *, svg: str | None = None) -> str:
+        """One self-contained file; `svg` is the already rendered `timeline_svg(self)` (saves a render)."""
         e = html.escape
         P: list[str] = []
         P.append("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">")
@@ -430,7 +418,7 @@ class Report:
         P.append("<ul class=\"facts\">" + "".join(f"<li>{_inline_code(s)}</li>" for s in self._summary_facts())
                  + "</ul>")
         P.append("<h2>Memory timeline</h2>")
-        P.append("<figure class=\"plot\">" + _svg_for_html(timeline_svg(self))
+        P.append("<figure class=\"plot\">" + _svg_for_html(svg if svg is not None else timeline_svg(self))
                  + "<figcaption>Live bytes during one step, before vs after. Each phase is scaled to the same "
                    "width so phases line up; dashed lines mark the peaks.</figcaption></figure>")
         P.append("<h2>Passes</h2>")
@@ -538,10 +526,11 @@ class Report:
         d.mkdir(parents=True, exist_ok=True)
         paths = {"markdown": d / "report.md", "html": d / "report.html", "json": d / "report.json",
                  "png": d / "memory_timeline.png", "svg": d / "memory_timeline.svg"}
+        svg = timeline_svg(self)
         paths["markdown"].write_text(self.to_markdown(deterministic), encoding="utf-8")
-        paths["html"].write_text(self.to_html(deterministic), encoding="utf-8")
+        paths["html"].write_text(self.to_html(deterministic, svg=svg), encoding="utf-8")
         paths["json"].write_text(self.to_json(deterministic), encoding="utf-8")
-        paths["svg"].write_text(timeline_svg(self), encoding="utf-8")
+        paths["svg"].write_text(svg, encoding="utf-8")
         paths["png"].write_bytes(timeline_png(self))
         return paths
 

@@ -1,0 +1,380 @@
+"""Report rendering: Markdown, JSON, self-contained deterministic HTML, graph diff, timeline plot."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fxmem.costmodel import MemoryEstimate
+from fxmem.measure import MemoryProfile, TimelinePoint
+from fxmem.pipeline import Change, PassRecord
+from fxmem.report import (Report, _series, clean_code, diff_text, graph_diff, replaced_nodes, timeline_png,
+                          timeline_svg)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CODE_BEFORE = """
+
+def forward(self, x):
+    x, = fx_pytree.tree_flatten_spec(([x], {}), self._in_spec)
+    fc1_weight = self.fc1.weight
+    linear = torch.ops.aten.linear.default(x, fc1_weight);  x = fc1_weight = None
+    gelu = torch.ops.aten.gelu.default(linear);  linear = None
+    mul = torch.ops.aten.mul.Tensor(gelu, 2.0);  gelu = None
+    return pytree.tree_unflatten((mul,), self._out_spec)
+    """
+
+CODE_AFTER = """
+
+def forward(self, x):
+    x, = fx_pytree.tree_flatten_spec(([x], {}), self._in_spec)
+    fc1_weight = self.fc1.weight
+    linear = torch.ops.aten.linear.default(x, fc1_weight);  x = fc1_weight = None
+    relu = torch.ops.aten.relu.default(linear);  linear = None
+    mul = torch.ops.aten.mul.Tensor(relu, 2.0);  relu = None
+    return pytree.tree_unflatten((mul,), self._out_spec)
+    """
+
+
+def _timeline(scale: float, n_fwd: int = 6, n_bwd: int = 6):
+    tl = []
+    live = 1000
+    for i in range(n_fwd):
+        live += int(200 * scale)
+        tl.append(TimelinePoint("forward", f"op{i}", live, live + 10))
+    for i in range(n_bwd):
+        live -= int(150 * scale)
+        tl.append(TimelinePoint("backward", f"op{n_fwd - 1 - i} (backward)", live, live + int(300 * scale)))
+    tl.append(TimelinePoint("optimizer", "optimizer.step", live + 500, live + 900))
+    return tl
+
+
+def _estimate(scale: float, unknown=()) -> MemoryEstimate:
+    tl = _timeline(scale)
+    return MemoryEstimate(params=1000, buffers=0, grads=1000, optimizer_state=2004, inputs=64,
+                          activations=int(1200 * scale), peak=max(p.peak for p in tl), peak_phase="backward",
+                          peak_at="op5 (backward)", peak_module="block.0", timeline=tl, unknown_ops=list(unknown),
+                          by_module=[("block.0", int(800 * scale)), ("block.1", int(400 * scale))],
+                          flops_forward=int(1e6), flops_backward=int(2e6 * (1 + (1 - scale))))
+
+
+def _profile(scale: float) -> MemoryProfile:
+    tl = _timeline(scale, n_fwd=20, n_bwd=30)
+    return MemoryProfile(params=1000, grads=1000, optimizer_state=2004, inputs=64, activations=int(1250 * scale),
+                         peak=max(p.peak for p in tl), peak_phase="backward", peak_at="mm.default", timeline=tl)
+
+
+def _passes():
+    applied = PassRecord(
+        name="checkpoint", status="applied", exact=True,
+        changes=[Change("recompute", "block.0", ["linear", "gelu"], ["checkpoint_region_0"],
+                        "saves 800 B of activations for one extra forward", 800, {"ops": 2}),
+                 Change("recompute", "block.1|odd", ["gelu_1"], ["checkpoint_region_1"], "budget", 400)],
+        notes=["solver: greedy"], deviation={"vs_original": {"max_abs": 0.0, "rel": 0.0},
+                                             "vs_previous": {"max_abs": 0.0, "rel": 0.0}},
+        grad_deviation={"checked": 4, "ok": True}, peak_before=3000, peak_after=2400, seconds=1.2345,
+        metrics={"histograms": {"block.0.fc1": [10, 4, 1, 0], "bin_edges": [0.0, 0.5, 1.0, 1.5, 2.0]},
+                 "sdpa_backend": {"flash": 0, "math": 2}, "deviation_max": float("inf")})
+    rolled = PassRecord(name="pruning", status="rolled_back", exact=False,
+                        reason="relative output error 0.31 vs the original exceeds the tolerance 0.05 "
+                               "(verify.lossy_tolerance)",
+                        deviation={"vs_original": {"max_abs": 1.5, "rel": 0.31},
+                                   "vs_previous": {"max_abs": 1.5, "rel": 0.31}},
+                        peak_before=3000, seconds=0.5)
+    return [rolled, applied]
+
+
+def _report(measured: bool = False, unknown=("aten.weird_op.default",), **kw) -> Report:
+    args = dict(model_name="TinyNet", policy={"name": "high", "passes": {"checkpoint": {"enabled": True}},
+                                              "verify": {"lossy_tolerance": 0.05}},
+                mode="train", optimizer="adamw", before=_estimate(1.0, unknown), after=_estimate(0.5),
+                measured_before=_profile(1.0) if measured else None,
+                measured_after=_profile(0.5) if measured else None, passes=_passes(),
+                code_before=CODE_BEFORE, code_after=CODE_AFTER, specialized=["args[0] dim 1 = 8"],
+                notes=["captured with torch.export (non-strict)"], budget=2500,
+                versions={"fxmem": "0.1.0", "torch": "2.13.0"},
+                timing={"capture_s": 0.731, "passes_s": 1.734, "total_s": 2.9})
+    args.update(kw)
+    return Report(**args)
+
+
+# ============================================================================================ graph diff
+
+def test_clean_code_strips_codegen_tails():
+    lines = clean_code(CODE_BEFORE)
+    assert "    gelu = torch.ops.aten.gelu.default(linear)" in lines
+    assert not any(re.search(r"=\s*None\s*$", x) for x in lines), lines
+    assert lines[0] == "def forward(self, x):"  # leading blank lines gone
+    assert lines[-1].strip().startswith("return")
+
+
+def test_graph_diff_shows_changed_lines():
+    d = graph_diff(CODE_BEFORE, CODE_AFTER)
+    assert d.startswith("--- captured\n+++ transformed\n@@")
+    assert "-    gelu = torch.ops.aten.gelu.default(linear)" in d
+    assert "+    relu = torch.ops.aten.relu.default(linear)" in d
+    assert "-    mul = torch.ops.aten.mul.Tensor(gelu, 2.0)" in d
+    assert "+    mul = torch.ops.aten.mul.Tensor(relu, 2.0)" in d
+    assert "= None" not in d  # the noisy tails do not show up as changes
+    # lines that only differed in their `; x = None` tail are not reported as changed
+    assert "-    linear = " not in d and "+    linear = " not in d
+
+
+def test_diff_text_labels_and_identical():
+    assert diff_text(CODE_BEFORE, CODE_BEFORE, "a/transformed.py", "b/transformed.py") == ""
+    # same code with different free-tails: still identical once cleaned
+    noisy = CODE_BEFORE.replace(";  linear = None", ";  linear = gelu_tmp = None")
+    assert diff_text(CODE_BEFORE, noisy) == ""
+    d = diff_text(CODE_BEFORE, CODE_AFTER, "a/transformed.py", "b/transformed.py")
+    assert d.splitlines()[:2] == ["--- a/transformed.py", "+++ b/transformed.py"]
+
+
+def test_replaced_nodes_table():
+    rows = replaced_nodes(_passes())
+    assert [r["module"] for r in rows] == ["block.0", "block.1|odd"]
+    assert rows[0]["nodes_before"] == ["linear", "gelu"] and rows[0]["nodes_after"] == ["checkpoint_region_0"]
+    assert rows[0]["bytes_saved"] == 800 and rows[0]["pass"] == "checkpoint"
+
+
+# ============================================================================================ markdown
+
+def test_markdown_summary_and_pass_sections():
+    md = _report().to_markdown()
+    assert "## Summary" in md
+    assert "| category | before (estimated) | after (estimated) | change |" in md
+    peak_b, peak_a = _estimate(1.0).peak, _estimate(0.5).peak
+    assert peak_b == 2350 and peak_a == 2050
+    assert "| **peak** | 2.29 KiB | 2.00 KiB | -12.8% |" in md
+    assert "| activations (saved for backward) | 1.17 KiB | 600 B | -50.0% |" in md
+    assert "FLOPs per step (fwd + bwd) | 3 MFLOP | 4 MFLOP | +33.3% |" in md
+    # per-pass sections, with what/where/why and the measured deviation
+    assert "### checkpoint: applied" in md and "### pruning: ROLLED BACK" in md
+    assert "| recompute | `block.0` | saves 800 B of activations for one extra forward | 800 B |" in md
+    assert "`block.1\\|odd`" in md  # pipes escaped inside tables
+    assert "output deviation vs the original model (measured on the example inputs): max abs 1.5, relative 0.31" \
+        in md
+    assert "gradients (measured on the example inputs): 4 checked, equal within tolerance" in md
+    assert "`block.0.fc1` █▄▂▁ (n=15)" in md  # histogram as a sparkline
+    assert "```diff" in md and "+    relu = torch.ops.aten.relu.default(linear)" in md
+    assert "| checkpoint | recompute | `block.0` | linear, gelu | checkpoint_region_0 | 800 B |" in md
+    assert "static dim: args[0] dim 1 = 8" in md
+    assert "![memory timeline, before vs after](memory_timeline.png)" in md
+    # no measured columns when the run was not measured
+    assert "(measured)" not in md.split("## Passes")[0].replace("(measured on", "")
+
+
+def test_markdown_measured_columns():
+    md = _report(measured=True).to_markdown()
+    assert "before (measured) | after (measured) | change |" in md
+    mp_b, mp_a = _profile(1.0).peak, _profile(0.5).peak
+    assert f"peak before (measured): " in md and "at `mm.default`" in md
+    row = next(x for x in md.splitlines() if x.startswith("| **peak**"))
+    assert row.count("|") == 8 and f"{(mp_a - mp_b) / mp_b * 100:+.1f}%" in row
+
+
+def test_rolled_back_and_unknown_ops_are_prominent():
+    r = _report()
+    md = r.to_markdown()
+    warn_at, summary_at = md.index("## ⚠ Warnings"), md.index("## Summary")
+    assert warn_at < summary_at
+    warn = md[warn_at:summary_at]
+    assert "pass `pruning` was ROLLED BACK: relative output error 0.31" in warn
+    assert "aten.weird_op.default" in warn
+    assert "OVER the budget" not in warn  # 2050 <= 2500: fits
+    h = r.to_html()
+    w0, s0 = h.index('id="warnings"'), h.index("<h2>Summary</h2>")
+    assert w0 < s0 and "aten.weird_op.default" in h[w0:s0] and "pruning</code> was ROLLED BACK" in h[w0:s0]
+    assert '<section class="pass bad" id="pass-pruning">' in h
+    # a failed pass too, and an over-budget result
+    failed = PassRecord(name="offload", status="failed", exact=True, reason="RuntimeError: boom")
+    r2 = _report(unknown=(), passes=[failed], budget=1000)
+    md2 = r2.to_markdown()
+    warn2 = md2[md2.index("## ⚠ Warnings"):md2.index("## Summary")]
+    assert "pass `offload` FAILED and was rolled back: RuntimeError: boom" in warn2
+    assert "OVER the budget by" in warn2
+    # nothing to warn about: no warnings section
+    clean = _report(unknown=(), passes=[_passes()[1]])
+    assert "Warnings" not in clean.to_markdown() and 'id="warnings"' not in clean.to_html()
+    assert json.loads(clean.to_json())["warnings"] == {"rolled_back": [], "unknown_ops": []}
+
+
+# ============================================================================================ JSON
+
+def test_json_roundtrip_and_schema():
+    r = _report(measured=True)
+    text = r.to_json()
+    d = json.loads(text)
+    assert d["schema_version"] == 1
+    assert text == json.dumps(d, indent=2, sort_keys=True) + "\n"  # keys sorted
+    assert d["estimated"]["before"]["peak"] == 2350 and d["estimated"]["after"]["peak"] == 2050
+    assert d["measured"]["after"]["peak"] == _profile(0.5).peak
+    assert d["timing"]["total_s"] == 2.9 and d["passes"][1]["seconds"] == 1.234
+    assert d["passes"][1]["metrics"]["deviation_max"] == "inf"  # strict JSON: no Infinity literal
+    assert d["warnings"]["rolled_back"][0]["pass"] == "pruning"
+    assert d["warnings"]["unknown_ops"] == ["aten.weird_op.default"]
+    assert "+    relu = torch.ops.aten.relu.default(linear)" in d["graph"]["diff"]
+    assert d["graph"]["replaced_nodes"][0]["nodes_after"] == ["checkpoint_region_0"]
+    det = json.loads(r.to_json(deterministic=True))
+    assert "timing" not in det and all("seconds" not in p for p in det["passes"])
+    # a saved report re-renders to the same bytes
+    back = Report.from_dict(d)
+    assert back.to_markdown(deterministic=True) == r.to_markdown(deterministic=True)
+    assert back.to_html(deterministic=True) == r.to_html(deterministic=True)
+    assert back.to_json(deterministic=True) == r.to_json(deterministic=True)
+    with pytest.raises(ValueError, match="schema_version"):
+        Report.from_dict({**d, "schema_version": 99})
+
+
+# ============================================================================================ HTML
+
+def test_html_self_contained():
+    h = _report(measured=True).to_html()
+    assert h.startswith("<!DOCTYPE html>") and h.rstrip().endswith("</html>")
+    assert "http://" not in h and "https://" not in h
+    assert "<svg" in h and "</svg>" in h and h.count("<svg") == 1
+    low = h.lower()
+    assert "<script" not in low and "<link" not in low and "@import" not in low
+    assert not re.search(r"url\((?!#)", low)  # only in-document references (clip paths)
+    assert not re.search(r'\ssrc=', low)
+    assert "<style>" in h
+    # the plot is a real SVG with two panels (estimated and measured)
+    svg = h[h.index("<svg"):h.index("</svg>") + 6]
+    assert "<text" not in svg and '<path id="DejaVuSans-' in svg  # glyphs as paths: no font dependency
+    assert len(re.findall(r'<g id="axes_\d+"', svg)) == 2
+    # timing in its own section, only when not deterministic
+    assert '<section id="timing">' in h and "capture_s: 0.731" in h
+    assert "Timing" not in _report(measured=True).to_html(deterministic=True)
+
+
+def test_html_and_markdown_deterministic():
+    a, b = _report(measured=True), _report(measured=True)
+    b.timing = {"capture_s": 99.0, "passes_s": 1.0, "total_s": 100.0}
+    for p in b.passes:
+        p.seconds += 7.0
+    assert a.to_html(deterministic=True) == b.to_html(deterministic=True)
+    assert a.to_markdown(deterministic=True) == b.to_markdown(deterministic=True)
+    assert a.to_json(deterministic=True) == b.to_json(deterministic=True)
+    assert a.to_html() != b.to_html()  # timing is the only difference, and it shows when asked for
+
+
+def test_svg_deterministic_across_processes():
+    """SVG ids come from svg.hashsalt, not object ids: another interpreter renders the same bytes."""
+    here = hashlib.sha256(timeline_svg(_report(measured=True)).encode()).hexdigest()
+    code = ("import hashlib, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import test_report as t; "
+            "from fxmem.report import timeline_svg; "
+            "print(hashlib.sha256(timeline_svg(t._report(measured=True)).encode()).hexdigest())"
+            % (str(ROOT), str(ROOT / "tests")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_save_writes_all_files(tmp_path):
+    r = _report(measured=True)
+    paths = r.save(tmp_path / "out", deterministic=True)
+    assert set(paths) == {"markdown", "html", "json", "png", "svg"}
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {
+        "report.md", "report.html", "report.json", "memory_timeline.png", "memory_timeline.svg"}
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    root = ET.fromstring(paths["svg"].read_bytes())  # the standalone SVG is valid XML
+    assert root.tag.endswith("svg")
+    assert "<dc:date>" not in paths["svg"].read_text()
+    assert json.loads(paths["json"].read_text())["schema_version"] == 1
+    first = {k: p.read_bytes() for k, p in paths.items()}
+    paths2 = _report(measured=True).save(tmp_path / "out2", deterministic=True)
+    for k in ("markdown", "html", "json", "svg", "png"):
+        assert paths2[k].read_bytes() == first[k], k
+
+
+def test_series_keeps_spikes_and_aligns_phases():
+    tl = [TimelinePoint("forward", "a", i, i) for i in range(5000)]
+    tl[3333] = TimelinePoint("forward", "spike", 10, 10 ** 6)
+    tl += [TimelinePoint("backward", "b", 7, 7)]
+    xs, ys = _series(tl, ["forward", "backward"])
+    assert len(xs) == 1501 and max(ys) == 10 ** 6  # downsampled, spike kept
+    assert all(0 < x < 1 for x in xs[:-1]) and xs[-1] == 1.5
+    assert xs == sorted(xs)
+
+
+def test_inference_report_renders():
+    fwd = [TimelinePoint("forward", f"n{i}", 100 + i, 100 + i) for i in range(4)]
+    e = MemoryEstimate(params=100, peak=103, peak_phase="forward", peak_at="n3", timeline=fwd, mode="inference",
+                       optimizer="none", flops_forward=10)
+    r = Report(model_name="Inf", policy={"name": "inference"}, mode="inference", optimizer="none", before=e,
+               after=copy.deepcopy(e), code_before=CODE_BEFORE, code_after=CODE_BEFORE)
+    md = r.to_markdown(deterministic=True)
+    assert "No pass ran" in md and "identical to the captured one" in md and "Warnings" not in md
+    h = r.to_html(deterministic=True)
+    assert "<svg" in h and "http" not in h
+    assert timeline_png(r)[:4] == b"\x89PNG"
+
+
+# ============================================================================================ end to end
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_real_model_report(tmp_path):
+    """A captured model, its cost-model estimates and measured profiles, and a hand rewrite (gelu -> relu)."""
+    import fxmem
+    from fxmem.api import _full_code
+    from fxmem.costmodel import estimate
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    prog = fxmem.capture(_Tiny(), (x,))
+    prog.refresh()
+    new = prog.snapshot()
+    g = new.module.graph
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target == torch.ops.aten.gelu.default:
+            with g.inserting_after(n):
+                r = g.call_function(torch.ops.aten.relu.default, (n.args[0],))
+            n.replace_all_uses_with(r)
+            g.erase_node(n)
+    new.refresh()
+    before = estimate(prog, optimizer="adamw")
+    after = estimate(new, optimizer="adamw")
+    mb = fxmem.measure(copy.deepcopy(prog.module), (x,), optimizer="adamw")
+    ma = fxmem.measure(copy.deepcopy(new.module), (x,), optimizer="adamw")
+    rec = PassRecord(name="gating", status="applied", exact=False,
+                     changes=[Change("replace", "", ["gelu"], [r.name], "relu saves a bool mask", None)],
+                     peak_before=before.peak, peak_after=after.peak)
+
+    def make():
+        return Report(model_name=prog.model_name, policy={"name": "test"}, mode="train", optimizer="adamw",
+                      before=before, after=after, measured_before=mb, measured_after=ma, passes=[rec],
+                      code_before=_full_code(prog.module), code_after=_full_code(new.module),
+                      specialized=[str(s) for s in prog.specialized], versions={"torch": torch.__version__})
+    rep = make()
+    assert after.activations < before.activations
+    d = rep.graph_diff()
+    assert "-    gelu = torch.ops.aten.gelu.default(linear)" in d
+    assert f"+    {r.name} = torch.ops.aten.relu.default(linear)" in d
+    md = rep.to_markdown(deterministic=True)
+    assert f"| activations (saved for backward) | {_fb(before.activations)} | {_fb(after.activations)} |" in md
+    assert "output deviation: not measured (verification disabled)" in md
+    paths = rep.save(tmp_path / "res", deterministic=True)
+    assert make().to_html(deterministic=True) == paths["html"].read_text()
+    h = paths["html"].read_text()
+    assert "http://" not in h and "https://" not in h and "<svg" in h
+
+
+def _fb(n):
+    from fxmem.units import format_bytes
+    return format_bytes(n)
