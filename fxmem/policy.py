@@ -582,9 +582,8 @@ def _parse_yaml(text: str, display: str) -> tuple[dict, dict[Path_, Loc]]:
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             line = f":{mark.line + 1}" if mark else ""
-            what = " ".join(str(x) for x in (e.context, e.problem) if x)
             col = f" (column {mark.column + 1})" if mark else ""
-            raise PolicyError(f"{display}{line}: invalid YAML{col}: {what}") from None
+            raise PolicyError(f"{display}{line}: invalid YAML{col}: {_yaml_problem(e)}") from None
         except yaml.YAMLError as e:
             raise PolicyError(f"{display}: invalid YAML: {' '.join(str(e).split())}") from None
         if root is None:
@@ -598,6 +597,14 @@ def _parse_yaml(text: str, display: str) -> tuple[dict, dict[Path_, Loc]]:
         return data, locs
     finally:
         loader.dispose()
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
+    what = e.problem or e.context or "syntax error"
+    if e.context and e.problem:
+        at = f" at line {e.context_mark.line + 1}" if e.context_mark else ""
+        what += f" ({e.context}{at})"
+    return " ".join(what.split())
 
 
 def _node_value_show(loader, node) -> str:
@@ -841,7 +848,11 @@ def _load_chain(src: _Src, search_dirs, stack: tuple[_Src, ...]) -> tuple[dict, 
     chain = stack + (src,)
     if any(s.ident == parent.ident for s in chain):
         start = next(i for i, s in enumerate(chain) if s.ident == parent.ident)
-        cycle = " -> ".join(s.display for s in chain[start:]) + f" -> {parent.display}"
+        names = [s.display for s in chain[start:]] + [parent.display]
+        short = [Path(n).name for n in names]
+        if len(set(short)) == len(set(names)):  # file names are unambiguous: keep the message short
+            names = short
+        cycle = " -> ".join(names)
         fail(f"extends cycle: {cycle}")
     pdata, plocs = _load_chain(parent, search_dirs, chain)
     for key in ("name", "description", "extends"):  # a file's identity is not inherited
@@ -870,6 +881,8 @@ def _apply_override(data: dict, locs: dict, text: str) -> None:
         raise PolicyError(f"{where} {parts[0]}: cannot be set with --set; choose the policy file instead")
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
+    except yaml.MarkedYAMLError as e:
+        raise PolicyError(f"{where}: cannot read the value {raw!r}: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
         raise PolicyError(f"{where}: cannot read the value {raw!r}: {' '.join(str(e).split())}") from None
     if len(parts) == 2 and parts[0] == "passes" and isinstance(value, bool):
@@ -954,7 +967,10 @@ def load_policy(spec: Any, *, overrides: Sequence[str] = (), search_dirs=None) -
         if isinstance(spec, os.PathLike) or _looks_like_path(text):
             p = Path(text).expanduser()
             if not p.is_file():
-                raise PolicyError(f"{text}: no such policy file" if not p.is_dir()
+                hint = ""
+                if not p.is_dir() and _find_preset(p.name.rsplit(".", 1)[0], search_dirs) is not None:
+                    hint = f" (did you mean the preset '{p.name.rsplit('.', 1)[0]}'?)"
+                raise PolicyError(f"{text}: no such policy file{hint}" if not p.is_dir()
                                   else f"{text}: is a directory, not a policy file")
             src = _file_src(p, text)
         else:
