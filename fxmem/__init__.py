@@ -1,10 +1,14 @@
 """fxmem: a model-surgery compiler that makes PyTorch models fit in memory.
 
     import fxmem
-    program = fxmem.capture(model, (x,))
-    est = fxmem.estimate(model, (x,), optimizer="adamw")
-    prof = fxmem.measure(model, (x,), optimizer="adamw")
+    result = fxmem.transform(model, (x,), policy="low", budget="50%")
+    result.module          # a trainable torch.fx.GraphModule, called like the model
+    result.report          # what changed, where, why, and memory before/after
+    fxmem.estimate(model, (x,), optimizer="adamw")   # static memory estimate, no real tensors
+    fxmem.measure(model, (x,), optimizer="adamw")    # ground truth from a real step
 """
+import importlib as _importlib
+
 from .errors import (BudgetError, CaptureError, FxmemError, InputShapeError, ModelFileError, PassError,
                      PolicyError)
 from .program import Program
@@ -13,10 +17,30 @@ from .measure import MemoryProfile, measure  # noqa: E402  (rebinds fxmem.measur
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute), loaded on first use so `import fxmem` stays light
+_LAZY = {
+    "estimate": ("costmodel", "estimate"),
+    "MemoryEstimate": ("costmodel", "MemoryEstimate"),
+    "plan_batch": ("costmodel", "plan_batch"),
+    "transform": ("api", "transform"),
+    "TransformResult": ("api", "TransformResult"),
+    "load": ("api", "load"),
+    "load_policy": ("policy", "load_policy"),
+    "Policy": ("policy", "Policy"),
+    "Report": ("report", "Report"),
+    "calibrate": ("calibrate", "calibrate"),
+    "gating_loss": ("nn.gating", "gating_loss"),
+    "make_optimizer": ("optim", "make_optimizer"),
+    "distribute": ("distributed", "distribute"),
+}
+
 
 def __getattr__(name):
-    # the cost model loads on first use
-    if name in ("estimate", "MemoryEstimate", "plan_batch"):
-        import importlib
-        return getattr(importlib.import_module(".costmodel", __name__), name)
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        return getattr(_importlib.import_module(f".{mod}", __name__), attr)
     raise AttributeError(f"module 'fxmem' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -54,8 +54,9 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
     """
     from .costmodel import estimate
-    from .pipeline import PassManager
+    from .pipeline import PassManager, load_passes
     from .policy import load_policy
+    load_passes()  # passes register their option classes, so the policy validates their sections
     from .report import Report
     t0 = time.perf_counter()
     ov = list(overrides)
@@ -182,7 +183,8 @@ def save_result(result: TransformResult, path, *, overwrite: bool = False) -> Pa
                     meta = nn.Parameter(meta, requires_grad=t.requires_grad)
                 originals.append((mod, kind, n, t))
                 getattr(mod, kind)[n] = meta
-            torch.save(gm, tmp / "module.pt")
+            from .serialize import save_module
+            save_module(gm, tmp / "module.pt")
         finally:
             for mod, kind, n, t in originals:
                 getattr(mod, kind)[n] = t

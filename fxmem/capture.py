@@ -154,17 +154,44 @@ def _export(model, args, kwargs, dynamic_shapes):
         with warnings_quiet():
             return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - translated into a CaptureError that says where
-        raise _capture_error(e, tracker.deepest or tracker.stack, model) from e
+        path = _failing_module(e, model)
+        raise _capture_error(e, [path] if path else (tracker.deepest or tracker.stack), model) from e
     finally:
         tracker.close()
 
 
 @contextlib.contextmanager
 def warnings_quiet():
+    """export warns about 0/1-specialised dims; fxmem reports specialised dims itself (Program.specialized)."""
+    import logging
     import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    log = logging.getLogger("torch._export.non_strict_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _failing_module(exc: BaseException, model: nn.Module) -> str | None:
+    """The innermost module whose forward was on the stack when capture failed (from the traceback)."""
+    names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+    found = None
+    e: BaseException | None = exc
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            slf = tb.tb_frame.f_locals.get("self")
+            if isinstance(slf, nn.Module) and id(slf) in names:
+                found = names[id(slf)]
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return found
 
 
 def _user_frame(exc: BaseException) -> str | None:
@@ -257,10 +284,13 @@ def _program_from_export(ep, model, args, kwargs, mode, notes) -> Program:
                 sym = str(s)
                 r = ranges.get(sym)
                 lo = _as_int(getattr(r, "lower", None))
+                if lo == 2:
+                    lo = 1  # export's 0/1 specialisation: the graph is valid for size 1 (tested per model kind)
                 hi = _as_int(getattr(r, "upper", None))
                 dims.append(DimSpec(static=None, symbol=sym, lower=lo, upper=hi))
         specs.append(InputSpec(name, tuple(dims), str(val.dtype)))
 
+    _copy_buffer_persistence(model, gm)
     _replace_guards(gm, specs)
     _make_mode_switchable(gm)
     gm.graph.lint()
@@ -268,6 +298,21 @@ def _program_from_export(ep, model, args, kwargs, mode, notes) -> Program:
     gm.train(mode == "train")
     return Program(module=gm, example_args=args, example_kwargs=kwargs, mode=mode, input_names=names,
                    input_specs=specs, specialized=specialized, notes=notes, model_name=type(model).__name__)
+
+
+def _copy_buffer_persistence(model: nn.Module, gm: nn.Module) -> None:
+    """Buffers registered with persistent=False stay out of state_dict(), as in the user's model."""
+    for path, mod in model.named_modules():
+        names = getattr(mod, "_non_persistent_buffers_set", None)
+        if not names:
+            continue
+        try:
+            target = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            continue
+        for n in names:
+            if n in target._buffers:
+                target._non_persistent_buffers_set.add(n)
 
 
 def _as_int(v):

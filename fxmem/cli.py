@@ -214,7 +214,9 @@ def cmd_diff(a) -> int:
 
 
 def cmd_policies(a) -> int:
+    from .pipeline import load_passes
     from .policy import list_presets, load_policy
+    load_passes()
     if a.action == "list":
         for name in list_presets():
             pol = load_policy(name)

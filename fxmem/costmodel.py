@@ -114,9 +114,17 @@ def with_data_dependent_fallback(fn):
     except GuardOnDataDependentSymNode:
         # a failure inside a higher-order op (wrap_with_set_grad_enabled) can leave grad mode switched
         torch.set_grad_enabled(grad_mode)
+        import logging
+
         import torch._functorch.config as fconfig
-        with fconfig.patch(fake_tensor_propagate_real_tensors=True):
-            out = fn()
+        log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+        level = log.level
+        log.setLevel(logging.ERROR)  # it logs every value it takes from the real tensors
+        try:
+            with fconfig.patch(fake_tensor_propagate_real_tensors=True):
+                out = fn()
+        finally:
+            log.setLevel(level)
         if isinstance(out, MemoryEstimate):
             out.notes.append("data-dependent sizes (e.g. boolean indexing) were taken from the example inputs' "
                              "values")
@@ -192,7 +200,7 @@ def optimizer_step_workspace(optimizer: str, params: list[torch.Tensor]) -> int:
         return sum(sizes) + 2 * max(sizes)
     if optimizer == "sgd-momentum":
         return max(sizes)
-    if optimizer == "sgd":
+    if optimizer in ("sgd", "none"):
         return 0
     return 2 * max(p.numel() * 4 for p in trainable)
 
@@ -402,13 +410,25 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
             if base_keys.get(k) in ("param", "buffer", "input"):
                 continue
             inside = info is not None and created_in.get(k, -1) >= region_first[r.region]
-            if info is not None and info.kind == "recompute" and inside and not info.keeps(r.func):
+            # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
+            producer = R[created_in[k]].func if k in created_in else r.func
+            if info is not None and info.kind == "recompute" and inside and not info.keeps(producer):
                 recompute_bytes[r.region] += sb[k]
                 continue
             if info is not None and info.kind == "offload" and inside:
                 offloaded[r.region].add(k)
             first = saved_until.get(k)
             saved_until[k] = r.idx if first is None else min(first, r.idx)
+    # selective regions cache every output of their keep ops until the region's backward, saved or not
+    for name, info in regions.items():
+        if info is None or info.kind != "recompute" or not info.keep_ops:
+            continue
+        lo, hi = region_first[name], region_last[name]
+        for r in R[lo:hi + 1]:
+            if info.keeps(r.func):
+                for k in r.new_keys:
+                    if base_keys.get(k) is None and k not in saved_until and k not in out_keys:
+                        saved_until[k] = hi
     # inputs of a recompute region are held by the region until its backward
     for name, info in regions.items():
         if info is None or info.kind != "recompute":

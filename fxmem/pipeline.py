@@ -346,6 +346,8 @@ def _grads_comparable(rec: PassRecord) -> bool:
 
 
 def _src(policy, sec) -> str:
+    if getattr(sec, "where", None):
+        return sec.where
     src = getattr(policy, "source", "<policy>")
     line = getattr(sec, "line", None)
     return f"{Path(str(src)).name}:{line}" if line else str(Path(str(src)).name)
