@@ -167,7 +167,7 @@ class Report:
                           "after": self.measured_after.to_dict() if self.measured_after is not None else None}
                          if self.measured else None),
             "summary": self.summary_rows(),
-            "passes": [r.to_dict(with_timing=not deterministic) for r in self.passes],
+            "passes": [_pass_dict(r, deterministic) for r in self.passes],
             "graph": {"code_before": self.code_before, "code_after": self.code_after, "diff": self.graph_diff(),
                       "replaced_nodes": self.replaced_nodes()},
             "warnings": {"rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
@@ -389,8 +389,7 @@ class Report:
         L = ["## Timing (wall clock; not part of the deterministic report)", ""]
         for k, v in sorted(self.timing.items()):
             L.append(f"- {k}: {v}")
-        for r in self.passes:
-            L.append(f"- pass {r.name}: {r.seconds:.3f} s")
+        L.extend(f"- {_timing_text(r)}" for r in self.passes)
         L.append("")
         return L
 
@@ -456,7 +455,7 @@ class Report:
         if not deterministic:
             P.append("<section id=\"timing\"><h2>Timing (wall clock; not part of the deterministic report)</h2><ul>")
             P.extend(f"<li>{e(str(k))}: {e(str(v))}</li>" for k, v in sorted(self.timing.items()))
-            P.extend(f"<li>pass {e(r.name)}: {r.seconds:.3f} s</li>" for r in self.passes)
+            P.extend(f"<li>{e(_timing_text(r))}</li>" for r in self.passes)
             P.append("</ul></section>")
         P.append("</body>\n</html>\n")
         return "\n".join(P)
@@ -562,8 +561,8 @@ def _phases(*timelines) -> list[str]:
 
 
 def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
-    """x in phase units (phase k spans [k, k+1], so before and after line up phase by phase), y = the most bytes
-    live during each op. Long timelines (measured: one point per aten op) keep the max per bucket, so no spike
+    """x in phase units (phase k spans [k, k+1], so before and after line up phase by phase; each op gets an equal
+    share of its phase and the phase ends with a closing point at k+1), y = the most bytes live during each op. Long timelines (measured: one point per aten op) keep the max per bucket, so no spike
     is lost."""
     groups: dict[int, list[int]] = {}
     for phase, _label, live, peak in _points(timeline):
@@ -578,8 +577,10 @@ def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
                     for i in range(MAX_POINTS_PER_PHASE)]
         n = len(vals)
         for i, v in enumerate(vals):
-            xs.append(k + (i + 0.5) / n)
+            xs.append(k + i / n)
             ys.append(v)
+        xs.append(k + 1.0)  # op i spans [k + i/n, k + (i+1)/n] (drawn with steps-post)
+        ys.append(vals[-1])
     return xs, ys
 
 
@@ -618,7 +619,7 @@ def timeline_figure(report: Report):
                 continue
             xs, ys = _series(e.timeline, phases)
             if xs:
-                ax.plot(xs, [y / scale for y in ys], color=color, lw=1.6, drawstyle="steps-mid",
+                ax.plot(xs, [y / scale for y in ys], color=color, lw=1.6, drawstyle="steps-post",
                         label=f"{tag}: peak {format_bytes(e.peak)}")
             ax.axhline(e.peak / scale, color=color, lw=1, ls="--", alpha=0.8)
         if report.budget is not None:
@@ -742,12 +743,38 @@ def _flops(n) -> str:
     return f"{n:.0f} FLOP"
 
 
+_TIMING_KEY = re.compile(r"(^|_)(seconds|secs|s|time_s|ms)$")
+
+
+def is_timing_key(key) -> bool:
+    """Pass metrics named like `solve_seconds`, `transform_s`, `seconds`, `step_ms` are wall-clock timings: they
+    go to the timing section and are left out of the deterministic report."""
+    return bool(_TIMING_KEY.search(str(key)))
+
+
+def _timing_metrics(metrics: dict) -> dict:
+    return {str(k): v for k, v in sorted((metrics or {}).items(), key=lambda kv: str(kv[0])) if is_timing_key(k)}
+
+
 def _num(x) -> str:
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return str(x)
         return f"{x:.3g}"
     return str(x)
+
+
+def _pass_dict(rec, deterministic: bool) -> dict:
+    d = rec.to_dict(with_timing=not deterministic)
+    if deterministic:
+        d["metrics"] = {k: v for k, v in d.get("metrics", {}).items() if not is_timing_key(k)}
+    return d
+
+
+def _timing_text(rec) -> str:
+    extra = _timing_metrics(rec.metrics)
+    return f"pass {rec.name}: {rec.seconds:.3f} s" + (
+        " (" + ", ".join(f"{k} {_num(v)}" for k, v in extra.items()) + ")" if extra else "")
 
 
 def _deviation_lines(rec) -> list[str]:
@@ -785,6 +812,8 @@ def _metric_lines(metrics: dict) -> list[str]:
     """Compact, deterministic lines for a pass's metrics; histograms become sparklines."""
     out = []
     for key in sorted(metrics or {}, key=str):
+        if is_timing_key(key):
+            continue  # wall clock: shown in the timing section
         val = metrics[key]
         if key == "histograms" and isinstance(val, dict):
             edges = val.get("bin_edges")
