@@ -1,0 +1,107 @@
+"""The command line: `fxmem estimate`, `fxmem optimize`, `fxmem diff`, `fxmem policies`; errors and exit codes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fxmem.cli import main
+
+from .conftest import ROOT
+
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp_digits.py")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_estimate_with_measure_prints_both_columns(capsys):
+    code, out, err = run(capsys, "estimate", GPT, "--measure")
+    assert code == 0, err
+    assert "estimated (static)" in out and "measured" in out
+    peak_line = next(line for line in out.splitlines() if line.startswith("peak "))
+    ratio = float(peak_line.split()[-1])
+    assert 0.9 <= ratio <= 1.1
+    assert "unknown ops: none" in out
+    assert "heaviest modules" in out
+
+
+def test_estimate_json_and_budget(capsys):
+    code, out, err = run(capsys, "estimate", MLP, "--json", "--budget", "64MiB", "--method", "traced")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["estimate"]["method"] == "traced"
+    assert d["plan_batch"]["batch"] >= 32
+    assert d["plan_batch"]["peak"] <= 64 * 2 ** 20
+
+
+def test_estimate_inference_mode(capsys):
+    code, out, _ = run(capsys, "estimate", MLP, "--mode", "inference")
+    assert code == 0
+    assert "optimizer=none" in out
+
+
+@pytest.mark.parametrize("setup,expect", [
+    (None, "no such file"),
+    ("x = 1\n", "must define build_model()"),
+    ("import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+     "def example_inputs():\n    return (torch.randn(3, 5),)\n", "rejects example_inputs()"),
+    ("def build_model():\n    raise RuntimeError('boom')\ndef example_inputs():\n    return ()\n",
+     "build_model() failed: RuntimeError: boom"),
+    ("import torch\ndef build_model():\n    return 3\ndef example_inputs():\n    return ()\n",
+     "must return a torch.nn.Module"),
+])
+def test_bad_model_files_exit_2_with_one_line(tmp_path, capsys, setup, expect):
+    path = tmp_path / "model.py"
+    if setup is not None:
+        path.write_text(setup)
+    code, out, err = run(capsys, "estimate", str(path))
+    assert code == 2
+    assert expect in err
+    assert "model.py" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_budget_string(capsys):
+    code, _, err = run(capsys, "estimate", MLP, "--budget", "lots")
+    assert code == 2
+    assert "--budget" in err and "lots" in err
+
+
+def test_console_script_entry_point():
+    r = subprocess.run([sys.executable, "-m", "fxmem.cli", "estimate", "no/such/file.py"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert "no such file" in r.stderr
+
+
+def test_policies_list_and_show(capsys):
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    for name in ("low", "medium", "high", "inference"):
+        assert name in out
+    code, out, _ = run(capsys, "policies", "show", "low")
+    assert code == 0 and "version: 1" in out
+
+
+def test_model_file_runs_as_user_code_without_side_effects_on_import(tmp_path, capsys):
+    marker = tmp_path / "ran.txt"
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent(f"""
+        import torch, pathlib
+        pathlib.Path({str(marker)!r}).write_text("yes")
+        def build_model():
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        def example_inputs():
+            return (torch.randn(8, 4),)
+    """))
+    code, out, err = run(capsys, "estimate", str(path))
+    assert code == 0, err
+    assert marker.read_text() == "yes"  # a model file is user code and runs as such

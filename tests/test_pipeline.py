@@ -1,0 +1,197 @@
+"""The PassManager: verification and rollback (with deliberately wrong test-only passes), strict mode, clear
+errors for unimplemented passes, determinism, transform/save/load round trips and atomic output."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import pipeline
+from fxmem.cli import main
+from fxmem.pipeline import Change, PassResult
+from fxmem.policy import register_options, unregister_options
+
+from .conftest import ROOT, example
+
+
+@dataclasses.dataclass
+class _NoOptions:
+    scale: float = 1.01
+
+
+class _ScaleOutputPass:
+    """Test-only: multiplies the graph's first output by `scale`; claims to be exact (it is not)."""
+    name = "test_scale"
+    exact = True
+    test_only = True
+    Options = _NoOptions
+
+    def run(self, program, ctx):
+        g = program.graph
+        out = next(n for n in g.nodes if n.op == "output")
+        first = out.args[0][0] if isinstance(out.args[0], (list, tuple)) else out.args[0]
+        with g.inserting_before(out):
+            scaled = g.call_function(torch.ops.aten.mul.Tensor, (first, ctx.options.scale))
+        out.args = ((scaled,) + tuple(out.args[0][1:]),) if isinstance(out.args[0], (list, tuple)) else (scaled,)
+        return PassResult(program, True, [Change("scale", "", [first.name], [scaled.name], "test")])
+
+
+class _CrashPass:
+    name = "test_crash"
+    exact = True
+    test_only = True
+    Options = _NoOptions
+
+    def run(self, program, ctx):
+        raise RuntimeError("deliberate bug in a pass")
+
+
+@pytest.fixture
+def test_passes():
+    for cls in (_ScaleOutputPass, _CrashPass):
+        pipeline.register(cls)
+    yield
+    for cls in (_ScaleOutputPass, _CrashPass):
+        pipeline.REGISTRY.pop(cls.name, None)
+        unregister_options(cls.name)
+
+
+def _policy(**passes):
+    return {"version": 1, "mode": "train", "optimizer": "adamw",
+            "passes": {k: v for k, v in passes.items()}}
+
+
+def test_wrong_exact_pass_is_rolled_back(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy=_policy(test_scale={"enabled": True}), loss_fn=loss_fn)
+    rec = res.records[0]
+    assert rec.name == "test_scale" and rec.status == "rolled_back"
+    assert "exact pass changed the result" in rec.reason
+    res.module.eval()
+    model.eval()
+    torch.testing.assert_close(res.module(*args), model(*args))
+    md = res.report.to_markdown()
+    assert "rolled" in md.lower() and "test_scale" in md
+
+
+def test_wrong_pass_passes_when_tolerance_allows(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    pol = _policy(test_scale={"enabled": True, "scale": 1.0})
+    res = fxmem.transform(model, args, kwargs, policy=pol, loss_fn=loss_fn)
+    assert res.records[0].status == "applied"
+
+
+def test_strict_makes_rollback_an_error(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    with pytest.raises(fxmem.PassError, match="test_scale"):
+        fxmem.transform(model, args, kwargs, policy=_policy(test_scale={"enabled": True}), strict=True)
+
+
+def test_crashing_pass_is_recorded_and_model_kept(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy=_policy(test_crash={"enabled": True}), loss_fn=loss_fn)
+    rec = res.records[0]
+    assert rec.status == "failed" and "deliberate bug" in rec.reason
+    out = res.module(*args)
+    assert out.shape[0] == args[0].shape[0]
+
+
+def test_unimplemented_pass_is_a_clear_error(monkeypatch):
+    # pretend 'gating' has no implementation in this build
+    pipeline.load_passes()
+    monkeypatch.delitem(pipeline.REGISTRY, "gating", raising=False)
+    pm = pipeline.PassManager(fxmem.load_policy({"version": 1, "passes": {"gating": {"enabled": True}}}))
+    with pytest.raises(fxmem.PolicyError, match="passes.gating: this pass is not implemented"):
+        pm.enabled_passes()
+
+
+def test_determinism_same_graph_and_report(test_passes):
+    outs = []
+    for _ in range(2):
+        model, args, kwargs, loss_fn = example("gpt")
+        res = fxmem.transform(model, args, kwargs, policy=_policy(test_scale={"enabled": True, "scale": 1.0}),
+                              loss_fn=loss_fn)
+        outs.append((res.module.code, res.report.to_json(deterministic=True),
+                     res.report.to_markdown(deterministic=True)))
+    assert outs[0] == outs[1]
+
+
+def test_transform_save_load_roundtrip(tmp_path):
+    model, args, kwargs, loss_fn = example("hf_gpt2")
+    res = fxmem.transform(model, args, kwargs, policy={"version": 1, "passes": {}}, loss_fn=loss_fn)
+    path = res.save(tmp_path / "r")
+    for f in ("module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
+              "report.md", "report.html", "report.json"):
+        assert (path / f).exists(), f
+    loaded = fxmem.load(path)
+    loaded.eval()
+    model.eval()
+    torch.testing.assert_close(loaded(*args, **kwargs).logits, model(*args, **kwargs).logits)
+    loaded.train()
+    loaded(*args, **kwargs).logits.float().mean().backward()
+    assert all(p.grad is not None for p in loaded.parameters() if p.requires_grad)
+
+
+def test_load_refuses_tampered_module(tmp_path):
+    model, args, kwargs, _ = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy={"version": 1, "passes": {}})
+    path = res.save(tmp_path / "r")
+    with open(path / "module.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(fxmem.FxmemError, match="hash"):
+        fxmem.load(path)
+
+
+def test_save_never_overwrites_without_asking(tmp_path):
+    model, args, kwargs, _ = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy={"version": 1, "passes": {}})
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "mine.txt").write_text("user data")
+    with pytest.raises(fxmem.FxmemError, match="already exists"):
+        res.save(dest)
+    assert (dest / "mine.txt").read_text() == "user data"
+    res.save(dest, overwrite=True)
+    assert (dest / "manifest.json").exists() and not (dest / "mine.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if "fxmem-tmp" in p.name or "fxmem-old" in p.name]
+
+
+def test_cli_optimize_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "result"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\npasses:\n  checkpoint:\n    budget: lots\n")
+    code = main(["optimize", str(ROOT / "examples" / "mlp_digits.py"), "--policy", str(bad), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "bad.yaml:4" in err and "passes.checkpoint.budget" in err
+    assert not out.exists()
+    # an internal failure while writing: nothing partial, the existing directory untouched
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    from fxmem import report as report_mod
+
+    def boom(self, directory, deterministic=False):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(report_mod.Report, "save", boom)
+    code = main(["optimize", str(ROOT / "examples" / "mlp_digits.py"), "--policy", "low", "--out", str(out),
+                 "--overwrite", "--quiet", "--set", "passes.checkpoint.enabled=false",
+                 "--set", "passes.attention.enabled=false"])
+    assert code == 1
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if "fxmem-tmp" in p.name]
+
+
+def test_cli_optimize_writes_everything(tmp_path, capsys):
+    out = tmp_path / "res"
+    code = main(["optimize", str(ROOT / "examples" / "mlp_digits.py"), "--policy", "low", "--out", str(out),
+                 "--quiet", "--set", "passes.checkpoint.enabled=false", "--set", "passes.attention.enabled=false"])
+    assert code == 0, capsys.readouterr().err
+    names = set(os.listdir(out))
+    assert {"report.md", "report.html", "report.json", "transformed.py", "module.pt", "manifest.json"} <= names
+    assert json.loads((out / "report.json").read_text())["schema_version"] == 1
+    code = main(["diff", str(out)])
+    assert code == 0
