@@ -66,6 +66,7 @@ class CheckpointOptions:
     keep_ops: list[str] = field(default_factory=lambda: sorted(MATMUL_OPS))  # what selective regions save
     regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
     min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
+    refine: int = 2  # re-plans when the cost model's estimate of the plan is above the budget
 
 
 # ============================================================================================ candidates
@@ -101,7 +102,11 @@ def _is_region_node(n: fx.Node) -> bool:
     t = n.target
     schema = getattr(t, "_schema", None)
     if schema is not None and schema.is_mutable:
-        return False
+        # in-place ops on values computed in the graph are fine; writes to parameters/buffers/inputs stay outside
+        for a, sa in zip(n.args, schema.arguments):
+            if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node) \
+                    and a.op in ("get_attr", "placeholder"):
+                return False
     name = getattr(t, "__name__", "")
     if name == "count_batch" or name.startswith("_assert"):
         return False
@@ -232,7 +237,11 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 flops += t
                 if not any(_packet(r.func) in keep_ops for r in by_node.get(n.name, [])):
                     flops_sel += t
-        ins, _ = region_boundary(reg.nodes)
+        ins, outs = region_boundary(reg.nodes)
+        # the region's outputs live on outside it (consumers save or hold them): checkpointing cannot free them
+        out_keys = {k for o in outs for r in by_node.get(o.name, []) for k in r.out_keys if k is not None}
+        saved -= out_keys
+        kept -= out_keys
         held = 0
         for a in ins:
             v = a.meta.get("fxmem_val")
@@ -613,28 +622,47 @@ class CheckpointPass:
         metrics.update({"candidates": len(regions), "chain": chain})
 
         min_peak = max(model.min_peak(), model.floor)
+        offload_rest = False
         if min_peak > budget:
             msg = self._budget_message(budget, min_peak, est0, model)
             if "offload" not in ctx.enabled:
                 raise BudgetError(msg)
             notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
                                "recomputed (the lowest peak checkpointing reaches).")
-            plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(regions, choices)]
-            sol = Solution(plan, model.cost(plan), model.peak(plan), "max", True)
-        else:
-            sol = solve(model, budget, opts.solver, opts.time_limit, chain)
-            if sol is None:
-                raise BudgetError(self._budget_message(budget, min_peak, est0, model))
+            offload_rest = True
+
+        # plan against the memory model, emit on a copy, check with the cost model; if the estimate is above the
+        # budget, plan again against a budget lowered by the overshoot (at most `refine` times)
+        target = budget
+        best = None
+        for attempt in range(1 + max(0, opts.refine)):
+            if offload_rest:
+                plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(regions, choices)]
+                sol = Solution(plan, model.cost(plan), model.peak(plan), "max", True)
+            else:
+                sol = solve(model, target, opts.solver, opts.time_limit, chain)
+                if sol is None:
+                    if best is not None:
+                        break
+                    raise BudgetError(self._budget_message(budget, min_peak, est0, model))
+            trial = program.snapshot()
+            changes = self._emit(trial, regions, sol.plan, keep_ops)
+            trial.refresh()
+            est1 = ctx.estimate(trial)
+            best = (sol, trial, changes, est1, target)
+            if offload_rest or est1.peak <= budget:
+                break
+            target = target - (est1.peak - budget) - max(1, budget // 1000)
+            if target < min_peak:
+                break
+        sol, program, changes, est1, target = best
         if sol.note:
             notes.append("checkpoint: " + sol.note)
-
-        changes = self._emit(program, regions, sol.plan, keep_ops)
-        program.refresh()
-        est1 = ctx.estimate(program)
         metrics.update({
             "solver": sol.solver, "optimal": sol.optimal, "gap": sol.gap, "solve_seconds": round(sol.seconds, 4),
-            "planned_peak": sol.peak, "estimated_peak": est1.peak, "recompute_flops": sol.cost
-            if opts.cost == "flops" else None, "recompute_seconds": sol.cost if opts.cost == "profile" else None,
+            "planned_peak": sol.peak, "planning_budget": target, "estimated_peak": est1.peak,
+            "recompute_flops": sol.cost if opts.cost == "flops" else None,
+            "recompute_seconds": sol.cost if opts.cost == "profile" else None,
             "forward_flops": est0.flops_forward, "plan": {r.path: c for r, c in zip(regions, sol.plan)},
             "transform_seconds": round(time.perf_counter() - t0, 3),
         })
@@ -661,16 +689,18 @@ class CheckpointPass:
     @staticmethod
     def _emit(program: Program, regions: list[Region], plan: list[str], keep_ops: frozenset) -> list[Change]:
         changes = []
+        by_name = {n.name: n for n in program.graph.nodes}  # the program may be a snapshot: same names
         for reg, choice in zip(regions, plan):
             if choice == "keep":
                 continue
+            nodes = [by_name[n.name] for n in reg.nodes]
             keep = keep_ops if choice == "selective" else frozenset()
-            ins, _ = region_boundary(reg.nodes)
-            restore = _restore_args(ins, reg.nodes, program.module)
+            ins, _ = region_boundary(nodes)
+            restore = _restore_args(ins, nodes, program.module)
             label = reg.path.split("#")[0]
-            before = [n.name for n in reg.nodes]
+            before = [n.name for n in nodes]
             try:
-                call = outline(program, reg.nodes, "ckpt_" + reg.path.replace("#", "_"),
+                call = outline(program, nodes, "ckpt_" + reg.path.replace("#", "_"),
                                wrap=lambda body, keep=keep, label=label, restore=restore:
                                CheckpointRegion(body, keep, label=label, restore_args=restore))
             except OutlineError as e:

@@ -26,6 +26,8 @@ from torch import fx, nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                   noop_context_fn)
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 from .regions import RegionInfo
 
 # dispatch-level ops worth keeping under selective checkpointing: matmuls, convolutions, attention kernels
@@ -87,12 +89,13 @@ class _RestoringBody:
         self.calls += 1
         if self.calls == 1:
             return self.body(*args)
-        with torch.no_grad():
+        # outside the selective-checkpoint dispatch mode, which replays exactly the forward's ops
+        with _disable_current_modes(), torch.no_grad():
             saved = [(args[i], args[i].detach().clone()) for i in self.restore_args
                      if isinstance(args[i], torch.Tensor)]
         try:
             return self.body(*args)
         finally:
-            with torch.no_grad():
+            with _disable_current_modes(), torch.no_grad():
                 for t, s in saved:
                     t.copy_(s)
