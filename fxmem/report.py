@@ -380,7 +380,7 @@ class Report:
         mlines = _metric_lines(rec.metrics)
         if mlines:
             L.append("")
-            L.append("Metrics:")
+            L.append("Metrics (reported by the pass; byte counts are its estimates):")
             L.extend(f"  - {m.strip()}" if m.startswith("  ") else f"- {m}" for m in mlines)
         L.append("")
         return L
@@ -513,8 +513,8 @@ class Report:
             P.append("</ul>")
         mlines = _metric_lines(rec.metrics)
         if mlines:
-            P.append("<p>Metrics:</p><ul class=\"metrics\">" + "".join(f"<li>{_inline_code(m)}</li>" for m in mlines)
-                     + "</ul>")
+            P.append("<p>Metrics (reported by the pass; byte counts are its estimates):</p><ul class=\"metrics\">"
+                     + "".join(f"<li>{_inline_code(m)}</li>" for m in mlines) + "</ul>")
         P.append("</section>")
         return "".join(P)
 
@@ -562,8 +562,8 @@ def _phases(*timelines) -> list[str]:
 
 def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
     """x in phase units (phase k spans [k, k+1], so before and after line up phase by phase; each op gets an equal
-    share of its phase and the phase ends with a closing point at k+1), y = the most bytes live during each op. Long timelines (measured: one point per aten op) keep the max per bucket, so no spike
-    is lost."""
+    share of its phase and the phase ends with a closing point at k+1), y = the most bytes live during each op.
+    Long timelines (measured: one point per aten op) keep the max per bucket, so no spike is lost."""
     groups: dict[int, list[int]] = {}
     for phase, _label, live, peak in _points(timeline):
         groups.setdefault(phases.index(phase), []).append(max(live, peak))
@@ -797,6 +797,7 @@ def _deviation_lines(rec) -> list[str]:
     return out
 
 
+_BYTES_KEY = re.compile(r"(bytes|peak|budget|memory|saved|freed|size)", re.I)
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -825,7 +826,9 @@ def _metric_lines(metrics: dict) -> list[str]:
                 if isinstance(counts, (list, tuple)) and counts and all(isinstance(c, (int, float)) for c in counts):
                     out.append(f"  `{layer}` {_sparkline(counts)} (n={_num(sum(counts))})")
             continue
-        if isinstance(val, (int, float, str, bool)) or val is None:
+        if isinstance(val, int) and not isinstance(val, bool) and _BYTES_KEY.search(str(key)):
+            out.append(f"{key}: {format_bytes(val)} ({val} B)")
+        elif isinstance(val, (int, float, str, bool)) or val is None:
             out.append(f"{key}: {_num(val)}")
         else:
             text = json.dumps(_json_safe(val), sort_keys=True)

@@ -380,3 +380,41 @@ def test_transform_end_to_end_report_and_cli_diff(tmp_path, capsys):
     assert printed.startswith(f"--- {out}/original.py\n+++ {out}/transformed.py\n")
     assert any(line.startswith("+") and "ckpt" in line for line in printed.splitlines())
     assert "= None" not in printed
+
+
+def test_metrics_bytes_and_timing_keys():
+    from fxmem.report import is_timing_key
+    rec = PassRecord(name="checkpoint", status="applied", exact=True, seconds=2.0,
+                     metrics={"planned_peak": 7399032, "candidates": 2, "solve_seconds": 0.0031,
+                              "transform_s": 0.4, "solver": "dp"})
+    r = _report(passes=[rec])
+    md = r.to_markdown(deterministic=True)
+    assert "- planned_peak: 7.06 MiB (7399032 B)" in md and "- candidates: 2" in md and "- solver: dp" in md
+    assert "solve_seconds" not in md and "transform_s" not in md
+    assert "solve_seconds" not in r.to_html(deterministic=True)
+    det = json.loads(r.to_json(deterministic=True))["passes"][0]["metrics"]
+    assert det == {"candidates": 2, "planned_peak": 7399032, "solver": "dp"}
+    full = r.to_markdown()
+    assert "- pass checkpoint: 2.000 s (solve_seconds 0.0031, transform_s 0.4)" in full
+    assert json.loads(r.to_json())["passes"][0]["metrics"]["solve_seconds"] == 0.0031
+    assert is_timing_key("seconds") and is_timing_key("step_ms") and not is_timing_key("params")
+    assert not is_timing_key("bins") and not is_timing_key("time_limit")
+
+
+def test_cli_diff_two_results(tmp_path, capsys):
+    from fxmem.cli import main
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, code in ((a, CODE_BEFORE), (b, CODE_AFTER)):
+        d.mkdir()
+        (d / "manifest.json").write_text("{}")
+        (d / "transformed.py").write_text(code)
+        (d / "original.py").write_text(CODE_BEFORE)
+    capsys.readouterr()
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"--- {a}/transformed.py\n+++ {b}/transformed.py\n")
+    assert "+    relu = torch.ops.aten.relu.default(linear)" in out and "= None" not in out
+    assert main(["diff", str(a)]) == 0
+    assert capsys.readouterr().out.strip() == "no differences"
+    assert main(["diff", str(tmp_path)]) == 2  # not a result directory: a clear error
+    assert "no manifest.json" in capsys.readouterr().err
