@@ -1,0 +1,967 @@
+"""Precision assignment: a dtype for every edge of the graph, chosen from the policy's intent and what the kernels
+can do, with the error of every decision measured and reverted when it exceeds the tolerance.
+
+The policy says *what it wants* (`compute: bf16`, which op categories and module paths must stay fp32, which
+linears to quantize); the pass decides *what is possible* per node (the design of torch.ao's FX quantization:
+intent apart from capability). Four parts, each a small function over the graph:
+
+1. Weight quantization (`weights: int8 | nf4 | fp4`, or `qlora:`): `aten.linear(x, W, b)` sites whose weight is a
+   parameter become a `call_module` to `fxmem.nn.lowbit.QuantLinear` (bitsandbytes `Linear8bitLt` with the
+   LLM.int8() outlier threshold, or `Linear4bit` with optional double quantization). Skip rules: module patterns
+   (`skip_modules`: lm_head / classifier / score by default), layers under `min_params` weights, tied weights.
+   The state_dict changes for swapped layers only: `<path>.weight` becomes `<path>.inner.weight` (int8 / uint8
+   packed) plus bitsandbytes' own state keys (`<path>.inner.SCB`, `<path>.inner.weight.absmax`, ...); every other
+   name is kept. QLoRA wraps the 4-bit base in `LoRALinear` (`<path>.lora_A`, `<path>.lora_B`) and freezes every
+   other parameter.
+2. Compute precision (`compute: bf16 | fp16`): every call node is classified
+   - LOW: matmul-class ops (`fxmem.ops` category MATMUL, and SDPA, which stays one fused node): inputs cast to
+     the low dtype;
+   - FP32 island: ops in `keep_fp32` (op categories as autocast keeps them, or raw `aten.<op>` names) and every
+     op under a `keep_fp32_modules` pattern: inputs cast to fp32;
+   - ACC ("compact" islands only): keep-fp32 ops whose CPU/CUDA kernels already accumulate in fp32 for
+     bf16/fp16 inputs (softmax, layer/group/rms norm, sum/mean, cumsum; verified here: their bf16 result equals
+     `op(x.float()).bfloat16()` up to ties) run on the low-precision input, so autograd saves low-precision
+     tensors, not an fp32 copy;
+   - FOLLOW: everything else keeps its inputs' dtype; where float inputs disagree a cast is inserted (to the low
+     dtype in `compact` mode, to the wider dtype in `autocast` mode, which is torch's type promotion made
+     explicit).
+   `islands: autocast` reproduces torch.autocast: parameters are cast only at matmul-class ops and fp32 islands
+   keep their fp32 outputs. `islands: compact` (default) also casts parameters at every other use, so
+   activations are stored in the low dtype except inside the islands. Model-written float-to-float casts
+   (`x.to(q.dtype)`, `.float()` on an fp32 value: no-ops in the fp32 graph) follow the plan. Graph outputs are
+   cast back to their original dtype, so the loss is computed in fp32. Redundant cast pairs are removed.
+   `params: bf16` stores the parameters in bf16 (use `fxmem.make_optimizer`, which keeps fp32 master weights and
+   fp32 optimizer state for them); `params: fp32` (default) keeps fp32 master parameters (autocast semantics:
+   gradients reach the fp32 parameters through the casts).
+3. Accuracy guard: each decision (a LOW/ACC site, a quantized linear) is re-run on the fp32 values of its inputs
+   from the calibration (or example) inputs; its max and relative error are recorded per site; a site over
+   `tolerance` is reverted to the higher precision and recorded as a Change saying why. The whole-model output
+   deviation and, in training, the loss after `loss_steps` optimizer steps are reported against fp32.
+4. fp16 needs loss scaling in training (gradients underflow): the pass adds a note; use
+   `torch.amp.GradScaler` (tested here on CPU).
+
+The pass is lossy (`exact = False`): the PassManager also checks the whole-model output error vs the original.
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from fxmem import ops as optable
+from fxmem.compare import deviation
+from fxmem.errors import PolicyError
+from fxmem.pipeline import Change, PassResult, register
+from fxmem.program import Program, module_path
+
+aten = torch.ops.aten
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+# keep-fp32 op groups (names usable in `keep_fp32`), as torch.autocast keeps them in fp32
+KEEP_GROUPS: dict[str, tuple[str, ...]] = {
+    "softmax": ("softmax", "_softmax"),
+    "log_softmax": ("log_softmax", "_log_softmax"),
+    "norm": ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "rms_norm", "_fused_rms_norm",
+             "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+             "_batch_norm_with_update", "_native_batch_norm_legit_no_training", "_batch_norm_no_update",
+             "instance_norm"),
+    "exp_log_pow": ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "rsqrt", "reciprocal",
+                    "softplus", "erfinv", "sinh", "cosh", "tan", "acos", "asin"),
+    "cumsum": ("cumsum", "cumprod"),
+    "reduction": ("sum", "mean", "prod", "logsumexp", "var", "std", "var_mean", "std_mean", "norm",
+                  "linalg_vector_norm", "dist", "cdist", "renorm"),
+    "loss": (),  # every op of fxmem.ops category LOSS
+}
+# fxmem.ops category names are accepted too (e.g. "normalization" = softmax + norms in the op table)
+CATEGORY_NAMES = (optable.NORM, optable.REDUCTION, optable.LOSS, optable.POINTWISE, optable.INDEXING, optable.COPY)
+DEFAULT_KEEP = ["softmax", "log_softmax", "norm", "exp_log_pow", "cumsum", "reduction", "loss"]
+DEFAULT_SKIP = ["lm_head", "*.lm_head", "classifier", "*.classifier", "*.classifier.*", "score", "*.score"]
+
+# kernels that accumulate in fp32 for bf16/fp16 inputs (opmath), so running them on the low-precision input is
+# an fp32 computation with one rounding of the result. fp16 keeps reductions upcast (their results can overflow).
+BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                         "_native_batch_norm_legit_functional", "_batch_norm_with_update",
+                         "_native_batch_norm_legit_no_training", "_batch_norm_no_update"})
+ACC_BF16 = frozenset({"softmax", "_softmax", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+                      "rms_norm", "_fused_rms_norm", "sum", "mean", "cumsum"}) | BATCH_NORMS
+ACC_FP16 = frozenset({"softmax", "_softmax", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+                      "rms_norm", "_fused_rms_norm"})
+
+CAST_OPS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+
+
+@dataclass
+class QLoRAOptions:
+    """QLoRA: frozen 4-bit base linears plus trainable LoRA adapters on the `targets` module patterns."""
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
+class PrecisionOptions:
+    """passes.precision: compute dtype, fp32 islands, parameter dtype, bitsandbytes weights, QLoRA, guard."""
+    compute: Literal["fp32", "bf16", "fp16"] = "bf16"
+    keep_fp32: list[str] = field(default_factory=lambda: list(DEFAULT_KEEP))
+    keep_fp32_modules: list[str] = field(default_factory=list)
+    islands: Literal["compact", "autocast"] = "compact"
+    params: Literal["fp32", "bf16"] = "fp32"
+    weights: Literal["none", "fp32", "int8", "nf4", "fp4"] = "none"  # "fp32" = "none": weights not quantized
+    double_quant: bool = True
+    int8_threshold: float = 6.0
+    skip_modules: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    min_params: int = 4096
+    qlora: QLoRAOptions | None = None
+    tolerance: float | None = None  # per-site relative error; None = policy.verify.lossy_tolerance
+    guard: bool = True
+    loss_steps: int = 2  # training: loss after this many AdamW steps vs fp32 (0 = skip)
+
+
+# ============================================================================================ small helpers
+
+def _packet(op) -> str:
+    return str(getattr(op, "overloadpacket", op)).split(".")[-1]
+
+
+def _val(n):
+    return n.meta.get("fxmem_val", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def orig_float_dtype(n: fx.Node) -> torch.dtype | None:
+    """The float dtype of a node's (first float) output in the graph as it is now, or None."""
+    for t in pytree.tree_leaves(_val(n)):
+        if isinstance(t, torch.Tensor):
+            return t.dtype if t.is_floating_point() else None
+    return None
+
+
+def _matches(path: str, patterns) -> str | None:
+    for p in patterns:
+        if path == p or fnmatch.fnmatchcase(path, p) or path.startswith(p + "."):
+            return p
+    return None
+
+
+def keep_ops(keep: list[str], where: str = "passes.precision.keep_fp32") -> tuple[frozenset, frozenset]:
+    """(aten packet names, fxmem.ops categories) the keep_fp32 list names; unknown entries raise PolicyError."""
+    names, cats = set(), set()
+    for k in keep:
+        if k in KEEP_GROUPS:
+            names.update(KEEP_GROUPS[k])
+            if k == "loss":
+                cats.add(optable.LOSS)
+        elif k in CATEGORY_NAMES:
+            cats.add(k)
+        elif k.startswith("aten."):
+            names.add(k.split(".")[1])
+        else:
+            raise PolicyError(f"{where}: unknown entry {k!r}; use one of {sorted(KEEP_GROUPS)}, an fxmem.ops "
+                              f"category ({', '.join(CATEGORY_NAMES)}) or an op name like 'aten.gelu'")
+    return frozenset(names), frozenset(cats)
+
+
+def _node_args(n: fx.Node) -> list[fx.Node]:
+    out = []
+    fx.node.map_arg((n.args, n.kwargs), lambda a: out.append(a))
+    return out
+
+
+def _is_param_attr(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op != "get_attr":
+        return False
+    try:
+        return isinstance(_get_attr(gm, n.target), nn.Parameter)
+    except AttributeError:
+        return False
+
+
+def _get_attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ============================================================================================ the plan
+
+LOW, FP32, ACC, FOLLOW, OPAQUE, RETARGET, INPLACE = "low", "fp32", "acc", "follow", "opaque", "retarget", "inplace"
+
+
+@dataclass
+class Decision:
+    node: str
+    module: str
+    op: str
+    cls: str
+    reason: str
+
+
+def classify(gm: fx.GraphModule, n: fx.Node, opts: PrecisionOptions, keep_names, keep_cats, low: torch.dtype,
+             reverted: set) -> Decision:
+    """The class of one call node (see the module docstring)."""
+    path = module_path(n)
+    if n.op == "call_module":
+        mod = gm.get_submodule(n.target)
+        if getattr(mod, "fxmem_dtype_follow", False):
+            return Decision(n.name, path, str(n.target), FOLLOW, "module follows its input dtype")
+        return Decision(n.name, path, str(n.target), OPAQUE, f"opaque module {type(mod).__name__}: inputs in "
+                                                           f"their original dtype")
+    t = n.target
+    if t is operator.getitem:
+        return Decision(n.name, path, "getitem", FOLLOW, "")
+    if not isinstance(t, torch._ops.OpOverload):
+        return Decision(n.name, path, str(getattr(t, "__name__", t)), OPAQUE, "not an aten op: original dtypes")
+    name = _packet(t)
+    opname = f"aten.{name}"
+    if t._schema.is_mutable:
+        if name.endswith("_") and n.args and isinstance(n.args[0], fx.Node):
+            return Decision(n.name, path, opname, INPLACE, "in-place op: runs in the dtype of the tensor it mutates")
+        return Decision(n.name, path, opname, OPAQUE, "mutates an input: original dtypes")
+    if t in CAST_OPS and _is_float_noop_cast(n):
+        return Decision(n.name, path, opname, RETARGET, "float-to-float cast that is a no-op in the fp32 graph "
+                                                        "follows the plan")
+    pat = _matches(path, opts.keep_fp32_modules) if path else None
+    if pat is not None:
+        return Decision(n.name, path, opname, FP32, f"module matches keep_fp32_modules {pat!r}")
+    cat = optable.category(t)
+    if n.name in reverted:
+        return Decision(n.name, path, opname, FP32, "reverted by the accuracy guard")
+    if cat in (optable.MATMUL, optable.ATTENTION):
+        return Decision(n.name, path, opname, LOW, f"{cat} op runs in {_SHORT[low]}")
+    if name in keep_names or cat in keep_cats:
+        acc = ACC_BF16 if low == torch.bfloat16 else ACC_FP16
+        if opts.islands == "compact" and name in acc:
+            return Decision(n.name, path, opname, ACC, f"keep_fp32 op; its kernel accumulates in fp32 for "
+                                                       f"{_SHORT[low]} inputs (compact island)")
+        return Decision(n.name, path, opname, FP32, "keep_fp32 op: fp32 island")
+    return Decision(n.name, path, opname, FOLLOW, "")
+
+
+def _is_float_noop_cast(n: fx.Node) -> bool:
+    src = n.args[0] if n.args else None
+    if not isinstance(src, fx.Node):
+        return False
+    a, b = orig_float_dtype(src), orig_float_dtype(n)
+    if a is None or b is None or a != b:
+        return False
+    kw = dict(n.kwargs)
+    kw.pop("dtype", None)
+    kw.pop("layout", None)
+    if kw.get("device") not in (None,) and _val(src) is not None and torch.device(kw["device"]) != _val(src).device:
+        return False
+    kw.pop("device", None)
+    kw.pop("copy", None)
+    kw.pop("non_blocking", None)
+    return not kw.get("memory_format")
+
+
+def plan(gm: fx.GraphModule, opts: PrecisionOptions, low: torch.dtype, reverted: set = frozenset()) \
+        -> dict[str, Decision]:
+    keep_names, keep_cats = keep_ops(opts.keep_fp32)
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_module"):
+            if orig_float_dtype(n) is None and not any(orig_float_dtype(a) is not None for a in _node_args(n)):
+                continue  # no float tensor in or out (shapes, masks, indices)
+            out[n.name] = classify(gm, n, opts, keep_names, keep_cats, low, reverted)
+    return out
+
+
+# ============================================================================================ the rewrite
+
+def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions, low: torch.dtype) -> dict:
+    """Insert casts on every edge whose dtype changes under the plan; returns counters."""
+    g = gm.graph
+    compact = opts.islands == "compact"
+    cur: dict[fx.Node, torch.dtype | None] = {}
+    casts: dict[tuple, fx.Node] = {}
+    stats = {"casts_inserted": 0, "retargeted": 0, "outputs_cast": 0}
+
+    def is_param(a):
+        return _is_param_attr(gm, a)
+
+    def cast(a: fx.Node, dt: torch.dtype, before: fx.Node) -> fx.Node:
+        key = (a, dt)
+        c = casts.get(key)
+        if c is None:
+            with g.inserting_before(before):
+                c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
+            c.name = f"{a.name}_{_SHORT.get(dt, 'cast')}"
+            c.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+            c.meta["fxmem_precision"] = "cast"
+            casts[key] = c
+            cur[c] = dt
+            stats["casts_inserted"] += 1
+        return c
+
+    def float_inputs(n):
+        return [a for a in _node_args(n) if cur.get(a) is not None]
+
+    def target_for(n, d: Decision) -> torch.dtype | None:
+        ins = float_inputs(n)
+        if not ins:
+            return None
+        if d.cls == LOW:
+            return low
+        if d.cls == FP32:
+            return torch.float32
+        if d.cls == OPAQUE:
+            return None  # per input: original dtype
+        if d.cls == INPLACE:
+            return cur.get(n.args[0])  # the mutated tensor is never cast (a cast would mutate a copy)
+        dts = {cur[a] for a in ins}
+        nonparam = {cur[a] for a in ins if not is_param(a)}
+        if compact:
+            if low in dts or (not nonparam and ins):
+                if low == torch.float16 and any(x not in (low,) for x in nonparam):
+                    return torch.float32  # fp16: mixed with fp32 values promotes (range)
+                return low
+            return next(iter(dts)) if len(dts) == 1 else torch.float32
+        # autocast: torch's type promotion, made explicit where dtypes differ
+        if len(dts) == 1:
+            return next(iter(dts))
+        return torch.float32 if torch.float32 in dts else max(dts, key=lambda x: torch.finfo(x).bits)
+
+    for n in list(g.nodes):
+        if n.op == "placeholder":
+            cur[n] = orig_float_dtype(n)
+            continue
+        if n.op == "get_attr":
+            v = None
+            try:
+                obj = _get_attr(gm, n.target)
+                if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+                    v = obj.dtype
+            except AttributeError:
+                pass
+            cur[n] = v
+            continue
+        if n.op == "output":
+            def fix(a):
+                if isinstance(a, fx.Node) and cur.get(a) is not None:
+                    want = orig_float_dtype(a)
+                    if want is not None and cur[a] != want:
+                        stats["outputs_cast"] += 1
+                        return cast(a, want, n)
+                return a
+            n.args = fx.node.map_arg(n.args, fix)
+            continue
+        d = decisions.get(n.name)
+        if d is None:
+            cur[n] = orig_float_dtype(n)
+            continue
+        if d.cls == RETARGET:
+            src = n.args[0]
+            if cur.get(src) is not None:
+                n.replace_all_uses_with(src)
+                g.erase_node(n)
+                stats["retargeted"] += 1
+                continue
+            cur[n] = orig_float_dtype(n)
+            continue
+        if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
+            src = n.args[0]
+            if isinstance(src, fx.Node) and cur.get(src) is not None and n.kwargs.get("dtype") is not None \
+                    and n.kwargs["dtype"] != cur[src]:
+                n.kwargs = {**n.kwargs, "dtype": cur[src]}
+                stats["asserts_updated"] = stats.get("asserts_updated", 0) + 1
+            cur[n] = None
+            continue
+        if n.op == "call_function" and n.target is operator.getitem:
+            parent = n.args[0]
+            cur[n] = cur.get(parent) if orig_float_dtype(n) is not None and cur.get(parent) is not None \
+                else orig_float_dtype(n)
+            continue
+        want = target_for(n, d)
+
+        mixed = d.cls == ACC and n.op == "call_function" and _packet(n.target) in BATCH_NORMS
+        first = n.args[0] if n.args else None
+
+        def fix(a, n=n, want=want, d=d, mixed=mixed, first=first):
+            if not isinstance(a, fx.Node) or cur.get(a) is None:
+                return a
+            w = want
+            if d.cls == OPAQUE:
+                w = orig_float_dtype(a)
+            elif mixed and a is not first:
+                return a  # batch norm: weight, bias and running statistics stay fp32 (mixed-dtype kernel)
+            if w is None or cur[a] == w:
+                return a
+            return cast(a, w, n)
+        n.args = fx.node.map_arg(n.args, fix)
+        n.kwargs = fx.node.map_arg(n.kwargs, fix)
+        # explicit fp32 result dtypes (softmax(x, dtype=float32) in HF code) follow the plan in LOW/ACC ops
+        if d.cls in (ACC, LOW) and n.target in (aten.softmax.int, aten.log_softmax.int) and len(n.args) > 2 \
+                and n.args[2] == torch.float32 and want is not None and want != torch.float32:
+            n.args = n.args[:2] + (None,) + tuple(n.args[3:])
+        od = orig_float_dtype(n)
+        if od is None:
+            cur[n] = None
+        elif d.cls == OPAQUE:
+            cur[n] = od
+        elif d.cls == FP32:
+            cur[n] = torch.float32
+        elif want is not None:
+            cur[n] = want
+        else:
+            cur[n] = od
+    g.lint()
+    gm.recompile()
+    return stats
+
+
+def simplify_casts(gm: fx.GraphModule) -> int:
+    """Remove casts to the dtype a value already has and lossless round trips (x -> wider -> x's dtype).
+
+    Works on `fxmem_val` metadata (call after `program.refresh()`); returns the number of casts removed."""
+    g = gm.graph
+    removed = 0
+    changed = True
+    while changed:
+        changed = False
+        for n in list(g.nodes):
+            if n.op != "call_function" or n.target not in CAST_OPS or not n.args:
+                continue
+            src = n.args[0]
+            if not isinstance(src, fx.Node):
+                continue
+            dst_dt, src_dt = orig_float_dtype(n), orig_float_dtype(src)
+            if dst_dt is None or src_dt is None or not _pure_dtype_cast(n):
+                continue
+            if dst_dt == src_dt and n.meta.get("fxmem_precision") == "cast":
+                n.replace_all_uses_with(src)
+                g.erase_node(n)
+                removed += 1
+                changed = True
+                continue
+            # x(a) -> cast(b) -> cast(a) with b at least as wide as a: the pair is the identity
+            if src.op == "call_function" and src.target in CAST_OPS and _pure_dtype_cast(src):
+                x = src.args[0]
+                x_dt = orig_float_dtype(x) if isinstance(x, fx.Node) else None
+                if x_dt == dst_dt and torch.finfo(src_dt).bits >= torch.finfo(x_dt).bits \
+                        and not (src_dt == torch.float16 and x_dt == torch.bfloat16) \
+                        and not (src_dt == torch.bfloat16 and x_dt == torch.float16):
+                    n.replace_all_uses_with(x)
+                    g.erase_node(n)
+                    if not src.users:
+                        g.erase_node(src)
+                        removed += 1
+                    removed += 1
+                    changed = True
+    g.lint()
+    gm.recompile()
+    return removed
+
+
+def _pure_dtype_cast(n: fx.Node) -> bool:
+    kw = {k: v for k, v in n.kwargs.items() if k not in ("dtype", "layout", "copy", "non_blocking")}
+    if kw.get("memory_format") is not None:
+        return False
+    dev = kw.get("device")
+    src = n.args[0]
+    if dev is not None and _val(src) is not None and torch.device(dev) != _val(src).device:
+        return False
+    return True
+
+
+# ============================================================================================ parameters
+
+def _owner(gm: nn.Module, target: str):
+    prefix, _, name = target.rpartition(".")
+    return (gm.get_submodule(prefix) if prefix else gm), name
+
+
+def replace_params(gm: fx.GraphModule, fn, only=None) -> list[str]:
+    """Replace the get_attr'd parameters with new Parameters `fn(p)` (tied parameters stay tied).
+
+    New Parameter objects on the snapshot's own containers: the rollback copy keeps the old ones."""
+    done: dict[int, nn.Parameter] = {}
+    names = []
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or (only is not None and n.target not in only):
+            continue
+        try:
+            p = _get_attr(gm, n.target)
+        except AttributeError:
+            continue
+        if not isinstance(p, nn.Parameter):
+            continue
+        new = done.get(id(p))
+        if new is None:
+            new = fn(p)
+            done[id(p)] = new
+        owner, name = _owner(gm, n.target)
+        if getattr(owner, name) is not new:
+            owner._parameters[name] = new
+            names.append(n.target)
+    return names
+
+
+# ============================================================================================ weight swaps
+
+@dataclass
+class LinearSite:
+    node: fx.Node
+    path: str  # module path of the nn.Linear (the weight's owner)
+    weight: str  # get_attr target
+    bias: str | None
+
+
+def linear_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[LinearSite], list[dict]]:
+    """aten.linear sites whose weight (and bias) are parameters, and the skipped ones with why."""
+    sites, skipped = [], []
+    uses: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            try:
+                p = _get_attr(gm, n.target)
+            except AttributeError:
+                continue
+            if isinstance(p, torch.Tensor):
+                uses[id(p)] = uses.get(id(p), 0) + len(n.users)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.linear.default:
+            continue
+        w = n.args[1]
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and _is_param_attr(gm, w)):
+            skipped.append({"node": n.name, "module": module_path(n), "why": "weight is not a parameter"})
+            continue
+        path = w.target.rpartition(".")[0]
+        if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr" and _is_param_attr(gm, b)):
+            skipped.append({"node": n.name, "module": path, "why": "bias is not a parameter"})
+            continue
+        p = _get_attr(gm, w.target)
+        pat = _matches(path, opts.skip_modules)
+        if pat is not None:
+            skipped.append({"node": n.name, "module": path, "why": f"matches skip_modules {pat!r}"})
+            continue
+        if p.numel() < opts.min_params:
+            skipped.append({"node": n.name, "module": path, "why": f"{p.numel()} weights < min_params "
+                                                                   f"{opts.min_params}"})
+            continue
+        if uses.get(id(p), 0) != 1:
+            skipped.append({"node": n.name, "module": path, "why": "weight is shared (tied) with another use"})
+            continue
+        if p.dim() != 2:
+            skipped.append({"node": n.name, "module": path, "why": f"weight has {p.dim()} dims"})
+            continue
+        sites.append(LinearSite(n, path, w.target, b.target if b is not None else None))
+    return sites, skipped
+
+
+def build_quant(gm, site: LinearSite, opts: PrecisionOptions, kind: str, compute: torch.dtype) -> nn.Module:
+    from fxmem.nn.lowbit import QuantLinear
+    w = _get_attr(gm, site.weight)
+    b = _get_attr(gm, site.bias) if site.bias else None
+    return QuantLinear(w, b, kind, threshold=opts.int8_threshold, double_quant=opts.double_quant,
+                       compute_dtype=compute)
+
+
+def install_module(gm: fx.GraphModule, path: str, mod: nn.Module, site: LinearSite) -> str:
+    """Put `mod` at the linear's own path when its container holds only this linear's weight/bias (a container
+    fx made for this snapshot); else under a fresh root name. Returns the target."""
+    prefix, _, name = path.rpartition(".")
+    parent = gm.get_submodule(prefix) if prefix else gm
+    container = getattr(parent, name, None)
+    own = {site.weight.rpartition(".")[2]} | ({site.bias.rpartition(".")[2]} if site.bias else set())
+    if type(container) is nn.Module and not container._modules and set(container._parameters) <= own \
+            and not container._buffers and type(parent) is nn.Module:
+        setattr(parent, name, mod)
+        return path
+    target = "fxmem_lowbit_" + path.replace(".", "_")
+    k = 1
+    while hasattr(gm, target):
+        target = f"fxmem_lowbit_{path.replace('.', '_')}_{k}"
+        k += 1
+    gm.add_module(target, mod)
+    return target
+
+
+def swap_linear(gm: fx.GraphModule, site: LinearSite, mod: nn.Module) -> str:
+    n = site.node
+    w_node = n.args[1]
+    b_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    target = install_module(gm, site.path, mod, site)
+    with gm.graph.inserting_before(n):
+        call = gm.graph.call_module(target, (n.args[0],))
+    call.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace", "val",
+                                                                "fxmem_val")})
+    call.meta["fxmem_precision"] = "quant"
+    n.replace_all_uses_with(call)
+    gm.graph.erase_node(n)
+    for a in (w_node, b_node):
+        if isinstance(a, fx.Node) and not a.users:
+            gm.graph.erase_node(a)
+    return target
+
+
+# ============================================================================================ measuring
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph, keeping the values of the nodes named in `keep`."""
+
+    def __init__(self, gm, keep: set):
+        super().__init__(gm)
+        self.keep = keep
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.keep:
+            # a copy: later in-place ops (relu_) must not change what was recorded
+            self.values[n.name] = pytree.tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+
+def record_values(gm: fx.GraphModule, inputs: list[tuple[tuple, dict]], keep: set) -> list[dict]:
+    was = gm.training
+    gm.eval()
+    res = []
+    try:
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+                r = _Recorder(gm, keep)
+                r.run(*flat, enable_io_processing=False)
+                res.append(r.values)
+    finally:
+        gm.train(was)
+    return res
+
+
+def _err(ref, got) -> tuple[float, float]:
+    d = deviation(ref, got)
+    return d.max_abs, d.rel
+
+
+def site_error_compute(n: fx.Node, values: list[dict], dt: torch.dtype, seed: int = 0) -> tuple[float, float]:
+    """Error of running node `n` with its float inputs in `dt` (vs its fp32 outputs), over the recorded batches."""
+    mx, rels = 0.0, []
+    bn = _packet(n.target) in BATCH_NORMS
+    for vals in values:
+        if n.name not in vals:
+            continue
+
+        def get(a, cast_to):
+            if isinstance(a, fx.Node):
+                v = vals[a.name]
+                if cast_to is not None and isinstance(v, torch.Tensor) and v.is_floating_point() \
+                        and not (bn and a is not n.args[0]):
+                    return v.to(cast_to)
+                return v
+            return a
+        args = fx.node.map_aggregate(n.args, lambda a: get(a, dt) if isinstance(a, fx.Node) else a)
+        kwargs = fx.node.map_aggregate(n.kwargs, lambda a: get(a, dt) if isinstance(a, fx.Node) else a)
+        if n.target in (aten.softmax.int, aten.log_softmax.int) and len(args) > 2 and args[2] == torch.float32:
+            args = args[:2] + (None,) + tuple(args[3:])
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            got = n.target(*args, **kwargs)
+        got = pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, got)
+        m, r = _err(vals[n.name], got)
+        mx, rels = max(mx, m), rels + [r]
+    return mx, (max(rels) if rels else 0.0)
+
+
+def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict]) -> tuple[float, float]:
+    mx, rels = 0.0, []
+    for vals in values:
+        x = vals.get(n.args[0].name)
+        if x is None or n.name not in vals:
+            continue
+        with torch.no_grad():
+            got = mod(x)
+        m, r = _err(vals[n.name], got)
+        mx, rels = max(mx, m), rels + [r]
+    return mx, (max(rels) if rels else 0.0)
+
+
+def guard_inputs(program: Program, ctx, limit: int = 2) -> list[tuple[tuple, dict]]:
+    cal = getattr(ctx, "calibration", None)
+    out = []
+    if cal:
+        for item in list(cal)[:limit]:
+            if isinstance(item, dict):
+                out.append(((), item))
+            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) \
+                    and isinstance(item[0], tuple):
+                out.append(item)
+            elif isinstance(item, (tuple, list)):
+                out.append((tuple(item), {}))
+            else:
+                out.append(((item,), {}))
+    if not out:
+        out.append((tuple(program.example_args), dict(program.example_kwargs)))
+    return out
+
+
+def output_deviation(ref_gm, gm, inputs) -> dict:
+    mx, rel = 0.0, 0.0
+    for args, kwargs in inputs:
+        outs = []
+        for m in (ref_gm, gm):
+            was = m.training
+            m.eval()
+            try:
+                with torch.no_grad():
+                    outs.append(m(*args, **kwargs))
+            finally:
+                m.train(was)
+        d = deviation(*outs)
+        mx, rel = max(mx, d.max_abs), max(rel, d.rel)
+    return {"max_abs": mx, "rel": rel}
+
+
+def losses_after_steps(gm: fx.GraphModule, args, kwargs, loss_fn, steps: int, seed: int = 0) -> list[float]:
+    """Losses of `steps` training steps (AdamW, lr 1e-3) on a deep copy (the module is not changed)."""
+    from fxmem.optim import make_optimizer
+    from fxmem.step import compute_loss
+    m = copy.deepcopy(gm)
+    m.train()
+    opt = make_optimizer(m, "adamw", lr=1e-3)
+    out = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps + 1):
+            loss = compute_loss(loss_fn, m(*args, **kwargs), args, kwargs)
+            out.append(float(loss.detach()))
+            if len(out) > steps:
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return out
+
+
+# ============================================================================================ the pass
+
+def validate(opts: PrecisionOptions) -> None:
+    keep_ops(opts.keep_fp32)
+    if opts.params == "bf16" and opts.compute != "bf16":
+        raise PolicyError(f"passes.precision.params: bf16 parameters need compute: bf16 (got compute: "
+                          f"{opts.compute})")
+    if opts.tolerance is not None and not (opts.tolerance > 0):
+        raise PolicyError(f"passes.precision.tolerance must be > 0, got {opts.tolerance}")
+    if opts.min_params < 0:
+        raise PolicyError(f"passes.precision.min_params must be >= 0, got {opts.min_params}")
+    if opts.qlora is not None:
+        if opts.qlora.rank < 1:
+            raise PolicyError(f"passes.precision.qlora.rank must be >= 1, got {opts.qlora.rank}")
+        if opts.weights == "int8":
+            raise PolicyError("passes.precision.qlora needs 4-bit base weights (weights: nf4 or fp4), got int8")
+
+
+@register
+class PrecisionPass:
+    name = "precision"
+    exact = False
+    Options = PrecisionOptions
+
+    def run(self, program: Program, ctx) -> PassResult:
+        opts = ctx.options if ctx.options is not None else PrecisionOptions()
+        validate(opts)
+        gm = program.module
+        mode = ctx.mode
+        policy = getattr(ctx, "policy", None)
+        tol = opts.tolerance if opts.tolerance is not None else \
+            float(getattr(getattr(policy, "verify", None), "lossy_tolerance", 0.05))
+        changes: list[Change] = []
+        notes: list[str] = []
+        sites_rec: list[dict] = []
+        metrics: dict = {"tolerance": tol, "compute": opts.compute, "islands": opts.islands,
+                         "params": opts.params, "weights": opts.weights}
+        low = DTYPES[opts.compute]
+        kind = opts.weights if opts.weights not in ("none", "fp32") else None
+        if opts.qlora is not None and kind is None:
+            kind = "nf4"
+            notes.append("qlora: base weights quantized to nf4 (weights: none was given)")
+        want_compute = low != torch.float32
+        if not want_compute and kind is None and opts.params == "fp32":
+            return PassResult(program, False, notes=["compute fp32, no weight quantization: nothing to do"])
+        est_before = _safe_estimate(ctx, program)
+        reference = program.snapshot()  # fp32 reference (shares parameters; never mutated)
+        inputs = guard_inputs(program, ctx)
+
+        # ---- which values the guard needs (fp32, on the calibration / example inputs)
+        lsites, skipped = linear_sites(gm, opts) if kind is not None else ([], [])
+        decisions = plan(gm, opts, low) if want_compute else {}
+        keep = set()
+        for s in lsites:
+            keep.update({s.node.name, s.node.args[0].name})
+        for d in decisions.values():
+            if d.cls in (LOW, ACC):
+                n = _node_by_name(gm, d.node)
+                keep.add(n.name)
+                keep.update(a.name for a in _node_args(n))
+        values = record_values(gm, inputs, keep) if (opts.guard and keep) else []
+
+        # ---- 1. weights: swap linears for bitsandbytes layers (guarded per site)
+        qlora_targets = opts.qlora.targets if opts.qlora is not None else []
+        for sk in skipped:
+            notes.append(f"{sk['module']}: linear kept ({sk['why']})")
+        swapped = 0
+        for s in lsites:
+            qcompute = low if want_compute else torch.float32
+            mod = build_quant(gm, s, opts, kind, qcompute)
+            w = _get_attr(gm, s.weight)
+            b = _get_attr(gm, s.bias) if s.bias else None
+            dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+            mx, rel = site_error_module(s.node, mod, values) if values else (float("nan"), float("nan"))
+            rec = {"site": s.node.name, "module": s.path, "decision": kind, "max_abs": mx, "rel": rel,
+                   "reverted": False}
+            sites_rec.append(rec)
+            if values and not (rel <= tol):
+                rec["reverted"] = True
+                changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name],
+                                      f"{kind} weights: relative error {rel:.3g} of this linear's output exceeds "
+                                      f"the tolerance {tol:g}; kept in its original precision",
+                                      0, {"max_abs": mx, "rel": rel, "decision": kind}))
+                continue
+            lora = opts.qlora is not None and _matches(s.path, qlora_targets) is not None
+            if lora:
+                from fxmem.nn.lowbit import LoRALinear
+                mod = LoRALinear(mod, mod.in_features, mod.out_features, rank=opts.qlora.rank,
+                                 alpha=opts.qlora.alpha, dropout=opts.qlora.dropout, device=w.device,
+                                 seed=ctx.seed if hasattr(ctx, "seed") else 0)
+            name_before = s.node.name
+            target = swap_linear(gm, s, mod)
+            swapped += 1
+            qbytes = (mod.base if lora else mod).weight_bytes()
+            changes.append(Change("precision.quantize" + ("+lora" if lora else ""), s.path, [name_before],
+                                  [target], f"aten.linear -> bitsandbytes {kind} linear"
+                                  + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
+                                  + f" (site rel. error {rel:.3g}); weights frozen; state_dict: {s.weight} -> "
+                                    f"{target}.{'base.' if lora else ''}inner.weight",
+                                  dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes,
+                                                   "max_abs": mx, "rel": rel}))
+        metrics["linears_quantized"] = swapped
+        if kind is not None and swapped and mode == "train" and opts.qlora is None:
+            notes.append("quantized linears are frozen (bitsandbytes int8/4-bit weights take no gradient); the "
+                         "rest of the model trains")
+
+        # ---- 2. compute precision: plan, guard per site, rewrite
+        if opts.params == "bf16":
+            names = replace_params(gm, lambda p: nn.Parameter(p.detach().to(torch.bfloat16),
+                                                              requires_grad=p.requires_grad))
+            changes.append(Change("precision.params", "", [], [], f"{len(names)} parameters stored in bf16; "
+                                  "use fxmem.make_optimizer for fp32 master weights and fp32 optimizer state",
+                                  None, {"params": names}))
+        if want_compute:
+            decisions = plan(gm, opts, low)  # after the swaps
+            reverted = set()
+            for d in decisions.values():
+                if d.cls not in (LOW, ACC) or not values:
+                    continue
+                n = _node_by_name(gm, d.node)
+                try:
+                    mx, rel = site_error_compute(n, values, low, ctx.seed if hasattr(ctx, "seed") else 0)
+                except Exception as e:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
+                    mx, rel = float("inf"), float("inf")
+                    d.reason += f" (could not run in {_SHORT[low]}: {type(e).__name__})"
+                rec = {"site": d.node, "module": d.module, "op": d.op, "decision": f"{d.cls}:{_SHORT[low]}",
+                       "max_abs": mx, "rel": rel, "reverted": False}
+                sites_rec.append(rec)
+                if not (rel <= tol):
+                    rec["reverted"] = True
+                    reverted.add(d.node)
+                    changes.append(Change("precision.reverted", d.module, [d.node], [d.node],
+                                          f"{d.op} in {_SHORT[low]}: relative error {rel:.3g} exceeds the "
+                                          f"tolerance {tol:g}; runs in fp32", 0,
+                                          {"max_abs": mx, "rel": rel, "decision": d.cls}))
+            if reverted:
+                decisions = plan(gm, opts, low, reverted)
+            stats = apply_plan(gm, decisions, opts, low)
+            program.refresh()
+            stats["casts_removed"] = simplify_casts(gm)
+            metrics.update(stats)
+            by_cls: dict[str, int] = {}
+            for d in decisions.values():
+                by_cls[d.cls] = by_cls.get(d.cls, 0) + 1
+            metrics["decisions"] = by_cls
+            metrics["fp32_islands"] = sorted(d.node for d in decisions.values() if d.cls == FP32)
+            groups: dict[str, list[Decision]] = {}
+            for d in decisions.values():
+                if d.cls in (LOW, ACC, FP32):
+                    groups.setdefault(d.module, []).append(d)
+            for mod_path, ds in groups.items():
+                lowd = [d.node for d in ds if d.cls == LOW]
+                accd = [d.node for d in ds if d.cls == ACC]
+                f32 = [d.node for d in ds if d.cls == FP32]
+                reason = "; ".join(x for x in (
+                    f"{len(lowd)} matmul-class op(s) in {_SHORT[low]}" if lowd else "",
+                    f"{len(accd)} op(s) in {_SHORT[low]} with fp32 accumulation in the kernel" if accd else "",
+                    f"fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
+                                                           if d.cls == FP32})) if f32 else "") if x)
+                changes.append(Change("precision.compute", mod_path, [d.node for d in ds], [d.node for d in ds],
+                                      reason, None, {"low": lowd, "acc": accd, "fp32": f32}))
+            if opts.compute == "fp16" and mode == "train":
+                notes.append("fp16 training needs loss scaling: gradients below 6e-8 flush to zero in fp16; use "
+                             "torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(opt); "
+                             "scaler.update()) — tested with fxmem on CPU")
+            if opts.params == "bf16" and mode == "train":
+                notes.append("bf16 parameters: build the optimizer with fxmem.make_optimizer(module, policy), which "
+                             "keeps fp32 master weights and fp32 optimizer state (the cost model's estimate assumes "
+                             "optimizer state in the parameter dtype)")
+
+        # ---- QLoRA: only the adapters train
+        if opts.qlora is not None:
+            frozen = replace_params(gm, lambda p: nn.Parameter(p.detach(), requires_grad=False))
+            n_lora = sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n and p.requires_grad)
+            changes.append(Change("precision.freeze", "", [], [], f"QLoRA: {len(frozen)} base parameter(s) frozen; "
+                                  f"{n_lora} adapter weights train", None, {"frozen": frozen}))
+            metrics["lora_params"] = n_lora
+        program.refresh()
+
+        # ---- whole-model record
+        metrics["sites"] = sites_rec
+        metrics["sites_reverted"] = sum(1 for s in sites_rec if s["reverted"])
+        if opts.guard:
+            try:
+                metrics["output_deviation"] = output_deviation(reference.module, gm, inputs)
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"output deviation not measured: {type(e).__name__}: {e}")
+            if mode == "train" and opts.loss_steps > 0:
+                try:
+                    args, kwargs = inputs[0]
+                    metrics["loss_fp32"] = losses_after_steps(reference.module, args, kwargs, ctx.loss_fn,
+                                                              opts.loss_steps, getattr(ctx, "seed", 0))
+                    metrics["loss_new"] = losses_after_steps(gm, args, kwargs, ctx.loss_fn, opts.loss_steps,
+                                                             getattr(ctx, "seed", 0))
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
+        est_after = _safe_estimate(ctx, program)
+        if est_before is not None and est_after is not None:
+            metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
+                                   for k in ("params", "activations", "optimizer_state", "peak")}
+        return PassResult(program, True, changes=changes, notes=notes, metrics=metrics)
+
+
+def _node_by_name(gm, name):
+    for n in gm.graph.nodes:
+        if n.name == name:
+            return n
+    raise KeyError(name)
+
+
+def _safe_estimate(ctx, program):
+    try:
+        return ctx.estimate(program)
+    except Exception:  # noqa: BLE001 - the estimate is a report figure here, not a decision input
+        return None
+
+
+__all__ = ["PrecisionOptions", "QLoRAOptions", "PrecisionPass", "plan", "apply_plan", "simplify_casts",
+           "linear_sites", "KEEP_GROUPS", "ACC_BF16", "ACC_FP16", "DTYPES"]
+_ = math
