@@ -412,20 +412,22 @@ class Report:
             P.append("<div class=\"warn\" id=\"warnings\"><h2>&#9888; Warnings</h2><ul>")
             P.extend(f"<li>{_inline_code(x)}</li>" for x in warn)
             P.append("</ul></div>")
-        P.append("<h2>Summary</h2>")
+        P.append("<nav class=\"meta\"><a href=\"#summary\">summary</a> &middot; <a href=\"#timeline\">memory timeline"
+                 "</a> &middot; <a href=\"#passes\">passes</a> &middot; <a href=\"#graph-diff\">graph diff</a></nav>")
+        P.append("<h2 id=\"summary\">Summary</h2>")
         P.append(self._summary_table_html())
         P.append("<ul class=\"facts\">" + "".join(f"<li>{_inline_code(s)}</li>" for s in self._summary_facts())
                  + "</ul>")
-        P.append("<h2>Memory timeline</h2>")
+        P.append("<h2 id=\"timeline\">Memory timeline</h2>")
         P.append("<figure class=\"plot\">" + _svg_for_html(svg if svg is not None else timeline_svg(self))
                  + "<figcaption>Live bytes during one step, before vs after. Each phase is scaled to the same "
                    "width so phases line up; dashed lines mark the peaks.</figcaption></figure>")
-        P.append("<h2>Passes</h2>")
+        P.append("<h2 id=\"passes\">Passes</h2>")
         if not self.passes:
             P.append("<p>No pass ran (the policy enables none).</p>")
         for rec in self.passes:
             P.append(self._pass_html(rec))
-        P.append("<h2>Graph diff</h2>")
+        P.append("<h2 id=\"graph-diff\">Graph diff</h2>")
         rows = self.replaced_nodes()
         if rows:
             P.append("<p>Replaced nodes (bytes saved: <span class=\"est\">estimated</span>):</p>")
@@ -677,7 +679,7 @@ padding:0 16px;color:#222;line-height:1.45}
 h1{font-size:1.6em;margin-bottom:4px}h2{border-bottom:1px solid #ddd;padding-bottom:3px;margin-top:28px}
 code,pre{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,Consolas,monospace;font-size:0.9em}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f3f3f3;white-space:nowrap}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 tr.peak td{font-weight:bold}.meta{color:#555}
 .est{color:#1f4e8c}.meas{color:#1e7b34}
 .warn{border:2px solid #c0392b;background:#fdecea;padding:4px 16px;margin:12px 0;border-radius:4px}

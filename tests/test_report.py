@@ -191,7 +191,7 @@ def test_rolled_back_and_unknown_ops_are_prominent():
     assert "aten.weird_op.default" in warn
     assert "OVER the budget" not in warn  # 2050 <= 2500: fits
     h = r.to_html()
-    w0, s0 = h.index('id="warnings"'), h.index("<h2>Summary</h2>")
+    w0, s0 = h.index('id="warnings"'), h.index('<h2 id="summary">Summary</h2>')
     assert w0 < s0 and "aten.weird_op.default" in h[w0:s0] and "pruning</code> was ROLLED BACK" in h[w0:s0]
     assert '<section class="pass bad" id="pass-pruning">' in h
     # a failed pass too, and an over-budget result
@@ -245,6 +245,8 @@ def test_html_self_contained():
     assert "<script" not in low and "<link" not in low and "@import" not in low
     assert not re.search(r"url\((?!#)", low)  # only in-document references (clip paths)
     assert not re.search(r'\ssrc=', low)
+    hrefs = re.findall(r'href="([^"]*)"', h)
+    assert hrefs and all(x.startswith("#") for x in hrefs)  # in-page links and SVG glyph references only
     assert "<style>" in h
     # the plot is a real SVG with two panels (estimated and measured)
     svg = h[h.index("<svg"):h.index("</svg>") + 6]
