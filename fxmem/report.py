@@ -179,7 +179,8 @@ class Report:
         }
         if not deterministic:
             d["timing"] = dict(self.timing)
-        return _json_safe(d)
+        d = _json_safe(d)
+        return _scrub(d) if deterministic else d
 
     def to_json(self, deterministic: bool = False) -> str:
         return json.dumps(self.to_dict(deterministic), indent=2, sort_keys=True, allow_nan=False) + "\n"
@@ -293,7 +294,8 @@ class Report:
             L.append("")
         if not deterministic:
             L.extend(self._timing_md())
-        return "\n".join(L).rstrip("\n") + "\n"
+        text = "\n".join(L).rstrip("\n") + "\n"
+        return _scrub(text) if deterministic else text
 
     def _warning_lines(self) -> list[str]:
         out = []
@@ -460,7 +462,8 @@ class Report:
             P.extend(f"<li>{e(_timing_text(r))}</li>" for r in self.passes)
             P.append("</ul></section>")
         P.append("</body>\n</html>\n")
-        return "\n".join(P)
+        text = "\n".join(P)
+        return _scrub(text) if deterministic else text
 
     def _summary_table_html(self) -> str:
         e = html.escape
@@ -836,6 +839,20 @@ def _metric_lines(metrics: dict) -> list[str]:
             text = json.dumps(_json_safe(val), sort_keys=True)
             out.append(f"{key}: `{text if len(text) <= 300 else text[:297] + '...'}`")
     return out
+
+
+_ADDRESS = re.compile(r"\b(at|object at) 0x[0-9a-fA-F]{6,}")
+
+
+def _scrub(x):
+    """Deterministic output: object addresses in reprs (`<function f at 0x7f...>`) differ run to run."""
+    if isinstance(x, str):
+        return _ADDRESS.sub(r"\1 0x...", x)
+    if isinstance(x, dict):
+        return {k: _scrub(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_scrub(v) for v in x]
+    return x
 
 
 def _json_safe(x):

@@ -420,3 +420,16 @@ def test_cli_diff_two_results(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "no differences"
     assert main(["diff", str(tmp_path)]) == 2  # not a result directory: a clear error
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_deterministic_output_hides_object_addresses():
+    def make(addr):
+        rec = PassRecord(name="gating", status="failed", exact=False,
+                         reason=f"TypeError: bad callable <function f at {addr}>",
+                         notes=[f"Traceback: <object object at {addr}>"], metrics={"fn": f"<function g at {addr}>"})
+        return _report(passes=[rec])
+    a, b = make("0x7f00deadbeef"), make("0x7f11cafef00d")
+    for f in ("to_markdown", "to_html", "to_json"):
+        x, y = getattr(a, f)(deterministic=True), getattr(b, f)(deterministic=True)
+        assert x == y and "deadbeef" not in x and "at 0x..." in x, f
+    assert "0x7f00deadbeef" in a.to_markdown()  # the full text keeps them
