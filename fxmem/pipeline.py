@@ -148,9 +148,15 @@ def load_passes() -> dict[str, type]:
     for name in CANONICAL_ORDER:
         path = Path(pkg.__path__[0]) / f"{name}.py"
         if path.exists():
-            importlib.import_module(f"fxmem.passes.{name}")
+            try:
+                importlib.import_module(f"fxmem.passes.{name}")
+            except Exception as e:  # noqa: BLE001 - one broken pass must not take the others down
+                LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
     _loaded = True
     return REGISTRY
+
+
+LOAD_ERRORS: dict[str, str] = {}
 
 
 # ============================================================================================ verification
@@ -229,9 +235,11 @@ class PassManager:
             if sec is None or not sec.enabled:
                 continue
             if name not in registry:
+                why = (f"it failed to load ({LOAD_ERRORS[name]})" if name in LOAD_ERRORS else
+                       "this pass is not implemented in this version of fxmem")
                 raise PolicyError(
-                    f"{_src(self.policy, sec)} passes.{name}: this pass is not implemented in this version of "
-                    f"fxmem (available: {', '.join(sorted(n for n in registry if n in CANONICAL_ORDER)) or 'none'}); "
+                    f"{_src(self.policy, sec)} passes.{name}: {why} (available: "
+                    f"{', '.join(sorted(n for n in registry if n in CANONICAL_ORDER)) or 'none'}); "
                     f"set passes.{name}.enabled: false")
             names.append(name)
         for name in sorted(self.policy.passes):
