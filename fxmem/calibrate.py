@@ -1,0 +1,215 @@
+"""Calibration: how the hidden units of a captured model behave on real data.
+
+    stats = fxmem.calibrate(program, data, max_batches=16)      # data: an iterable of model inputs
+    stats.layers["h.0.mlp.c_proj"].freq                          # per-unit firing frequency, a tensor
+    stats.histograms()                                           # coldness histograms for the report
+
+Which units: the input of every linear / convolution whose weight is a parameter (MLP intermediates, conv
+channels, GNN hidden dims), one `LayerStats` per such input, keyed by the consuming module's path. Per unit
+(the channel dim: last for linear, 1 for conv):
+
+- `freq`: firing frequency, the share of positions where |a| > eps * scale. `scale` is the layer's mean |a| over
+  all its units in that batch: GELU/SiLU models rarely give exact zeros, so "fires" is relative to the layer's
+  typical magnitude (with ReLU, eps=0 counts exact non-zeros);
+- `mean` (signed), `mean_abs`, `var` (population variance over all positions seen), `count`.
+
+Data items may be a tensor, a tuple/list of positional args, a dict of keyword args, or `(args, kwargs)`.
+The model runs in eval mode under no_grad (buffers are not updated). A progress bar (tqdm, on stderr) shows while
+it runs unless `progress=False`; `max_batches` caps the number of items used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+
+from .depgroups import probe_nodes
+from .errors import FxmemError
+from .program import Program
+
+__all__ = ["calibrate", "CalibrationStats", "LayerStats", "normalize_item"]
+
+
+@dataclass
+class LayerStats:
+    layer: str  # module path of the consumer
+    node: str  # graph node whose values are watched
+    channel_dim: int
+    count: int = 0  # positions per unit seen
+    sum: torch.Tensor | None = None
+    sum_sq: torch.Tensor | None = None
+    sum_abs: torch.Tensor | None = None
+    fired: torch.Tensor | None = None
+
+    @property
+    def units(self) -> int:
+        return 0 if self.sum is None else int(self.sum.numel())
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.sum / max(self.count, 1)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.sum_abs / max(self.count, 1)
+
+    @property
+    def var(self) -> torch.Tensor:
+        m = self.mean
+        return (self.sum_sq / max(self.count, 1) - m * m).clamp_min(0)
+
+    @property
+    def freq(self) -> torch.Tensor:
+        return self.fired / max(self.count, 1)
+
+    def update(self, a: torch.Tensor, eps: float) -> None:
+        a = a.detach().to(torch.float64)
+        d = self.channel_dim if self.channel_dim >= 0 else a.dim() + self.channel_dim
+        flat = a.movedim(d, -1).reshape(-1, a.shape[d])
+        scale = flat.abs().mean()
+        fire = (flat.abs() > eps * scale).to(torch.float64) if eps > 0 else (flat != 0).to(torch.float64)
+        if self.sum is None:
+            z = torch.zeros(flat.shape[1], dtype=torch.float64)
+            self.sum, self.sum_sq, self.sum_abs, self.fired = z.clone(), z.clone(), z.clone(), z.clone()
+        if flat.shape[1] != self.sum.numel():
+            raise FxmemError(f"calibration: {self.layer} ({self.node}) has {flat.shape[1]} units in one batch and "
+                             f"{self.sum.numel()} in another")
+        self.count += flat.shape[0]
+        self.sum += flat.sum(0)
+        self.sum_sq += (flat * flat).sum(0)
+        self.sum_abs += flat.abs().sum(0)
+        self.fired += fire.sum(0)
+
+    def to_dict(self) -> dict:
+        f = self.freq
+        return {"layer": self.layer, "node": self.node, "units": self.units, "positions": self.count,
+                "cold_units": int((f < 0.05).sum()), "mean_freq": float(f.mean()) if f.numel() else 0.0,
+                "mean_abs": float(self.mean_abs.mean()) if f.numel() else 0.0}
+
+
+@dataclass
+class CalibrationStats:
+    layers: dict = field(default_factory=dict)  # layer path -> LayerStats
+    by_node: dict = field(default_factory=dict)  # node name -> LayerStats
+    batches: int = 0
+    eps: float = 0.01
+
+    def __getitem__(self, key: str) -> LayerStats:
+        if key in self.layers:
+            return self.layers[key]
+        return self.by_node[key]
+
+    def histograms(self, bins: int = 10) -> dict:
+        """{"bin_edges": [...], layer: counts} of the per-unit firing frequency (the report draws these)."""
+        edges = torch.linspace(0, 1, bins + 1)
+        out: dict[str, Any] = {"bin_edges": [round(float(e), 4) for e in edges]}
+        for name, st in self.layers.items():
+            if st.sum is None:
+                continue
+            h = torch.histc(st.freq.float().clamp(0, 1), bins=bins, min=0.0, max=1.0)
+            out[name] = [int(x) for x in h.tolist()]
+        return out
+
+    def summary(self) -> dict:
+        return {"batches": self.batches, "eps": self.eps,
+                "layers": {k: v.to_dict() for k, v in self.layers.items()}}
+
+    def plot(self, path_png=None, path_svg=None, bins: int = 20):
+        """A figure with one coldness histogram per layer; saved to the given paths; returns the figure."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        names = [k for k, v in self.layers.items() if v.sum is not None]
+        n = max(len(names), 1)
+        cols = min(4, n)
+        rows = (n + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names):
+            ax.hist(self.layers[name].freq.numpy(), bins=bins, range=(0, 1), color="#4477aa")
+            ax.set_title(name, fontsize=8)
+            ax.set_xlabel("firing frequency", fontsize=7)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        fig.tight_layout()
+        with matplotlib.rc_context({"svg.hashsalt": "fxmem-calibration"}):
+            if path_png:
+                fig.savefig(path_png, dpi=100, metadata={"Software": None})
+            if path_svg:
+                fig.savefig(path_svg, metadata={"Date": None})
+        plt.close(fig)
+        return fig
+
+
+def normalize_item(item) -> tuple[tuple, dict]:
+    """One calibration item -> (args, kwargs)."""
+    if isinstance(item, dict):
+        return (), dict(item)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple) and isinstance(item[1], dict):
+        return item[0], dict(item[1])
+    if isinstance(item, (tuple, list)):
+        return tuple(item), {}
+    return (item,), {}
+
+
+class _Watcher(fx.Interpreter):
+    def __init__(self, gm, watch: dict, eps: float):
+        super().__init__(gm)
+        self.watch, self.eps = watch, eps
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        st = self.watch.get(n.name)
+        if st is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+            st.update(out, self.eps)
+        return out
+
+
+def calibrate(program: Program, data: Iterable, *, max_batches: int | None = 16, eps: float = 0.01,
+              nodes: dict | None = None, progress: bool = True, stats: CalibrationStats | None = None) \
+        -> CalibrationStats:
+    """Run `program` on up to `max_batches` items of `data` and collect per-unit statistics (see module doc).
+
+    nodes: {node name: (layer label, channel dim)} to watch instead of every linear/conv input.
+    """
+    if data is None:
+        raise FxmemError("calibrate: no data (pass an iterable of model inputs, e.g. the model file's "
+                         "calibration_data())")
+    gm = program.module
+    watch_spec = nodes if nodes is not None else probe_nodes(gm)
+    stats = stats or CalibrationStats(eps=eps)
+    for name, (layer, cdim) in watch_spec.items():
+        if name not in stats.by_node:
+            label = layer if layer not in stats.layers else f"{layer}:{name}"
+            st = LayerStats(layer=label, node=name, channel_dim=cdim)
+            stats.by_node[name] = st
+            stats.layers[label] = st
+    watch = {n: stats.by_node[n] for n in watch_spec}
+    items = []
+    for i, item in enumerate(data):
+        if max_batches is not None and i >= max_batches:
+            break
+        items.append(item)
+    if not items:
+        raise FxmemError("calibrate: the calibration data is empty")
+    it = items
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            it = tqdm(items, desc="calibrating", unit="batch", leave=False)
+        except ImportError:  # pragma: no cover
+            pass
+    was = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            for item in it:
+                args, kwargs = normalize_item(item)
+                flat = program.flat_inputs(args, kwargs)
+                _Watcher(gm, watch, eps).run(*flat, enable_io_processing=False)
+                stats.batches += 1
+    finally:
+        gm.train(was)
+    return stats

@@ -1,0 +1,498 @@
+"""Dependency groups: which hidden dimensions of a captured graph can be pruned together, found on the FX graph.
+
+A *group* is a set of hidden units (channels) that appear in several tensors and parameters at once and must be
+removed from all of them consistently, the idea of torch-pruning's DepGraph applied to fxmem's aten-level graph:
+
+    Linear -> act -> Linear                 producer rows, consumer columns
+    SwiGLU: silu(gate(x)) * up(x) -> down   two producers joined by the product, one consumer
+    Conv -> BN -> act [-> pool] -> Conv     producer out-channels, BN affine + running stats, consumer in-channels
+    GNN layer: lin -> gather -> * norm -> scatter_add(new_zeros[N, C]) -> + bias -> act -> next lin
+                                            plus the shape literal of the accumulator (C) and the bias
+
+How it is found (`find_groups`): from every *producer* (aten.linear / conv2d / conv_transpose2d whose weight is a
+parameter used once) the channel dimension is followed forward through ops that keep it (pointwise activations,
+dropout, batch norm, pooling, index_select / scatter over another dim, broadcasting with a per-channel parameter or
+a size-1 operand, last-dim views) until it reaches *consumers* (a linear or convolution that reduces over it). A
+binary op whose other operand also carries C channels from another producer (through pointwise ops) joins that
+producer (SwiGLU). Anything else that touches the channel dimension couples it to values outside the group: a
+residual add with the stream, a concat, a split/reshape into heads, the graph output. Such a group is kept with
+`ok=False` and a `reason` naming the node and op, and no pass prunes it.
+
+`slice_group(gm, group, keep)` physically removes units: it builds NEW sliced parameters and buffers registered
+under the same names (existing ones are never modified: rollback snapshots share them) and rewrites the shape
+literals the group recorded. Call `program.refresh()` afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from .program import module_path
+
+aten = torch.ops.aten
+
+__all__ = ["Group", "Producer", "Consumer", "find_groups", "slice_group", "probe_nodes", "weight_producers"]
+
+# ---------------------------------------------------------------------------------------------- op classes
+_UNARY = {"relu", "relu_", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "dropout",
+          "clone", "contiguous", "hardtanh", "hardtanh_", "leaky_relu", "leaky_relu_", "elu", "elu_", "mish",
+          "hardswish", "hardsigmoid", "alias", "detach", "neg", "abs", "square", "softplus", "relu6", "celu",
+          "selu", "_to_copy", "to", "type_as", "log_sigmoid", "exp", "sin", "cos"}
+_BINARY = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"}
+_POOL = {"max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "max_pool1d", "avg_pool1d", "upsample_nearest2d",
+         "upsample_bilinear2d", "max_pool3d", "avg_pool3d"}
+_BN = {"batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+       "native_batch_norm", "instance_norm", "_batch_norm_with_update", "_batch_norm_no_update"}
+_VIEWS = {"view", "reshape", "_unsafe_view"}
+_FACTORY_LIKE = {"new_zeros", "new_empty", "new_ones"}
+_SCATTER = {"scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce", "scatter_reduce_"}
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    if n.op != "call_function":
+        return ""
+    pkt = getattr(t, "overloadpacket", None)
+    if pkt is not None:
+        return str(pkt).split(".")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _val(n):
+    if not isinstance(n, fx.Node):
+        return None
+    v = n.meta.get("fxmem_val", n.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _ndim(n) -> int | None:
+    v = _val(n)
+    return None if v is None else v.dim()
+
+
+def _size(n, d) -> int | None:
+    v = _val(n)
+    if v is None or d < 0 or d >= v.dim():
+        return None
+    try:
+        return int(v.shape[d])
+    except Exception:  # noqa: BLE001 - symbolic size
+        return None
+
+
+def _get_attr_obj(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_param_attr(gm, n) -> bool:
+    return isinstance(n, fx.Node) and n.op == "get_attr" and isinstance(_safe_attr(gm, n.target), torch.Tensor)
+
+
+def _safe_attr(gm, target):
+    try:
+        return _get_attr_obj(gm, target)
+    except AttributeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass
+class Producer:
+    node: str
+    weight: str  # get_attr target
+    bias: str | None
+    wdim: int  # weight dim that indexes the output channels
+    kind: str  # linear | conv | conv_transpose
+
+
+@dataclass
+class Consumer:
+    node: str
+    weight: str
+    bias: str | None
+    wdim: int  # weight dim that indexes the input channels
+    kind: str
+    probe: str  # the consumer's input node: the activations calibration watches
+
+
+@dataclass
+class Group:
+    name: str  # module path of the first producer
+    size: int  # number of units C
+    producers: list = field(default_factory=list)
+    consumers: list = field(default_factory=list)
+    params: list = field(default_factory=list)  # (get_attr target, dim) extra tensors sliced along with it
+    literals: list = field(default_factory=list)  # (node name, arg index, list position) shape literals == C
+    members: dict = field(default_factory=dict)  # node name -> channel dim
+    ok: bool = True
+    reason: str = ""
+    kind: str = "mlp"  # mlp | swiglu | conv | gnn
+
+    @property
+    def probes(self) -> list[str]:
+        return list(dict.fromkeys(c.probe for c in self.consumers))
+
+    def summary(self) -> str:
+        p = "+".join(x.node for x in self.producers)
+        c = "+".join(x.node for x in self.consumers)
+        s = f"{self.name} [{self.kind}] C={self.size}: {p} -> {c}"
+        return s if self.ok else s + f" (not prunable: {self.reason})"
+
+
+# ---------------------------------------------------------------------------------------------- producers
+def _weight_op(gm, n: fx.Node):
+    """(kind, weight node, bias node|None) when `n` is a linear/conv with a parameter weight, else None."""
+    if n.op != "call_function":
+        return None
+    nm = _name(n)
+    if nm == "linear":
+        w = n.args[1]
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        kind = "linear"
+    elif nm in ("conv2d", "conv1d", "conv3d"):
+        w = n.args[1]
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+        if groups != 1:
+            return None
+        kind = "conv"
+    elif nm in ("conv_transpose2d", "conv_transpose1d", "conv_transpose3d"):
+        w = n.args[1]
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+        if groups != 1:
+            return None
+        kind = "conv_transpose"
+    else:
+        return None
+    if not _is_param_attr(gm, w):
+        return None
+    if b is not None and not _is_param_attr(gm, b):
+        return None
+    return kind, w, b
+
+
+def _out_channel_dim(kind: str, n: fx.Node) -> int:
+    return (_ndim(n) or 1) - 1 if kind == "linear" else 1
+
+
+def weight_producers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if _weight_op(gm, n) is not None]
+
+
+def probe_nodes(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
+    """{input node name: (consumer module path, channel dim)} for the input of every linear/conv with a parameter
+    weight: the hidden units that feed a Linear/Conv, which calibration watches."""
+    out = {}
+    for n in gm.graph.nodes:
+        wo = _weight_op(gm, n)
+        if wo is None:
+            continue
+        x = n.args[0]
+        if not isinstance(x, fx.Node) or _val(x) is None:
+            continue
+        nd = _ndim(x)
+        if nd is None:
+            continue
+        out.setdefault(x.name, (module_path(n) or n.name, nd - 1 if wo[0] == "linear" else 1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the search
+class _Reject(Exception):
+    pass
+
+
+def _norm_dim(d, nd):
+    return d + nd if d < 0 else d
+
+
+def find_groups(gm: fx.GraphModule) -> list[Group]:
+    """Every producer's dependency group (joined producers are listed once), in graph order."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    attr_uses: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = _safe_attr(gm, n.target)
+            if isinstance(obj, torch.Tensor):
+                attr_uses[id(obj)] = attr_uses.get(id(obj), 0) + len(n.users)
+    groups: list[Group] = []
+    taken: set[str] = set()
+    for n in gm.graph.nodes:
+        wo = _weight_op(gm, n)
+        if wo is None or n.name in taken:
+            continue
+        g = _grow(gm, n, attr_uses)
+        for p in g.producers:
+            taken.add(p.node)
+        groups.append(g)
+    del nodes
+    return groups
+
+
+def _grow(gm, start: fx.Node, attr_uses) -> Group:
+    kind, w, b = _weight_op(gm, start)
+    d0 = _out_channel_dim(kind, start)
+    C = _size(start, d0)
+    g = Group(name=module_path(start) or start.name, size=C or 0)
+    try:
+        if C is None:
+            raise _Reject(f"{start.name}: output channel count unknown (no shape metadata)")
+        _add_producer(gm, g, start, attr_uses)
+        queue = [start]
+        g.members[start.name] = d0
+        while queue:
+            x = queue.pop()
+            dx = g.members[x.name]
+            for u in list(x.users):
+                _visit(gm, g, x, dx, u, queue, attr_uses)
+        if not g.consumers:
+            raise _Reject("its units reach no linear/conv consumer")
+        g.kind = _kind(gm, g)
+    except _Reject as e:
+        g.ok, g.reason = False, str(e)
+    return g
+
+
+def _kind(gm, g: Group) -> str:
+    names = {_name(n) for n in gm.graph.nodes if n.name in g.members}
+    if len(g.producers) > 1:
+        return "swiglu" if "mul" in names else "joined"
+    if names & _SCATTER:
+        return "gnn"
+    if g.producers[0].kind != "linear":
+        return "conv"
+    return "mlp"
+
+
+def _add_producer(gm, g: Group, n: fx.Node, attr_uses):
+    kind, w, b = _weight_op(gm, n)
+    for a in (w, b):
+        if a is not None and attr_uses.get(id(_safe_attr(gm, a.target)), 0) != 1:
+            raise _Reject(f"{n.name}: parameter {a.target} is used elsewhere (tied/shared)")
+    wdim = 1 if kind == "conv_transpose" else 0
+    g.producers.append(Producer(n.name, w.target, b.target if b is not None else None, wdim, kind))
+
+
+def _add_member(g, n, d, queue):
+    prev = g.members.get(n.name)
+    if prev is not None:
+        if prev != d:
+            raise _Reject(f"{n.name}: reached with channel dim {prev} and {d}")
+        return
+    g.members[n.name] = d
+    queue.append(n)
+
+
+def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr_uses):
+    """Another input of an op on the channel path: fine if scalar / broadcast over the channel / a per-channel
+    parameter (sliced too) / the output of another producer carrying the same channels (joined)."""
+    if not isinstance(o, fx.Node):
+        return
+    if o.name in g.members:
+        if g.members[o.name] != d - (out_nd - (_ndim(o) or out_nd)):
+            raise _Reject(f"{u.name}: operands carry the channels on different dims")
+        return
+    ond = _ndim(o)
+    if ond is None:
+        return  # SymInt etc.
+    od = d - (out_nd - ond)
+    if od < 0 or _size(o, od) == 1:
+        return  # broadcast along the channel dim
+    if _size(o, od) != g.size:
+        raise _Reject(f"{u.name} ({_name(u)}): operand {o.name} has size {_size(o, od)} on the channel dim")
+    if o.op == "get_attr":
+        if attr_uses.get(id(_safe_attr(gm, o.target)), 0) != 1:
+            raise _Reject(f"{u.name}: per-channel tensor {o.target} is shared with other ops")
+        g.params.append((o.target, od))
+        return
+    # join: walk back through pointwise ops to another producer
+    chain = []
+    x = o
+    while True:
+        wo = _weight_op(gm, x)
+        if wo is not None and _out_channel_dim(wo[0], x) == od:
+            break
+        if _name(x) in _UNARY and isinstance(x.args[0], fx.Node):
+            chain.append(x)
+            x = x.args[0]
+            continue
+        raise _Reject(f"channels coupled through {u.name} ({_name(u)}) with {o.name} "
+                      f"({_name(o) or o.op}, e.g. a residual stream)")
+    _add_producer(gm, g, x, attr_uses)
+    _add_member(g, x, od, queue)
+
+
+def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
+    if u.name in g.members:
+        return
+    if u.op == "output":
+        raise _Reject(f"{x.name} is a graph output")
+    if u.op != "call_function":
+        raise _Reject(f"{x.name} is used by {u.op} {u.target}")
+    nm = _name(u)
+    nd = _ndim(u)
+    # consumers
+    wo = _weight_op(gm, u)
+    if wo is not None:
+        kind, w, b = wo
+        if u.args[0] is not x:
+            raise _Reject(f"{x.name} is a weight operand of {u.name}")
+        want = (_ndim(x) or 1) - 1 if kind == "linear" else 1
+        if d != want:
+            raise _Reject(f"{u.name}: consumes the units on dim {d}, not its reduction dim")
+        if attr_uses.get(id(_safe_attr(gm, w.target)), 0) != 1:
+            raise _Reject(f"{u.name}: weight {w.target} is shared")
+        wdim = 0 if kind == "conv_transpose" else 1
+        if not any(c.node == u.name for c in g.consumers):
+            g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, wdim, kind, x.name))
+        return
+    if nm in _UNARY:
+        if u.args[0] is not x:
+            raise _Reject(f"{u.name} ({nm}) reads {x.name} as a non-data argument")
+        _add_member(g, u, d, queue)
+        return
+    if nm in _POOL:
+        if d != 1 or u.args[0] is not x:
+            raise _Reject(f"{u.name} ({nm}) on channel dim {d}")
+        _add_member(g, u, 1, queue)
+        return
+    if nm in _BINARY:
+        if nd is None:
+            raise _Reject(f"{u.name}: no shape metadata")
+        od = d + (nd - (_ndim(x) or nd))
+        for a in list(u.args[:2]):
+            if a is not x:
+                _check_operand(gm, g, u, a, nd, od, queue, attr_uses)
+        if nm.endswith("_") and u.args[0] is not x and u.args[0].name not in g.members:
+            raise _Reject(f"{u.name}: in-place {nm} into a value outside the group")
+        _add_member(g, u, od, queue)
+        return
+    if nm in _BN:
+        if d != 1 or u.args[0] is not x:
+            raise _Reject(f"{u.name} ({nm}) normalizes dim 1, channels are on dim {d}")
+        for a in u.args[1:5]:
+            if isinstance(a, fx.Node):
+                if a.op != "get_attr":
+                    raise _Reject(f"{u.name}: normalization statistics {a.name} are not parameters/buffers")
+                g.params.append((a.target, 0))
+        if isinstance(_val(u), torch.Tensor):
+            _add_member(g, u, d, queue)
+            return
+        # tuple-returning variants: follow getitem 0
+        for gu in list(u.users):
+            if _name(gu) == "getitem" and gu.args[1] == 0:
+                _add_member(g, gu, d, queue)
+            elif _name(gu) == "getitem":
+                raise _Reject(f"{u.name}: statistics output {gu.name} used")
+        g.members[u.name] = d
+        return
+    if nm == "index_select":
+        dim = _norm_dim(u.args[1], _ndim(x))
+        if u.args[0] is not x or dim == d:
+            raise _Reject(f"{u.name}: index_select over the channel dim")
+        _add_member(g, u, d, queue)
+        return
+    if nm == "expand_as" and len(u.args) > 1 and u.args[1] is x and u.args[0] is not x:
+        o = u.args[0]
+        od = d - (nd - (_ndim(o) or nd))
+        if od >= 0 and _size(o, od) not in (1, None):
+            raise _Reject(f"{u.name}: expand_as of {o.name} with channels")
+        _add_member(g, u, d, queue)
+        return
+    if nm in _FACTORY_LIKE and u.args[0] is x:
+        shape = list(u.args[1])
+        if d < len(shape) and shape[d] == g.size:
+            g.literals.append((u.name, 1, d))
+            _add_member(g, u, d, queue)
+            return
+        raise _Reject(f"{u.name} ({nm}): new tensor without the channel dim")
+    if nm in _SCATTER:
+        dim = _norm_dim(u.args[1], nd)
+        if dim == d:
+            raise _Reject(f"{u.name}: {nm} over the channel dim")
+        for a in (u.args[0], u.args[2], u.args[3] if len(u.args) > 3 else None):
+            if isinstance(a, fx.Node) and a.name not in g.members:
+                _check_operand(gm, g, u, a, nd, d, queue, attr_uses)
+        if nm.endswith("_") and u.args[0].name not in g.members:
+            raise _Reject(f"{u.name}: {nm} accumulates into {u.args[0].name} outside the group")
+        _add_member(g, u, d, queue)
+        return
+    if nm in _VIEWS:
+        xin = _ndim(x)
+        shape = list(u.args[1])
+        if u.args[0] is not x or d != xin - 1 or not shape:
+            raise _Reject(f"channels coupled through a reshape: {u.name} ({nm})")
+        last = shape[-1]
+        if last == -1 and all(not (isinstance(s, int) and s == -1) for s in shape[:-1]):
+            pass
+        elif last == g.size:
+            g.literals.append((u.name, 1, len(shape) - 1))
+        else:
+            raise _Reject(f"channels coupled through a reshape: {u.name} ({nm} to {shape})")
+        _add_member(g, u, len(shape) - 1, queue)
+        return
+    if nm in ("sym_size", "size", "_assert_tensor_metadata"):
+        if nm == "sym_size" and _norm_dim(u.args[1], _ndim(x)) == d:
+            raise _Reject(f"{u.name}: the channel count is read as a size")
+        return
+    raise _Reject(f"channels coupled through {u.name} ({nm or u.op})")
+
+
+# ---------------------------------------------------------------------------------------------- slicing
+def _set_tensor(gm: nn.Module, target: str, new: torch.Tensor) -> None:
+    prefix, _, attr = target.rpartition(".")
+    owner = gm.get_submodule(prefix) if prefix else gm
+    old = getattr(owner, attr)
+    if isinstance(old, nn.Parameter):
+        owner._parameters[attr] = nn.Parameter(new, requires_grad=old.requires_grad)
+    elif attr in owner._buffers:
+        owner._buffers[attr] = new
+    else:
+        setattr(owner, attr, new)
+
+
+def slice_group(gm: fx.GraphModule, g: Group, keep: torch.Tensor, bias_delta: dict | None = None) -> dict:
+    """Keep only units `keep` (sorted indices) of group `g` in `gm`: new sliced parameters/buffers under the
+    same names, shape literals rewritten. `bias_delta`: {consumer node name: tensor added to its bias} (mean
+    compensation). Returns {target: (old shape, new shape)}."""
+    if not g.ok:
+        raise ValueError(f"group {g.name} is not prunable: {g.reason}")
+    keep = keep.to(torch.long)
+    shapes = {}
+
+    def sl(target, dim, extra=None):
+        t = _get_attr_obj(gm, target)
+        with torch.no_grad():
+            new = t.detach().index_select(dim, keep.to(t.device)).clone()
+        shapes[target] = (tuple(t.shape), tuple(new.shape))
+        _set_tensor(gm, target, new)
+
+    for p in g.producers:
+        sl(p.weight, p.wdim)
+        if p.bias is not None:
+            sl(p.bias, 0)
+    for c in g.consumers:
+        sl(c.weight, c.wdim)
+        if bias_delta and c.node in bias_delta and c.bias is not None:
+            b = _get_attr_obj(gm, c.bias)
+            with torch.no_grad():
+                nb = (b.detach() + bias_delta[c.node].to(b.dtype)).clone()
+            _set_tensor(gm, c.bias, nb)
+    for target, dim in dict.fromkeys(g.params):
+        sl(target, dim)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for node_name, argi, pos in g.literals:
+        n = by_name[node_name]
+        shape = list(n.args[argi])
+        shape[pos] = int(keep.numel())
+        args = list(n.args)
+        args[argi] = shape
+        n.args = tuple(args)
+    gm.recompile()
+    return shapes

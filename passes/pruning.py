@@ -1,0 +1,420 @@
+"""Structural pruning of cold hidden units, measured on real (calibration) data.
+
+What it does, in order:
+
+1. Dependency groups (`fxmem.depgroups.find_groups`): Linear->act->Linear, SwiGLU gate/up->down,
+   Conv->BN->act->Conv, GNN layer chains. A group whose channels are coupled to anything outside it (a residual
+   add, a concat, a head split, the graph output) is not pruned; the report lists it with the reason.
+   `skip` module globs exclude groups by any producer/consumer module path.
+2. Calibration (`fxmem.calibrate`) on the policy's calibration data (the model file's `calibration_data()` or
+   `fxmem.transform(..., calibration=...)`), capped at `max_batches`. The last `holdout` share of the items is
+   held out for the accuracy guard. Without calibration data and with `require_calibration` the pass changes
+   nothing and says why (the `high` preset's behaviour without data).
+3. Scores per unit j, summed over the group's consumers (W: the consumer weight, a: the consumer's input):
+   - `fluctuation` (default; FLAP-style): Var(a_j) * ||W[:, j]||^2, the output variance the unit explains
+     once its mean is compensated;
+   - `magnitude` (Wanda-style): E|a_j| * ||W[:, j]||;
+   - `frequency`: the unit's firing frequency (|a| > eps * layer scale).
+   `fraction` of each group's units with the lowest scores are removed, or, with `threshold`, the units firing
+   less often than `threshold`; at least `min_keep` units stay (a count, or a share of the group when < 1).
+4. Mean compensation (`compensate`): a removed unit is replaced by its calibration mean, folded into the bias
+   of linear consumers (b += W[:, pruned] @ mean[pruned]); conv consumers (zero padding makes the mean's
+   contribution position-dependent) and consumers without a bias get no compensation.
+5. Accuracy guard: the relative output deviation on the held-out items (simulated by masking the consumers'
+   inputs, which is what slicing computes) must stay within `tolerance` (default: half of
+   `verify.lossy_tolerance`); over it, the group with the largest solo deviation backs off (its pruned count is
+   multiplied by `backoff`) until it fits. When the model file provides `evaluate(module)`, the task metric of
+   the sliced model is compared with the original's and all groups back off while the drop exceeds
+   `metric_tolerance` (`metric_mode`: `max` = higher is better, `min` = lower is better, `auto` reads
+   "lower is better" from evaluate's docstring).
+6. Slicing: new, smaller parameters and buffers under the same names (never modified in place), shape literals
+   rewritten. Per group the report lists units, parameters and FLOPs removed; the metrics carry the per-layer
+   coldness histograms (firing frequency) and the calibration summary.
+
+Lossy (`exact = False`): the PassManager also checks the whole-model deviation against verify.lossy_tolerance.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx
+
+from fxmem.calibrate import calibrate, normalize_item
+from fxmem.compare import deviation
+from fxmem.depgroups import Group, _get_attr_obj, find_groups, slice_group
+from fxmem.errors import PolicyError
+from fxmem.pipeline import Change, PassResult, register
+from fxmem.program import Program, module_path
+
+
+@dataclass
+class PruningOptions:
+    """passes.pruning: how many cold units to remove per dependency group, and the accuracy guard."""
+    fraction: float = 0.2  # share of each group's units removed (ignored when threshold is set)
+    threshold: float | None = None  # remove units whose firing frequency is below this (0..1)
+    min_keep: float = 8  # units kept per group at least: a count (>= 1) or a share of the group (< 1)
+    skip: list[str] = field(default_factory=list)  # module path globs never pruned
+    heads: bool = False  # attention heads: not implemented (rejected when true)
+    require_calibration: bool = True  # without calibration data: do nothing (and say so)
+    max_batches: int = 16  # calibration items used at most
+    holdout: float = 0.25  # share of calibration items held out for the guard (at least 1 when >= 2 items)
+    score: Literal["fluctuation", "magnitude", "frequency"] = "fluctuation"
+    eps: float = 0.1  # a unit fires when |a| > eps * (layer's mean |a|)
+    compensate: bool = True  # fold removed units' means into linear consumers' biases
+    tolerance: float | None = None  # relative output deviation on held-out items; None = 0.5 * lossy_tolerance
+    metric_tolerance: float | None = 0.005  # allowed drop of evaluate(module) (None: not checked)
+    metric_mode: Literal["auto", "max", "min"] = "auto"
+    backoff: float = 0.5  # multiply a group's pruned count by this when over the tolerance
+    max_backoff_steps: int = 32
+
+
+def validate(o: PruningOptions) -> None:
+    if not (0.0 <= o.fraction < 1.0):
+        raise PolicyError(f"passes.pruning.fraction: must be in [0, 1), got {o.fraction}")
+    if o.threshold is not None and not (0.0 <= o.threshold <= 1.0):
+        raise PolicyError(f"passes.pruning.threshold: a firing frequency in [0, 1], got {o.threshold}")
+    if o.min_keep < 0:
+        raise PolicyError(f"passes.pruning.min_keep: must be >= 0, got {o.min_keep}")
+    if not (0.0 < o.backoff < 1.0):
+        raise PolicyError(f"passes.pruning.backoff: must be in (0, 1), got {o.backoff}")
+    if not (0.0 <= o.holdout < 1.0):
+        raise PolicyError(f"passes.pruning.holdout: must be in [0, 1), got {o.holdout}")
+    if o.max_batches < 1:
+        raise PolicyError(f"passes.pruning.max_batches: must be >= 1, got {o.max_batches}")
+    if o.heads:
+        raise PolicyError("passes.pruning.heads: attention-head pruning is not implemented in this version; "
+                          "set heads: false (heads stay coupled through the head reshape and are left alone)")
+    if o.score not in ("fluctuation", "magnitude", "frequency"):
+        raise PolicyError(f"passes.pruning.score: one of fluctuation, magnitude, frequency; got {o.score!r}")
+
+
+# ============================================================================================ helpers
+
+def group_paths(gm: fx.GraphModule, g: Group) -> list[str]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = [g.name]
+    for x in list(g.producers) + list(g.consumers):
+        n = nodes.get(x.node)
+        if n is not None:
+            out.append(module_path(n))
+    return [p for p in dict.fromkeys(out) if p]
+
+
+def skipped_by(paths: list[str], patterns) -> str | None:
+    for pat in patterns or ():
+        for p in paths:
+            if fnmatch.fnmatchcase(p, pat) or fnmatch.fnmatchcase(p, pat + ".*"):
+                return pat
+    return None
+
+
+def unit_scores(gm: fx.GraphModule, g: Group, stats, score: str) -> torch.Tensor:
+    total = torch.zeros(g.size, dtype=torch.float64)
+    for c in g.consumers:
+        st = stats.by_node[c.probe]
+        if score == "frequency":
+            total += st.freq
+            continue
+        w = _get_attr_obj(gm, c.weight).detach().to(torch.float64).movedim(c.wdim, 0).reshape(g.size, -1)
+        col = w.norm(dim=1)
+        total += st.var * col * col if score == "fluctuation" else st.mean_abs * col
+    return total
+
+
+def n_to_prune(g: Group, o: PruningOptions, stats) -> int:
+    C = g.size
+    keep_min = int(math.ceil(o.min_keep * C)) if o.min_keep < 1 else int(o.min_keep)
+    keep_min = max(1, min(C, keep_min))
+    if o.threshold is not None:
+        freq = torch.stack([stats.by_node[c.probe].freq for c in g.consumers]).max(0).values
+        k = int((freq < o.threshold).sum())
+    else:
+        k = int(math.floor(o.fraction * C))
+    return max(0, min(k, C - keep_min))
+
+
+def compensable(g: Group) -> bool:
+    return all(c.kind == "linear" and c.bias is not None for c in g.consumers)
+
+
+class _Masked(fx.Interpreter):
+    """Runs the graph with the pruned units of each group replaced at their consumers' inputs (by their
+    calibration mean when compensated, else 0): numerically what the sliced graph computes."""
+
+    def __init__(self, gm, masks: dict):
+        super().__init__(gm)
+        self.masks = masks  # probe node -> (channel dim, pruned idx, fill values)
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        m = self.masks.get(n.name)
+        if m is not None:
+            d, idx, fill = m
+            out = out.clone()
+            shape = [1] * out.dim()
+            shape[d] = idx.numel()
+            out.index_copy_(d, idx, fill.to(out.dtype).reshape(shape).expand(
+                *[s if i != d else idx.numel() for i, s in enumerate(out.shape)]).contiguous())
+        return out
+
+
+def _run(program: Program, item, masks=None):
+    args, kwargs = normalize_item(item)
+    gm = program.module
+    was = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            if masks is None:
+                return gm(*args, **kwargs)
+            flat = program.flat_inputs(args, kwargs)
+            outs = _Masked(gm, masks).run(*flat, enable_io_processing=False)
+            return outs
+    finally:
+        gm.train(was)
+
+
+def _flat_out(x):
+    from torch.utils import _pytree as pytree
+    return pytree.tree_leaves(x)
+
+
+def guard_deviation(program, items, refs, masks) -> float:
+    worst = 0.0
+    for item, ref in zip(items, refs):
+        got = _run(program, item, masks) if masks else _run(program, item)
+        worst = max(worst, deviation(_flat_out(ref), _flat_out(got)).rel)
+    return worst
+
+
+def _metric_mode(o: PruningOptions, evaluate) -> str:
+    if o.metric_mode != "auto":
+        return o.metric_mode
+    doc = (getattr(evaluate, "__doc__", "") or "").lower()
+    return "min" if ("lower is better" in doc or "loss" in doc.split(".")[0]) else "max"
+
+
+def _param_count(gm, targets) -> int:
+    n = 0
+    for t in dict.fromkeys(targets):
+        try:
+            x = _get_attr_obj(gm, t)
+        except AttributeError:
+            continue
+        n += x.numel()
+    return n
+
+
+def _group_targets(g: Group) -> list[str]:
+    ts = []
+    for p in g.producers:
+        ts += [p.weight] + ([p.bias] if p.bias else [])
+    for c in g.consumers:
+        ts.append(c.weight)
+    ts += [t for t, _ in g.params]
+    return ts
+
+
+# ============================================================================================ the pass
+
+@register
+class PruningPass:
+    name = "pruning"
+    exact = False
+    Options = PruningOptions
+
+    def run(self, program: Program, ctx) -> PassResult:
+        o: PruningOptions = ctx.options if ctx.options is not None else PruningOptions()
+        validate(o)
+        notes: list[str] = []
+        cal = ctx.calibration
+        if cal is None or len(list(cal)) == 0:
+            if o.require_calibration:
+                return PassResult(program, False, notes=[
+                    "pruning skipped: no calibration data (the model file has no calibration_data() and "
+                    "transform(..., calibration=) was not given) and passes.pruning.require_calibration is true"])
+            cal = [(tuple(program.example_args), dict(program.example_kwargs))]
+            notes.append("no calibration data: statistics and the guard use the example inputs "
+                         "(require_calibration: false)")
+        items = list(cal)[:o.max_batches]
+        n_hold = 0 if len(items) < 2 else max(1, int(round(len(items) * o.holdout)))
+        stat_items, hold_items = (items[:-n_hold], items[-n_hold:]) if n_hold else (items, items)
+        if not n_hold:
+            notes.append("only one calibration item: the guard measures on the same item the statistics came from")
+        gm = program.module
+        groups = find_groups(gm)
+        stats = calibrate(program, stat_items, max_batches=None, eps=o.eps, progress=sys.stderr.isatty())
+        metrics: dict = {"histograms": stats.histograms(), "calibration": stats.summary(),
+                         "calibration_items": len(stat_items), "holdout_items": len(hold_items)}
+        group_rows = []
+        plan: dict[str, tuple[Group, torch.Tensor]] = {}
+        counts: dict[str, int] = {}
+        for g in groups:
+            row = {"group": g.name, "kind": g.kind, "units": g.size, "ok": g.ok, "reason": g.reason}
+            group_rows.append(row)
+            if not g.ok:
+                continue
+            pat = skipped_by(group_paths(gm, g), o.skip)
+            if pat is not None:
+                row.update(ok=False, reason=f"skipped by passes.pruning.skip pattern {pat!r}")
+                continue
+            order = torch.argsort(unit_scores(gm, g, stats, o.score), stable=True)
+            plan[g.name] = (g, order)
+            counts[g.name] = n_to_prune(g, o, stats)
+        metrics["groups"] = group_rows
+        if not plan or not any(counts.values()):
+            notes.append("nothing to prune: " + ("no prunable dependency group" if not plan else
+                                                 "every group is at min_keep or has no unit under the threshold"))
+            return PassResult(program, False, notes=notes, metrics=metrics)
+
+        def masks_for(cnt: dict) -> dict:
+            m = {}
+            for name, (g, order) in plan.items():
+                k = cnt.get(name, 0)
+                if k <= 0:
+                    continue
+                idx = order[:k].sort().values
+                for c in g.consumers:
+                    st = stats.by_node[c.probe]
+                    fill = st.mean[idx] if (o.compensate and compensable(g)) else torch.zeros(k, dtype=torch.float64)
+                    m[c.probe] = (st.channel_dim if st.channel_dim >= 0 else None, idx, fill)
+            # normalise negative channel dims lazily in the interpreter via shapes
+            out = {}
+            for probe, (d, idx, fill) in m.items():
+                out[probe] = (d if d is not None else -1, idx, fill)
+            return out
+
+        refs = [_run(program, it) for it in hold_items]
+        if o.tolerance is not None:
+            tol = float(o.tolerance)
+        else:
+            verify = getattr(getattr(ctx, "policy", None), "verify", None)
+            tol = 0.5 * float(getattr(verify, "lossy_tolerance", 0.05))
+        backoff_log = []
+        dev = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for(counts)))
+        steps = 0
+        while dev > tol and steps < o.max_backoff_steps and any(counts.values()):
+            solo = {}
+            for name, k in counts.items():
+                if k > 0:
+                    solo[name] = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for({name: k})))
+            worst = max(solo, key=solo.get)
+            new_k = int(counts[worst] * o.backoff)
+            backoff_log.append({"group": worst, "from": counts[worst], "to": new_k, "deviation": dev,
+                                "solo_deviation": solo[worst]})
+            counts[worst] = new_k
+            dev = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for(counts)))
+            steps += 1
+        metrics["guard_tolerance"] = tol
+        if dev > tol:
+            notes.append(f"guard: deviation {dev:.3g} still over the tolerance {tol:g} after {steps} back-off "
+                         f"step(s); nothing pruned")
+            metrics["backoff"] = backoff_log
+            return PassResult(program, False, notes=notes, metrics=metrics)
+
+        # ---- slice, then check the task metric (if the model file has evaluate())
+        evaluate = getattr(ctx.model_file, "evaluate", None) if ctx.model_file is not None else None
+        base = program.snapshot()
+        metric_before = None
+        if evaluate is not None and o.metric_tolerance is not None:
+            metric_before = float(evaluate(base.module))
+            mode = _metric_mode(o, evaluate)
+        while True:
+            cand = base.snapshot()
+            changes = self._slice(cand, plan, counts, stats, o)
+            cand.refresh()
+            if metric_before is None:
+                break
+            metric_after = float(evaluate(cand.module))
+            drop = (metric_before - metric_after) if mode == "max" else (metric_after - metric_before)
+            metrics["metric"] = {"before": metric_before, "after": metric_after, "drop": drop, "mode": mode,
+                                 "tolerance": o.metric_tolerance}
+            if drop <= o.metric_tolerance or not any(counts.values()):
+                break
+            backoff_log.append({"group": "*", "metric_drop": drop,
+                                "from": dict(counts), "to": {k: int(v * o.backoff) for k, v in counts.items()}})
+            counts = {k: int(v * o.backoff) for k, v in counts.items()}
+        metrics["backoff"] = backoff_log
+        if not changes:
+            notes.append("nothing pruned after backing off")
+            return PassResult(program, False, notes=notes, metrics=metrics)
+        metrics["guard_deviation"] = guard_deviation(cand, hold_items, refs, None)
+        self._costs(program, cand, changes, metrics)
+        return PassResult(cand, True, changes=changes, notes=notes, metrics=metrics)
+
+    # --------------------------------------------------------------------------------------------
+    def _slice(self, cand: Program, plan, counts, stats, o) -> list[Change]:
+        gm = cand.module
+        changes = []
+        for name, (g, order) in plan.items():
+            k = counts.get(name, 0)
+            if k <= 0:
+                continue
+            pruned = order[:k].sort().values
+            keep = order[k:].sort().values
+            delta = {}
+            if o.compensate and compensable(g):
+                for c in g.consumers:
+                    st = stats.by_node[c.probe]
+                    w = _get_attr_obj(gm, c.weight).detach()
+                    delta[c.node] = (w[:, pruned].to(torch.float64) @ st.mean[pruned]).to(w.dtype)
+            before = _param_count(gm, _group_targets(g))
+            shapes = slice_group(gm, g, keep, delta)
+            after = _param_count(gm, _group_targets(g))
+            freq = torch.stack([stats.by_node[c.probe].freq for c in g.consumers]).max(0).values
+            changes.append(Change(
+                kind="prune", module=name, nodes_before=[p.node for p in g.producers] + [c.node for c in g.consumers],
+                nodes_after=[p.node for p in g.producers] + [c.node for c in g.consumers],
+                reason=(f"{g.kind} group: removed {k} of {g.size} units (lowest {o.score} score; their firing "
+                        f"frequency {float(freq[pruned].mean()):.2f} vs {float(freq[keep].mean()):.2f} kept)"
+                        + ("; means folded into the consumer bias" if delta else "")),
+                bytes_saved=None,
+                details={"units_before": g.size, "units_after": int(keep.numel()), "params_removed": before - after,
+                         "shapes": {t: [list(a), list(b)] for t, (a, b) in shapes.items()},
+                         "compensated": bool(delta)}))
+        return changes
+
+    def _costs(self, before: Program, after: Program, changes: list, metrics: dict) -> None:
+        from fxmem.costmodel import node_costs
+        try:
+            cb, ca = node_costs(before), node_costs(after)
+        except Exception as e:  # noqa: BLE001
+            metrics["flops_note"] = f"FLOPs not estimated: {type(e).__name__}: {e}"
+            cb = ca = None
+        tot_p = tot_f = 0
+        counted: set = set()
+        fl_before = sum(c.flops for c in cb.values()) if cb else None
+        for ch in changes:
+            p = ch.details["params_removed"]
+            tot_p += p
+            ch.bytes_saved = p * 4
+            if cb is not None:
+                f = sum(cb[n].flops - ca[n].flops for n in ch.nodes_before
+                        if n in cb and n in ca and n not in counted)
+                counted.update(ch.nodes_before)
+                ch.details["flops_removed"] = int(f)
+                tot_f += f
+        total_params = sum(p.numel() for p in before.module.parameters())
+        metrics["params_removed"] = tot_p
+        metrics["params_removed_share"] = tot_p / max(total_params, 1)
+        if cb is not None:
+            metrics["flops_removed"] = int(tot_f)
+            metrics["flops_removed_share"] = tot_f / max(fl_before, 1)
+
+
+def _fix_dims(gm, masks: dict) -> dict:
+    """Channel dims from calibration may be negative (-1 for linear inputs): make them absolute per node."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = {}
+    for probe, (d, idx, fill) in masks.items():
+        if d < 0:
+            v = nodes[probe].meta.get("fxmem_val", nodes[probe].meta.get("val"))
+            d = v.dim() + d
+        out[probe] = (d, idx, fill)
+    return out
