@@ -353,8 +353,6 @@ def test_transform_end_to_end_report_and_cli_diff(tmp_path, capsys):
     """fxmem.transform -> Report: two runs give byte-identical deterministic reports; `fxmem diff` prints the
     graph diff of the saved result."""
     from fxmem.cli import main
-    from fxmem.pipeline import load_passes
-    load_passes()  # pass options registered before the policy is read (see the report's notes)
     res = _transform_chain()
     rep = res.report
     ck = [p for p in rep.passes if p.name == "checkpoint"]
