@@ -342,6 +342,10 @@ class Report:
         for tag, e in (("before", self.measured_before), ("after", self.measured_after)):
             if e is not None:
                 out.append(f"peak {tag} (measured): {format_bytes(e.peak)} at `{e.peak_at}` ({e.peak_phase})")
+        for tag, e, m in (("before", self.before, self.measured_before), ("after", self.after, self.measured_after)):
+            if m is not None and m.peak:
+                out.append(f"cost model vs measurement, peak {tag}: estimated {format_bytes(e.peak)} vs measured "
+                           f"{format_bytes(m.peak)} ({(e.peak - m.peak) / m.peak * 100:+.1f}%)")
         for tag, e in (("before", self.before), ("after", self.after)):
             out.append(f"FLOPs {tag} (estimated): forward {_flops(e.flops_forward)}, "
                        f"backward {_flops(e.flops_backward)}")

@@ -177,6 +177,9 @@ def test_markdown_measured_columns():
     assert "before (measured) | after (measured) | change |" in md
     mp_b, mp_a = _profile(1.0).peak, _profile(0.5).peak
     assert f"peak before (measured): " in md and "at `mm.default`" in md
+    est_b = _estimate(1.0).peak
+    assert (f"cost model vs measurement, peak before: estimated 2.29 KiB vs measured {_fb(mp_b)} "
+            f"({(est_b - mp_b) / mp_b * 100:+.1f}%)") in md
     row = next(x for x in md.splitlines() if x.startswith("| **peak**"))
     assert row.count("|") == 8 and f"{(mp_a - mp_b) / mp_b * 100:+.1f}%" in row
 
@@ -431,3 +434,8 @@ def test_deterministic_output_hides_object_addresses():
         x, y = getattr(a, f)(deterministic=True), getattr(b, f)(deterministic=True)
         assert x == y and "deadbeef" not in x and "at 0x..." in x, f
     assert "0x7f00deadbeef" in a.to_markdown()  # the full text keeps them
+
+
+def _fb(n):
+    from fxmem.units import format_bytes
+    return format_bytes(n)
