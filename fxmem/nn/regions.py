@@ -19,6 +19,7 @@ class RegionInfo:
     body: Callable[..., Any]  # the computation, called with the region's inputs
     keep_ops: frozenset = field(default_factory=frozenset)  # op packet names whose outputs are saved anyway
     tier: str = "cpu"  # offload: "cpu" | "disk"
+    offload_inputs: bool = False  # recompute: the region's saved inputs are offloaded too (offload around checkpoint)
 
     def keeps(self, func) -> bool:
         if not self.keep_ops:

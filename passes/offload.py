@@ -1,0 +1,530 @@
+"""Offload pass: when checkpointing cannot reach the budget, move what is not needed now to a slower tier.
+
+Activations (default). Candidate regions are module-boundary runs of consecutive graph nodes (`nn_module_stack`:
+the model's top-level modules, descending into a module that holds over half the saved bytes, e.g.
+`transformer` -> `transformer.h.0`, ...). Checkpoint regions already in the graph (the checkpoint pass runs
+first) are candidates too: their inputs are the only thing they keep, and offloading those is how fxmem goes
+below what checkpointing alone reaches. For each candidate the cost model gives the bytes autograd would
+save inside it and the region's compute; transfer time is bytes / bandwidth (a quick probe of the tier, or
+`bandwidth: '2GB/s'`), written while the region computes and read back while the next region's backward runs.
+
+Choice. With a budget, candidates are taken largest and longest-lived first (bytes x how long they wait for
+backward) until the cost model's static estimate of the transformed program fits (binary search over the
+prefix of that order); the time the transfers cannot hide is reported. Without a budget, only regions whose
+transfers the neighbouring compute hides are offloaded. The last region in the forward is never chosen on
+its own: backward needs it immediately.
+
+Emission. Each chosen run is outlined (`fxmem.outline`) into an `OffloadRegion` (`fxmem.nn.offload`) that runs
+its body under `saved_tensors_hooks`; a chosen checkpoint region is wrapped in an OffloadRegion that offloads its
+saved inputs. All regions of the model share one `OffloadRuntime` (tier, prefetch depth, the step's scratch
+file). Tier `auto` is `cpu` (pinned host memory) for CUDA models and `disk` (a scratch file per step) on CPU.
+
+Weights (`weights: true`): frozen parameters (requires_grad False; all parameters in inference mode) are grouped
+into blocks, the blocks over `max_memory` of the device tier move to the slow tier, and a `WeightStreamer`
+call before each block's first use returns its weights (prefetching the next block). The cost model sees the
+fetched weights as tensors created at the fetch and freed after their last use.
+
+Gradients/optimizer (`grads: true`) and distribution (`distributed: ddp|fsdp`) act on the training loop, not the
+graph: the pass records the plan on the module (`module.fxmem_offload`), and `fxmem.nn.offload.OffloadedOptimizer`
+/ `fxmem.distribute(module, options)` apply it.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx
+
+from fxmem.costmodel import trace_forward
+from fxmem.errors import BudgetError, PolicyError
+from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
+from fxmem.nn.regions import region_info
+from fxmem.outline import OutlineError, outline, region_boundary
+from fxmem.pipeline import Change, PassResult, register
+from fxmem.program import Program, module_stack
+from fxmem.units import Budget, Size, format_bytes, parse_size
+
+DEFAULT_FLOPS_PER_S = 2e10  # CPU-ish; only used to weigh transfer time against compute when no profile
+
+
+@dataclass
+class OffloadOptions:
+    """Options of `passes.offload` in a policy."""
+    activations: bool = True  # offload saved activations of chosen regions
+    weights: bool = False  # stream frozen / inference-time weights from the slow tier
+    grads: bool = False  # gradients to host as they are accumulated, optimizer steps on host (training loop)
+    tier: Literal["auto", "cpu", "disk"] = "auto"  # auto: cpu (pinned host) for CUDA models, disk on CPU hosts
+    prefetch: int = 1  # regions (or weight blocks) loaded ahead of backward (use)
+    bandwidth: str | None = None  # e.g. '2GB/s'; default: a quick probe of the tier
+    budget: Budget | None = None  # '4GiB', '40%'; None: the policy's budget
+    max_memory: dict[str, str] | None = None  # weights: {'cpu': '1GiB'} keep blocks resident up to this
+    distributed: Literal["none", "ddp", "fsdp"] = "none"  # recorded for fxmem.distribute
+    min_bytes: Size = Size(64 * 1024)  # saved tensors smaller than this stay on the device
+    regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
+    grad_threshold: Size | None = None  # grads: move only when device memory is above this
+    scratch_dir: str | None = None  # where the per-step scratch directory is created (default: the temp dir)
+    unlink_early: bool = True  # disk: unlink the scratch file as soon as it is open (nothing visible on disk)
+
+
+# ============================================================================================ candidates
+
+@dataclass
+class Candidate:
+    path: str
+    nodes: list  # fx nodes (a run), or [call_module node] for a checkpoint region
+    kind: str  # "run" | "checkpoint"
+    first: int = 0
+    last: int = 0
+    saved: int = 0  # bytes the region would offload
+    flops: float = 0.0
+    score: float = 0.0
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    exposed_s: float = 0.0  # transfer time the neighbouring compute does not hide
+
+
+def _is_run_node(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    t = n.target
+    schema = getattr(t, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False
+    name = getattr(t, "__name__", "")
+    if name == "count_batch" or name.startswith("_assert") or "sym_size" in str(t):
+        return False
+    if "higher_order" in str(t):
+        return False  # wrap_with_set_grad_enabled etc.: keep outside regions
+    return True
+
+
+def _paths(n: fx.Node) -> list[str]:
+    return [p for p, _ in module_stack(n) if p]
+
+
+def _levels(nodes: list[fx.Node], saved_by_node: dict[str, int]) -> list[str]:
+    total = sum(saved_by_node.values()) or 1
+    by_path: dict[str, int] = {}
+    children: dict[str, list[str]] = {}
+    tops: list[str] = []
+    for n in nodes:
+        ps = _paths(n)
+        for d, p in enumerate(ps):
+            by_path[p] = by_path.get(p, 0) + saved_by_node.get(n.name, 0)
+            lst = children.setdefault(ps[d - 1], []) if d else tops
+            if p not in lst:
+                lst.append(p)
+    out, todo = [], list(tops)
+    while todo:
+        p = todo.pop(0)
+        kids = children.get(p, [])
+        if len(kids) >= 2 and by_path.get(p, 0) > 0.5 * total:
+            todo = kids + todo
+        else:
+            out.append(p)
+    return out
+
+
+def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[str]) -> list[Candidate]:
+    """Runs of consecutive nodes of one module call, and existing checkpoint regions, in graph order."""
+    gm = program.module
+    nodes = list(program.graph.nodes)
+    run_nodes = [n for n in nodes if _is_run_node(n)]
+    chosen = list(explicit) if explicit else _levels(run_nodes, saved_by_node)
+    chosen_set = set(chosen)
+    out: list[Candidate] = []
+    cur: Candidate | None = None
+    for n in nodes:
+        if n.op == "call_module":
+            info = region_info(gm.get_submodule(n.target))
+            if info is not None and info.kind == "recompute" and not isinstance(gm.get_submodule(n.target),
+                                                                                 OffloadRegion):
+                out.append(Candidate(n.target, [n], "checkpoint"))
+            cur = None
+            continue
+        if not _is_run_node(n):
+            if cur is not None and n.op == "call_function" and n.target is operator.getitem \
+                    and n.args[0] in cur.nodes:
+                cur.nodes.append(n)
+                continue
+            if n.op in ("get_attr", "placeholder"):
+                continue
+            cur = None
+            continue
+        owner = next((p for p in _paths(n) if p in chosen_set), None)
+        if owner is None:
+            cur = None
+            continue
+        if cur is not None and cur.path == owner and cur.kind == "run":
+            cur.nodes.append(n)
+        else:
+            cur = Candidate(owner, [n], "run")
+            out.append(cur)
+    seen: dict[str, int] = {}
+    for c in out:
+        k = seen.get(c.path, 0)
+        seen[c.path] = k + 1
+        if k:
+            c.path = f"{c.path}#{k}"
+    pos = {n: i for i, n in enumerate(nodes)}
+    for c in out:
+        c.first, c.last = pos[c.nodes[0]], pos[c.nodes[-1]]
+    if explicit:
+        missing = [p for p in explicit if not any(c.path.split("#")[0] == p for c in out)]
+        if missing:
+            raise PolicyError(f"passes.offload.regions: no graph nodes belong to module(s) {missing}")
+    return out
+
+
+def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int) -> None:
+    """Bytes each candidate would offload and its FLOPs, from the cost model's forward trace."""
+    rec, base_keys, out_keys, _ = trace_forward(program, program.example_args, program.example_kwargs,
+                                                program.mode)
+    R, sb = rec.records, rec.storage_bytes
+    created_in = {k: r.idx for r in R for k in r.new_keys}
+    by_node: dict[str, list] = {}
+    for r in R:
+        by_node.setdefault(r.node, []).append(r)
+    savers: dict[int, set] = {}
+    for r in R:
+        if r.out_rg:
+            for k in r.saved:
+                savers.setdefault(k, set()).add(r.idx)
+    for c in cands:
+        recs = [r for n in c.nodes for r in by_node.get(n.name, [])]
+        if c.kind == "checkpoint":
+            # the region's recorded ops are its body's; what it keeps is its non-parameter inputs
+            call = c.nodes[0]
+            idxs = {r.idx for r in rec.records if r.region == call.target}
+            recs = [r for r in rec.records if r.idx in idxs]
+            lo = min(idxs) if idxs else 0
+            keys = set()
+            for r in recs:
+                for k in r.in_keys:
+                    if k is not None and base_keys.get(k) is None and created_in.get(k, -1) < lo \
+                            and not (savers.get(k, set()) - idxs):
+                        keys.add(k)
+        else:
+            idxs = {r.idx for r in recs}
+            keys = {k for r in recs if r.out_rg for k in r.saved
+                    if base_keys.get(k) is None and created_in.get(k) in idxs}
+        c.saved = sum(sb[k] for k in keys if sb[k] >= min_bytes)
+        c.flops = float(sum(r.flops for r in recs))
+
+
+def _parse_bandwidth(s: str) -> float:
+    m = re.fullmatch(r"\s*(.+?)\s*/\s*s(ec)?\s*", s)
+    if not m:
+        raise PolicyError(f"passes.offload.bandwidth: expected a rate like '2GB/s', got {s!r}")
+    try:
+        return float(parse_size(m.group(1)))
+    except ValueError as e:
+        raise PolicyError(f"passes.offload.bandwidth: {e}") from None
+
+
+# ============================================================================================ the pass
+
+def resolve_tier(tier: str, program: Program) -> str:
+    dev = next((p.device for p in program.module.parameters()), torch.device("cpu"))
+    if tier == "auto":
+        return "cpu" if dev.type == "cuda" else "disk"
+    if tier == "cpu" and dev.type != "cuda":
+        raise PolicyError(f"passes.offload.tier: 'cpu' moves CUDA tensors to pinned host memory, but the model is "
+                          f"on {dev}; use 'disk' (or 'auto') on a CPU host")
+    return tier
+
+
+@register
+class OffloadPass:
+    name = "offload"
+    exact = True
+    Options = OffloadOptions
+
+    def run(self, program: Program, ctx) -> PassResult:
+        o: OffloadOptions = ctx.options
+        if o.prefetch < 0:
+            raise PolicyError(f"passes.offload.prefetch: must be >= 0, got {o.prefetch}")
+        tier = resolve_tier(o.tier, program)
+        changes, notes, metrics = [], [], {"tier": tier}
+        plan = {"tier": tier, "grads": o.grads, "grad_threshold": o.grad_threshold, "distributed": o.distributed,
+                "fsdp_blocks": []}
+        budget = ctx.budget
+        if o.budget is not None:
+            budget = o.budget.resolve(ctx.baseline.peak) if ctx.baseline is not None else None
+        if o.activations and program.mode == "train":
+            c, n, m = offload_activations(program, o, tier, budget, ctx)
+            changes += c
+            notes += n
+            metrics.update(m)
+        elif o.activations:
+            notes.append("activations: inference mode saves nothing for backward; nothing to offload")
+        if o.weights:
+            c, n = offload_weights(program, o, tier)
+            changes += c
+            notes += n
+        if o.grads:
+            notes.append("grads: the plan is recorded on the module (fxmem_offload); build the optimizer with "
+                         "fxmem.nn.offload.OffloadedOptimizer to move gradients to the host as they are accumulated")
+        if o.distributed != "none":
+            from fxmem.distributed import block_paths
+            plan["fsdp_blocks"] = block_paths(program.module)
+            notes.append(f"distributed: {o.distributed} recorded; call fxmem.distribute(module, options) after "
+                         f"torch.distributed.init_process_group (blocks: {len(plan['fsdp_blocks'])})")
+        program.module.fxmem_offload = plan
+        return PassResult(program, bool(changes), changes, notes, metrics)
+
+
+def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: int | None, ctx):
+    from fxmem.costmodel import estimate
+    notes: list[str] = []
+    costs = _saved_by_node(program)
+    cands = candidates(program, costs, list(o.regions))
+    measure_candidates(program, cands, int(o.min_bytes))
+    cands = [c for c in cands if c.saved > 0]
+    if not cands:
+        return [], ["activations: no region saves tensors of at least min_bytes; nothing to offload"], {}
+    bw = _parse_bandwidth(o.bandwidth) if o.bandwidth else _probe(tier, o, notes)
+    n_nodes = len(program.graph.nodes)
+    for i, c in enumerate(cands):
+        c.transfer_s = c.saved / bw
+        c.compute_s = c.flops / DEFAULT_FLOPS_PER_S
+        nxt = cands[i + 1].compute_s if i + 1 < len(cands) else 0.0
+        nxt = cands[i + 1].flops / DEFAULT_FLOPS_PER_S if i + 1 < len(cands) else 0.0
+        # write hides behind the region's own forward; the read behind the next region's backward (~2x forward)
+        c.exposed_s = max(0.0, c.transfer_s - c.compute_s) + max(0.0, c.transfer_s - 2 * nxt)
+        c.score = c.saved * (n_nodes - c.last)  # large and long-lived first
+    order = sorted(cands[:-1] if len(cands) > 1 else [], key=lambda c: (-c.score, c.first))
+    if not order:
+        return [], ["activations: only one candidate region (the last before backward, needed at once); "
+                    "offloading it cannot lower the peak"], {}
+    metrics = {"bandwidth_bytes_per_s": bw, "candidates": len(cands)}
+
+    def apply(k: int) -> Program:
+        trial = program.snapshot()
+        emit(trial, order[:k], o, tier)
+        trial.refresh()
+        return trial
+
+    def peak_of(k: int) -> int:
+        return estimate(apply(k), mode=program.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
+
+    if budget is not None:
+        base_peak = ctx.baseline.peak if ctx.baseline is not None else peak_of(0)
+        if base_peak <= budget:
+            return [], [f"activations: the estimated peak {format_bytes(base_peak)} already fits the budget "
+                        f"{format_bytes(budget)}; nothing offloaded"], metrics
+        lo, hi = 1, len(order)
+        if peak_of(hi) > budget:
+            k = hi
+            notes.append(f"activations: offloading every candidate ({hi}) gives an estimated peak of "
+                         f"{format_bytes(peak_of(hi))}, above the budget {format_bytes(budget)}")
+        else:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if peak_of(mid) <= budget:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            k = lo
+        chosen = order[:k]
+    else:
+        chosen = [c for c in order if c.exposed_s <= 0.1 * max(c.compute_s, 1e-9)]
+        if not chosen:
+            return [], [f"activations: no budget, and no region's transfer ({format_bytes(bw)}/s) is hidden by "
+                        f"its compute; nothing offloaded (set a budget to force it)"], metrics
+    chosen_set = set(id(c) for c in chosen)
+    chosen = [c for c in cands if id(c) in chosen_set]
+    changes = emit(program, chosen, o, tier)
+    metrics["offloaded_bytes"] = sum(c.saved for c in chosen)
+    metrics["exposed_transfer_s"] = sum(c.exposed_s for c in chosen)
+    notes.append(f"activations: {len(chosen)} of {len(cands)} regions to {tier}, "
+                 f"{format_bytes(sum(c.saved for c in chosen))} per step at {format_bytes(bw)}/s; estimated "
+                 f"transfer time not hidden by compute: {sum(c.exposed_s for c in chosen) * 1e3:.1f} ms")
+    return changes, notes, metrics
+
+
+def _probe(tier: str, o: OffloadOptions, notes: list) -> float:
+    try:
+        return probe_bandwidth(tier, 16 << 20, scratch_root=o.scratch_dir)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"bandwidth probe failed ({e}); assumed 1 GB/s")
+        return 1e9
+
+
+def _saved_by_node(program: Program) -> dict[str, int]:
+    from fxmem.costmodel import node_costs
+    return {k: v.saved_bytes for k, v in node_costs(program).items()}
+
+
+def emit(program: Program, chosen: list[Candidate], o: OffloadOptions, tier: str) -> list[Change]:
+    """Outline each chosen run into an OffloadRegion; wrap chosen checkpoint regions. One shared runtime."""
+    gm = program.module
+    by_name = {nd.name: nd for nd in program.graph.nodes}  # candidates may come from the graph this was copied from
+    chosen = [Candidate(c.path, [by_name[nd.name] for nd in c.nodes], c.kind, c.first, c.last, c.saved, c.flops,
+                        c.score, c.transfer_s, c.compute_s, c.exposed_s) for c in chosen]
+    runtime = OffloadRuntime(tier=tier, prefetch=o.prefetch, min_bytes=int(o.min_bytes),
+                             scratch_root=o.scratch_dir, unlink_early=o.unlink_early)
+    changes = []
+    n = len(chosen)
+    for i, c in enumerate(chosen):
+        if c.kind == "checkpoint":
+            call = c.nodes[0]
+            ck = gm.get_submodule(call.target)
+            params = tuple(j for j, a in enumerate(call.args) if isinstance(a, fx.Node) and a.op == "get_attr")
+            info = region_info(ck)
+            wrapper = OffloadRegion(ck, runtime, index=i, last=(i == n - 1), param_args=params, inputs_too=True,
+                                    label=c.path, model_body=info.body, keep_ops=info.keep_ops)
+            name = f"offload_{call.target}"
+            gm.add_submodule(name, wrapper)
+            call.target = name
+            changes.append(Change("offload", c.path, [call.target], [name],
+                                  f"checkpoint region inputs to {tier}", c.saved,
+                                  {"kind": "checkpoint", "index": i, "exposed_s": c.exposed_s}))
+            continue
+        before = [m.name for m in c.nodes]
+        ins, _ = region_boundary(c.nodes)
+        params = tuple(j for j, a in enumerate(ins) if a.op == "get_attr")
+        try:
+            call = outline(program, c.nodes, "offload_" + c.path.replace("#", "_"),
+                           wrap=lambda body, i=i, params=params, c=c: OffloadRegion(
+                               body, runtime, index=i, last=(i == n - 1), param_args=params, label=c.path))
+        except OutlineError as e:
+            raise OutlineError(f"offload region {c.path}: {e}") from None
+        changes.append(Change("offload", c.path, before, [call.target],
+                              f"saved activations to {tier}, prefetch {o.prefetch}", c.saved,
+                              {"kind": "run", "index": i, "transfer_s": c.transfer_s, "exposed_s": c.exposed_s}))
+    gm.recompile()
+    return changes
+
+
+# ============================================================================================ weights
+
+def offload_weights(program: Program, o: OffloadOptions, tier: str):
+    """Frozen parameters -> WeightStreamer blocks fetched before first use (see the module docstring)."""
+    gm = program.module
+    graph = gm.graph
+    inference = program.mode == "inference"
+    attrs = [n for n in graph.nodes if n.op == "get_attr"]
+    frozen = []
+    for n in attrs:
+        try:
+            p = gm.get_parameter(n.target)
+        except AttributeError:
+            continue
+        if (inference or not p.requires_grad) and n.users:
+            frozen.append((n, p))
+    if not frozen:
+        return [], ["weights: no frozen parameters (requires_grad=False) to stream; in training only frozen "
+                    "weights (e.g. a distillation teacher) can be offloaded"]
+    if inference:
+        for _, p in frozen:
+            p.requires_grad_(False)
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    groups = _weight_blocks([n.target for n, _ in frozen], {n.target: p.numel() * p.element_size()
+                                                             for n, p in frozen})
+    blocks: dict[str, list] = {}
+    for (n, p) in frozen:
+        blocks.setdefault(groups[n.target], []).append((n, p))
+    order = sorted(blocks, key=lambda b: min(pos[u] for n, _ in blocks[b] for u in n.users))
+    limit = None
+    dev = next((p.device for p in gm.parameters()), torch.device("cpu")).type
+    if o.max_memory:
+        key = dev if dev in o.max_memory else ("cuda" if "cuda" in o.max_memory else dev)
+        if key not in o.max_memory:
+            raise PolicyError(f"passes.offload.max_memory: no entry for the device tier {dev!r} "
+                              f"(have {sorted(o.max_memory)})")
+        limit = parse_size(o.max_memory[key])
+    resident, used = [], 0
+    streamed = []
+    for b in order:
+        size = sum(p.numel() * p.element_size() for _, p in blocks[b])
+        if limit is not None and used + size <= limit:
+            resident.append(b)
+            used += size
+        else:
+            streamed.append(b)
+    if not streamed:
+        return [], [f"weights: all {len(order)} frozen blocks fit max_memory; nothing streamed"]
+    spec = {b: [(n.target, p) for n, p in blocks[b]] for b in streamed}
+    ws = WeightStreamer(spec, tier=tier, prefetch=o.prefetch)
+    name = "fxmem_weights"
+    i = 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"fxmem_weights_{i}"
+    gm.add_submodule(name, ws)
+    changes = []
+    for bi, b in enumerate(streamed):
+        members = blocks[b]
+        first_user = min((u for n, _ in members for u in n.users), key=lambda u: pos[u])
+        with graph.inserting_before(first_user):
+            fetch = graph.call_module(name, (bi,))
+            fetch.meta["nn_module_stack"] = dict(first_user.meta.get("nn_module_stack") or {})
+            prev = fetch
+            for j, (n, p) in enumerate(members):
+                g = graph.call_function(operator.getitem, (fetch, j))
+                g.meta.update({k: v for k, v in n.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
+                n.replace_all_uses_with(g)
+                graph.erase_node(n)
+                prev = g
+            del prev
+        changes.append(Change("offload", b, [n.target for n, _ in members], [fetch.name],
+                              f"frozen weights streamed from {tier}",
+                              sum(p.numel() * p.element_size() for _, p in members), {"kind": "weights"}))
+    for b in streamed:
+        for n, _ in blocks[b]:
+            _remove_attr(gm, n.target)
+    ws.install_state_dict_hooks(gm, name)
+    graph.lint()
+    gm.recompile()
+    notes = [f"weights: {len(streamed)} block(s) streamed from {tier} "
+             f"({format_bytes(ws.bytes_offloaded)}), {len(resident)} resident under max_memory"]
+    return changes, notes
+
+
+def _remove_attr(root: torch.nn.Module, target: str) -> None:
+    """Delete a parameter from the module tree, copying the modules on its path first (copy-on-write), so the
+    program this one was snapshotted from keeps its parameter."""
+    import copy
+    *path, leaf = target.split(".")
+    mod = root
+    for name in path:
+        child = mod._modules[name]
+        new = copy.copy(child)
+        new._parameters = dict(child._parameters)
+        new._buffers = dict(child._buffers)
+        new._modules = dict(child._modules)
+        mod._modules[name] = new
+        mod = new
+    del mod._parameters[leaf]
+
+
+def _weight_blocks(names: list[str], size: dict[str, int]) -> dict[str, str]:
+    """Group parameter names into blocks: top-level prefixes, splitting a prefix with over half the bytes."""
+    total = sum(size.values()) or 1
+
+    def prefix(nm, d):
+        parts = nm.split(".")
+        return ".".join(parts[:min(d, len(parts) - 1)]) or parts[0]
+
+    assign = {nm: prefix(nm, 1) for nm in names}
+    for _ in range(8):
+        by: dict[str, int] = {}
+        for nm in names:
+            by[assign[nm]] = by.get(assign[nm], 0) + size[nm]
+        big = [b for b, s in by.items() if s > 0.5 * total]
+        changed = False
+        for b in big:
+            d = b.count(".") + 2
+            members = [nm for nm in names if assign[nm] == b]
+            new = {nm: prefix(nm, d) for nm in members}
+            if len(set(new.values())) >= 2 or any(v != b for v in new.values()):
+                if len(set(new.values())) >= 1 and any(v != b for v in new.values()):
+                    assign.update(new)
+                    changed = True
+        if not changed:
+            break
+    return assign

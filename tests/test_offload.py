@@ -1,0 +1,347 @@
+"""Activation offload (passes/offload.py, fxmem/nn/offload.py): exactness, scratch-file lifetime, cost model."""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fxmem
+from fxmem.costmodel import estimate
+from fxmem.errors import PolicyError
+from fxmem.nn.offload import OffloadRegion, OffloadRuntime, _Entry, _Packed, live_scratch_dirs
+from fxmem.program import Program
+
+from .conftest import example_module
+
+CFG = dict(n_layer=3, n_head=2, d_model=64, dropout=0.1)
+INPUTS = dict(batch=4, seq_len=32)
+
+
+def _gpt():
+    ex = example_module("gpt")
+    torch.manual_seed(0)
+    return ex.build_model(**CFG), ex.example_inputs(**INPUTS)
+
+
+def _transform(model, x, budget="60%", **opts):
+    offload = {"min_bytes": 0, **opts}
+    return fxmem.transform(model, x, policy={"version": 1, "passes": {"offload": offload}}, budget=budget)
+
+
+@pytest.fixture(scope="module")
+def gpt_offloaded(tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("scratch")
+    model, x = _gpt()
+    ref = copy.deepcopy(model)
+    res = _transform(model, x, scratch_dir=str(scratch), unlink_early=False)
+    return ref, res, x, scratch
+
+
+def _regions(gm):
+    return {n: m for n, m in gm.named_children() if isinstance(m, OffloadRegion)}
+
+
+def _train(model, x, steps=2, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    losses = []
+    for s in range(steps):
+        torch.manual_seed(seed + s)  # same dropout masks in both models
+        loss = model(*x).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        if s == steps - 1:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ============================================================================================ exactness
+
+def test_pass_outlines_block_regions_with_one_runtime(gpt_offloaded):
+    _, res, _, _ = gpt_offloaded
+    regions = _regions(res.module)
+    assert regions, res.report.to_markdown()
+    runtimes = {id(m.runtime) for m in regions.values()}
+    assert len(runtimes) == 1
+    assert sorted(m.index for m in regions.values()) == list(range(len(regions)))
+    assert sum(m.last for m in regions.values()) == 1
+    assert all(m.fxmem_region.kind == "offload" and m.fxmem_region.tier == "disk" for m in regions.values())
+    labels = {m.label for m in regions.values()}
+    assert {"h.0", "h.1"} <= labels, labels  # block boundaries from nn_module_stack
+    # parameters stay owned by the outer module: state_dict keys unchanged
+    ref, _, _, _ = gpt_offloaded
+    assert set(res.module.state_dict()) >= set(ref.state_dict())
+
+
+def test_training_is_bit_exact_with_dropout(gpt_offloaded):
+    ref, res, x, _ = gpt_offloaded
+    a, b = copy.deepcopy(ref), copy.deepcopy(res.module)
+    la, ga, pa = _train(a, x)
+    lb, gb, pb = _train(b, x)
+    assert all(torch.equal(u, v) for u, v in zip(la, lb))
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+        assert torch.equal(pa[n], pb[n]), n
+    rt = next(iter(_regions(b).values())).runtime
+    assert rt.last_step_bytes > 0 and rt.last_step_count > 0
+
+
+def test_eval_and_no_grad_bypass_offload(gpt_offloaded):
+    ref, res, x, scratch = gpt_offloaded
+    gm = res.module
+    gm.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(*x), ref(*x))
+    assert os.listdir(scratch) == []
+    gm.train()
+
+
+def test_estimate_matches_measure_and_halves_activations(gpt_offloaded):
+    ref, res, x, _ = gpt_offloaded
+    base = fxmem.measure(copy.deepcopy(ref), x)
+    after = fxmem.measure(copy.deepcopy(res.module), x)
+    prog = Program(res.module, x, {}, "train")
+    prog.refresh()
+    est = estimate(prog)
+    assert after.activations <= 0.5 * base.activations, (after.activations, base.activations)
+    assert abs(est.activations - after.activations) <= 0.02 * after.activations + 4096
+    assert abs(est.peak - after.peak) <= 0.05 * after.peak
+    assert after.peak < base.peak
+
+
+# ============================================================================================ scratch files
+
+def _step(gm, x):
+    loss = gm(*x).float().mean()
+    loss.backward()
+
+
+class _Raise(torch.autograd.Function):
+    exc: type = RuntimeError
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise _Raise.exc("boom")
+
+
+class _Faulty(nn.Module):
+    """Wraps a region's body: raises in forward after the body ran, or in backward when its gradient arrives."""
+
+    def __init__(self, body, where, exc):
+        super().__init__()
+        self.body, self.where, self.exc = body, where, exc
+
+    def forward(self, *args):
+        out = self.body(*args)
+        if self.where == "forward":
+            raise self.exc("boom")
+        _Raise.exc = self.exc
+        return _Raise.apply(out)
+
+
+def _fresh(gpt_offloaded, tmp_path, unlink_early=False):
+    _, res, x, _ = gpt_offloaded
+    gm = copy.deepcopy(res.module)
+    for m in _regions(gm).values():
+        m.runtime.scratch_root = str(tmp_path)
+        m.runtime.unlink_early = unlink_early
+    return gm, x
+
+
+def test_scratch_file_exists_during_step_and_is_removed_after_success(gpt_offloaded, tmp_path):
+    gm, x = _fresh(gpt_offloaded, tmp_path)
+    loss = gm(*x).float().mean()
+    dirs = os.listdir(tmp_path)
+    assert len(dirs) == 1 and dirs[0].startswith("fxmem-offload-")
+    assert os.path.getsize(tmp_path / dirs[0] / "activations.bin") > 0
+    loss.backward()
+    del loss
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
+def test_scratch_removed_after_error_and_interrupt(gpt_offloaded, tmp_path, where, exc):
+    gm, x = _fresh(gpt_offloaded, tmp_path)
+    regions = sorted(_regions(gm).values(), key=lambda m: m.index)
+    victim = regions[min(1, len(regions) - 1)]
+    victim.body = _Faulty(victim.body, where, exc)
+
+    def run():
+        _step(gm, x)
+
+    with pytest.raises(exc):
+        run()
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    assert not [d for d in live_scratch_dirs() if d.startswith(str(tmp_path))]
+    # the module still works afterwards (a new step, a new file)
+    victim.body = victim.body.body
+    _step(gm, x)
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_unlink_early_leaves_nothing_on_disk_and_closes_descriptor(gpt_offloaded, tmp_path):
+    gm, x = _fresh(gpt_offloaded, tmp_path, unlink_early=True)
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    loss = gm(*x).float().mean()
+    assert os.listdir(tmp_path) == []  # unlinked as soon as opened
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds + 1  # but open
+    loss.backward()
+    del loss
+    gc.collect()
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_runtime_close_removes_files_of_pending_steps(gpt_offloaded, tmp_path):
+    gm, x = _fresh(gpt_offloaded, tmp_path)
+    loss = gm(*x).float().mean()
+    assert os.listdir(tmp_path)
+    next(iter(_regions(gm).values())).runtime.close()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="already closed"):
+        loss.backward()
+
+
+# ============================================================================================ runtime details
+
+class _Body(nn.Module):
+    """Saves views that share storages (x.t(), split parts), a non-contiguous tensor, and a tiny tensor."""
+
+    def forward(self, x, w):
+        h = x @ w
+        a, b = h.split(h.shape[-1] // 2, dim=-1)
+        y = torch.sigmoid(a) * torch.tanh(b).transpose(0, 1).transpose(0, 1)
+        z = (y.t() @ y).sum() + (a * b).sum()
+        return z + (x[:1, :1] * 3).exp().sum()
+
+
+def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    rt = OffloadRuntime("disk", prefetch=1, min_bytes=0, scratch_root=str(tmp_path), unlink_early=False)
+    regions = [OffloadRegion(_Body(), rt, index=i, last=(i == 2), param_args=(1,)) for i in range(3)]
+    ws = [nn.Parameter(torch.randn(16, 16)) for _ in range(3)]
+    x = torch.randn(8, 16, requires_grad=True)
+    log = []
+    real_read, real_unpack = _Entry.start_read, _Packed.unpack
+
+    def start_read(self):
+        if self.buf is None:
+            log.append(("read", self.slot))
+        return real_read(self)
+
+    def unpack(self):
+        log.append(("use", self.entry.slot))
+        return real_unpack(self)
+
+    def run(mods):
+        h = x
+        total = 0
+        for m, w in zip(mods, ws):
+            out = m(h, w)
+            total = total + out
+            h = torch.tanh(h @ w)
+        return total
+
+    ref = run([r.body for r in regions])
+    ref.backward()
+    gref = [x.grad.clone()] + [w.grad.clone() for w in ws]
+    x.grad = None
+    for w in ws:
+        w.grad = None
+    monkeypatch.setattr(_Entry, "start_read", start_read)
+    monkeypatch.setattr(_Packed, "unpack", unpack)
+    got = run(regions)
+    store = rt._stores and next(iter(rt._stores))
+    assert store.count > 0
+    got.backward()
+    assert torch.equal(ref, got)
+    for a, b in zip(gref, [x.grad] + [w.grad for w in ws]):
+        assert torch.equal(a, b)
+    uses = [s for k, s in log if k == "use"]
+    assert uses and uses[0] == 2  # backward starts in the last region
+    for slot in (0, 1):
+        # region k's tensors start loading when backward first enters region k+1 (one region ahead) ...
+        assert log.index(("use", slot + 1)) < log.index(("read", slot)) < log.index(("use", slot))
+        # ... and every one of them was requested before region k's first use
+        first_use = log.index(("use", slot))
+        assert all(i < first_use for i, e in enumerate(log) if e == ("read", slot))
+    del got, store
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_shared_storages_are_written_once(tmp_path):
+    rt = OffloadRuntime("disk", prefetch=1, min_bytes=0, scratch_root=str(tmp_path))
+
+    class B(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            return (h.t() @ h).sum() + (h @ h.t()).sum()  # h and h.t() are saved: one storage
+
+    r = OffloadRegion(B(), rt, index=0, last=True)
+    x = torch.randn(32, 32, requires_grad=True)
+    y = r(x)
+    assert rt.last_step_count == 1 and rt.last_step_bytes == 32 * 32 * 4
+    y.backward()
+    g = x.grad.clone()
+    x.grad = None
+    B()(x).backward()
+    assert torch.equal(g, x.grad)
+
+
+def test_min_bytes_keeps_small_tensors_on_device(tmp_path):
+    rt = OffloadRuntime("disk", prefetch=1, min_bytes=1 << 20, scratch_root=str(tmp_path))
+    r = OffloadRegion(_Body(), rt, index=0, last=True, param_args=(1,))
+    x = torch.randn(8, 16, requires_grad=True)
+    r(x, torch.randn(16, 16, requires_grad=True)).backward()
+    assert rt.last_step_count == 0
+
+
+# ============================================================================================ options and errors
+
+def test_cpu_tier_on_cpu_model_is_a_policy_error():
+    model, x = _gpt()
+    with pytest.raises(PolicyError, match=r"passes\.offload\.tier: 'cpu' .* use 'disk'"):
+        _transform(model, x, tier="cpu")
+
+
+def test_bandwidth_parsing():
+    from fxmem.pipeline import load_passes
+    load_passes()
+    import sys
+    mod = sys.modules["fxmem.passes.offload"]
+    assert mod._parse_bandwidth("2GB/s") == 2e9
+    assert mod._parse_bandwidth("512 MiB/s") == 512 * 2 ** 20
+    with pytest.raises(PolicyError, match="passes.offload.bandwidth"):
+        mod._parse_bandwidth("fast")
+
+
+def test_no_budget_offloads_only_what_compute_hides():
+    model, x = _gpt()
+    # a very slow tier: nothing pays without a budget
+    res = _transform(model, x, budget=None, bandwidth="1KB/s")
+    assert not _regions(res.module)
+    rec = [p for p in res.report.passes if p.name == "offload"][0]
+    assert any("hidden by its compute" in n for n in rec.notes)
+    # a very fast tier: every region but the last pays
+    model, x = _gpt()
+    res = _transform(model, x, budget=None, bandwidth="1000TB/s")
+    assert len(_regions(res.module)) >= CFG["n_layer"] - 1
