@@ -12,11 +12,29 @@ from fxmem.costmodel import estimate
 from fxmem.errors import BudgetError
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
 from fxmem.outline import OutlineError, outline
-from fxmem.pipeline import PassContext, load_passes
+from fxmem.pipeline import PassContext
 from fxmem.program import module_stack
 
-load_passes()
-ck = importlib.import_module("fxmem.passes.checkpoint")
+
+
+def _checkpoint_pass_module():
+    """fxmem.passes.checkpoint alone (the other passes may be mid-edit in a shared tree)."""
+    import importlib.util
+    import pathlib
+    import sys
+    try:
+        return importlib.import_module("fxmem.passes.checkpoint")
+    except ModuleNotFoundError:
+        src = pathlib.Path(__file__).resolve().parents[1] / "passes"
+        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
+                                                      submodule_search_locations=[str(src)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["fxmem.passes"] = pkg
+        spec.loader.exec_module(pkg)
+        return importlib.import_module("fxmem.passes.checkpoint")
+
+
+ck = _checkpoint_pass_module()
 
 import examples.gpt as gpt  # noqa: E402
 import examples.unet as unet  # noqa: E402

@@ -1,0 +1,285 @@
+"""Checkpoint pass vs its anchors: memory against step time (a Pareto plot) on the decoder and the U-Net.
+
+    python benchmarks/checkpoint_pareto.py                 # small, fast default (a few minutes on 2 cores)
+    python benchmarks/checkpoint_pareto.py --full          # 6-block decoder d=128 T=128 B=8, U-Net base 32
+    python benchmarks/checkpoint_pareto.py --compile       # add torch.compile (activation_memory_budget) rows
+                                                           # and fxmem's module under torch.compile (slow: cold
+                                                           # compiles take 30 s to minutes each on CPU)
+
+Methods, run interleaved (one step of each method per round, median over rounds):
+- eager: the model as written;
+- uniform: every block wrapped in torch.utils.checkpoint(use_reentrant=False) (HF gradient_checkpointing style);
+- fxmem@b: the checkpoint pass with a budget allowing a fraction b of the baseline's activation bytes
+  (budget = estimated peak - (1 - b) * estimated activations); when b is below what checkpointing reaches the
+  pass's best effort (everything recomputable recomputed) is used and marked "(min)";
+- compile@b (--compile): torch.compile with torch._functorch.config.activation_memory_budget = b;
+- fxmem@0.5+compile (--compile): fxmem's output module under torch.compile.
+
+Columns: measured peak (fxmem.measure: live storage bytes of a real steady-state step, params/grads/optimizer
+state included), activation bytes after forward, step time ratio to eager, transform (fxmem: the pass, capture
+excluded) or compile time. For compiled modules a dispatch-mode tracker cannot see inside the compiled graph, so
+their peak is not measured (n/a) and activation bytes are the bytes of distinct storages autograd saved, counted
+with saved_tensors_hooks; fxmem rows state which method was used.
+
+Writes benchmarks/results/checkpoint_pareto.md, .png and .svg.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import fxmem  # noqa: E402
+from fxmem.costmodel import estimate  # noqa: E402
+from fxmem.errors import BudgetError  # noqa: E402
+from fxmem.pipeline import PassContext  # noqa: E402
+from fxmem.units import format_bytes  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def checkpoint_pass_module():
+    """Import fxmem.passes.checkpoint alone (without the other passes, which may be mid-edit)."""
+    import importlib.util
+    try:
+        return importlib.import_module("fxmem.passes.checkpoint")
+    except ModuleNotFoundError:
+        src = ROOT / "passes"
+        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
+                                                      submodule_search_locations=[str(src)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["fxmem.passes"] = pkg
+        spec.loader.exec_module(pkg)
+        return importlib.import_module("fxmem.passes.checkpoint")
+
+
+class Ckpt(nn.Module):
+    """Uniform per-block checkpointing (the anchor)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
+
+
+def uniform(model, name):
+    m = copy.deepcopy(model)
+    if name == "gpt":
+        for i in range(len(m.h)):
+            m.h[i] = Ckpt(m.h[i])
+    else:
+        for attr in ("enc1", "enc2", "bottleneck", "dec2", "dec1"):
+            setattr(m, attr, Ckpt(getattr(m, attr)))
+    return m
+
+
+def setup(name, full):
+    ex = importlib.import_module(f"examples.{name}")
+    if name == "gpt":
+        kw = dict(n_layer=6, d_model=128, n_head=4, block_size=128) if full else \
+            dict(n_layer=4, d_model=64, n_head=4, block_size=64)
+        x = ex.example_inputs(batch=8, seq_len=128) if full else ex.example_inputs(batch=4, seq_len=64)
+    else:
+        kw = dict(base=32) if full else {}
+        x = ex.example_inputs(batch=8, size=32) if full else ex.example_inputs()
+    return ex, ex.build_model(**kw), x
+
+
+def fxmem_module(program, base, loss_fn, frac):
+    ck = checkpoint_pass_module()
+    budget = int(base.peak - (1 - frac) * base.activations)
+    opts = ck.CheckpointOptions()
+    note = ""
+    t0 = time.perf_counter()
+    ctx = PassContext(policy=None, options=opts, mode="train", optimizer="adamw", budget=budget, baseline=base,
+                      enabled=("checkpoint",), loss_fn=loss_fn)
+    try:
+        res = ck.CheckpointPass().run(program.snapshot(), ctx)
+    except BudgetError:
+        ctx.enabled = ("checkpoint", "offload")  # best effort: everything recomputable is recomputed
+        res = ck.CheckpointPass().run(program.snapshot(), ctx)
+        note = "(min)"
+    dt = time.perf_counter() - t0
+    return res.program.module, dt, budget, note, res.metrics
+
+
+def saved_bytes_hooks(model, x):
+    """Bytes of distinct storages autograd saves in one forward (works for compiled modules too)."""
+    seen = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        except Exception:  # noqa: BLE001
+            pass
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*x)
+    del out
+    return sum(seen.values())
+
+
+def step_fn(model, x, loss_fn):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(*x), x).backward()
+        opt.step()
+    return step
+
+
+def run_model(name, full, budgets, rounds, do_compile):
+    ex, model, x = setup(name, full)
+    loss_fn = ex.loss_fn
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    program = fxmem.capture(model, x)
+    program.refresh()
+    capture_s = time.perf_counter() - t0
+    base = estimate(program, mode="train", loss_fn=loss_fn)
+    rows = {}
+    mods = {"eager": (copy.deepcopy(model), 0.0, ""), "uniform": (uniform(model, name), 0.0, "")}
+    info = {}
+    for b in budgets:
+        mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, b)
+        mods[f"fxmem@{b}"] = (mod, dt, note)
+        info[f"fxmem@{b}"] = metrics
+    if do_compile:
+        import torch._functorch.config as fcfg
+        for b in budgets:
+            m = copy.deepcopy(model)
+            with fcfg.patch(activation_memory_budget=b):
+                c = torch.compile(m)
+                t1 = time.perf_counter()
+                step_fn(c, x, loss_fn)()  # cold compile
+                mods[f"compile@{b}"] = (c, time.perf_counter() - t1, "")
+        mid = budgets[len(budgets) // 2]
+        fm = torch.compile(copy.deepcopy(mods[f"fxmem@{mid}"][0]))
+        t1 = time.perf_counter()
+        step_fn(fm, x, loss_fn)()
+        mods[f"fxmem@{mid}+compile"] = (fm, time.perf_counter() - t1, "")
+    # memory
+    for k, (mod, dt, note) in mods.items():
+        if "compile" in k:
+            if k.startswith("compile"):
+                import torch._functorch.config as fcfg
+                with fcfg.patch(activation_memory_budget=float(k.split("@")[1])):
+                    acts = saved_bytes_hooks(mod, x)
+            else:
+                acts = None
+            rows[k] = {"peak": None, "acts": acts, "acts_method": "hooks", "setup_s": dt, "note": note}
+        else:
+            prof = fxmem.measure(copy.deepcopy(mod), x, loss_fn=loss_fn)
+            rows[k] = {"peak": prof.peak, "acts": prof.activations, "acts_method": "measure", "setup_s": dt,
+                       "note": note}
+    # interleaved timing
+    steps = {k: step_fn(copy.deepcopy(m) if "compile" not in k else m, x, loss_fn) for k, (m, _, _) in
+             mods.items()}
+    times = {k: [] for k in mods}
+    for s in steps.values():
+        s()  # warm-up
+    for _ in range(rounds):
+        for k, s in steps.items():
+            t1 = time.perf_counter()
+            s()
+            times[k].append(time.perf_counter() - t1)
+    eager_t = statistics.median(times["eager"])
+    for k in mods:
+        rows[k]["step_s"] = statistics.median(times[k])
+        rows[k]["ratio"] = rows[k]["step_s"] / eager_t
+    return {"name": name, "rows": rows, "capture_s": capture_s, "base": base, "info": info,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def table(res) -> str:
+    lines = [f"### {res['name']} ({res['params'] / 1e6:.2f} M params; capture {res['capture_s']:.2f} s, "
+             f"estimated baseline peak {format_bytes(res['base'].peak)}, activations "
+             f"{format_bytes(res['base'].activations)})", "",
+             "| method | measured peak | activation bytes after forward | step time ratio | step ms | "
+             "transform / compile s | plan |", "|---|---|---|---|---|---|---|"]
+    for k, r in res["rows"].items():
+        plan = res["info"].get(k, {}).get("plan", {})
+        plan_s = " ".join(f"{p}:{c[0]}" for p, c in plan.items() if c != "keep") or ("-" if k.startswith("fxmem")
+                                                                                   else "")
+        acts = format_bytes(r["acts"]) + (" (hooks)" if r["acts_method"] == "hooks" else "") \
+            if r["acts"] is not None else "n/a"
+        lines.append(f"| {k} {r['note']} | {format_bytes(r['peak']) if r['peak'] else 'n/a'} | {acts} | "
+                     f"{r['ratio']:.2f} | {r['step_s'] * 1000:.1f} | {r['setup_s']:.2f} | {plan_s} |")
+    lines.append("")
+    lines.append("plan: region:s = selective (matmul outputs kept), region:f = full recompute.")
+    return "\n".join(lines)
+
+
+def plot(results, path_stem):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
+    if len(results) == 1:
+        axes = [axes]
+    for ax, res in zip(axes, results):
+        for k, r in res["rows"].items():
+            if r["acts"] is None:
+                continue
+            kind = k.split("@")[0].split("+")[0]
+            marker = {"eager": "s", "uniform": "^", "fxmem": "o", "compile": "x"}.get(kind, "d")
+            color = {"eager": "k", "uniform": "tab:orange", "fxmem": "tab:blue", "compile": "tab:red"}.get(kind)
+            ax.scatter(r["ratio"], r["acts"] / 2 ** 20, marker=marker, color=color)
+            ax.annotate(k.replace("fxmem@", "").replace("compile@", "c"), (r["ratio"], r["acts"] / 2 ** 20),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("step time / eager")
+        ax.set_ylabel("activation MiB after forward")
+        ax.set_title(res["name"])
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(str(path_stem) + ".png", dpi=120)
+    fig.savefig(str(path_stem) + ".svg")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--models", default="gpt,unet")
+    ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=str(RESULTS / "checkpoint_pareto"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    results = [run_model(n, args.full, budgets, args.rounds, args.compile) for n in args.models.split(",")]
+    cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
+        (" --compile" if args.compile else "")
+    md = [f"# Checkpoint pass: memory vs step time\n\nReproduce: `{cmd}` (torch {torch.__version__}, CPU, "
+          f"{torch.get_num_threads()} threads). Budgets b: fxmem gets peak - (1 - b) * activations "
+          f"(estimated); torch.compile gets activation_memory_budget = b.\n"]
+    md += [table(r) + "\n" for r in results]
+    text = "\n".join(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    plot(results, out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
