@@ -299,6 +299,7 @@ _reg(["eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical
       "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign", "floor", "ceil", "round", "trunc",
       "remainder", "fmod", "floor_divide"], OpInfo(POINTWISE, _none, _flops_pointwise))
 _reg(["_softmax", "softmax", "_log_softmax", "log_softmax"], OpInfo(NORM, _out0, _flops_softmax))
+_reg(["_safe_softmax"], OpInfo(NORM, _out0, _flops_softmax))  # SDPA math kernel (masked rows -> 0)
 _reg(["native_layer_norm", "layer_norm"], OpInfo(NORM, _layer_norm, _flops_norm))
 _reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
       "_batch_norm_with_update", "batch_norm", "_native_batch_norm_legit_no_training",

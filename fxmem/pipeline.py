@@ -263,7 +263,7 @@ class PassManager:
             ctx = PassContext(policy=self.policy, options=opts, mode=mode, optimizer=optimizer, budget=budget,
                               baseline=baseline, enabled=tuple(names), calibration=self.calibration,
                               loss_fn=self.loss_fn, log=self.log, seed=verify.seed, model_file=self.model_file)
-            rec = PassRecord(name=name, status="unchanged", exact=bool(getattr(cls, "exact", True)),
+            rec = PassRecord(name=name, status="unchanged", exact=pass_is_exact(cls, opts),
                              peak_before=current_est.peak)
             self.records.append(rec)
             self.log(f"[{name}] running")
@@ -347,6 +347,13 @@ class PassManager:
                                 f"tolerance {tol:g} (verify.lossy_tolerance)", t0)
             return False
         return True
+
+
+def pass_is_exact(cls, options) -> bool:
+    """`cls.exact`, unless the pass defines `is_exact(options)`: exactness that depends on its options (the
+    attention pass is exact for `rewrite: sdpa` and lossy for its approximations)."""
+    hook = getattr(cls, "is_exact", None)
+    return bool(hook(options)) if callable(hook) else bool(getattr(cls, "exact", True))
 
 
 def _grads_comparable(rec: PassRecord) -> bool:

@@ -1,0 +1,490 @@
+"""Attention pass: hand-written attention -> `scaled_dot_product_attention` (exact), or an approximation (opt-in).
+
+Manual attention materialises the (Lq x Lk) score matrix several times (scores, masked scores, probabilities,
+dropout mask, dropped probabilities) and autograd keeps most of them for backward. SDPA's fused kernels keep
+memory linear in the sequence length. The matcher (`fxmem.attention_match.find_attention`) recognises the forms
+real code produces and proves each site equivalent (scale value, softmax dim, mask semantics, dropout placement,
+shapes, dtypes); what it cannot prove is reported as "not rewritten: <reason>" with the module path.
+
+Rewrites (`passes.attention.rewrite`):
+    sdpa            (default, exact) `aten.scaled_dot_product_attention` with the matched scale, `is_causal=True`
+                    where the mask provably is causal (no mask tensor, so the fused kernel skips it), the mask
+                    otherwise (bool keep-mask or additive), `enable_gqa=True` for repeat_kv, and dropout_p read
+                    from the module's training flag (`fxmem.nn.attention.sdpa_dropout`). The report says which
+                    SDPA backend runs for each site on this device, in train and in eval mode (probed with
+                    `torch.nn.attention.sdpa_kernel`): a fall-back to the math kernel loses the memory win.
+    hab             (lossy) `fxmem.nn.attention.HybridAttention`: chunked top-k attention.
+    semiseparable   (lossy) `fxmem.nn.attention.SemiseparableAttention`: exact band + low-rank far field.
+
+Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and implements the optional
+`is_exact(options)` hook the PassManager consults (fxmem/pipeline.py): for `hab`/`semiseparable` the pass is
+verified as lossy (relative output error <= policy.verify.lossy_tolerance). On top of that, each approximated site
+measures its own relative error on the example inputs against exact attention and is kept only if it is within
+`tolerance` (default: the policy's lossy_tolerance); rejected sites stay exact (SDPA) and are reported.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx
+
+from fxmem.attention_match import (AttentionSite, dtype, emit_scale, existing_sdpa, find_attention, glob_match,
+                                   shape, val)
+from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
+from fxmem.pipeline import Change, PassResult, register
+from fxmem.program import Program
+
+aten = torch.ops.aten
+
+
+@dataclass
+class AttentionOptions:
+    """Options of `passes.attention` in a policy."""
+    rewrite: Literal["sdpa", "hab", "semiseparable"] = "sdpa"
+    gqa: bool = True  # grouped-query attention: enable_gqa=True on the un-expanded k/v (False: keep repeat_kv)
+    skip: list[str] = field(default_factory=list)  # module-path glob patterns left as they are
+    # --- hab (HybridAttention)
+    sparsity_ratio: float = 0.75  # share of keys each query drops (keeps the top (1 - ratio) * Lk scores)
+    top_k: int | None = None  # absolute number of keys per query (overrides sparsity_ratio)
+    chunk_size: int = 128  # query rows per block (hab) / block size of the band (semiseparable when band is None)
+    rank_ratio: float | None = None  # hab: low-rank projections from a truncated SVD (not implemented: null)
+    # --- semiseparable
+    rank: int | None = None  # rank of the low-rank part; None = ceil(log2 Lk)
+    band: int | None = None  # block size of the exact band (each query sees its own and neighbouring blocks)
+    hierarchical: bool = False  # two levels: rank 2r for the blocks next to the band, r beyond
+    lowrank_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # dtype of the low-rank factors (band stays fp32)
+    # --- both approximations
+    tolerance: float | None = None  # per-site relative output error limit; None = policy.verify.lossy_tolerance
+    seed: int = 0  # random features of the semiseparable low-rank part
+
+    def __post_init__(self):
+        if not 0.0 <= self.sparsity_ratio < 1.0:
+            raise ValueError(f"sparsity_ratio must be in [0, 1), got {self.sparsity_ratio}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
+        if self.band is not None and self.band < 1:
+            raise ValueError(f"band must be >= 1, got {self.band}")
+        if self.rank_ratio is not None:
+            raise ValueError("rank_ratio (low-rank q/k/v projections for hab) is not implemented in this version; "
+                             "leave it null")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
+
+
+@register
+class AttentionPass:
+    name = "attention"
+    exact = True  # for rewrite: sdpa; see is_exact
+    Options = AttentionOptions
+
+    @staticmethod
+    def is_exact(options) -> bool:
+        return getattr(options, "rewrite", "sdpa") == "sdpa"
+
+    def run(self, program: Program, ctx) -> PassResult:
+        opts: AttentionOptions = ctx.options if ctx.options is not None else AttentionOptions()
+        return rewrite_attention(program, opts, mode=ctx.mode, log=ctx.log,
+                                 tolerance=_tolerance(opts, ctx.policy))
+
+
+def _tolerance(opts, policy) -> float:
+    if opts.tolerance is not None:
+        return opts.tolerance
+    v = getattr(getattr(policy, "verify", None), "lossy_tolerance", None)
+    return float(v) if v is not None else 0.05
+
+
+# ============================================================================================ the rewrite
+
+def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *, mode: str | None = None,
+                      log=lambda m: None, tolerance: float = 0.05) -> PassResult:
+    """Rewrite every provable attention site of `program` in place (usable without a policy, e.g. in tests)."""
+    opts = opts or AttentionOptions()
+    mode = mode or program.mode
+    _ensure_meta(program)
+    changes, notes = [], []
+    sites = find_attention(program)
+    n_existing = len(existing_sdpa(program))
+    if n_existing:
+        notes.append(f"{n_existing} scaled_dot_product_attention call(s) already in the graph: left as they are")
+    before = _saved_by_node(program, mode)
+    metrics = {"sites": len(sites), "rewritten": 0, "not_rewritten": 0, "sites_detail": []}
+    if opts.rewrite != "sdpa":
+        capture_examples(program, sites)
+    done = []
+    for site in sites:
+        if site.ok and opts.skip and glob_match(site.module, opts.skip):
+            site.reason = "skipped by passes.attention.skip"
+        if not site.ok:
+            notes.append(f"{site.module or '<root>'}: not rewritten: {site.reason}")
+            metrics["not_rewritten"] += 1
+            metrics["sites_detail"].append({"module": site.module, "rewritten": False, "reason": site.reason})
+            continue
+        kind = opts.rewrite
+        info = {}
+        if kind != "sdpa":
+            new, info = _emit_approx(program, site, opts, kind, tolerance)
+            if new is None:
+                notes.append(f"{site.module}: {kind} rejected ({info.get('why')}); exact SDPA instead")
+                kind = "sdpa"
+        if kind == "sdpa":
+            new, info = _emit_sdpa(program, site, opts)
+        done.append((site, new, kind, info))
+    if not done:
+        return PassResult(program, False, changes, notes, metrics)
+    program.refresh()
+    after = _saved_by_node(program, mode)
+    for site, new, kind, info in done:
+        backend = probe_backend(site, new, opts) if kind == "sdpa" else {}
+        saved_before = sum(before.get(n, 0) for n in info["removed"])
+        saved_after = after.get(new.name, 0) + sum(after.get(n, 0) for n in info.get("added", []))
+        reason = f"manual attention -> {_label(kind)} ({site.describe()})"
+        if backend:
+            reason += f"; SDPA backend on {backend['device']}: {backend['summary']}"
+        details = {"rewrite": kind, "scale": site.scale_value, "is_causal": info.get("is_causal", False),
+                   "mask": info.get("mask", "none"), "dropout_p": site.dropout_p, "gqa_groups": site.gqa_groups,
+                   "enable_gqa": info.get("enable_gqa", False), "backend": backend,
+                   "saved_bytes_before": saved_before, "saved_bytes_after": saved_after,
+                   "notes": list(site.notes)}
+        for key in ("rel_error", "top_k", "rank", "band", "lowrank_dtype", "tolerance"):
+            if key in info:
+                details[key] = info[key]
+        changes.append(Change(kind=f"attention.{kind}", module=site.module, nodes_before=list(info["removed"]),
+                              nodes_after=[new.name] + list(info.get("added", [])), reason=reason,
+                              bytes_saved=saved_before - saved_after, details=details))
+        metrics["rewritten"] += 1
+        metrics["sites_detail"].append({"module": site.module, "rewritten": True, "rewrite": kind,
+                                        "backend": backend.get("summary"), "rel_error": info.get("rel_error")})
+        for n in site.notes:
+            notes.append(f"{site.module}: {n}")
+        if backend and backend.get("fallback"):
+            notes.append(f"{site.module}: {backend['fallback']}")
+    log(f"[attention] {metrics['rewritten']} site(s) rewritten, {metrics['not_rewritten']} not rewritten")
+    return PassResult(program, True, changes, notes, metrics)
+
+
+def _label(kind):
+    return {"sdpa": "scaled_dot_product_attention", "hab": "HybridAttention",
+            "semiseparable": "SemiseparableAttention"}[kind]
+
+
+def _ensure_meta(program: Program) -> None:
+    g = program.graph
+    if any(n.op == "call_function" and "fxmem_val" not in n.meta for n in g.nodes):
+        program.refresh()
+    else:
+        from fxmem.program import _is_impure
+        g.eliminate_dead_code(is_impure_node=_is_impure)
+
+
+def _saved_by_node(program: Program, mode: str) -> dict:
+    from fxmem.costmodel import node_costs
+    try:
+        return {k: v.saved_bytes for k, v in node_costs(program, mode).items()}
+    except Exception:  # noqa: BLE001 - the estimate is informative only
+        return {}
+
+
+def _copy_meta(new: fx.Node, old: fx.Node) -> None:
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "val", "fxmem_val"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
+def _inputs(graph: fx.Graph, site: AttentionSite, opts) -> tuple:
+    """q, k, v in (B, H, L, E) layout (k transposed back if needed; 3-D forms unsqueezed), enable_gqa."""
+    q, v = site.q, site.v
+    k = site.k
+    if k is None:
+        k = graph.call_function(aten.transpose.int, (site.k_transposed, -2, -1))
+    enable_gqa = site.gqa_groups > 1
+    if enable_gqa and not opts.gqa:
+        k, v, enable_gqa = site.k_expanded, site.v_expanded, False
+    if site.batch_dims == 1:
+        q, k, v = (graph.call_function(aten.unsqueeze.default, (x, 0)) for x in (q, k, v))
+    return q, k, v, enable_gqa
+
+
+def _mask(graph: fx.Graph, site: AttentionSite) -> tuple[fx.Node | None, str]:
+    """The attn_mask for SDPA: None (no mask / is_causal), a bool keep-mask, or an additive float mask."""
+    if not site.masks or site.causal:
+        return None, "causal" if site.causal else "none"
+    keep = None
+    add = None
+    for m in site.masks:
+        if m.kind == "additive":
+            add = m.node if add is None else graph.call_function(aten.add.Tensor, (add, m.node))
+            continue
+        k = m.node if m.kind == "keep" else graph.call_function(aten.logical_not.default, (m.node,))
+        keep = k if keep is None else graph.call_function(aten.logical_and.default, (keep, k))
+    if keep is not None and add is not None:
+        return graph.call_function(aten.where.ScalarOther, (keep, add, float("-inf"))), "additive+bool"
+    if keep is not None:
+        return keep, "bool keep-mask"
+    return add, "additive"
+
+
+def _emit_sdpa(program: Program, site: AttentionSite, opts) -> tuple[fx.Node, dict]:
+    g = program.graph
+    before = set(g.nodes)
+    with g.inserting_before(site.output):
+        q, k, v, enable_gqa = _inputs(g, site, opts)
+        mask, mask_kind = _mask(g, site)
+        scale = emit_scale(g, site.scale)
+        train = site.dropout_train
+        if site.dropout_p > 0 and isinstance(train, fx.Node):
+            out = g.call_function(sdpa_dropout, (q, k, v, mask, site.dropout_p, train, site.causal, scale,
+                                                 enable_gqa))
+        else:
+            p = site.dropout_p if (site.dropout_p > 0 and train is True) else 0.0
+            out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
+                                  {"attn_mask": mask, "dropout_p": p, "is_causal": site.causal, "scale": scale,
+                                   "enable_gqa": enable_gqa})
+        final = out
+        if site.batch_dims == 1:
+            final = g.call_function(aten.squeeze.dim, (out, 0))
+    added = [n for n in g.nodes if n not in before]
+    for n in added:
+        _copy_meta(n, site.output) if n is final else n.meta.setdefault(
+            "nn_module_stack", site.output.meta.get("nn_module_stack"))
+    removed = _replace(g, site, final)
+    return out, {"removed": removed, "added": [n.name for n in added if n is not out], "is_causal": site.causal,
+                 "mask": mask_kind, "enable_gqa": enable_gqa}
+
+
+def _replace(g: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:
+    site.output.replace_all_uses_with(final)
+    removed = []
+    for n in reversed(site.nodes):
+        if not n.users:
+            removed.append(n.name)
+            g.erase_node(n)
+    return removed[::-1]
+
+
+# ============================================================================================ approximations
+
+def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, tolerance: float):
+    """Swap in HybridAttention / SemiseparableAttention if its error on the example inputs is within tolerance."""
+    if site.masks and not site.causal and any(m.kind != "additive" for m in site.masks) \
+            and any(m.kind == "additive" for m in site.masks):
+        return None, {"why": "mixed bool and additive masks"}
+    qv, kv, vv = (_example(site, x) for x in ("q", "k", "v"))
+    if qv is None:
+        return None, {"why": "example values of q/k/v unavailable"}
+    lk = kv.shape[-2]
+    if kind == "hab":
+        top_k = opts.top_k or max(1, math.ceil((1.0 - opts.sparsity_ratio) * lk))
+        mod = HybridAttention(scale=site.scale_value, causal=site.causal, top_k=top_k,
+                              chunk_size=opts.chunk_size, rank_ratio=opts.rank_ratio)
+        params = {"top_k": top_k}
+    else:
+        rank = opts.rank or max(1, math.ceil(math.log2(max(lk, 2))))
+        band = opts.band or opts.chunk_size
+        mod = SemiseparableAttention(scale=site.scale_value, causal=site.causal, rank=rank, band=band,
+                                     hierarchical=opts.hierarchical, lowrank_dtype=opts.lowrank_dtype,
+                                     seed=opts.seed, head_dim=qv.shape[-1])
+        params = {"rank": rank, "band": band, "lowrank_dtype": opts.lowrank_dtype}
+    if site.scale_value is None or any(not isinstance(f, float) for _, f in site.scale):
+        return None, {"why": "shape-dependent scale"}
+    mask_ex = None
+    if site.masks and not site.causal:
+        if any(m.kind != "additive" for m in site.masks):
+            return None, {"why": "bool masks other than causal are not supported by the approximation"}
+        if len(site.masks) > 1:
+            return None, {"why": "several additive masks"}
+        mask_ex = _example_node(program, site.masks[0].node)
+        if mask_ex is None:
+            return None, {"why": "example value of the mask unavailable"}
+    if site.gqa_groups > 1:
+        g_ = site.gqa_groups
+        kv = kv.repeat_interleave(g_, dim=1)
+        vv = vv.repeat_interleave(g_, dim=1)
+    with torch.no_grad():
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            qv, kv, vv, attn_mask=mask_ex, is_causal=site.causal, scale=site.scale_value)
+        approx = mod(qv, kv, vv, mask_ex)
+    rel = float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+    params.update({"rel_error": rel, "tolerance": tolerance})
+    if not rel <= tolerance:
+        return None, {"why": f"relative error {rel:.3g} on the example inputs exceeds tolerance {tolerance:g}",
+                      **params}
+    g = program.graph
+    name = _free_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
+    program.module.add_submodule(name, mod)
+    before = set(g.nodes)
+    with g.inserting_before(site.output):
+        q, k, v, _ = _inputs(g, site, opts)
+        if site.gqa_groups > 1:
+            k = g.call_function(aten.repeat_interleave.self_int, (k, site.gqa_groups, 1))
+            v = g.call_function(aten.repeat_interleave.self_int, (v, site.gqa_groups, 1))
+        mask = site.masks[0].node if mask_ex is not None else None
+        out = g.call_module(name, (q, k, v, mask))
+        final = out if site.batch_dims != 1 else g.call_function(aten.squeeze.dim, (out, 0))
+    added = [n for n in g.nodes if n not in before]
+    for n in added:
+        n.meta.setdefault("nn_module_stack", site.output.meta.get("nn_module_stack"))
+    _copy_meta(final, site.output)
+    removed = _replace(g, site, final)
+    if site.dropout_p:
+        site.notes.append(f"attention dropout (p={site.dropout_p:g}) is not applied by the approximation")
+    params.update({"removed": removed, "added": [n.name for n in added if n is not out],
+                   "is_causal": site.causal, "mask": "additive" if mask_ex is not None else
+                   ("causal" if site.causal else "none")})
+    return out, params
+
+
+def _free_name(gm, base: str) -> str:
+    name, i = base, 1
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _example(site: AttentionSite, which: str):
+    """A real tensor with the example shape for q/k/v: computed by running the graph up to that node."""
+    return site.__dict__.setdefault("_examples", {}).get(which)
+
+
+def _example_node(program: Program, node: fx.Node):
+    return getattr(program, "_attention_examples", {}).get(node.name)
+
+
+def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
+    """Run the graph once on the example inputs (no grad) and keep q/k/v/mask values of each site."""
+    want = {}
+    for s in sites:
+        if not s.ok:
+            continue
+        k = s.k if s.k is not None else s.k_transposed
+        for which, n in (("q", s.q), ("k", k), ("v", s.v)):
+            want.setdefault(n, []).append((s, which))
+        for m in s.masks:
+            want.setdefault(m.node, []).append((None, m.node.name))
+    got = {}
+
+    class _Grab(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n in want and isinstance(out, torch.Tensor):
+                got[n] = out.detach().clone()
+            return out
+
+    gm = program.module
+    was = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            flat = program.flat_inputs()
+            _Grab(gm).run(*flat, enable_io_processing=False)
+    finally:
+        gm.train(was)
+    program._attention_examples = {}
+    for n, users in want.items():
+        t = got.get(n)
+        for s, which in users:
+            if s is None:
+                program._attention_examples[which] = t
+                continue
+            if t is not None and which == "k" and s.k is None:
+                t = t.transpose(-2, -1)
+            if t is not None and s.batch_dims == 1:
+                t = t.unsqueeze(0)
+            s.__dict__.setdefault("_examples", {})[which] = t
+
+
+# ============================================================================================ backend probe
+
+_BACKEND_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def probe_backend(site: AttentionSite, node: fx.Node, opts) -> dict:
+    """Which SDPA kernel runs for this call on this device, in train mode (with grad, dropout) and in eval."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    args = node.args
+    if node.target is sdpa_dropout:
+        q, k, v, mask, p, _, is_causal, scale, gqa = args
+    else:
+        q, k, v = args
+        kw = node.kwargs
+        mask, p, is_causal, scale, gqa = (kw.get("attn_mask"), kw.get("dropout_p", 0.0), kw.get("is_causal", False),
+                                          kw.get("scale"), kw.get("enable_gqa", False))
+    qv, kv, vv = val(q), val(k), val(v)
+    if not all(isinstance(t, torch.Tensor) for t in (qv, kv, vv)):
+        return {}
+    device = qv.device
+
+    def small(t, rows=None):
+        s = list(t.shape)
+        s[0] = min(s[0], 2)
+        if len(s) >= 2:
+            s[-2] = min(s[-2], 64)
+        if rows is not None and len(s) >= 1:
+            s[-1] = min(s[-1], rows)
+        return torch.randn(s, dtype=t.dtype, device=device)
+
+    def mk_mask(lq, lk):
+        if mask is None:
+            return None
+        mv = val(mask)
+        s = list(mv.shape)
+        if len(s) >= 2:
+            s[-2] = min(s[-2], lq) if s[-2] != 1 else 1
+            s[-1] = min(s[-1], lk) if s[-1] != 1 else 1
+        if len(s) >= 4:
+            s[0] = min(s[0], 2)
+        if mv.dtype == torch.bool:
+            return torch.ones(s, dtype=torch.bool, device=device)
+        return torch.zeros(s, dtype=mv.dtype, device=device)
+
+    sc = float(scale) if isinstance(scale, (int, float)) else None
+    results = {}
+    for phase, train in (("train", True), ("eval", False)):
+        qs, ks, vs = small(qv), small(kv), small(vv)
+        m = mk_mask(qs.shape[-2], ks.shape[-2])
+        grad = train and bool(getattr(qv, "requires_grad", False) or getattr(kv, "requires_grad", False))
+        for t in (qs, ks, vs):
+            t.requires_grad_(grad)
+        dp = float(p) if train else 0.0
+        chosen = None
+        for name in _BACKEND_ORDER:
+            be = getattr(SDPBackend, name, None)
+            if be is None:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with sdpa_kernel([be]):
+                        o = torch.nn.functional.scaled_dot_product_attention(
+                            qs, ks, vs, attn_mask=m, dropout_p=dp, is_causal=bool(is_causal), scale=sc,
+                            enable_gqa=bool(gqa))
+                        if grad:
+                            o.sum().backward()
+                chosen = name.lower().replace("_attention", "")
+                break
+            except Exception:  # noqa: BLE001 - this backend cannot run this call
+                continue
+        results[phase] = chosen or "none"
+    summary = (results["train"] if results["train"] == results["eval"]
+               else f"train: {results['train']}, eval: {results['eval']}")
+    out = {"device": str(device), "train": results["train"], "eval": results["eval"], "summary": summary}
+    if "math" in (results["train"], results["eval"]):
+        why = []
+        if p and results["train"] == "math":
+            why.append(f"dropout_p={p:g} in train mode")
+        if gqa and results["train"] == "math":
+            why.append("enable_gqa")
+        out["fallback"] = ("the math SDPA kernel runs " + ("in train mode" if results["eval"] != "math" else
+                                                           "in both modes")
+                           + (f" ({', '.join(why)})" if why else "")
+                           + ": it materialises the score matrix, so the memory win is smaller there")
+    return out
