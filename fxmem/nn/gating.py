@@ -1,0 +1,172 @@
+"""GatedResidual: `x + g(x) * f(x)`, where a small learned gate lets easy inputs skip an expensive branch.
+
+    gated = GatedResidual(body, x_index=0, features=d)   # body: the branch f as a GraphModule (its inputs)
+    y = gated(x, w1, b1, ...)                            # the branch's inputs, x among them at x_index
+    loss = task_loss + 1e-2 * fxmem.gating_loss(model)   # sparsity pressure on the gates (training)
+
+The gate: a per-sample summary of x (the mean over every dim except the batch dim 0 and the feature dim), then
+`Linear(d -> d/reduction) -> ReLU -> Linear(-> 1)` giving u, and `g = min(1, 2 * sigmoid(u))`. The last Linear
+starts at zero weight and bias `init_bias` (>= 0), so u = init_bias and g = 1 *exactly* at insertion: the
+gated model computes `x + 1.0 * f(x)`, bit-identical to the original residual add (outputs and gradients).
+`gating_loss` penalises the unclamped `2 * sigmoid(u)`, so it always has a gradient towards closing.
+
+Training (module in train mode, or autograd tracing/fake tensors): soft gates, the branch always runs:
+`x + g * f(x)` with g per sample (broadcast over the other dims).
+
+Inference (eval mode, real tensors): hard gates with `threshold`. The gate runs first. Rows with g < threshold
+take `x` unchanged. If no row is open the branch is not called at all (per batch). With `per_sample` (and a
+branch whose only per-row input is x) the branch runs only on the open rows (index_select / index_copy);
+otherwise it runs on the whole batch and closed rows are masked. Open rows get `x + g * f(x)`.
+Counters per module: calls, calls skipped, rows, rows skipped (the branch's compute saved), read with
+`skip_stats(model)` and cleared with `reset_skip_stats(model)`.
+
+`force_open = True` makes the module compute `x + f(x)` (the original), for checks and ablations.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from ..errors import FxmemError
+
+__all__ = ["GatedResidual", "gating_loss", "skip_stats", "reset_skip_stats", "gates"]
+
+
+def _is_fake_or_tracing(x) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        if is_fake(x):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.compiler.is_compiling():
+        return True
+    return type(x) is not torch.Tensor and not isinstance(x, nn.Parameter)
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, body: nn.Module, x_index: int, features: int, *, feature_dim: int = -1,
+                 reduction: int = 4, init_bias: float = 0.0, threshold: float = 0.5, per_sample: bool = True,
+                 label: str = "", row_safe: bool = True):
+        super().__init__()
+        if init_bias < 0:
+            raise ValueError(f"GatedResidual {label}: init_bias must be >= 0 so gates start open, got {init_bias}")
+        hidden = max(1, features // max(1, reduction))
+        self.body = body
+        self.gate = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        with torch.no_grad():
+            self.gate[2].weight.zero_()
+            self.gate[2].bias.fill_(float(init_bias))
+        self.x_index = int(x_index)
+        self.features = int(features)
+        self.feature_dim = int(feature_dim)
+        self.threshold = float(threshold)
+        self.per_sample = bool(per_sample)
+        self.row_safe = bool(row_safe)  # the branch's only per-row input is x
+        self.label = label
+        self.force_open = False
+        self._last_raw: torch.Tensor | None = None
+        self.reset_stats()
+
+    # ------------------------------------------------------------------------------------------- stats
+    def reset_stats(self) -> None:
+        self.calls = 0
+        self.calls_skipped = 0
+        self.rows = 0
+        self.rows_skipped = 0
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "calls_skipped": self.calls_skipped, "rows": self.rows,
+                "rows_skipped": self.rows_skipped,
+                "skip_rate": self.rows_skipped / self.rows if self.rows else 0.0}
+
+    # ------------------------------------------------------------------------------------------- gate
+    def summary(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, d): the mean of x over every dim except 0 and the feature dim."""
+        fd = self.feature_dim if self.feature_dim >= 0 else x.dim() + self.feature_dim
+        if x.dim() == 1:
+            return x.unsqueeze(0)
+        xm = x.movedim(fd, -1) if fd != x.dim() - 1 else x
+        if xm.dim() > 2:
+            xm = xm.reshape(xm.shape[0], -1, xm.shape[-1]).mean(1)
+        return xm
+
+    def raw_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """2 * sigmoid(u) per row, unclamped (what gating_loss penalises)."""
+        u = self.gate(self.summary(x)).squeeze(-1)
+        return 2.0 * torch.sigmoid(u)
+
+    def _bcast(self, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return g.reshape([g.shape[0]] + [1] * (like.dim() - 1)).to(like.dtype)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def forward(self, *inputs):
+        x = inputs[self.x_index]
+        if self.force_open:
+            return x + self.body(*inputs)
+        raw = self.raw_gate(x)
+        g = torch.clamp(raw, max=1.0)
+        soft = self.training or torch.is_grad_enabled() and x.requires_grad or _is_fake_or_tracing(x)
+        if soft:
+            if self.training:
+                self._last_raw = raw
+            f = self.body(*inputs)
+            return x + self._bcast(g, f) * f
+        # ---- hard gates (inference)
+        open_ = g >= self.threshold
+        n = int(open_.numel())
+        n_open = int(open_.sum())
+        self.calls += 1
+        self.rows += n
+        if n_open == 0:
+            self.calls_skipped += 1
+            self.rows_skipped += n
+            return x
+        if n_open == n:
+            f = self.body(*inputs)
+            return x + self._bcast(g, f) * f
+        if self.per_sample and self.row_safe:
+            idx = open_.nonzero().squeeze(1)
+            sub = list(inputs)
+            xs = x.index_select(0, idx)
+            sub[self.x_index] = xs
+            f = self.body(*sub)
+            self.rows_skipped += n - n_open
+            return x.index_copy(0, idx, xs + self._bcast(g.index_select(0, idx), f) * f)
+        f = self.body(*inputs)
+        return x + self._bcast(torch.where(open_, g, torch.zeros_like(g)), f) * f
+
+    def extra_repr(self) -> str:
+        return (f"label={self.label!r}, features={self.features}, threshold={self.threshold}, "
+                f"per_sample={self.per_sample and self.row_safe}")
+
+
+def gates(module: nn.Module) -> dict[str, GatedResidual]:
+    return {name: m for name, m in module.named_modules() if isinstance(m, GatedResidual)}
+
+
+def gating_loss(module: nn.Module) -> torch.Tensor:
+    """Sparsity regulariser for the gates: the mean over gated branches of the mean (unclamped) gate value of the
+    last training-mode forward. Add `lam * gating_loss(model)` to the task loss."""
+    gs = gates(module)
+    if not gs:
+        raise FxmemError("gating_loss: the module has no GatedResidual (run the gating pass first)")
+    vals = [m._last_raw.float().mean() for m in gs.values() if m._last_raw is not None]
+    if not vals:
+        raise FxmemError("gating_loss: no gate has run in training mode yet (call model.train() and run a "
+                         "forward pass before computing the loss)")
+    return torch.stack(vals).mean()
+
+
+def skip_stats(module: nn.Module) -> dict[str, dict]:
+    """{gate module name (label): counters and skip rate} for every GatedResidual in `module`."""
+    return {(m.label or name): m.stats() for name, m in gates(module).items()}
+
+
+def reset_skip_stats(module: nn.Module) -> None:
+    for m in gates(module).values():
+        m.reset_stats()
+
+
+def _body_repr(body) -> str:  # pragma: no cover - debugging aid
+    return body.code if isinstance(body, fx.GraphModule) else repr(body)
