@@ -68,8 +68,17 @@ def unet_prog():
     return _unet()
 
 
+_BASE: dict = {}
+
+
+def _baseline(p, loss_fn):
+    if id(p) not in _BASE:
+        _BASE[id(p)] = (p, estimate(p, mode="train", loss_fn=loss_fn))
+    return _BASE[id(p)][1]
+
+
 def _run_pass(p, loss_fn, budget, enabled=("checkpoint",), **opts):
-    base = estimate(p, mode="train", loss_fn=loss_fn)
+    base = _baseline(p, loss_fn)
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(**opts), mode="train", optimizer="adamw",
                       budget=budget if isinstance(budget, int) else None, baseline=base, enabled=enabled,
                       loss_fn=loss_fn)
@@ -194,7 +203,7 @@ def test_unet_skip_connections_batchnorm_buffers_exact(unet_prog):
 def test_monotone_measured_peak(gpt_prog):
     p, x, loss_fn = gpt_prog
     peaks, costs = [], []
-    for frac in (0.95, 0.88, 0.8, 0.74):
+    for frac in (0.93, 0.82, 0.74):
         res, base = _run_pass(p, loss_fn, f"{int(frac * 100)}%")
         m = fxmem.measure(copy.deepcopy(res.program.module), x, loss_fn=loss_fn).peak
         assert m <= int(frac * base.peak) * 1.05, (frac, m)
@@ -221,7 +230,7 @@ def test_no_change_when_budget_fits_or_missing(gpt_prog):
     p, x, loss_fn = gpt_prog
     res, _ = _run_pass(p, loss_fn, "100%")
     assert not res.modified and "already fits" in res.notes[0]
-    base = estimate(p, mode="train", loss_fn=loss_fn)
+    base = _baseline(p, loss_fn)
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw", budget=None,
                       baseline=base, enabled=("checkpoint",), loss_fn=loss_fn)
     res = ck.CheckpointPass().run(p.snapshot(), ctx)
@@ -230,11 +239,11 @@ def test_no_change_when_budget_fits_or_missing(gpt_prog):
 
 def test_solvers_agree_and_greedy_gap(gpt_prog):
     p, x, loss_fn = gpt_prog
-    base = estimate(p, mode="train", loss_fn=loss_fn)
+    base = _baseline(p, loss_fn)
     budget = int(0.8 * base.peak)
     out = {}
     for solver in ("dp", "milp", "greedy"):
-        res, _ = _run_pass(p, loss_fn, budget, solver=solver, refine=0)
+        res, _ = _run_pass(p, loss_fn, budget, solver=solver, refine=0, verify=False)
         out[solver] = res.metrics
     # same model: the exact solvers find the same optimum (dp quantises bytes conservatively)
     c_dp, c_milp, c_gr = (out[s]["recompute_flops"] for s in ("dp", "milp", "greedy"))
@@ -267,7 +276,8 @@ def test_dp_plan_model_peak_monotone_in_budget():
 
 def test_profile_cost_and_explicit_regions(gpt_prog):
     p, x, loss_fn = gpt_prog
-    res, _ = _run_pass(p, loss_fn, "85%", cost="profile", regions=["h.0", "h.1", "h.2"], selective=False)
+    res, _ = _run_pass(p, loss_fn, "85%", cost="profile", regions=["h.0", "h.1", "h.2"], selective=False,
+                       verify=False)
     assert res.modified
     assert set(res.metrics["plan"]) == {"h.0", "h.1", "h.2"}
     assert set(res.metrics["plan"].values()) <= {"keep", "full"}
