@@ -28,6 +28,7 @@ from typing import Any
 from .units import format_bytes as _format_bytes
 
 SCHEMA_VERSION = 1
+ESTIMATE_WARN_FRACTION = 0.10  # warn when the estimated peak is further than this from the measured one
 
 # summary rows: (attribute, label)
 CATEGORIES = (("params", "parameters"), ("buffers", "buffers"), ("grads", "gradients"),
@@ -308,6 +309,11 @@ class Report:
                        f"for backward): {', '.join(unk)}")
         if self.budget is not None and self.after.peak > self.budget:
             out.append(self.budget_line())
+        for tag, e, m in (("before", self.before, self.measured_before), ("after", self.after, self.measured_after)):
+            if m is not None and m.peak and abs(e.peak - m.peak) > ESTIMATE_WARN_FRACTION * m.peak:
+                out.append(f"the cost model's peak {tag} ({format_bytes(e.peak)}, estimated) is "
+                           f"{(e.peak - m.peak) / m.peak * 100:+.1f}% off the measured {format_bytes(m.peak)}: "
+                           "plans made from the estimate (checkpoint, offload) may be off")
         return out
 
     def _summary_table_md(self) -> list[str]:

@@ -49,10 +49,10 @@ def _timeline(scale: float, n_fwd: int = 6, n_bwd: int = 6):
     tl = []
     live = 1000
     for i in range(n_fwd):
-        live += int(200 * scale)
+        live += int(200 * scale * 6 / n_fwd)
         tl.append(TimelinePoint("forward", f"op{i}", live, live + 10))
     for i in range(n_bwd):
-        live -= int(150 * scale)
+        live -= int(150 * scale * 6 / n_bwd)
         tl.append(TimelinePoint("backward", f"op{n_fwd - 1 - i} (backward)", live, live + int(300 * scale)))
     tl.append(TimelinePoint("optimizer", "optimizer.step", live + 500, live + 900))
     return tl
@@ -439,3 +439,14 @@ def test_deterministic_output_hides_object_addresses():
 def _fb(n):
     from fxmem.units import format_bytes
     return format_bytes(n)
+
+
+def test_estimate_far_from_measurement_is_a_warning():
+    r = _report(measured=True, unknown=(), passes=[])
+    md = r.to_markdown()
+    assert "Warnings" not in md  # hand-built estimates are within 10% of the profiles
+    r.measured_after.peak = int(r.after.peak / 1.6)
+    md = r.to_markdown()
+    warn = md[md.index("## ⚠ Warnings"):md.index("## Summary")]
+    assert "the cost model's peak after" in warn and "+60.0% off the measured" in warn
+    assert "peak before" not in warn
