@@ -1,0 +1,376 @@
+"""Run an fxmem-transformed GraphModule under torch.distributed, as users already run their models.
+
+    torch.distributed.init_process_group("gloo")          # or nccl; the user's launcher as usual
+    module = fxmem.distribute(result.module, "fsdp")      # or "ddp", OffloadOptions, a Policy, a dict
+    loss = loss_fn(module(x)); loss.backward(); opt.step()
+
+DDP: `DistributedDataParallel(module)` (one process per device; CPU with gloo works). Gradients are averaged
+across ranks in backward; offload and checkpoint regions run inside as usual.
+
+FSDP2: `fully_shard` on block boundaries found from the graph. In a captured graph, parameters are read with
+get_attr at the top of `forward` and no block module is ever called, so FSDP's per-module hooks would never run.
+`distribute` therefore makes each block a called module that owns its parameters: the graph nodes of block
+`h.3` (its `nn_module_stack`) are outlined (`fxmem.outline`) into a body GraphModule, and the parameter-holding
+module at `h.3` is replaced by a `ShardedBlock` that keeps the same children (state_dict keys are unchanged),
+takes the block's non-parameter inputs, and passes its *current* parameters to the body (FSDP swaps sharded and
+unsharded parameters on the module between its hooks). An existing checkpoint/offload region that covers a
+block becomes that block's body. `fully_shard` is then applied to every block and to the root (the remaining
+parameters: embeddings, final norm, head). Options: `CPUOffloadPolicy` (`cpu_offload=True`, or the offload
+pass's `grads: true`), `MixedPrecisionPolicy` (`param_dtype`/`reduce_dtype`, or what the precision pass
+recorded in `module.fxmem_precision`).
+
+Blocks are found as the outermost repeated modules of one type under one parent with numeric names
+(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`.
+
+Per-rank memory: `fxmem.estimate(program, world_size=W, zero_stage=S)` (DDP = stage 0, FSDP = stage 3) is the
+cost model's prediction; `measure_rank(module, args, ...)` measures one steady-state step on this rank (local
+shards of parameters and optimizer state, plus everything the step allocates).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .errors import FxmemError
+from .program import Program, module_stack
+
+__all__ = ["distribute", "block_paths", "ShardedBlock", "measure_rank", "estimate_rank", "DistributeOptions"]
+
+
+@dataclass
+class DistributeOptions:
+    mode: str = "ddp"  # "ddp" | "fsdp"
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy (parameters, gradients and optimizer step on CPU)
+    param_dtype: torch.dtype | None = None  # FSDP2 MixedPrecisionPolicy
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    blocks: list | None = None  # module paths to shard separately (default: found from the graph)
+
+
+# ============================================================================================ blocks
+
+def _stack_paths(n: fx.Node) -> list[tuple[str, str]]:
+    return [(p, t) for p, t in module_stack(n) if p]
+
+
+def block_paths(gm: fx.GraphModule) -> list[str]:
+    """Outermost repeated blocks: modules of one type under one parent whose names are numbers."""
+    seen: dict[str, str] = {}
+    order: list[str] = []
+    for n in gm.graph.nodes:
+        for p, t in _stack_paths(n):
+            if p not in seen:
+                seen[p] = t
+                order.append(p)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for p in order:
+        parent, _, leaf = p.rpartition(".")
+        if leaf.isdigit():
+            groups.setdefault((parent, seen[p]), []).append(p)
+    cands = [ps for ps in groups.values() if len(ps) >= 2]
+    if not cands:
+        return []
+    depth = min(ps[0].count(".") for ps in cands)
+    out = []
+    for ps in cands:
+        if ps[0].count(".") == depth:
+            out.extend(ps)
+    return [p for p in order if p in set(out)]
+
+
+class ShardedBlock(nn.Module):
+    """A block that owns its parameters (same children as the captured module at its path) and runs `body`.
+
+    The graph calls it with the block's non-parameter inputs; `param_slots` says at which body argument each of
+    its parameters goes (by name relative to this module), read at call time so FSDP's unsharded parameters
+    are the ones used.
+    """
+
+    def __init__(self, owner: nn.Module, body: nn.Module, n_args: int, param_slots: dict[int, str], label: str):
+        super().__init__()
+        for name, child in owner.named_children():
+            self.add_module(name, child)
+        for name, p in owner.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in owner.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        self.body = body
+        self.n_args = n_args
+        self.param_slots = dict(param_slots)
+        self.label = label
+
+    def forward(self, *args):
+        it = iter(args)
+        full = [self.get_parameter(self.param_slots[i]) if i in self.param_slots else next(it)
+                for i in range(self.n_args)]
+        return self.body(*full)
+
+    def extra_repr(self) -> str:
+        return f"label={self.label!r}, params={len(self.param_slots)}"
+
+
+def _set_module(root: nn.Module, path: str, mod: nn.Module) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._modules[leaf] = mod
+
+
+def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Turn each block into a ShardedBlock call (in place). Returns (blocks made, notes)."""
+    from .outline import OutlineError, outline
+    paths = block_paths(gm) if paths is None else list(paths)
+    notes: list[str] = []
+    made: list[str] = []
+    prog = Program(gm, (), {}, "train")
+    for path in paths:
+        graph = gm.graph
+        members = [n for n in graph.nodes if n.op in ("call_function", "call_module")
+                   and any(p == path for p, _ in _stack_paths(n))
+                   and not (n.op == "call_module" and n.target in ("input_guard", "mode"))]
+        if not members:
+            notes.append(f"{path}: no graph nodes; its parameters are sharded with the root")
+            continue
+        modules = [n for n in members if n.op == "call_module"]
+        try:
+            owner = gm.get_submodule(path)
+        except AttributeError:
+            notes.append(f"{path}: not a module of the graph; its parameters are sharded with the root")
+            continue
+        own_params = {id(p): name for name, p in owner.named_parameters()}
+        if len(modules) == 1 and all(n is modules[0] or (n.op == "call_function" and n.target is operator.getitem
+                                                          and n.args[0] is modules[0]) for n in members):
+            call = modules[0]  # an existing region covers the block: it becomes the body
+            body = gm.get_submodule(call.target)
+        elif modules:
+            notes.append(f"{path}: a region module covers only part of the block; its parameters are sharded "
+                         f"with the root")
+            continue
+        else:
+            try:
+                call = outline(prog, members, "fxmem_block_" + path.replace(".", "_"))
+            except OutlineError as e:
+                notes.append(f"{path}: cannot be one call ({e}); its parameters are sharded with the root")
+                continue
+            body = gm.get_submodule(call.target)
+            delattr(gm, call.target)
+        # which arguments are this block's parameters
+        slots: dict[int, str] = {}
+        keep: list = []
+        for i, a in enumerate(call.args):
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                try:
+                    p = gm.get_parameter(a.target)
+                except AttributeError:
+                    p = None
+                if p is not None and id(p) in own_params:
+                    slots[i] = own_params[id(p)]
+                    continue
+            keep.append(a)
+        block = ShardedBlock(owner, body, len(call.args), slots, path)
+        _set_module(gm, path, block)
+        call.target = path
+        call.args = tuple(keep)
+        made.append(path)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output", "call_module")
+                                 or (n.op == "call_function" and getattr(getattr(n.target, "_schema", None),
+                                                                          "is_mutable", False)))
+    gm.graph.lint()
+    gm.recompile()
+    return made, notes
+
+
+# ============================================================================================ distribute
+
+def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> DistributeOptions:
+    o = DistributeOptions()
+    plan = getattr(module, "fxmem_offload", None) or {}
+    src = policy_or_options
+    if src is None:
+        src = plan.get("distributed", "none")
+        if src == "none":
+            raise FxmemError("fxmem.distribute: no mode given and the module has no offload plan with "
+                             "`distributed: ddp|fsdp`; pass 'ddp' or 'fsdp'")
+    if isinstance(src, str):
+        o.mode = src
+    elif isinstance(src, DistributeOptions):
+        o = DistributeOptions(**vars(src))
+    elif isinstance(src, dict):
+        for k, v in src.items():
+            if k == "distributed":
+                o.mode = v
+            elif hasattr(o, k):
+                setattr(o, k, v)
+            else:
+                raise FxmemError(f"fxmem.distribute: unknown option {k!r}")
+    else:
+        opts = src
+        if hasattr(src, "passes"):  # a Policy
+            sec = src.passes.get("offload") if isinstance(src.passes, dict) else None
+            opts = getattr(sec, "options", None)
+            if opts is None:
+                raise FxmemError("fxmem.distribute: the policy has no passes.offload section with `distributed`")
+        mode = getattr(opts, "distributed", None)
+        if mode in (None, "none"):
+            raise FxmemError("fxmem.distribute: passes.offload.distributed is 'none'; set it to 'ddp' or 'fsdp'")
+        o.mode = mode
+        o.cpu_offload = bool(getattr(opts, "grads", False))
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(o, k, v)
+    if o.mode not in ("ddp", "fsdp"):
+        raise FxmemError(f"fxmem.distribute: mode must be 'ddp' or 'fsdp', got {o.mode!r}")
+    prec = getattr(module, "fxmem_precision", None)
+    if isinstance(prec, dict) and o.param_dtype is None:
+        o.param_dtype = prec.get("param_dtype")
+        o.reduce_dtype = o.reduce_dtype or prec.get("reduce_dtype")
+    return o
+
+
+def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | None = None,
+               cpu_offload: bool | None = None, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None, blocks: list | None = None, device_mesh=None,
+               **ddp_kwargs) -> nn.Module:
+    """Wrap `module` for data-parallel training on the current process group (see the module docstring).
+
+    policy_or_options: "ddp" | "fsdp", a DistributeOptions, a dict of its fields, OffloadOptions / a Policy
+    (their `distributed` field), or None (the plan the offload pass recorded on the module).
+    Returns the DDP wrapper, or (FSDP2) the module itself, sharded in place.
+    """
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise FxmemError("fxmem.distribute: torch.distributed is not initialized; call "
+                         "torch.distributed.init_process_group(...) first (one process per rank)")
+    o = _options(policy_or_options, module, dict(mode=mode, cpu_offload=cpu_offload, param_dtype=param_dtype,
+                                                 reduce_dtype=reduce_dtype, blocks=blocks))
+    if o.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dev = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if dev.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [dev])
+        return DDP(module, **ddp_kwargs)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw: dict = {"reshard_after_forward": o.reshard_after_forward}
+    if device_mesh is not None:
+        kw["mesh"] = device_mesh
+    if o.cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    if o.param_dtype is not None or o.reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+    made: list[str] = []
+    if isinstance(module, fx.GraphModule):
+        made, notes = make_blocks(module, o.blocks)
+        module.fxmem_distribute_notes = notes
+    else:
+        made = list(o.blocks or [])
+    for path in made:
+        fully_shard(module.get_submodule(path), **kw)
+    fully_shard(module, **kw)
+    module.fxmem_sharded_blocks = made
+    return module
+
+
+# ============================================================================================ per-rank memory
+
+def measure_rank(module: nn.Module, args: tuple, kwargs: dict | None = None, *, optimizer: torch.optim.Optimizer,
+                 loss_fn=None, steps: int = 2) -> dict:
+    """Live tensor bytes on this rank over a steady-state step (the last of `steps`).
+
+    Parameters and optimizer state are counted by their local shards (DTensor.to_local()); everything a step
+    allocates (all-gathered parameters, gradients, reduce buffers, activations) by the same storage tracker
+    fxmem.measure uses. Returns {"peak", "params", "optimizer_state", "base"} in bytes.
+    """
+    import gc
+
+    from torch.utils import _pytree as pytree
+
+    from .measure import StorageTracker
+    from .step import compute_loss
+    kwargs = dict(kwargs or {})
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def state_tensors():
+        out = []
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out.append(local(v))
+        return out
+
+    def step(tracker=None):
+        out = module(*args, **kwargs)
+        loss = compute_loss(loss_fn, out, args, kwargs)
+        if tracker is not None:
+            tracker.phase = "backward"
+        loss.backward()
+        if tracker is not None:
+            tracker.phase = "optimizer"
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(steps - 1):
+        step()
+    gc.collect()
+    tracker = StorageTracker()
+    params = [local(p) for p in module.parameters()]
+    tracker.seed(params)
+    tracker.seed([local(b) for b in module.buffers()])
+    tracker.seed(pytree.tree_leaves((args, kwargs)))
+    tracker.seed(state_tensors())
+    base = tracker.current
+    res = {"params": tracker.bytes_of(params), "optimizer_state": tracker.bytes_of(state_tensors()), "base": base}
+    tracker.reset_peak()
+    tracker.record = True
+    tracker.phase = "forward"
+    try:
+        with tracker:
+            step(tracker)
+        res["peak"] = tracker.peak
+        res["peak_phase"] = tracker.peak_phase
+        res["peak_at"] = tracker.peak_label
+        res["timeline"] = tracker.timeline
+    finally:
+        tracker.close()
+    return res
+
+
+def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: str = "adamw", loss_fn=None,
+                  blocks: list[str] | None = None) -> dict:
+    """Per-rank peak predicted by the cost model for DDP (zero_stage 0) or FSDP2 (zero_stage 3).
+
+    `fxmem.estimate(..., world_size, zero_stage)` shards parameters, gradients and optimizer state; on top of it:
+    DDP keeps gradient buckets (one more copy of the trainable parameters' bytes); FSDP2 holds the root's
+    parameters unsharded from forward until the end of backward, and up to two blocks' unsharded parameters
+    (the one computing and the one prefetched). `program` must be at the per-rank input shapes.
+    Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes.
+    """
+    from .costmodel import estimate
+    stage = 0 if mode == "ddp" else 3
+    est = estimate(program, mode="train", optimizer=optimizer, world_size=world_size, zero_stage=stage,
+                   loss_fn=loss_fn)
+    gm = program.module
+    trainable = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
+    extra = 0
+    if mode == "ddp":
+        extra = sum(p.numel() * p.element_size() for _, p in trainable)
+    else:
+        paths = block_paths(gm) if blocks is None else list(blocks)
+        per_block = {b: 0 for b in paths}
+        root = 0
+        for n, p in gm.named_parameters():
+            b = next((b for b in paths if n.startswith(b + ".")), None)
+            size = p.numel() * p.element_size()
+            if b is None:
+                root += size
+            else:
+                per_block[b] += size
+        unsharded_root = root - -(-root // world_size)
+        biggest = sorted(per_block.values(), reverse=True)[:2]
+        extra = unsharded_root + sum(biggest)
+    return {"peak": est.peak + extra, "base_estimate": est.peak, "extra": extra, "zero_stage": stage}

@@ -1,0 +1,147 @@
+"""fxmem.distribute: the transformed GraphModule under DDP and FSDP2 (2 processes, gloo, 127.0.0.1, CPU).
+
+One spawn runs both modes (process start-up and capture dominate the time): each rank trains its half of the
+batch for a few steps; the parent trains the same captured module on the whole batch in one process. Losses
+(averaged over ranks), gradients and parameters must match. The cost model's per-rank estimate is checked
+against the measured per-rank peak.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+STEPS = 3
+WORLD = 2
+CFG = dict(n_layer=2, n_head=2, d_model=64, dropout=0.0)
+INPUTS = dict(batch=8, seq_len=32)
+
+
+def _build():
+    """Capture + activation offload regions (the full fxmem path); the module is saved once and loaded by ranks."""
+    import fxmem
+    import examples.gpt as ex
+    torch.manual_seed(0)
+    model = ex.build_model(**CFG)
+    x = ex.example_inputs(**INPUTS)
+    res = fxmem.transform(model, x, policy={"version": 1, "passes": {"offload": {
+        "min_bytes": 0, "bandwidth": "10GB/s"}}})
+    return res, x[0]
+
+
+def _loss(out):
+    return out.float().pow(2).mean()
+
+
+def _train(mod, batches, opt):
+    losses, grads = [], {}
+    for s in range(STEPS):
+        loss = _loss(mod(batches))
+        loss.backward()
+        losses.append(loss.detach().clone())
+        if s == STEPS - 1:
+            for n, p in mod.named_parameters():
+                g = p.grad
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                grads[n] = g.detach().clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _clean(name: str) -> str:
+    return name.replace("module.", "", 1) if name.startswith("module.") else name
+
+
+def _worker(rank, port, saved, x, out_path):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    import fxmem
+    from fxmem.distributed import distribute, estimate_rank, measure_rank
+    from fxmem.program import Program
+    results = {}
+    gm = fxmem.load(saved)
+    shard = x.chunk(WORLD)[rank]
+    for mode in ("ddp", "fsdp"):
+        mod_src = copy.deepcopy(gm)
+        prog = Program(copy.deepcopy(gm), (shard,), {}, "train")
+        prog.refresh()
+        est = estimate_rank(prog, mode, WORLD, optimizer="sgd", loss_fn=lambda o, i: _loss(o))
+        mod = distribute(mod_src, mode)
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        losses, grads = _train(mod, shard, opt)
+        avg = torch.stack(losses)
+        dist.all_reduce(avg)
+        avg /= WORLD
+        params = {}
+        for n, p in mod.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[_clean(n)] = t.detach().clone()
+        meas = measure_rank(mod, (shard,), optimizer=torch.optim.SGD(mod.parameters(), lr=0.0),
+                            loss_fn=lambda o, i: _loss(o))
+        meas.pop("timeline", None)
+        results[mode] = {"loss": avg, "grads": {_clean(k): v for k, v in grads.items()}, "params": params,
+                         "est": est, "meas": meas, "blocks": getattr(mod_src, "fxmem_sharded_blocks", None),
+                         "local_param_bytes": sum(
+                             (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in mod.parameters())}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    out = tmp / "rank0.pt"
+    res, x = _build()
+    assert any(n.startswith("offload_") for n, _ in res.module.named_children())
+    res.save(tmp / "module")
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp / "module"), x, str(out)), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    # the single-process reference, meanwhile: the whole batch in one process
+    ref = copy.deepcopy(res.module)
+    losses, grads = _train(ref, x, torch.optim.SGD(ref.parameters(), lr=0.1))
+    params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    while not ctx.join(timeout=120):
+        pass
+    return torch.load(out, weights_only=False), (torch.stack(losses), grads, params)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_loss_and_gradients_equal_single_process(runs, mode):
+    got, (ref_loss, ref_grads, ref_params) = runs
+    r = got[mode]
+    torch.testing.assert_close(r["loss"], ref_loss, rtol=1e-6, atol=1e-7)
+    assert r["grads"].keys() == ref_grads.keys()
+    for n in ref_grads:
+        torch.testing.assert_close(r["grads"][n], ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(r["params"][n], ref_params[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_fsdp_shards_blocks_found_from_the_graph(runs):
+    got, (_, _, ref_params) = runs
+    r = got["fsdp"]
+    assert r["blocks"] == ["h.0", "h.1"]
+    full = sum(p.numel() * 4 for p in ref_params.values())
+    assert r["local_param_bytes"] <= full // WORLD + 4096  # each rank holds half the parameters
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_per_rank_estimate_tracks_measured(runs, mode):
+    got, _ = runs
+    est, meas = got[mode]["est"]["peak"], got[mode]["meas"]["peak"]
+    # stated tolerance: the per-rank estimate is within 30% of the measured per-rank peak (see the report)
+    assert abs(est - meas) <= 0.30 * meas, (mode, est, meas)
