@@ -64,6 +64,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         ov.append(f"{k.replace('__', '.')}={_yaml_scalar(v)}")
     if budget is not None:
         ov.append(f"budget={budget if isinstance(budget, str) else int(budget)}")
+        ov.append("budget_strict=true")  # a budget the user asked for is a requirement, not a target
     pol = load_policy(policy, overrides=ov)
     if not isinstance(args, tuple):
         args = (args,) if not isinstance(args, list) else tuple(args)

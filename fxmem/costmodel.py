@@ -326,7 +326,14 @@ class _RecordingInterpreter(fx.Interpreter):
 
 
 def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
-    """Run forward (+ loss in train mode) under FakeTensorMode, recording dispatch-level ops."""
+    """Run forward (+ loss in train mode) under FakeTensorMode, recording dispatch-level ops.
+
+    Returns (recorder, base storage keys, output storage keys, parameters). Sizes that depend on tensor values
+    are taken from the example inputs (see `with_data_dependent_fallback`)."""
+    return with_data_dependent_fallback(lambda: _trace_forward(program, args, kwargs, mode, loss_fn))
+
+
+def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     gm = program.module
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -534,6 +541,9 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
             cur += recomputed_live[r.region]
         if not r.out_rg:
+            # a region whose first op needs no grad (e.g. prim.device) still ends its recomputation here
+            if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
+                cur -= recomputed_live.pop(r.region)
             continue
         node_peak_start = cur
         # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)

@@ -103,6 +103,7 @@ class PassContext:
     log: Callable[[str], None] = lambda msg: None
     seed: int = 0
     model_file: Any = None  # the model file module when run from the CLI (for evaluate())
+    budget_strict: bool = True  # False: the budget is a target (presets); unreachable -> as low as possible
 
     def estimate(self, program: Program, method: str = "static"):
         from .costmodel import estimate
@@ -262,7 +263,8 @@ class PassManager:
             budget = self._budget_for(opts, baseline)
             ctx = PassContext(policy=self.policy, options=opts, mode=mode, optimizer=optimizer, budget=budget,
                               baseline=baseline, enabled=tuple(names), calibration=self.calibration,
-                              loss_fn=self.loss_fn, log=self.log, seed=verify.seed, model_file=self.model_file)
+                              loss_fn=self.loss_fn, log=self.log, seed=verify.seed, model_file=self.model_file,
+                              budget_strict=bool(getattr(self.policy, "budget_strict", True)))
             rec = PassRecord(name=name, status="unchanged", exact=pass_is_exact(cls, opts),
                              peak_before=current_est.peak)
             self.records.append(rec)

@@ -73,10 +73,12 @@ class Program:
         for attr in ("_in_spec", "_out_spec"):
             if hasattr(gm, attr):
                 setattr(new_gm, attr, getattr(gm, attr))
-        # carry every submodule (graph_copy keeps only those referenced)
-        for name, mod in gm.named_children():
-            if not hasattr(new_gm, name):
-                new_gm.add_module(name, mod)
+        # the same module tree (GraphModule() copies only what the graph references, which would drop unused
+        # or tied parameters and the original module types)
+        new_gm._modules = dict(gm._modules)
+        new_gm._parameters = dict(gm._parameters)
+        new_gm._buffers = dict(gm._buffers)
+        new_gm._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
         new_gm.train(gm.training)
         return Program(module=new_gm, example_args=self.example_args, example_kwargs=self.example_kwargs,
                        mode=self.mode, input_names=list(self.input_names), input_specs=list(self.input_specs),

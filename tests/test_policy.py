@@ -607,7 +607,7 @@ def test_extra_test_pass_names(fake):
 def test_to_dict_deterministic_and_round_trips(fake):
     pol = load_policy("high", overrides=["passes.checkpoint.limit=1536MiB"])
     d = pol.to_dict()
-    assert list(d) == ["version", "name", "description", "mode", "budget", "optimizer", "passes", "verify"]
+    assert list(d) == ["version", "name", "description", "mode", "budget", "budget_strict", "optimizer", "passes", "verify"]
     assert list(d["passes"]) == list(KNOWN_PASSES)
     assert list(d["passes"]["checkpoint"])[:3] == ["enabled", "budget", "solver"]
     assert d["budget"] == "30%" and d["passes"]["checkpoint"]["limit"] == "1536MiB"
@@ -702,3 +702,10 @@ def test_error_in_a_preset_names_the_preset_file(tmp_path):
     write(tmp_path, "team.yaml", "version: 1\nextends: low\n\nmode: training\n")
     msg = error("team", search_dirs=[tmp_path])
     assert msg.startswith("team.yaml:4 mode: expected one of 'train', 'inference', got 'training'"), msg
+
+
+def test_presets_treat_their_budget_as_a_target_and_explicit_budgets_are_strict():
+    for name in ("low", "medium", "high"):
+        assert load_policy(name).budget_strict is False
+    assert load_policy("low", overrides=["budget=2GiB", "budget_strict=true"]).budget_strict is True
+    assert load_policy({"version": 1}).budget_strict is True
