@@ -157,7 +157,8 @@ def run_model(name, full, budgets, rounds, do_compile):
     capture_s = time.perf_counter() - t0
     base = estimate(program, mode="train", loss_fn=loss_fn)
     rows = {}
-    mods = {"eager": (copy.deepcopy(model), 0.0, ""), "uniform": (uniform(model, name), 0.0, "")}
+    mods = {"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
+            "uniform": (uniform(model, name), 0.0, "")}
     info = {}
     for b in budgets:
         mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, b)
@@ -197,8 +198,10 @@ def run_model(name, full, budgets, rounds, do_compile):
     times = {k: [] for k in mods}
     for s in steps.values():
         s()  # warm-up
-    for _ in range(rounds):
-        for k, s in steps.items():
+    keys = list(steps)
+    for i in range(rounds):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # rotate the order every round
+            s = steps[k]
             t1 = time.perf_counter()
             s()
             times[k].append(time.perf_counter() - t1)
@@ -225,7 +228,22 @@ def table(res) -> str:
         lines.append(f"| {k} {r['note']} | {format_bytes(r['peak']) if r['peak'] else 'n/a'} | {acts} | "
                      f"{r['ratio']:.2f} | {r['step_s'] * 1000:.1f} | {r['setup_s']:.2f} | {plan_s} |")
     lines.append("")
-    lines.append("plan: region:s = selective (matmul outputs kept), region:f = full recompute.")
+    lines.append("plan: region:s = selective (matmul outputs kept), region:f = full recompute. "
+                 "captured = fxmem.capture without passes (the graph fxmem starts from).")
+    rows = res["rows"]
+    u = rows["uniform"]
+    dom = [k for k, r in rows.items() if k.startswith("fxmem@") and "compile" not in k
+           and r["acts"] <= u["acts"] and r["ratio"] <= u["ratio"]]
+    lines.append("")
+    lines.append(f"fxmem points with activation bytes <= uniform's and step ratio <= uniform's: "
+                 f"{', '.join(dom) or 'none'}.")
+    for k, r in rows.items():
+        if k.startswith("compile@"):
+            f = rows.get("fxmem@" + k.split("@")[1])
+            if f is not None and r["acts"] is not None:
+                lines.append(f"- budget {k.split('@')[1]}: fxmem activations {format_bytes(f['acts'])} vs "
+                             f"torch.compile {format_bytes(r['acts'])} (hooks); overhead "
+                             f"{(f['ratio'] - 1) * 100:+.0f}% vs {(r['ratio'] - 1) * 100:+.0f}%")
     return "\n".join(lines)
 
 
@@ -261,7 +279,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--models", default="gpt,unet")
     ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default=str(RESULTS / "checkpoint_pareto"))
     args = ap.parse_args(argv)
     torch.set_num_threads(2)

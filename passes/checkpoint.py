@@ -65,6 +65,7 @@ class CheckpointOptions:
     slack: float = 0.05  # stated tolerance: measured peak <= budget * (1 + slack)
     keep_ops: list[str] = field(default_factory=lambda: sorted(MATMUL_OPS))  # what selective regions save
     regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
+    granularity: Literal["auto", "block", "sub-block"] = "auto"  # auto: plan at both levels, keep the cheaper
     min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
     verify: bool = True  # estimate the planned program with the cost model (one more trace) and re-plan if high
     refine: int = 2  # at most this many re-plans when the cost model's estimate is above the budget
@@ -121,14 +122,17 @@ def _paths(n: fx.Node) -> list[str]:
 
 
 def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit: list[str] | None = None,
-                      min_fraction: float = 0.01) -> list[Region]:
-    """Module-boundary candidates: runs of consecutive nodes of one module call, in graph order."""
+                      finer: bool = False) -> list[Region]:
+    """Module-boundary candidates: runs of consecutive nodes of one module call, in graph order.
+
+    finer: one level below the automatic one (e.g. `h.0.attn`, `h.0.mlp` instead of `h.0`); nodes of the
+    parent that belong to no child (residual adds) stay outside the regions."""
     nodes = [n for n in program.graph.nodes if _is_region_node(n)]
     total = sum(saved_by_node.values()) or 1
     if explicit:
         chosen = list(explicit)
     else:
-        chosen = _auto_levels(nodes, saved_by_node, total)
+        chosen = _auto_levels(nodes, saved_by_node, total, finer)
     chosen_set = set(chosen)
 
     def owner(n):
@@ -172,8 +176,9 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
     return regions
 
 
-def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int) -> list[str]:
-    """Top-level module paths; a module holding over half the saved bytes is replaced by its children."""
+def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: bool = False) -> list[str]:
+    """Top-level module paths; a module holding over half the saved bytes is replaced by its children.
+    finer: then every chosen module with two or more children is replaced by its children."""
     saved_by_path: dict[str, int] = {}
     children: dict[str, list[str]] = {}
     tops: list[str] = []
@@ -194,6 +199,8 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int) -> list
             todo = kids + todo
         else:
             out.append(p)
+    if finer:
+        out = [c for p in out for c in (children.get(p, []) if len(children.get(p, [])) >= 2 else [p])]
     return out
 
 
@@ -318,6 +325,14 @@ def build_model(est, regions: list[Region], program: Program, choices) -> Model:
 
 
 # ============================================================================================ solvers
+
+@dataclass
+class CandidateSet:
+    regions: list
+    choices: list
+    model: Model
+    chain: bool
+    level: str
 
 @dataclass
 class Solution:
@@ -623,22 +638,39 @@ class CheckpointPass:
                 if k not in seen and base_keys.get(k) is None:
                     seen.add(k)
                     saved_by_node[r.node] = saved_by_node.get(r.node, 0) + rec.storage_bytes[k]
-        regions = candidate_regions(program, saved_by_node, opts.regions or None)
         node_time = profile_nodes(program) if opts.cost == "profile" else None
-        measure_regions(program, regions, rec, base_keys, keep_ops, node_time)
-        total_saved = sum(r.saved for r in regions) or 1
-        if not opts.regions:
-            regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
-        choices = [("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
-                   and r.flops_sel < r.flops else ("keep", "full") for r in regions]
-        model = build_model(est0, regions, program, choices)
-        chain = is_chain(regions, program)
-        metrics.update({"candidates": len(regions), "chain": chain})
+        levels = {"block": [False], "sub-block": [True], "auto": [False, True]}[opts.granularity]
+        if opts.regions:
+            levels = [False]
+        sets: list[CandidateSet] = []
+        seen_paths: set = set()
+        for finer in levels:
+            regions = candidate_regions(program, saved_by_node, opts.regions or None, finer=finer)
+            key = tuple(r.path for r in regions)
+            if key in seen_paths:
+                continue
+            seen_paths.add(key)
+            measure_regions(program, regions, rec, base_keys, keep_ops, node_time)
+            total_saved = sum(r.saved for r in regions) or 1
+            if not opts.regions:
+                regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
+            if not regions:
+                continue
+            choices = [("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
+                       and r.flops_sel < r.flops else ("keep", "full") for r in regions]
+            model = build_model(est0, regions, program, choices)
+            sets.append(CandidateSet(regions, choices, model, is_chain(regions, program),
+                                     "sub-block" if finer else "block"))
+        if not sets:
+            notes.append("checkpoint: no candidate region saves activations; nothing to do")
+            return PassResult(program, False, notes=notes, metrics=metrics)
+        metrics["candidates"] = {cs.level: len(cs.regions) for cs in sets}
 
-        min_peak = max(model.min_peak(), model.floor)
+        min_set = min(sets, key=lambda cs: max(cs.model.min_peak(), cs.model.floor))
+        min_peak = max(min_set.model.min_peak(), min_set.model.floor)
         offload_rest = False
         if min_peak > budget:
-            msg = self._budget_message(budget, min_peak, est0, model)
+            msg = self._budget_message(budget, min_peak, est0, min_set.model)
             if "offload" not in ctx.enabled:
                 raise BudgetError(msg)
             notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
@@ -651,25 +683,33 @@ class CheckpointPass:
         best = None
         for attempt in range(1 + max(0, opts.refine)):
             if offload_rest:
-                plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(regions, choices)]
-                sol = Solution(plan, model.cost(plan), model.peak(plan), "max", True)
+                cs = min_set
+                plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
+                sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan), "max", True)
             else:
-                sol = solve(model, target, opts.solver, opts.time_limit, chain)
-                if sol is None:
+                found = []
+                for cs in sets:
+                    sl = solve(cs.model, target, opts.solver, opts.time_limit, cs.chain)
+                    if sl is not None:
+                        found.append((sl.cost, sl.peak, len(found), sl, cs))
+                if not found:
                     if best is not None:
                         break
-                    raise BudgetError(self._budget_message(budget, min_peak, est0, model))
+                    raise BudgetError(self._budget_message(budget, min_peak, est0, min_set.model))
+                _, _, _, sol, cs = min(found, key=lambda t: t[:3])  # cheapest, then lowest planned peak
             trial = program.snapshot()
-            changes = self._emit(trial, regions, sol.plan, keep_ops)
+            changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
             est1 = ctx.estimate(trial) if opts.verify else None
-            best = (sol, trial, changes, est1, target)
+            best = (sol, trial, changes, est1, target, cs)
             if offload_rest or est1 is None or est1.peak <= budget:
                 break
             target = target - (est1.peak - budget) - max(1, budget // 1000)
             if target < min_peak:
                 break
-        sol, program, changes, est1, target = best
+        sol, program, changes, est1, target, cs = best
+        regions = cs.regions
+        metrics.update({"chain": cs.chain, "granularity": cs.level})
         if sol.note:
             notes.append("checkpoint: " + sol.note)
         metrics.update({
