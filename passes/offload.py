@@ -266,11 +266,16 @@ class OffloadPass:
             changes += c
             notes += n
         if o.grads:
+            changes.append(Change("offload-plan", "", [], [], "gradients to host as accumulated, optimizer on host "
+                                  "(fxmem.nn.offload.OffloadedOptimizer)", None,
+                                  {"grad_threshold": o.grad_threshold}))
             notes.append("grads: the plan is recorded on the module (fxmem_offload); build the optimizer with "
                          "fxmem.nn.offload.OffloadedOptimizer to move gradients to the host as they are accumulated")
         if o.distributed != "none":
             from fxmem.distributed import block_paths
             plan["fsdp_blocks"] = block_paths(program.module)
+            changes.append(Change("offload-plan", "", [], [], f"run under {o.distributed} (fxmem.distribute)", None,
+                                  {"blocks": plan["fsdp_blocks"]}))
             notes.append(f"distributed: {o.distributed} recorded; call fxmem.distribute(module, options) after "
                          f"torch.distributed.init_process_group (blocks: {len(plan['fsdp_blocks'])})")
         program.module.fxmem_offload = plan
@@ -432,7 +437,7 @@ def offload_weights(program: Program, o: OffloadOptions, tier: str):
     limit = None
     dev = next((p.device for p in gm.parameters()), torch.device("cpu")).type
     if o.max_memory:
-        key = dev if dev in o.max_memory else ("cuda" if "cuda" in o.max_memory else dev)
+        key = dev
         if key not in o.max_memory:
             raise PolicyError(f"passes.offload.max_memory: no entry for the device tier {dev!r} "
                               f"(have {sorted(o.max_memory)})")
@@ -503,28 +508,12 @@ def _remove_attr(root: torch.nn.Module, target: str) -> None:
 
 
 def _weight_blocks(names: list[str], size: dict[str, int]) -> dict[str, str]:
-    """Group parameter names into blocks: top-level prefixes, splitting a prefix with over half the bytes."""
-    total = sum(size.values()) or 1
-
-    def prefix(nm, d):
-        parts = nm.split(".")
-        return ".".join(parts[:min(d, len(parts) - 1)]) or parts[0]
-
-    assign = {nm: prefix(nm, 1) for nm in names}
-    for _ in range(8):
-        by: dict[str, int] = {}
-        for nm in names:
-            by[assign[nm]] = by.get(assign[nm], 0) + size[nm]
-        big = [b for b, s in by.items() if s > 0.5 * total]
-        changed = False
-        for b in big:
-            d = b.count(".") + 2
-            members = [nm for nm in names if assign[nm] == b]
-            new = {nm: prefix(nm, d) for nm in members}
-            if len(set(new.values())) >= 2 or any(v != b for v in new.values()):
-                if len(set(new.values())) >= 1 and any(v != b for v in new.values()):
-                    assign.update(new)
-                    changed = True
-        if not changed:
-            break
-    return assign
+    """Block of each parameter: the longest prefix of its name ending in a numbered module (`h.3`,
+    `teacher.convs.1`), else its top-level module (`wte`)."""
+    out = {}
+    for nm in names:
+        parts = nm.split(".")[:-1]
+        idx = [i for i, s in enumerate(parts) if s.isdigit()]
+        out[nm] = ".".join(parts[:idx[-1] + 1]) if idx else (parts[0] if parts else nm)
+    del size
+    return out

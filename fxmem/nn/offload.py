@@ -648,29 +648,28 @@ class WeightStreamer(nn.Module):
 
     def install_state_dict_hooks(self, owner: nn.Module, attr: str) -> None:
         """Make `owner.state_dict()` / `load_state_dict()` see the streamed weights under their original names."""
-        streamer_ref = weakref.ref(self)
-
+        # the hooks find the streamer by attribute on the module they run for, so deep copies use their own
         def save_hook(module, state_dict, prefix, local_metadata):
-            ws = streamer_ref()
-            if ws is None:
-                return state_dict
-            for k, v in ws.state_dict_entries().items():
-                state_dict[prefix + k] = v
+            ws = getattr(module, attr, None)
+            if isinstance(ws, WeightStreamer):
+                for k, v in ws.state_dict_entries().items():
+                    state_dict[prefix + k] = v
             return state_dict
 
-        def load_hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-            ws = streamer_ref()
-            if ws is None:
+        def load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs):
+            ws = getattr(module, attr, None)
+            if not isinstance(ws, WeightStreamer):
                 return
             names = [qn for row in ws.spec for qn, _, _ in row]
             vals = {qn: state_dict.pop(prefix + qn) for qn in names if prefix + qn in state_dict}
             if vals:
                 ws.update(vals)
-            elif strict:
-                missing_keys.extend(prefix + qn for qn in names)
+            if strict:
+                missing_keys.extend(prefix + qn for qn in names if qn not in vals)
 
         owner._register_state_dict_hook(save_hook)
-        owner._register_load_state_dict_pre_hook(load_hook)
+        owner._register_load_state_dict_pre_hook(load_hook, with_module=True)
 
     def close(self) -> None:
         self._file = None
