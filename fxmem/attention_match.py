@@ -187,7 +187,49 @@ def _float_const(x) -> float | None:
             return _float_const(x.args[0])
         if _is(x, {aten.full.default}) and not x.args[0]:
             return _float_const(x.args[1])
+        t = _const_tensor(x)
+        if t is not None and t.numel() == 1:
+            return float(t.reshape(()).item())
     return None
+
+
+_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "empty")
+
+
+def _const_tensor(x, depth: int = 6):
+    """Fold a small constant subgraph (e.g. `torch.tensor(64.).sqrt()`): every input a constant, no random ops."""
+    if not isinstance(x, fx.Node):
+        return x
+    if x.op == "get_attr":
+        t = _get_attr(x)
+        ok = isinstance(t, torch.Tensor) and t.numel() <= 16 and not t.requires_grad  # a learned scale is no constant
+        return t.detach() if ok else None
+    if depth == 0 or x.op != "call_function" or not isinstance(x.target, torch._ops.OpOverload):
+        return None
+    if x.target in (aten.detach_.default, aten.detach.default, aten.alias.default, aten.clone.default,
+                    aten.lift_fresh_copy.default):
+        return _const_tensor(x.args[0], depth - 1)
+    if any(w in str(x.target) for w in _RANDOM_WORDS) or x.target._schema.is_mutable:
+        return None
+    args = []
+    for a in x.args:
+        if isinstance(a, fx.Node):
+            v = _const_tensor(a, depth - 1)
+            if v is None:
+                return None
+            args.append(v)
+        elif isinstance(a, (list, tuple)) and any(isinstance(e, fx.Node) for e in a):
+            return None
+        else:
+            args.append(a)
+    if any(isinstance(v, fx.Node) for v in x.kwargs.values()):
+        return None
+    try:
+        with torch.no_grad():
+            out = x.target(*args, **x.kwargs)
+    except Exception:  # noqa: BLE001 - not foldable
+        return None
+    return out if isinstance(out, torch.Tensor) and out.numel() <= 16 else None
 
 
 def _get_attr(n: fx.Node):

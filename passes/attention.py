@@ -424,7 +424,7 @@ def probe_backend(site: AttentionSite, node: fx.Node, opts) -> dict:
     device = qv.device
 
     def small(t, rows=None):
-        s = list(t.shape)
+        s = [int(x) for x in t.shape]
         s[0] = min(s[0], 2)
         if len(s) >= 2:
             s[-2] = min(s[-2], 64)
@@ -436,7 +436,7 @@ def probe_backend(site: AttentionSite, node: fx.Node, opts) -> dict:
         if mask is None:
             return None
         mv = val(mask)
-        s = list(mv.shape)
+        s = [int(x) for x in mv.shape]
         if len(s) >= 2:
             s[-2] = min(s[-2], lq) if s[-2] != 1 else 1
             s[-1] = min(s[-1], lk) if s[-1] != 1 else 1
