@@ -9,8 +9,11 @@ graph, one of three things:
     full       recompute the whole region in backward; only its inputs are kept
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
-module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...). Each candidate is a run
-of consecutive nodes of one module call.
+module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
+`granularity: auto`, also one level finer (`h.0.attn`, `h.0.mlp`): the pass plans at both levels and keeps the
+cheaper feasible plan (finer regions reach lower peaks; whole blocks hold fewer region inputs). Each candidate
+is a run of consecutive nodes of one module call; nodes that write parameters/buffers/inputs in place stay
+outside regions, and batch-norm running statistics are restored after a recomputation (updated once per step).
 
 The memory model (Chen et al. 2016 / Rotor style, on the cost model's timeline). Checkpointing region i frees
 `freed_i(choice)` bytes (what autograd would save inside the region, minus what selective keeps) for every point
@@ -26,6 +29,10 @@ always rounding in the safe direction), or a MILP (scipy's HiGHS `milp`) for gra
 chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs the LP bound) is
 reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget:
 a lower budget never gets a higher planned peak.
+
+The plan is then checked with the cost model's static estimate of the rewritten program (`verify`); if that is
+above the budget, the pass plans again against a budget lowered by the overshoot (`refine` times). The stated
+tolerance is `slack` (default 5%): measured peak <= budget * (1 + slack), tested on the example models.
 
 Emission: each chosen region is outlined (`fxmem.outline`) into a `CheckpointRegion` submodule named
 `ckpt_<module path>` that calls its body through `torch.utils.checkpoint(use_reentrant=False,

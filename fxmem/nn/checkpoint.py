@@ -23,8 +23,7 @@ import functools
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                  noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -63,7 +62,8 @@ class CheckpointRegion(nn.Module):
         self.fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=self.keep_ops)
 
     def _context_fn(self):
-        return create_selective_checkpoint_contexts(functools.partial(_policy, self.keep_ops))
+        # a partial of module-level functions (not a bound method): torch.compile traces it as context_fn
+        return functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, self.keep_ops))
 
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()):
@@ -71,8 +71,9 @@ class CheckpointRegion(nn.Module):
         fn = self.body
         if self.restore_args and not torch.compiler.is_compiling():
             fn = _RestoringBody(self.body, self.restore_args)
-        context_fn = self._context_fn if self.keep_ops else noop_context_fn
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+        if not self.keep_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn())
 
     def extra_repr(self) -> str:
         keep = ", ".join(sorted(self.keep_ops)) if self.keep_ops else "nothing (full recompute)"
