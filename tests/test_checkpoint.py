@@ -304,3 +304,22 @@ def test_pipeline_end_to_end(gpt_prog):
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-4, atol=1e-6)
     res.module.eval()
     res.module.train()
+
+
+@pytest.mark.parametrize("keep", [MATMUL_OPS, frozenset()], ids=["selective", "full"])
+def test_region_traces_under_torch_compile(keep):
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.0), torch.nn.Linear(16, 8))
+    body = torch.fx.symbolic_trace(seq)
+    reg = CheckpointRegion(body, keep).train()
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = body(x)
+    ref.sum().backward()
+    gref = x.grad.clone()
+    x.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(reg, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, gref)
