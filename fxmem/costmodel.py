@@ -385,6 +385,12 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
     est.unknown_ops = sorted({str(r.func) for r in R if not r.known and not optable.ignored(r.func)})
     est.flops_forward = sum(r.flops for r in R)
     est.flops_backward = 2 * sum(r.flops for r in R if r.out_rg)
+    # recompute regions run their forward again in backward (selective regions skip the ops they keep)
+    for r in R:
+        if r.region and r.out_rg:
+            info = region_info(program.module.get_submodule(r.region))
+            if info is not None and info.kind == "recompute" and not info.keeps(r.func):
+                est.flops_backward += r.flops
 
     # ---------------------------------------------------------------------------- who saves what, until when
     regions: dict[str, object] = {}
@@ -528,8 +534,11 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         at = region_last[later] if later is not None else region_last[name]
         reload_at[at].extend(offloaded[name])
 
+    node_high = [0]  # the highest live bytes inside the current op's backward (transients included)
+
     def bump(label, module):
         nonlocal peak, peak_at, peak_phase, peak_mod
+        node_high[0] = max(node_high[0], cur)
         if cur > peak:
             peak, peak_at, peak_phase, peak_mod = cur, f"{label} (backward)", "backward", module
 
@@ -546,6 +555,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 cur -= recomputed_live.pop(r.region)
             continue
         node_peak_start = cur
+        node_high[0] = cur
         # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
         for k, b in zip(r.out_keys, r.out_bytes):
             if k is not None and k not in grad_live and b:
@@ -573,12 +583,14 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             grad_live[k] = sb.get(k, b) if k not in param_keys else b
             cur += grad_live[k]
         bump(r.node, r.module)
-        node_peak = max(cur, node_peak_start)
+        node_peak = max(cur, node_peak_start, node_high[0])
         # the op's output grads die, and what it saved
         for k in r.out_keys:
             if k is not None and k in grad_live and k not in param_keys:
                 cur -= grad_live.pop(k)
         for k in free_saved_at.get(r.idx, ()):
+            if k in out_keys:
+                continue  # the step's outputs stay referenced by the caller until the step ends
             if k in live:
                 live.discard(k)
                 cur -= sb[k]
