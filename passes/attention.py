@@ -109,6 +109,8 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
     """Rewrite every provable attention site of `program` in place (usable without a policy, e.g. in tests)."""
     opts = opts or AttentionOptions()
     mode = mode or program.mode
+    if opts.tolerance is not None:
+        tolerance = opts.tolerance
     _ensure_meta(program)
     changes, notes = [], []
     sites = find_attention(program)
