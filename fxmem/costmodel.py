@@ -451,8 +451,8 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
             for k in r.in_keys:
                 if k is not None and created_in.get(k, -1) < lo and base_keys.get(k) is None:
                     saved_until[k] = min(saved_until.get(k, lo), lo)
-                    if getattr(info, "offload_inputs", False):
-                        offloaded[name].add(k)  # off the device from the region's end until its backward
+                    if getattr(info, "offload_inputs", False) and k in created_in:
+                        offloaded[name].add(k)  # an activation: off the device from the region's end until its backward
 
     # ---------------------------------------------------------------------------- forward walk
     baseline = est.params + est.buffers + est.inputs + est.optimizer_state
