@@ -453,7 +453,9 @@ def simplify_casts(gm: fx.GraphModule) -> int:
                         and not (src_dt == torch.bfloat16 and x_dt == torch.float16):
                     n.replace_all_uses_with(x)
                     g.erase_node(n)
-                    if not src.users:
+                    if all(u.target is aten._assert_tensor_metadata.default for u in src.users):
+                        for u in list(src.users):
+                            g.erase_node(u)  # checks of a value that no longer exists
                         g.erase_node(src)
                         removed += 1
                     removed += 1
@@ -476,9 +478,33 @@ def _pure_dtype_cast(n: fx.Node) -> bool:
 
 # ============================================================================================ parameters
 
+def own_path(gm: nn.Module, prefix: str) -> nn.Module:
+    """Make the containers along `prefix` private to `gm` (shallow copies) and return the innermost.
+
+    A Program snapshot shares its submodule containers with the Program it was taken from (torch's GraphModule
+    copies only what the graph references and reuses existing containers), so a pass that sets an attribute on
+    a container would change the rollback copy too. Copy-on-write keeps the change in this GraphModule."""
+    mod = gm
+    if not prefix:
+        return mod
+    for item in prefix.split("."):
+        child = mod._modules[item]
+        if getattr(child, "_fxmem_owner", None) is not gm:
+            new = copy.copy(child)
+            new._parameters = dict(child._parameters)
+            new._buffers = dict(child._buffers)
+            new._modules = dict(child._modules)
+            new._non_persistent_buffers_set = set(child._non_persistent_buffers_set)
+            object.__setattr__(new, "_fxmem_owner", gm)
+            mod._modules[item] = new
+            child = new
+        mod = child
+    return mod
+
+
 def _owner(gm: nn.Module, target: str):
     prefix, _, name = target.rpartition(".")
-    return (gm.get_submodule(prefix) if prefix else gm), name
+    return own_path(gm, prefix), name
 
 
 def replace_params(gm: fx.GraphModule, fn, only=None) -> list[str]:
@@ -576,8 +602,9 @@ def install_module(gm: fx.GraphModule, path: str, mod: nn.Module, site: LinearSi
     container = getattr(parent, name, None)
     own = {site.weight.rpartition(".")[2]} | ({site.bias.rpartition(".")[2]} if site.bias else set())
     if type(container) is nn.Module and not container._modules and set(container._parameters) <= own \
-            and not container._buffers and type(parent) is nn.Module:
-        setattr(parent, name, mod)
+            and not container._buffers:
+        parent = own_path(gm, prefix)
+        parent._modules[name] = mod
         return path
     target = "fxmem_lowbit_" + path.replace(".", "_")
     k = 1
@@ -843,7 +870,8 @@ class PrecisionPass:
                                   [target], f"aten.linear -> bitsandbytes {kind} linear"
                                   + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
                                   + f" (site rel. error {rel:.3g}); weights frozen; state_dict: {s.weight} -> "
-                                    f"{target}.{'base.' if lora else ''}inner.weight",
+                                    f"{target}.{'base.' if lora else ''}inner.weight (+ bitsandbytes state keys); bias -> "
+                                    f"{target}.{'base.' if lora else ''}bias",
                                   dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes,
                                                    "max_abs": mx, "rel": rel}))
         metrics["linears_quantized"] = swapped

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 QUANT_KINDS = ("int8", "nf4", "fp4")
 
@@ -59,19 +60,23 @@ class QuantLinear(nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kind == "int8":
-                inner = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False,
+                inner = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False,
                                             threshold=threshold, device="meta")
                 inner.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             else:
-                inner = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=compute_dtype,
+                inner = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=compute_dtype,
                                           compress_statistics=double_quant, quant_type=kind, device="meta")
                 inner.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant,
                                                  quant_type=kind)
-            if bias is not None:
-                inner.bias = nn.Parameter(bias.detach().to(torch.float32).clone(), requires_grad=False)
             inner = inner.to(device)  # quantizes
         self.inner = inner
+        # the bias is added here, not by bitsandbytes (its CPU 4-bit path adds it in place, which fails when
+        # autograd records the matmul)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(),
+                                                           requires_grad=False)
         self._sync_aux()
+        with torch.no_grad():  # bitsandbytes repacks/caches on the first call: make that call a real one
+            self.inner(torch.zeros(1, in_f, dtype=compute_dtype, device=device))
 
     # ---------------------------------------------------------------------------------------- bookkeeping
     def aux_tensors(self) -> dict[str, torch.Tensor]:
@@ -112,6 +117,8 @@ class QuantLinear(nn.Module):
         for name in [n for n in self._buffers if n.startswith(("scb", "q_", "q2_"))]:
             del self._buffers[name]
         self.inner._apply(fn, recurse)
+        if self.bias is not None:
+            self.bias = nn.Parameter(fn(self.bias.data), requires_grad=False)
         self._sync_aux()
         return self
 
@@ -119,8 +126,8 @@ class QuantLinear(nn.Module):
         """Storage bytes of the quantized weight, its quantization state and the bias."""
         seen, total = set(), 0
         tensors = [self.inner.weight] + list(self.aux_tensors().values())
-        if self.inner.bias is not None:
-            tensors.append(self.inner.bias)
+        if self.bias is not None:
+            tensors.append(self.bias)
         for t in tensors:
             st = t.untyped_storage()
             if st.data_ptr() in seen:
@@ -130,7 +137,7 @@ class QuantLinear(nn.Module):
         return total
 
     def dense_bytes(self, dtype: torch.dtype = torch.float32) -> int:
-        n = self.in_features * self.out_features + (self.out_features if self.inner.bias is not None else 0)
+        n = self.in_features * self.out_features + (self.out_features if self.bias is not None else 0)
         return n * torch.empty((), dtype=dtype).element_size()
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -144,7 +151,17 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
+        if isinstance(x, FakeTensor):
+            # shape propagation and the cost model run under FakeTensorMode: bitsandbytes would cache fake state
+            # in the layer; model its work instead (dequantized weight temporary + matmul, as its CPU path does)
+            w = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=x.device)
+            y = torch.nn.functional.linear(x.to(self.compute_dtype), w)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            return y.to(dt)
         y = self.inner(x.to(self.compute_dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.to(dt)
 
     def extra_repr(self) -> str:
