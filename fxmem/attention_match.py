@@ -300,7 +300,10 @@ def _identity_slice(n: fx.Node) -> bool:
 
 def _tril_source(n: fx.Node) -> tuple[torch.Tensor | None, str]:
     """The constant whose (top-left) slice `n` is, if n = slice*(const) with every slice starting at 0."""
-    while _is(n, {aten.slice.Tensor}):
+    while _is(n, {aten.slice.Tensor, aten.alias.default, aten.detach.default}):
+        if n.target is not aten.slice.Tensor:  # a full slice is captured as alias
+            n = n.args[0]
+            continue
         a = list(n.args) + [None] * (5 - len(n.args))
         if a[2] not in (None, 0) or (a[4] not in (None, 1)):
             return None, "slice does not start at 0"

@@ -39,15 +39,12 @@ def _rows(mask, r0, r1):
     return mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
 
 
-def _gather_rows(x, idx):
-    """x (B, H, S, D), idx (B, H, C, K) -> (B, H, C, K, D)."""
-    B, H, S, D = x.shape
-    C, K = idx.shape[-2], idx.shape[-1]
-    flat = idx.reshape(B, H, C * K, 1).expand(B, H, C * K, D)
-    return x.gather(2, flat).reshape(B, H, C, K, D)
-
-
 class _TopKAttention(torch.autograd.Function):
+    """Forward and backward over blocks of query rows. Each block's (C x Lk) scores exist only while that block is
+    processed; what is saved for backward is the top-k indices and probabilities (O(Lq * k)). Products with the
+    sparse probabilities are dense matmuls on the block (scatter into a zero C x Lk block), which is much faster on
+    CPU than gathering k rows of K/V per query."""
+
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, top_k, chunk):
         B, H, L, E = q.shape
@@ -57,9 +54,10 @@ class _TopKAttention(torch.autograd.Function):
         idx = torch.empty(B, H, L, kk, dtype=torch.int64, device=q.device)
         prob = q.new_empty(B, H, L, kk)
         cols = torch.arange(S, device=q.device)
+        kt = k.transpose(-2, -1)
         for r0 in range(0, L, chunk):
             r1 = min(L, r0 + chunk)
-            s = torch.matmul(q[:, :, r0:r1], k.transpose(-2, -1)) * scale
+            s = torch.matmul(q[:, :, r0:r1], kt) * scale
             m = _rows(mask, r0, r1)
             if m is not None:
                 s = s + m
@@ -68,7 +66,8 @@ class _TopKAttention(torch.autograd.Function):
                 s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
             vals, ix = s.topk(kk, dim=-1)
             p = torch.softmax(vals, dim=-1)
-            out[:, :, r0:r1] = torch.einsum("bhck,bhckd->bhcd", p, _gather_rows(v, ix))
+            dense = torch.zeros_like(s).scatter_(-1, ix, p)
+            out[:, :, r0:r1] = torch.matmul(dense, v)
             idx[:, :, r0:r1] = ix
             prob[:, :, r0:r1] = p
         ctx.save_for_backward(q, k, v, idx, prob)
@@ -80,24 +79,22 @@ class _TopKAttention(torch.autograd.Function):
         q, k, v, idx, prob = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         B, H, L, E = q.shape
-        dq = torch.zeros_like(q)
+        S = k.shape[-2]
+        dq = torch.empty_like(q)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
-        kk = idx.shape[-1]
+        vt = v.transpose(-2, -1)
         for r0 in range(0, L, chunk):
             r1 = min(L, r0 + chunk)
             ix, p, do = idx[:, :, r0:r1], prob[:, :, r0:r1], dout[:, :, r0:r1]
-            C = r1 - r0
-            vg, kg = _gather_rows(v, ix), _gather_rows(k, ix)
-            dp = torch.einsum("bhcd,bhckd->bhck", do, vg)
+            dp = torch.matmul(do, vt).gather(-1, ix)  # (B,H,C,k)
             ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-            ds = torch.nan_to_num(ds) if not torch.isfinite(p).all() else ds
-            dq[:, :, r0:r1] = torch.einsum("bhck,bhcke->bhce", ds, kg) * scale
-            flat = ix.reshape(B, H, C * kk, 1)
-            gk = (ds.unsqueeze(-1) * q[:, :, r0:r1].unsqueeze(-2) * scale).reshape(B, H, C * kk, E)
-            dk.scatter_add_(2, flat.expand(B, H, C * kk, E), gk)
-            gv = (p.unsqueeze(-1) * do.unsqueeze(-2)).reshape(B, H, C * kk, v.shape[-1])
-            dv.scatter_add_(2, flat.expand(B, H, C * kk, v.shape[-1]), gv)
+            zero = q.new_zeros(B, H, r1 - r0, S)
+            ds_dense = zero.scatter(-1, ix, ds)
+            p_dense = zero.scatter_(-1, ix, p)
+            dq[:, :, r0:r1] = torch.matmul(ds_dense, k) * scale
+            dk += torch.matmul(ds_dense.transpose(-2, -1), q[:, :, r0:r1]) * scale
+            dv += torch.matmul(p_dense.transpose(-2, -1), do)
         return dq, dk, dv, None, None, None, None, None
 
 
