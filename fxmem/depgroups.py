@@ -24,6 +24,7 @@ literals the group recorded. Call `program.refresh()` afterwards.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +155,9 @@ def _weight_op(gm, n: fx.Node):
         w = n.args[1]
         b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         kind = "linear"
+    elif nm == "addmm" and len(n.args) >= 3 and not n.kwargs:
+        b, w = n.args[0], n.args[2]  # HF Conv1D: addmm(bias, x.view(-1, in), W[in, out])
+        kind = "addmm"
     elif nm in ("conv2d", "conv1d", "conv3d"):
         w = n.args[1]
         b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
@@ -178,7 +182,16 @@ def _weight_op(gm, n: fx.Node):
 
 
 def _out_channel_dim(kind: str, n: fx.Node) -> int:
-    return (_ndim(n) or 1) - 1 if kind == "linear" else 1
+    return (_ndim(n) or 1) - 1 if kind in ("linear", "addmm") else 1
+
+
+def _input_index(kind: str) -> int:
+    return 1 if kind == "addmm" else 0
+
+
+# weight dim indexing output channels (producer) / input channels (consumer)
+_PROD_WDIM = {"linear": 0, "conv": 0, "conv_transpose": 1, "addmm": 1}
+_CONS_WDIM = {"linear": 1, "conv": 1, "conv_transpose": 0, "addmm": 0}
 
 
 def weight_producers(gm: fx.GraphModule) -> list[fx.Node]:
@@ -193,19 +206,40 @@ def probe_nodes(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
         wo = _weight_op(gm, n)
         if wo is None:
             continue
-        x = n.args[0]
+        x = n.args[_input_index(wo[0])]
         if not isinstance(x, fx.Node) or _val(x) is None:
             continue
         nd = _ndim(x)
         if nd is None:
             continue
-        out.setdefault(x.name, (module_path(n) or n.name, nd - 1 if wo[0] == "linear" else 1))
+        out.setdefault(x.name, (module_path(n) or n.name, nd - 1 if wo[0] in ("linear", "addmm") else 1))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- the search
 class _Reject(Exception):
     pass
+
+
+class _Defer(Exception):
+    pass
+
+
+def _reaches_from(gm, o: fx.Node, members: dict, limit: int = 200) -> bool:
+    """Is `o` computed from a member of the group without passing a linear/conv (which would end the group),
+    through at most `limit` nodes?"""
+    seen, stack = set(), [o]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if _weight_op(gm, n) is not None:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in members:
+                return True
+            if a not in seen and a.op == "call_function":
+                seen.add(a)
+                stack.append(a)
+    return False
 
 
 def _norm_dim(d, nd):
@@ -250,7 +284,11 @@ def _grow(gm, start: fx.Node, attr_uses) -> Group:
             x = queue.pop()
             dx = g.members[x.name]
             for u in list(x.users):
-                _visit(gm, g, x, dx, u, queue, attr_uses)
+                try:
+                    _visit(gm, g, x, dx, u, queue, attr_uses)
+                except _Defer:
+                    pass
+        _check_closed(gm, g)
         if not g.consumers:
             raise _Reject("its units reach no linear/conv consumer")
         g.kind = _kind(gm, g)
@@ -259,13 +297,27 @@ def _grow(gm, start: fx.Node, attr_uses) -> Group:
     return g
 
 
+def _check_closed(gm, g: Group) -> None:
+    """Every use of a value carrying the group's channels is inside the group (or a consumer, a size read)."""
+    consumers = {c.node for c in g.consumers}
+    for n in gm.graph.nodes:
+        if n.name not in g.members:
+            continue
+        for u in n.users:
+            if u.name in g.members or u.name in consumers:
+                continue
+            if _name(u) in ("sym_size", "size") or _name(u).startswith("_assert"):
+                continue
+            raise _Reject(f"channels coupled through {u.name} ({_name(u) or u.op}), which reads {n.name}")
+
+
 def _kind(gm, g: Group) -> str:
     names = {_name(n) for n in gm.graph.nodes if n.name in g.members}
     if len(g.producers) > 1:
-        return "swiglu" if "mul" in names else "joined"
+        return "residual" if names & {"add", "add_", "sub", "sub_"} else "swiglu"
     if names & _SCATTER:
         return "gnn"
-    if g.producers[0].kind != "linear":
+    if g.producers[0].kind not in ("linear", "addmm"):
         return "conv"
     return "mlp"
 
@@ -275,8 +327,7 @@ def _add_producer(gm, g: Group, n: fx.Node, attr_uses):
     for a in (w, b):
         if a is not None and attr_uses.get(id(_safe_attr(gm, a.target)), 0) != 1:
             raise _Reject(f"{n.name}: parameter {a.target} is used elsewhere (tied/shared)")
-    wdim = 1 if kind == "conv_transpose" else 0
-    g.producers.append(Producer(n.name, w.target, b.target if b is not None else None, wdim, kind))
+    g.producers.append(Producer(n.name, w.target, b.target if b is not None else None, _PROD_WDIM[kind], kind))
 
 
 def _add_member(g, n, d, queue):
@@ -304,6 +355,8 @@ def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr
     od = d - (out_nd - ond)
     if od < 0 or _size(o, od) == 1:
         return  # broadcast along the channel dim
+    if _size(o, od) == g.size and _reaches_from(gm, o, g.members):
+        raise _Defer()  # o is computed from the group: visit u again when o joins
     if _size(o, od) != g.size:
         raise _Reject(f"{u.name} ({_name(u)}): operand {o.name} has size {_size(o, od)} on the channel dim")
     if o.op == "get_attr":
@@ -341,16 +394,20 @@ def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
     wo = _weight_op(gm, u)
     if wo is not None:
         kind, w, b = wo
-        if u.args[0] is not x:
-            raise _Reject(f"{x.name} is a weight operand of {u.name}")
-        want = (_ndim(x) or 1) - 1 if kind == "linear" else 1
+        if u.args[_input_index(kind)] is not x or any(a is x for i, a in enumerate(u.args)
+                                                      if i != _input_index(kind)):
+            raise _Reject(f"{x.name} is a weight/bias operand of {u.name}")
+        want = (_ndim(x) or 1) - 1 if kind in ("linear", "addmm") else 1
         if d != want:
             raise _Reject(f"{u.name}: consumes the units on dim {d}, not its reduction dim")
         if attr_uses.get(id(_safe_attr(gm, w.target)), 0) != 1:
             raise _Reject(f"{u.name}: weight {w.target} is shared")
-        wdim = 0 if kind == "conv_transpose" else 1
         if not any(c.node == u.name for c in g.consumers):
-            g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, wdim, kind, x.name))
+            g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, _CONS_WDIM[kind],
+                                        kind, x.name))
+        return
+    if nm == "pow" and u.args[0] is x and not isinstance(u.args[1], fx.Node):
+        _add_member(g, u, d, queue)
         return
     if nm in _UNARY:
         if u.args[0] is not x:
@@ -445,9 +502,27 @@ def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
 
 
 # ---------------------------------------------------------------------------------------------- slicing
+def _private_owner(gm: nn.Module, prefix: str) -> nn.Module:
+    """The module at `prefix`, made private to `gm` first: every container on the path is replaced by a shallow
+    copy (own parameter/buffer/module dicts). Snapshots may share containers with the program they came from,
+    and rollback needs those untouched."""
+    parent = gm
+    if not prefix:
+        return gm
+    for item in prefix.split("."):
+        child = parent._modules[item]
+        c = copy.copy(child)
+        c._parameters = dict(child._parameters)
+        c._buffers = dict(child._buffers)
+        c._modules = dict(child._modules)
+        parent._modules[item] = c
+        parent = c
+    return parent
+
+
 def _set_tensor(gm: nn.Module, target: str, new: torch.Tensor) -> None:
     prefix, _, attr = target.rpartition(".")
-    owner = gm.get_submodule(prefix) if prefix else gm
+    owner = _private_owner(gm, prefix)
     old = getattr(owner, attr)
     if isinstance(old, nn.Parameter):
         owner._parameters[attr] = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -381,31 +381,45 @@ class PruningPass:
         return changes
 
     def _costs(self, before: Program, after: Program, changes: list, metrics: dict) -> None:
-        from fxmem.costmodel import node_costs
-        try:
-            cb, ca = node_costs(before), node_costs(after)
-        except Exception as e:  # noqa: BLE001
-            metrics["flops_note"] = f"FLOPs not estimated: {type(e).__name__}: {e}"
-            cb = ca = None
+        """Parameters and forward FLOPs (op table, at the example shapes) removed, per group and in total."""
+        fb, fa = node_flops(before.module), node_flops(after.module)
         tot_p = tot_f = 0
-        counted: set = set()
-        fl_before = sum(c.flops for c in cb.values()) if cb else None
+        shared: dict[str, int] = {}
+        for ch in changes:
+            for n in set(ch.nodes_before):
+                shared[n] = shared.get(n, 0) + 1
         for ch in changes:
             p = ch.details["params_removed"]
             tot_p += p
             ch.bytes_saved = p * 4
-            if cb is not None:
-                f = sum(cb[n].flops - ca[n].flops for n in ch.nodes_before
-                        if n in cb and n in ca and n not in counted)
-                counted.update(ch.nodes_before)
-                ch.details["flops_removed"] = int(f)
-                tot_f += f
+            # a node shared by two groups (consumer of one, producer of the next): its saving is split evenly
+            f = sum((fb[n] - fa.get(n, 0)) / shared[n] for n in set(ch.nodes_before) if n in fb)
+            ch.details["flops_removed"] = int(round(f))
+            tot_f += f
         total_params = sum(p.numel() for p in before.module.parameters())
-        metrics["params_removed"] = tot_p
+        metrics["params_removed"] = int(tot_p)
         metrics["params_removed_share"] = tot_p / max(total_params, 1)
-        if cb is not None:
-            metrics["flops_removed"] = int(tot_f)
-            metrics["flops_removed_share"] = tot_f / max(fl_before, 1)
+        metrics["flops_removed"] = int(tot_f)
+        metrics["flops_removed_share"] = tot_f / max(sum(fb.values()), 1)
+
+
+def node_flops(gm: fx.GraphModule) -> dict[str, int]:
+    """Forward FLOPs per call_function node from `fxmem.ops` and the nodes' example-shape metadata."""
+    from fxmem import ops as optable
+
+    def meta(a):
+        return a.meta.get("fxmem_val", a.meta.get("val")) if isinstance(a, fx.Node) else a
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or "fxmem_val" not in n.meta:
+            continue
+        try:
+            args = tuple(meta(a) if not isinstance(a, (list, tuple)) else type(a)(meta(x) for x in a)
+                         for a in n.args)
+            out[n.name] = int(optable.flops(n.target, args, n.meta["fxmem_val"]) or 0)
+        except Exception:  # noqa: BLE001 - an op without a FLOP rule counts 0
+            out[n.name] = 0
+    return out
 
 
 def _fix_dims(gm, masks: dict) -> dict:
