@@ -125,6 +125,7 @@ class PrecisionOptions:
     tolerance: float | None = None  # per-site relative error; None = policy.verify.lossy_tolerance
     guard: bool = True
     loss_steps: int = 2  # training: loss after this many AdamW steps vs fp32 (0 = skip)
+    report_estimate: bool = True  # cost-model estimate before/after in metrics (two static traces)
 
 
 # ============================================================================================ small helpers
@@ -817,7 +818,7 @@ class PrecisionPass:
         want_compute = low != torch.float32
         if not want_compute and kind is None and opts.params == "fp32":
             return PassResult(program, False, notes=["compute fp32, no weight quantization: nothing to do"])
-        est_before = _safe_estimate(ctx, program)
+        est_before = _safe_estimate(ctx, program) if opts.report_estimate else None
         reference = program.snapshot()  # fp32 reference (shares parameters; never mutated)
         inputs = guard_inputs(program, ctx)
 
@@ -969,7 +970,7 @@ class PrecisionPass:
                                                              getattr(ctx, "seed", 0))
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
-        est_after = _safe_estimate(ctx, program)
+        est_after = _safe_estimate(ctx, program) if opts.report_estimate else None
         if est_before is not None and est_after is not None:
             metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
                                    for k in ("params", "activations", "optimizer_state", "peak")}

@@ -75,9 +75,7 @@ def _run(prog: Program, mode="train", loss_fn=None, **opts):
     ctx = PassContext(policy=None, options=P.PrecisionOptions(**opts), mode=mode, optimizer="adamw", budget=None,
                       baseline=None, enabled=("precision",), loss_fn=loss_fn)
     snap = prog.snapshot()
-    res = P.PrecisionPass().run(snap, ctx)
-    res.program.refresh()
-    return res
+    return P.PrecisionPass().run(snap, ctx)  # the pass refreshes the program it returns
 
 
 def _float_in_dtypes(node):
