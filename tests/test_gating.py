@@ -272,3 +272,17 @@ def test_gated_program_estimates_and_runs_in_the_pass_manager():
     # the result is a normal trainable module
     out = res.module.train()(*mod.example_inputs())
     (mod.loss_fn(out, mod.example_inputs()) + 0.01 * fxmem.nn.gating.gating_loss(res.module)).backward()
+
+
+def test_gated_module_deepcopies_after_a_training_forward():
+    """fxmem.measure and users deep-copy modules: the last gate values (non-leaf tensors) are not copied."""
+    import copy
+    _, _, gm = _resmlp_gated()
+    gm.train()
+    x = torch.randn(4, 8)
+    gm(x)
+    twin = copy.deepcopy(gm)
+    assert all(m._last_raw is None for m in gates(twin).values())
+    twin.eval(), gm.eval()
+    with torch.no_grad():
+        assert torch.equal(twin(x), gm(x))

@@ -68,6 +68,12 @@ class GatedResidual(nn.Module):
         self._last_raw: torch.Tensor | None = None
         self.reset_stats()
 
+    def __getstate__(self):
+        # the last training forward's gate values are part of an autograd graph: never copied or pickled
+        d = self.__dict__.copy()
+        d["_last_raw"] = None
+        return d
+
     # ------------------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
         self.calls = 0
