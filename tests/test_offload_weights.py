@@ -166,8 +166,9 @@ def test_max_memory_needs_the_device_tier():
 # ============================================================================================ grads + optimizer
 
 def _mlp():
+    ex = example_module("mlp_digits")
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    return ex.build_model(hidden=64)
 
 
 @pytest.mark.parametrize("threshold", [None, 0, 1 << 40], ids=["always", "above-0", "never-pressure"])
@@ -176,7 +177,7 @@ def test_offloaded_optimizer_matches_device_optimizer(threshold):
     oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
     ob = OffloadedOptimizer(b.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), threshold=threshold)
     torch.manual_seed(1)
-    xs = [torch.randn(8, 16) for _ in range(4)]
+    xs = [torch.randn(8, 64) for _ in range(4)]
     for x in xs:
         for m, o in ((a, oa), (b, ob)):
             m(x).pow(2).mean().backward()

@@ -429,9 +429,8 @@ class OffloadRegion(nn.Module):
         # what the cost model runs: the body, or (around a checkpoint region) the checkpoint's own body
         kind = "recompute" if model_body is not None else "offload"
         self.fxmem_region = RegionInfo(kind=kind, body=model_body if model_body is not None else self.body,
-                                       keep_ops=frozenset(keep_ops), tier=runtime.tier)
-        if model_body is not None:
-            self.fxmem_region.offload_inputs = True  # read by the cost model when present
+                                       keep_ops=frozenset(keep_ops), tier=runtime.tier,
+                                       offload_inputs=model_body is not None)
 
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _is_fake(args):
