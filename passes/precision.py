@@ -6,7 +6,8 @@ linears to quantize); the pass decides *what is possible* per node (the design o
 intent apart from capability). Four parts, each a small function over the graph:
 
 1. Weight quantization (`weights: int8 | nf4 | fp4`, or `qlora:`): `aten.linear(x, W, b)` sites whose weight is a
-   parameter become a `call_module` to `fxmem.nn.lowbit.QuantLinear` (bitsandbytes `Linear8bitLt` with the
+   parameter, and `aten.addmm(b, x, W)` sites with parameter bias and weight (HF Conv1D, W stored (in, out)),
+   become a `call_module` to `fxmem.nn.lowbit.QuantLinear` (bitsandbytes `Linear8bitLt` with the
    LLM.int8() outlier threshold, or `Linear4bit` with optional double quantization). Skip rules: module patterns
    (`skip_modules`: lm_head / classifier / score by default), layers under `min_params` weights, tied weights.
    The state_dict changes for swapped layers only: `<path>.weight` becomes `<path>.inner.weight` (int8 / uint8
@@ -542,6 +543,11 @@ class LinearSite:
     path: str  # module path of the nn.Linear (the weight's owner)
     weight: str  # get_attr target
     bias: str | None
+    transposed: bool = False  # aten.addmm(bias, x, W) (HF Conv1D): W is (in, out)
+
+    @property
+    def x(self) -> fx.Node:
+        return self.node.args[1] if self.transposed else self.node.args[0]
 
 
 def linear_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[LinearSite], list[dict]]:
@@ -557,10 +563,19 @@ def linear_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[Linea
             if isinstance(p, torch.Tensor):
                 uses[id(p)] = uses.get(id(p), 0) + len(n.users)
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is not aten.linear.default:
+        if n.op != "call_function" or n.target not in (aten.linear.default, aten.addmm.default):
             continue
-        w = n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        transposed = n.target is aten.addmm.default
+        if transposed:
+            if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 3:
+                continue
+            w, b = n.args[2], n.args[0]
+            if not (isinstance(b, fx.Node) and b.op == "get_attr" and _is_param_attr(gm, b)
+                    and _get_attr(gm, b.target).dim() == 1):
+                continue  # a plain matrix product, not a Conv1D layer
+        else:
+            w = n.args[1]
+            b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and _is_param_attr(gm, w)):
             skipped.append({"node": n.name, "module": module_path(n), "why": "weight is not a parameter"})
             continue
@@ -583,7 +598,7 @@ def linear_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[Linea
         if p.dim() != 2:
             skipped.append({"node": n.name, "module": path, "why": f"weight has {p.dim()} dims"})
             continue
-        sites.append(LinearSite(n, path, w.target, b.target if b is not None else None))
+        sites.append(LinearSite(n, path, w.target, b.target if b is not None else None, transposed))
     return sites, skipped
 
 
@@ -591,6 +606,8 @@ def build_quant(gm, site: LinearSite, opts: PrecisionOptions, kind: str, compute
     from fxmem.nn.lowbit import QuantLinear
     w = _get_attr(gm, site.weight)
     b = _get_attr(gm, site.bias) if site.bias else None
+    if site.transposed:
+        w = w.t()
     return QuantLinear(w, b, kind, threshold=opts.int8_threshold, double_quant=opts.double_quant,
                        compute_dtype=compute)
 
@@ -618,11 +635,14 @@ def install_module(gm: fx.GraphModule, path: str, mod: nn.Module, site: LinearSi
 
 def swap_linear(gm: fx.GraphModule, site: LinearSite, mod: nn.Module) -> str:
     n = site.node
-    w_node = n.args[1]
-    b_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    if site.transposed:
+        b_node, x_node, w_node = n.args
+    else:
+        x_node, w_node = n.args[0], n.args[1]
+        b_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
     target = install_module(gm, site.path, mod, site)
     with gm.graph.inserting_before(n):
-        call = gm.graph.call_module(target, (n.args[0],))
+        call = gm.graph.call_module(target, (x_node,))
     call.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace", "val",
                                                                 "fxmem_val")})
     call.meta["fxmem_precision"] = "quant"
@@ -703,10 +723,12 @@ def site_error_compute(n: fx.Node, values: list[dict], dt: torch.dtype, seed: in
     return mx, (max(rels) if rels else 0.0)
 
 
-def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict]) -> tuple[float, float]:
+def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict], x_node: fx.Node | None = None) \
+        -> tuple[float, float]:
     mx, rels = 0.0, []
+    x_node = x_node if x_node is not None else n.args[0]
     for vals in values:
-        x = vals.get(n.args[0].name)
+        x = vals.get(x_node.name)
         if x is None or n.name not in vals:
             continue
         with torch.no_grad():
@@ -827,7 +849,7 @@ class PrecisionPass:
         decisions = plan(gm, opts, low) if want_compute else {}
         keep = set()
         for s in lsites:
-            keep.update({s.node.name, s.node.args[0].name})
+            keep.update({s.node.name, s.x.name})
         for d in decisions.values():
             if d.cls in (LOW, ACC):
                 n = _node_by_name(gm, d.node)
@@ -846,7 +868,7 @@ class PrecisionPass:
             w = _get_attr(gm, s.weight)
             b = _get_attr(gm, s.bias) if s.bias else None
             dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
-            mx, rel = site_error_module(s.node, mod, values) if values else (float("nan"), float("nan"))
+            mx, rel = site_error_module(s.node, mod, values, s.x) if values else (float("nan"), float("nan"))
             rec = {"site": s.node.name, "module": s.path, "decision": kind, "max_abs": mx, "rel": rel,
                    "reverted": False}
             sites_rec.append(rec)

@@ -42,8 +42,8 @@ from fxmem.nn.lowbit import LoRALinear, QuantLinear  # noqa: E402
 from fxmem.optim import MasterWeightOptimizer, make_optimizer, optimizer_state_bytes  # noqa: E402
 
 ALL = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gcn", "gat", "gnn_stan", "unet", "vit", "mlp_digits"]
-# hf_gpt2's Conv1D layers are aten.addmm, not aten.linear: not swapped by this version (see the pass docstring)
-WITH_LINEARS = ["gpt", "hf_llama", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
+# hf_gpt2's Conv1D layers are aten.addmm(bias, x, W): swapped too
+WITH_LINEARS = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
 SMALL = {"gpt": dict(n_layer=1)}
 
 
@@ -425,3 +425,23 @@ def test_loss_after_steps_recorded():
     a, b = res.metrics["loss_fp32"], res.metrics["loss_new"]
     assert len(a) == len(b) == 3
     assert abs(a[-1] - b[-1]) < 0.05 * abs(a[-1])
+
+
+def test_through_pass_manager_with_policy():
+    """The policy validates passes.precision against PrecisionOptions; the manager applies and verifies it."""
+    from fxmem.costmodel import estimate
+    from fxmem.pipeline import PassManager
+    from fxmem.policy import load_policy
+    off = {k: {"enabled": False} for k in ("attention", "pruning", "gating", "checkpoint", "offload")}
+    pol = load_policy({"version": 1, "name": "t", "mode": "train", "optimizer": "adamw8bit",
+                       "passes": {**off, "precision": {"enabled": True, "compute": "bf16", "weights": "fp32",
+                                                        "loss_steps": 0}}})
+    assert isinstance(pol.passes["precision"].options, P.PrecisionOptions)
+    ex, prog = _example("mlp_digits")
+    pm = PassManager(pol, loss_fn=ex.loss_fn)
+    out = pm.run(prog.snapshot(), estimate(prog, mode="train", loss_fn=ex.loss_fn))
+    rec = [r for r in pm.records if r.name == "precision"][0]
+    assert rec.status == "applied", rec.reason
+    assert rec.deviation["vs_original"]["rel"] < 1e-2
+    import bitsandbytes as bnb
+    assert isinstance(fxmem.make_optimizer(out.module, pol), bnb.optim.AdamW8bit)

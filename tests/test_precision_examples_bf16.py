@@ -42,8 +42,8 @@ from fxmem.nn.lowbit import LoRALinear, QuantLinear  # noqa: E402
 from fxmem.optim import MasterWeightOptimizer, make_optimizer, optimizer_state_bytes  # noqa: E402
 
 ALL = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gcn", "gat", "gnn_stan", "unet", "vit", "mlp_digits"]
-# hf_gpt2's Conv1D layers are aten.addmm, not aten.linear: not swapped by this version (see the pass docstring)
-WITH_LINEARS = ["gpt", "hf_llama", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
+# hf_gpt2's Conv1D layers are aten.addmm(bias, x, W): swapped too
+WITH_LINEARS = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
 SMALL = {"gpt": dict(n_layer=1)}
 
 

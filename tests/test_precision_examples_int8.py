@@ -42,8 +42,8 @@ from fxmem.nn.lowbit import LoRALinear, QuantLinear  # noqa: E402
 from fxmem.optim import MasterWeightOptimizer, make_optimizer, optimizer_state_bytes  # noqa: E402
 
 ALL = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gcn", "gat", "gnn_stan", "unet", "vit", "mlp_digits"]
-# hf_gpt2's Conv1D layers are aten.addmm, not aten.linear: not swapped by this version (see the pass docstring)
-WITH_LINEARS = ["gpt", "hf_llama", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
+# hf_gpt2's Conv1D layers are aten.addmm(bias, x, W): swapped too
+WITH_LINEARS = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
 SMALL = {"gpt": dict(n_layer=1)}
 
 
@@ -93,8 +93,6 @@ def _call(prog, m=None):
     return m(*prog.example_args, **prog.example_kwargs)
 
 
-# hf_gpt2's Conv1D layers are aten.addmm, not aten.linear: not swapped by this version (see the pass docstring)
-WITH_LINEARS = ["gpt", "hf_llama", "hf_bert", "gnn_stan", "vit", "mlp_digits"]
 
 
 @pytest.mark.parametrize("name", WITH_LINEARS)
@@ -106,6 +104,8 @@ def test_int8_swap_every_example_with_linears(name):
     assert q and res.metrics["linears_quantized"] == len(q)
     assert all(m.inner.weight.dtype == torch.int8 for m in q)
     left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+    if name == "hf_gpt2":
+        assert not any(n.op == "call_function" and n.target is torch.ops.aten.addmm.default for n in gm.graph.nodes)
     for n in left:  # what is left was skipped for a recorded reason
         assert any(fxmem.program.module_path(n).split(".")[-1] in note for note in res.notes), n
     assert res.metrics["output_deviation"]["rel"] < 0.05
