@@ -678,10 +678,15 @@ class CheckpointPass:
         offload_rest = False
         if min_peak > budget:
             msg = self._budget_message(budget, min_peak, est0, min_set.model)
-            if "offload" not in ctx.enabled:
+            if "offload" in ctx.enabled:
+                notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
+                                   "recomputed (the lowest peak checkpointing reaches).")
+            elif not getattr(ctx, "budget_strict", True):
+                # a preset's budget is a target: go as low as checkpointing can and say so
+                notes.append(msg + " The policy's budget is a target (budget_strict: false): every candidate "
+                                   "region is recomputed, the lowest peak checkpointing reaches.")
+            else:
                 raise BudgetError(msg)
-            notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
-                               "recomputed (the lowest peak checkpointing reaches).")
             offload_rest = True
 
         # plan against the memory model, emit on a copy, check with the cost model; if the estimate is above the
@@ -714,7 +719,14 @@ class CheckpointPass:
             target = target - (est1.peak - budget) - max(1, budget // 1000)
             if target < min_peak:
                 break
-        sol, program, changes, est1, target, cs = best
+        sol, trial, changes, est1, target, cs = best
+        if est1 is not None and est1.peak >= est0.peak and est1.activations >= est0.activations:
+            notes.append(f"checkpoint: the best plan does not lower the estimated memory (peak "
+                         f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}: the peak is where recomputation "
+                         f"cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
+            metrics.update({"estimated_peak": est1.peak, "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})
+            return PassResult(program, False, notes=notes, metrics=metrics)
+        program = trial
         regions = cs.regions
         metrics.update({"chain": cs.chain, "granularity": cs.level})
         if sol.note:
