@@ -445,3 +445,28 @@ def test_through_pass_manager_with_policy():
     assert rec.deviation["vs_original"]["rel"] < 1e-2
     import bitsandbytes as bnb
     assert isinstance(fxmem.make_optimizer(out.module, pol), bnb.optim.AdamW8bit)
+
+
+def test_sdpa_stays_one_fused_node_in_bf16():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, mask):
+            q, k, v = self.qkv(x).view(2, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.proj(y.transpose(1, 2).reshape(2, 8, 32))
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 8, 32), torch.randn(2, 4, 8, 8)  # a float (additive) mask
+    prog = fxmem.capture(Attn(), (x, mask), mode="train")
+    prog.refresh()
+    res = _run(prog, report_estimate=False)
+    sdpa = [n for n in res.program.graph.nodes if n.op == "call_function"
+            and P._packet(n.target) == "scaled_dot_product_attention"]
+    assert len(sdpa) == 1
+    assert set(_float_in_dtypes(sdpa[0])) == {torch.bfloat16}  # q, k, v and the float mask
+    assert sdpa[0].meta["fxmem_val"].dtype == torch.bfloat16
+    assert res.metrics["output_deviation"]["rel"] < 1e-2
