@@ -993,6 +993,8 @@ class PrecisionPass:
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
         est_after = _safe_estimate(ctx, program) if opts.report_estimate else None
+        if opts.report_estimate and (est_before is None or est_after is None):
+            notes.append("cost-model estimate before/after not available (the static estimate failed)")
         if est_before is not None and est_after is not None:
             metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
                                    for k in ("params", "activations", "optimizer_state", "peak")}
