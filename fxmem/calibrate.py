@@ -1,6 +1,7 @@
 """Calibration: how the hidden units of a captured model behave on real data.
 
     stats = fxmem.calibrate(program, data, max_batches=16)      # data: an iterable of model inputs
+                                                                 # program: a captured Program or an nn.Module
     stats.layers["h.0.mlp.c_proj"].freq                          # per-unit firing frequency, a tensor
     stats.histograms()                                           # coldness histograms for the report
 
@@ -177,6 +178,15 @@ def calibrate(program: Program, data: Iterable, *, max_batches: int | None = 16,
     if data is None:
         raise FxmemError("calibrate: no data (pass an iterable of model inputs, e.g. the model file's "
                          "calibration_data())")
+    if not isinstance(program, Program):
+        if not isinstance(program, torch.nn.Module):
+            raise FxmemError(f"calibrate: expected a Program or an nn.Module, got {type(program).__name__}")
+        data = list(data)
+        if not data:
+            raise FxmemError("calibrate: the calibration data is empty")
+        from .capture import capture
+        args, kwargs = normalize_item(data[0])
+        program = capture(program, args, kwargs, mode="inference")
     gm = program.module
     watch_spec = nodes if nodes is not None else probe_nodes(gm)
     stats = stats or CalibrationStats(eps=eps)

@@ -395,6 +395,7 @@ class PruningPass:
             # a node shared by two groups (consumer of one, producer of the next): its saving is split evenly
             f = sum((fb[n] - fa.get(n, 0)) / shared[n] for n in set(ch.nodes_before) if n in fb)
             ch.details["flops_removed"] = int(round(f))
+            ch.reason += f"; {p:,} parameters and {int(round(f)):,} forward FLOPs (example inputs) removed"
             tot_f += f
         total_params = sum(p.numel() for p in before.module.parameters())
         metrics["params_removed"] = int(tot_p)

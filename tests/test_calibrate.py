@@ -122,3 +122,12 @@ def test_module_stays_in_its_mode_and_buffers_untouched():
     assert p.module.training
     assert torch.equal(p.module.get_submodule("1").running_mean, rm)
     assert st.layers["3"].units == 4
+
+
+def test_accepts_a_plain_module():
+    model, _ = _digits_program()
+    data = example_module("mlp_digits").calibration_data(n_batches=2)
+    st = calibrate(model, data, progress=False)
+    assert st.batches == 2 and st.layers["net.2"].units == 32
+    with pytest.raises(FxmemError, match="Program or an nn.Module"):
+        calibrate("model", data)
