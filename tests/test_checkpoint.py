@@ -224,6 +224,13 @@ def test_budget_error_names_what_cannot_be_checkpointed(gpt_prog):
     res, base = _run_pass(p, loss_fn, "20%", enabled=("checkpoint", "offload"))
     assert res.modified and any("offload pass is enabled" in n for n in res.notes)
     assert all(v != "keep" for v in res.metrics["plan"].values())
+    # a preset's budget is a target (budget_strict: false): as low as checkpointing goes, and a note
+    base = _baseline(p, loss_fn)
+    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
+                      budget=int(0.2 * base.peak), baseline=base, enabled=("checkpoint",), loss_fn=loss_fn,
+                      budget_strict=False)
+    res = ck.CheckpointPass().run(p.snapshot(), ctx)
+    assert res.modified and any("budget_strict: false" in n for n in res.notes)
 
 
 def test_no_change_when_budget_fits_or_missing(gpt_prog):
