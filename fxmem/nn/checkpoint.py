@@ -12,7 +12,8 @@ restored for the recomputation, so dropout draws the same masks. A selective pol
 Buffers the body updates in place (batch-norm running statistics) would be updated a second time by the
 recomputation; the region snapshots the inputs listed in `restore_args` before recomputing and copies them back
 afterwards, so buffers end the step exactly as without checkpointing. (Under torch.compile the recomputation is
-done by the compiler's partitioner on a functionalized graph, which does not repeat buffer updates.)
+done by the compiler's partitioner on a functionalized graph; the restore is skipped there, and whether buffer
+updates are repeated under compile is not tested.)
 In eval mode or under no_grad the body is simply called.
 
 `fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=...)` tells the cost model what it does.
@@ -23,9 +24,8 @@ import functools
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .regions import RegionInfo
 
