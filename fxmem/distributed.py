@@ -218,6 +218,13 @@ def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> Dist
             raise FxmemError("fxmem.distribute: passes.offload.distributed is 'none'; set it to 'ddp' or 'fsdp'")
         o.mode = mode
         o.cpu_offload = bool(getattr(opts, "grads", False))
+        if hasattr(src, "passes"):  # the precision pass's compute dtype -> FSDP2 MixedPrecisionPolicy
+            psec = src.passes.get("precision") if isinstance(src.passes, dict) else None
+            popts = getattr(psec, "options", None) if psec is not None and getattr(psec, "enabled", False) else None
+            compute = getattr(popts, "compute", "fp32")
+            if compute in ("bf16", "fp16"):
+                o.param_dtype = torch.bfloat16 if compute == "bf16" else torch.float16
+                o.reduce_dtype = torch.float32
     for k, v in overrides.items():
         if v is not None:
             setattr(o, k, v)
@@ -257,7 +264,7 @@ def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | 
     if device_mesh is not None:
         kw["mesh"] = device_mesh
     if o.cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy()
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
     if o.param_dtype is not None or o.reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
     made: list[str] = []

@@ -68,12 +68,16 @@ def _worker(rank, port, saved, x, out_path):
     results = {}
     gm = fxmem.load(saved)
     shard = x.chunk(WORLD)[rank]
-    for mode in ("ddp", "fsdp"):
+    for mode in ("ddp", "fsdp", "fsdp-cpu-offload"):
         mod_src = copy.deepcopy(gm)
-        prog = Program(copy.deepcopy(gm), (shard,), {}, "train")
-        prog.refresh()
-        est = estimate_rank(prog, mode, WORLD, optimizer="sgd", loss_fn=lambda o, i: _loss(o))
-        mod = distribute(mod_src, mode)
+        if mode == "fsdp-cpu-offload":  # CPUOffloadPolicy: sharded params, grads and optimizer step on CPU
+            est = None
+            mod = distribute(mod_src, {"mode": "fsdp", "cpu_offload": True})
+        else:
+            prog = Program(copy.deepcopy(gm), (shard,), {}, "train")
+            prog.refresh()
+            est = estimate_rank(prog, mode, WORLD, optimizer="sgd", loss_fn=lambda o, i: _loss(o))
+            mod = distribute(mod_src, mode)
         opt = torch.optim.SGD(mod.parameters(), lr=0.1)
         losses, grads = _train(mod, shard, opt)
         avg = torch.stack(losses)
@@ -83,9 +87,11 @@ def _worker(rank, port, saved, x, out_path):
         for n, p in mod.named_parameters():
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             params[_clean(n)] = t.detach().clone()
-        meas = measure_rank(mod, (shard,), optimizer=torch.optim.SGD(mod.parameters(), lr=0.0),
-                            loss_fn=lambda o, i: _loss(o))
-        meas.pop("timeline", None)
+        meas = None
+        if est is not None:
+            meas = measure_rank(mod, (shard,), optimizer=torch.optim.SGD(mod.parameters(), lr=0.0),
+                                loss_fn=lambda o, i: _loss(o))
+            meas.pop("timeline", None)
         results[mode] = {"loss": avg, "grads": {_clean(k): v for k, v in grads.items()}, "params": params,
                          "est": est, "meas": meas, "blocks": getattr(mod_src, "fxmem_sharded_blocks", None),
                          "local_param_bytes": sum(
@@ -120,7 +126,7 @@ def runs(tmp_path_factory):
     return torch.load(out, weights_only=False), (torch.stack(losses), grads, params)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-cpu-offload"])
 def test_loss_and_gradients_equal_single_process(runs, mode):
     got, (ref_loss, ref_grads, ref_params) = runs
     r = got[mode]
