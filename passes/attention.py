@@ -47,6 +47,7 @@ class AttentionOptions:
     rewrite: Literal["sdpa", "hab", "semiseparable"] = "sdpa"
     gqa: bool = True  # grouped-query attention: enable_gqa=True on the un-expanded k/v (False: keep repeat_kv)
     skip: list[str] = field(default_factory=list)  # module-path glob patterns left as they are
+    site_bytes: bool = True  # per-site saved bytes before/after from the cost model (two static traces)
     # --- hab (HybridAttention)
     sparsity_ratio: float = 0.75  # share of keys each query drops (keeps the top (1 - ratio) * Lk scores)
     top_k: int | None = None  # absolute number of keys per query (overrides sparsity_ratio)
@@ -117,7 +118,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
     n_existing = len(existing_sdpa(program))
     if n_existing:
         notes.append(f"{n_existing} scaled_dot_product_attention call(s) already in the graph: left as they are")
-    before = _saved_by_node(program, mode)
+    before = _saved_by_node(program, mode) if opts.site_bytes else {}
     metrics = {"sites": len(sites), "rewritten": 0, "not_rewritten": 0, "sites_detail": []}
     if opts.rewrite != "sdpa":
         capture_examples(program, sites)
@@ -143,7 +144,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
     if not done:
         return PassResult(program, False, changes, notes, metrics)
     program.refresh()
-    after = _saved_by_node(program, mode)
+    after = _saved_by_node(program, mode) if opts.site_bytes else {}
     for site, new, kind, info in done:
         backend = probe_backend(site, new, opts) if kind == "sdpa" else {}
         saved_before = sum(before.get(n, 0) for n in info["removed"])
@@ -161,7 +162,8 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
                 details[key] = info[key]
         changes.append(Change(kind=f"attention.{kind}", module=site.module, nodes_before=list(info["removed"]),
                               nodes_after=[new.name] + list(info.get("added", [])), reason=reason,
-                              bytes_saved=saved_before - saved_after, details=details))
+                              bytes_saved=(saved_before - saved_after) if opts.site_bytes else None,
+                              details=details))
         metrics["rewritten"] += 1
         metrics["sites_detail"].append({"module": site.module, "rewritten": True, "rewrite": kind,
                                         "backend": backend.get("summary"), "rel_error": info.get("rel_error")})

@@ -89,12 +89,14 @@ def assert_same(ref, got, tol=5e-5):
         close(a, b, tol)
 
 
-def rewrite(model, args, kwargs=None, opts=None, mode="train"):
-    """Capture, rewrite (on a snapshot), and return (original program, rewritten program, PassResult)."""
-    p = fxmem.capture(model, args, kwargs, mode=mode)
+def rewrite(model, args, kwargs=None, opts=None, mode="train", dynamic=False):
+    """Capture, rewrite (on a snapshot), and return (original program, rewritten program, PassResult).
+    Static shapes unless asked (capture with dynamic dims is ~4x slower; one test covers it)."""
+    p = fxmem.capture(model, args, kwargs, mode=mode, dynamic=dynamic, check=False)
     p.refresh()
     q = p.snapshot()
-    res = rewrite_attention(q, opts or AttentionOptions())
+    # per-site byte estimates cost two static traces: checked in test_attention_examples.py only
+    res = rewrite_attention(q, opts or AttentionOptions(site_bytes=False))
     q.refresh()
     return p, q, res
 
@@ -273,7 +275,7 @@ def test_bool_01_padding_mask_and_causal_combined():
 
 def test_dynamic_shapes_survive_the_rewrite():
     model = Stack(2, mask="causal_fill")
-    p, q, _ = rewrite(model, (x_in(),))
+    p, q, _ = rewrite(model, (x_in(),), dynamic=True)
     x2 = torch.randn(3, 20, 32)  # another batch and sequence length
     model.eval()
     q.module.eval()
@@ -283,12 +285,12 @@ def test_dynamic_shapes_survive_the_rewrite():
 # ============================================================================================ dropout
 
 def test_dropout_follows_the_training_flag():
-    model = Stack(1, mask="causal_fill", dropout=0.5)
+    model = Stack(1, mask="causal_fill", dropout=0.2)
     x = x_in()
     p, q, res = check_exact(model, (x,), sites=1)  # eval mode: exact
     (n,) = sdpa_nodes(q)
-    assert n.target is sdpa_dropout and n.args[4] == 0.5
-    assert res.changes[0].details["dropout_p"] == 0.5
+    assert n.target is sdpa_dropout and n.args[4] == 0.2
+    assert res.changes[0].details["dropout_p"] == 0.2
     gm = q.module
     gm.train()
     with torch.no_grad():
@@ -302,7 +304,7 @@ def test_dropout_follows_the_training_flag():
     with torch.no_grad():
         gm.train()
         torch.manual_seed(0)
-        mean = torch.stack([gm(x) for _ in range(300)]).mean(0)
+        mean = torch.stack([gm(x) for _ in range(100)]).mean(0)
     model.eval()
     with torch.no_grad():
         ref = model(x)
@@ -353,7 +355,7 @@ class GQA(nn.Module):
 @pytest.mark.parametrize("gqa", [True, False])
 def test_gqa_repeat_kv(gqa):
     mask = torch.zeros(2, 1, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), -1e9)
-    _, q, res = check_exact(GQA(), (x_in(), mask), sites=1, opts=AttentionOptions(gqa=gqa))
+    _, q, res = check_exact(GQA(), (x_in(), mask), sites=1, opts=AttentionOptions(gqa=gqa, site_bytes=False))
     kw = sdpa_kwargs(q)
     assert kw["enable_gqa"] is gqa
     assert res.changes[0].details["gqa_groups"] == 2
@@ -448,13 +450,13 @@ def test_not_rewritten_reports_reason_and_module(model, args, reason):
 
 
 def test_skip_patterns():
-    p, q, res = rewrite(Stack(3), (x_in(),), opts=AttentionOptions(skip=["layers.1"]))
+    p, q, res = rewrite(Stack(3), (x_in(),), opts=AttentionOptions(skip=["layers.1"], site_bytes=False))
     assert len(sdpa_nodes(q)) == 2
     assert any(n.startswith("layers.1: not rewritten: skipped") for n in res.notes)
 
 
 def test_find_attention_api():
-    p = fxmem.capture(Stack(2, mask="causal_fill", dropout=0.1), (x_in(),))
+    p = fxmem.capture(Stack(2, mask="causal_fill", dropout=0.1), (x_in(),), dynamic=False, check=False)
     p.refresh()
     sites = find_attention(p)
     assert [s.module for s in sites] == ["layers.0", "layers.1"]

@@ -141,10 +141,10 @@ def test_pass_swaps_in_hab_and_reports_the_error():
     torch.manual_seed(0)
     model = Stack(2, mask="causal_fill", n_ctx=64)
     x = torch.randn(2, 48, 32)
-    p = fxmem.capture(model, (x,))
+    p = fxmem.capture(model, (x,), dynamic=False, check=False)
     p.refresh()
     q = p.snapshot()
-    res = rewrite_attention(q, AttentionOptions(rewrite="hab", top_k=48, chunk_size=16))
+    res = rewrite_attention(q, AttentionOptions(rewrite="hab", top_k=48, chunk_size=16, site_bytes=False))
     q.refresh()
     assert [c.kind for c in res.changes] == ["attention.hab", "attention.hab"]
     for c in res.changes:
@@ -161,10 +161,10 @@ def test_pass_swaps_in_hab_and_reports_the_error():
 def test_tolerance_rejects_a_site_and_keeps_exact_sdpa():
     model = Stack(1, n_ctx=64)
     x = torch.randn(2, 48, 32)
-    p = fxmem.capture(model, (x,))
+    p = fxmem.capture(model, (x,), dynamic=False, check=False)
     p.refresh()
     q = p.snapshot()
-    res = rewrite_attention(q, AttentionOptions(rewrite="semiseparable", rank=2, band=8, tolerance=1e-6))
+    res = rewrite_attention(q, AttentionOptions(rewrite="semiseparable", rank=2, band=8, tolerance=1e-6, site_bytes=False))
     assert [c.kind for c in res.changes] == ["attention.sdpa"]
     assert any("semiseparable rejected (relative error" in n for n in res.notes)
     assert len(sdpa_nodes(q)) == 1

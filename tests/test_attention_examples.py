@@ -8,7 +8,7 @@ import torch
 import fxmem
 
 from .conftest import example
-from .test_attention import Stack, assert_same, rewrite, run_with_grads, sdpa_nodes
+from .test_attention import AttentionOptions, Stack, assert_same, rewrite, run_with_grads, sdpa_nodes
 
 
 # ============================================================================================ examples
@@ -49,7 +49,7 @@ def test_cost_model_knows_sdpa_and_estimate_drops():
     # no attention dropout (the CPU flash kernel has none: with dropout, train mode runs the math kernel)
     model = Stack(2, mask="causal_fill", dropout=0.0)
     x = torch.randn(2, 64, 32)
-    p, q, res = rewrite(model, (x,))
+    p, q, res = rewrite(model, (x,), opts=AttentionOptions())
     e0 = fxmem.estimate(p, mode="train")
     e1 = fxmem.estimate(q, mode="train")
     assert e1.unknown_ops == []
