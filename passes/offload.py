@@ -5,8 +5,9 @@ the model's top-level modules, descending into a module that holds over half the
 `transformer` -> `transformer.h.0`, ...). Checkpoint regions already in the graph (the checkpoint pass runs
 first) are candidates too: their inputs are the only thing they keep, and offloading those is how fxmem goes
 below what checkpointing alone reaches. For each candidate the cost model gives the bytes autograd would
-save inside it and the region's compute; transfer time is bytes / bandwidth (a quick probe of the tier, or
-`bandwidth: '2GB/s'`), written while the region computes and read back while the next region's backward runs.
+save inside it and its FLOPs; compute time is FLOPs / a quick matmul probe's FLOP/s, transfer time is bytes /
+bandwidth (a quick probe of the tier, or `bandwidth: '2GB/s'`). The write overlaps the region's own forward,
+the read the next region's backward (~2x its forward); what they cannot hide is the estimated time cost.
 
 Choice. With a budget, candidates are taken largest and longest-lived first (bytes x how long they wait for
 backward) until the cost model's static estimate of the transformed program fits (binary search over the
@@ -47,7 +48,7 @@ from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
 from fxmem.units import Budget, Size, format_bytes, parse_size
 
-DEFAULT_FLOPS_PER_S = 2e10  # CPU-ish; only used to weigh transfer time against compute when no profile
+DEFAULT_FLOPS_PER_S = 2e10  # fallback when the matmul probe fails
 
 
 @dataclass
@@ -292,12 +293,12 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
     if not cands:
         return [], ["activations: no region saves tensors of at least min_bytes; nothing to offload"], {}
     bw = _parse_bandwidth(o.bandwidth) if o.bandwidth else _probe(tier, o, notes)
+    rate = _probe_flops(program)
     n_nodes = len(program.graph.nodes)
     for i, c in enumerate(cands):
         c.transfer_s = c.saved / bw
-        c.compute_s = c.flops / DEFAULT_FLOPS_PER_S
-        nxt = cands[i + 1].compute_s if i + 1 < len(cands) else 0.0
-        nxt = cands[i + 1].flops / DEFAULT_FLOPS_PER_S if i + 1 < len(cands) else 0.0
+        c.compute_s = c.flops / rate
+        nxt = cands[i + 1].flops / rate if i + 1 < len(cands) else 0.0
         # write hides behind the region's own forward; the read behind the next region's backward (~2x forward)
         c.exposed_s = max(0.0, c.transfer_s - c.compute_s) + max(0.0, c.transfer_s - 2 * nxt)
         c.score = c.saved * (n_nodes - c.last)  # large and long-lived first
@@ -305,7 +306,7 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
     if not order:
         return [], ["activations: only one candidate region (the last before backward, needed at once); "
                     "offloading it cannot lower the peak"], {}
-    metrics = {"bandwidth_bytes_per_s": bw, "candidates": len(cands)}
+    metrics = {"bandwidth_bytes_per_s": bw, "flops_per_s": rate, "candidates": len(cands)}
 
     def apply(k: int) -> Program:
         trial = program.snapshot()
@@ -357,6 +358,25 @@ def _probe(tier: str, o: OffloadOptions, notes: list) -> float:
     except Exception as e:  # noqa: BLE001
         notes.append(f"bandwidth probe failed ({e}); assumed 1 GB/s")
         return 1e9
+
+
+def _probe_flops(program: Program) -> float:
+    """Matmul FLOP/s on the model's device (a ~10 ms probe); compute time of a region = its FLOPs / this."""
+    import time
+    dev = next((p.device for p in program.module.parameters()), torch.device("cpu"))
+    try:
+        a = torch.randn(256, 256, device=dev)
+        a @ a
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return max(1e8, 4 * 2 * 256 ** 3 / max(time.perf_counter() - t0, 1e-9))
+    except Exception:  # noqa: BLE001
+        return DEFAULT_FLOPS_PER_S
 
 
 def _saved_by_node(program: Program) -> dict[str, int]:
