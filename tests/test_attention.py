@@ -464,3 +464,29 @@ def test_find_attention_api():
     assert s.ok and s.causal and s.dropout_p == 0.1 and s.gqa_groups == 1
     assert s.scale_value == pytest.approx(1 / math.sqrt(8))
     assert s.q is not None and s.k is not None and s.v is not None and s.softmax in s.nodes
+
+
+class ShapeScale(nn.Module):
+    """The scale is computed from a dynamic dim at run time (a python scalar in the graph, not a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, 2))
+        return F.softmax((q @ k.transpose(-2, -1)) * (T ** -0.5), -1) @ v
+
+
+def test_shape_derived_scale_stays_symbolic():
+    x = torch.randn(2, 12, 32)
+    p, q, res = rewrite(ShapeScale(), (x,), dynamic=True)
+    (n,) = sdpa_nodes(q)
+    assert isinstance(n.kwargs["scale"], torch.fx.Node)  # computed per call, not baked in
+    assert res.changes[0].details["scale"] == pytest.approx(12 ** -0.5)
+    assert_same(run_with_grads(p.module, (x,)), run_with_grads(q.module, (x,)))
+    x2 = torch.randn(3, 20, 32)
+    p.module.eval()
+    q.module.eval()
+    torch.testing.assert_close(q.module(x2), p.module(x2), atol=1e-5, rtol=1e-4)
