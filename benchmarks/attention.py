@@ -62,6 +62,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        if getattr(self, "no_attention", False):  # the block without attention: the non-attention memory floor
+            return self.c_proj((q + k + v).transpose(1, 2).contiguous().view(B, T, C))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
         att = self.drop(F.softmax(att, dim=-1))
@@ -76,6 +78,11 @@ def loss_fn(out, inputs):
 def build(method, model, x, n, args):
     if method == "eager":
         return model, {}
+    if method == "noattn":
+        import copy
+        m = copy.copy(model)
+        m.no_attention = True
+        return m, {}
     p = fxmem.capture(model, (x,), dynamic=False)
     p.refresh()
     if method == "sdpa":
@@ -113,7 +120,7 @@ def main():
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--band", type=int, default=64)
-    ap.add_argument("--methods", default="eager,sdpa,hab,semi")
+    ap.add_argument("--methods", default="eager,sdpa,hab,semi,noattn")
     ap.add_argument("--tag", default="scaling")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -144,7 +151,8 @@ def main():
             errs = {}
             for m, (mod, _) in built.items():
                 mod.eval()
-                errs[m] = float((mod(x) - ref).norm() / ref.norm()) if ref is not None else float("nan")
+                errs[m] = float((mod(x) - ref).norm() / ref.norm()) if ref is not None and m != "noattn" \
+                    else float("nan")
                 mod.train()
             model.train()
         # time, interleaved
@@ -162,10 +170,16 @@ def main():
             rows.append({"N": n, "method": m, "ms": med * 1e3, "peak": mem[m][0], "saved": mem[m][1],
                          "rel_error": errs[m], **{k: v for k, v in built[m][1].items()}})
         base = next((r for r in rows if r["N"] == n and r["method"] == "eager"), None)
+        floor = next((r for r in rows if r["N"] == n and r["method"] == "noattn"), None)
         for r in rows:
             if r["N"] == n:
                 r["time_ratio"] = r["ms"] / base["ms"] if base else float("nan")
                 r["saved_ratio"] = base["saved"] / r["saved"] if base else float("nan")
+                # attention memory: saved bytes above the same block without attention
+                r["attn_saved"] = r["saved"] - floor["saved"] if floor else float("nan")
+        for r in rows:
+            if r["N"] == n and base and floor:
+                r["attn_ratio"] = base["attn_saved"] / max(r["attn_saved"], 1)
         for r in [r for r in rows if r["N"] == n]:
             print(f"N={n:5d} {r['method']:6s} {r['ms']:9.1f} ms  x{r['time_ratio']:.2f}  peak {mib(r['peak']):9.1f} MiB  "
                   f"saved {mib(r['saved']):9.1f} MiB (eager/this {r['saved_ratio']:.1f})  err {r['rel_error']:.2e}  "
@@ -189,12 +203,17 @@ def write(rows, args):
              f"{args.chunk}); semiseparable band {args.band}, rank ceil(log2 N). Memory: `fxmem.measure` of a real "
              "step (peak includes params/grads/SGD state; saved = bytes kept for backward after forward). "
              "rel. error: ||out - eager|| / ||eager|| on the same input.", "",
+             "attention saved = saved minus the saved bytes of the same block without attention (noattn row: "
+             "qkv and output projections only).", "",
              "| N | method | fwd+bwd ms | time / eager | measured peak MiB | saved MiB | eager saved / saved "
-             "| rel. error | SDPA kernel |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| attention saved MiB | eager / this (attention) | rel. error | SDPA kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["method"] == "noattn":
+            r = {**r, "attn_saved": float("nan"), "attn_ratio": float("nan")}
         lines.append(f"| {r['N']} | {r['method']} | {r['ms']:.1f} | {r['time_ratio']:.2f} | {mib(r['peak']):.1f} | "
-                     f"{mib(r['saved']):.1f} | {r['saved_ratio']:.1f} | {r['rel_error']:.2e} | "
+                     f"{mib(r['saved']):.1f} | {r['saved_ratio']:.1f} | {mib(r.get('attn_saved', float('nan'))):.2f} | "
+                     f"{r.get('attn_ratio', float('nan')):.1f} | {r['rel_error']:.2e} | "
                      f"{r.get('backend') or ''} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
@@ -203,7 +222,7 @@ def write(rows, args):
     import matplotlib.pyplot as plt
     matplotlib.rcParams["svg.hashsalt"] = "fxmem"
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for m in sorted({r["method"] for r in rows}, key=["eager", "sdpa", "hab", "semi"].index):
+    for m in sorted({r["method"] for r in rows}, key=["eager", "sdpa", "hab", "semi", "noattn"].index):
         rs = [r for r in rows if r["method"] == m]
         axes[0].plot([r["N"] for r in rs], [mib(r["saved"]) for r in rs], "o-", label=m)
         axes[1].plot([r["N"] for r in rs], [r["ms"] for r in rs], "o-", label=m)

@@ -32,8 +32,8 @@ from typing import Literal
 import torch
 from torch import fx
 
-from fxmem.attention_match import (AttentionSite, dtype, emit_scale, existing_sdpa, find_attention, glob_match,
-                                   shape, val)
+from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, find_attention, glob_match,
+                                   trace_projection, val)
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program
@@ -52,7 +52,7 @@ class AttentionOptions:
     sparsity_ratio: float = 0.75  # share of keys each query drops (keeps the top (1 - ratio) * Lk scores)
     top_k: int | None = None  # absolute number of keys per query (overrides sparsity_ratio)
     chunk_size: int = 128  # query rows per block (hab) / block size of the band (semiseparable when band is None)
-    rank_ratio: float | None = None  # hab: low-rank projections from a truncated SVD (not implemented: null)
+    rank_ratio: float | None = None  # hab: low-rank q/k projections from a truncated SVD of the q/k weights
     # --- semiseparable
     rank: int | None = None  # rank of the low-rank part; None = ceil(log2 Lk)
     band: int | None = None  # block size of the exact band (each query sees its own and neighbouring blocks)
@@ -73,9 +73,8 @@ class AttentionOptions:
             raise ValueError(f"rank must be >= 1, got {self.rank}")
         if self.band is not None and self.band < 1:
             raise ValueError(f"band must be >= 1, got {self.band}")
-        if self.rank_ratio is not None:
-            raise ValueError("rank_ratio (low-rank q/k/v projections for hab) is not implemented in this version; "
-                             "leave it null")
+        if self.rank_ratio is not None and not 0.0 < self.rank_ratio <= 1.0:
+            raise ValueError(f"rank_ratio must be in (0, 1], got {self.rank_ratio}")
         if self.tolerance is not None and not self.tolerance > 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
 
@@ -157,7 +156,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
                    "enable_gqa": info.get("enable_gqa", False), "backend": backend,
                    "saved_bytes_before": saved_before, "saved_bytes_after": saved_after,
                    "notes": list(site.notes)}
-        for key in ("rel_error", "top_k", "rank", "band", "lowrank_dtype", "tolerance"):
+        for key in ("rel_error", "top_k", "rank", "rank_ratio", "band", "lowrank_dtype", "tolerance"):
             if key in info:
                 details[key] = info[key]
         changes.append(Change(kind=f"attention.{kind}", module=site.module, nodes_before=list(info["removed"]),
@@ -288,8 +287,23 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, toleran
     if kind == "hab":
         top_k = opts.top_k or max(1, math.ceil((1.0 - opts.sparsity_ratio) * lk))
         mod = HybridAttention(scale=site.scale_value, causal=site.causal, top_k=top_k,
-                              chunk_size=opts.chunk_size, rank_ratio=opts.rank_ratio)
+                              chunk_size=opts.chunk_size)
         params = {"top_k": top_k}
+        if opts.rank_ratio is not None:
+            pq, pk = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
+            if pq is None or pk is None or pq.x is not pk.x or pq.heads != pk.heads or site.gqa_groups > 1:
+                return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}
+            xv = _example_node(program, pq.x)
+            if xv is None or site.batch_dims != 2:
+                return None, {"why": "rank_ratio: example value of the projection input unavailable"}
+            w = _attr(program, pq.weight)
+            wk_ = _attr(program, pk.weight)
+            n = pq.heads * pq.head_dim
+            bq = _attr(program, pq.bias)[pq.offset:pq.offset + n] if pq.bias is not None else None
+            bk = _attr(program, pk.bias)[pk.offset:pk.offset + n] if pk.bias is not None else None
+            r = mod.set_low_rank(w[pq.offset:pq.offset + n], bq, wk_[pk.offset:pk.offset + n], bk, pq.heads,
+                                 opts.rank_ratio)
+            params.update({"rank": r, "rank_ratio": opts.rank_ratio})
     else:
         rank = opts.rank or max(1, math.ceil(math.log2(max(lk, 2))))
         band = opts.band or opts.chunk_size
@@ -315,7 +329,8 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, toleran
     with torch.no_grad():
         exact = torch.nn.functional.scaled_dot_product_attention(
             qv, kv, vv, attn_mask=mask_ex, is_causal=site.causal, scale=site.scale_value)
-        approx = mod(qv, kv, vv, mask_ex)
+        approx = mod(qv, kv, vv, mask_ex, xv) if getattr(mod, "q_proj", None) is not None else \
+            mod(qv, kv, vv, mask_ex)
     rel = float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
     params.update({"rel_error": rel, "tolerance": tolerance})
     if not rel <= tolerance:
@@ -331,7 +346,8 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, toleran
             k = g.call_function(aten.repeat_interleave.self_int, (k, site.gqa_groups, 1))
             v = g.call_function(aten.repeat_interleave.self_int, (v, site.gqa_groups, 1))
         mask = site.masks[0].node if mask_ex is not None else None
-        out = g.call_module(name, (q, k, v, mask))
+        lowrank = getattr(mod, "q_proj", None) is not None
+        out = g.call_module(name, (q, k, v, mask) + ((trace_projection(site.q).x,) if lowrank else ()))
         final = out if site.batch_dims != 1 else g.call_function(aten.squeeze.dim, (out, 0))
     added = [n for n in g.nodes if n not in before]
     for n in added:
@@ -344,6 +360,13 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, toleran
                    "is_causal": site.causal, "mask": "additive" if mask_ex is not None else
                    ("causal" if site.causal else "none")})
     return out, params
+
+
+def _attr(program: Program, node: fx.Node) -> torch.Tensor:
+    obj = program.module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj.detach()
 
 
 def _free_name(gm, base: str) -> str:
@@ -374,6 +397,9 @@ def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
             want.setdefault(n, []).append((s, which))
         for m in s.masks:
             want.setdefault(m.node, []).append((None, m.node.name))
+        proj = trace_projection(s.q) if s.q is not None else None
+        if proj is not None:
+            want.setdefault(proj.x, []).append((None, proj.x.name))
     got = {}
 
     class _Grab(fx.Interpreter):

@@ -180,3 +180,25 @@ def test_pipeline_verifies_approximations_as_lossy():
     assert rec.exact is False and rec.status == "applied"
     assert all(c.kind == "attention.hab" and 0 < c.details["rel_error"] <= 0.5 for c in rec.changes)
     assert rec.deviation["vs_original"]["rel"] <= 0.5
+
+
+def test_hab_low_rank_projections_from_svd_of_the_weights():
+    torch.manual_seed(0)
+    model = Stack(1, mask="causal_fill", n_ctx=64)
+    x = torch.randn(2, 48, 32)
+    errs = []
+    for ratio in (0.25, 0.5, 1.0):
+        p = fxmem.capture(model, (x,), dynamic=False, check=False)
+        p.refresh()
+        res = rewrite_attention(p, AttentionOptions(rewrite="hab", top_k=48, rank_ratio=ratio, tolerance=10.0,
+                                                    site_bytes=False))
+        (c,) = res.changes
+        assert c.kind == "attention.hab" and c.details["rank"] == max(1, math.ceil(ratio * 8))
+        errs.append(c.details["rel_error"])
+        p.refresh()
+        (mod,) = [m for m in p.module.modules() if isinstance(m, HybridAttention)]
+        assert mod.q_proj.weight.shape == (4 * c.details["rank"], 32)  # new trainable low-rank projections
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-5, errs  # full rank (and top_k = N) is exact
+    p.module.eval()
+    p.module(x).sum().backward()
+    assert mod.q_proj.weight.grad is not None and mod.k_proj.weight.grad.abs().sum() > 0

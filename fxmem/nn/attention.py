@@ -107,17 +107,50 @@ class HybridAttention(nn.Module):
     treated as a constant (no gradient flows into it).
     """
 
-    def __init__(self, scale: float, causal: bool = False, top_k: int = 64, chunk_size: int = 128,
-                 rank_ratio: float | None = None):
+    def __init__(self, scale: float, causal: bool = False, top_k: int = 64, chunk_size: int = 128):
         super().__init__()
-        if rank_ratio is not None:
-            raise NotImplementedError("HybridAttention: rank_ratio (low-rank projections) is not implemented")
         self.scale, self.causal, self.top_k, self.chunk_size = float(scale), bool(causal), int(top_k), int(chunk_size)
+        self.q_proj = self.k_proj = None
+        self.heads = self.rank = 0
 
     def extra_repr(self):
-        return f"scale={self.scale:.4g}, causal={self.causal}, top_k={self.top_k}, chunk_size={self.chunk_size}"
+        lr = f", low-rank q/k rank {self.rank} per head" if self.q_proj is not None else ""
+        return f"scale={self.scale:.4g}, causal={self.causal}, top_k={self.top_k}, chunk_size={self.chunk_size}{lr}"
 
-    def forward(self, q, k, v, attn_mask=None):
+    @torch.no_grad()
+    def set_low_rank(self, wq, bq, wk, bk, heads: int, rank_ratio: float) -> int:
+        """Low-rank q/k projections from a truncated SVD of the existing weights: per head h the bilinear form
+        [x, 1] [Wq_h | bq_h]^T [Wk_h | bk_h] [x, 1]^T (rank <= head_dim) is truncated to rank
+        r = ceil(rank_ratio * head_dim), split as (U_r S_r^1/2)(V_r S_r^1/2)^T into new q/k projections
+        (trainable parameters of this module). Returns r."""
+        dh = wq.shape[0] // heads
+        d = wq.shape[1]
+        r = max(1, math.ceil(rank_ratio * dh))
+        pq, pk = [], []
+        for h in range(heads):
+            rows = slice(h * dh, (h + 1) * dh)
+            a = torch.cat([wq[rows], (bq[rows] if bq is not None else wq.new_zeros(dh))[:, None]], 1).double()
+            b = torch.cat([wk[rows], (bk[rows] if bk is not None else wk.new_zeros(dh))[:, None]], 1).double()
+            u, s, vh = torch.linalg.svd(a.T @ b)
+            root = s[:r].sqrt()
+            pq.append((u[:, :r] * root).T)  # (r, d+1)
+            pk.append((vh[:r].T * root).T)
+        pq, pk = torch.cat(pq).to(wq.dtype), torch.cat(pk).to(wk.dtype)  # (heads*r, d+1)
+        self.q_proj, self.k_proj = nn.Linear(d, heads * r), nn.Linear(d, heads * r)
+        self.q_proj.weight.copy_(pq[:, :d])
+        self.q_proj.bias.copy_(pq[:, d])
+        self.k_proj.weight.copy_(pk[:, :d])
+        self.k_proj.bias.copy_(pk[:, d])
+        self.heads, self.rank = heads, r
+        return r
+
+    def forward(self, q, k, v, attn_mask=None, x=None):
+        if self.q_proj is not None:
+            if x is None:
+                raise ValueError("HybridAttention with low-rank projections needs the projection input x")
+            B, T = x.shape[0], x.shape[1]
+            q = self.q_proj(x).view(B, T, self.heads, self.rank).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, self.heads, self.rank).transpose(1, 2)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
         if attn_mask is not None:
