@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+import re
 from typing import Callable, Iterable
 
 from torch import fx, nn
@@ -62,7 +63,9 @@ def region_boundary(nodes: Iterable[fx.Node]) -> tuple[list[fx.Node], list[fx.No
 
 def unique_name(root: nn.Module, name: str) -> str:
     """`name`, or `name_1`, `name_2`, ... if the root already has such an attribute."""
-    base = name.replace(".", "_") or "region"
+    base = re.sub(r"[^0-9A-Za-z_]", "_", name) or "region"  # dots and other punctuation -> '_'
+    if base[0].isdigit():
+        base = "_" + base
     cand, i = base, 0
     while hasattr(root, cand):
         i += 1
@@ -108,7 +111,7 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
     else:
         child.output(tuple(env[o] for o in outputs))
     child.lint()
-    body = fx.GraphModule(nn.Module(), child, class_name="Region_" + name.replace(".", "_"))
+    body = fx.GraphModule(nn.Module(), child, class_name="Region_" + re.sub(r"[^0-9A-Za-z_]", "_", name))
     mod = wrap(body) if wrap is not None else body
 
     attr = unique_name(gm, name)

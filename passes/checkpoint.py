@@ -183,6 +183,40 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
     return regions
 
 
+def _writes_input(region: Region) -> bool:
+    """True if a node of the region writes in place (relu_, add_, ...) to a value created outside it."""
+    members = set(region.nodes)
+    for n in region.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for a, sa in zip(n.args, schema.arguments):
+            if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node):
+                base = a
+                while base not in members and base.op == "call_function" and base.args \
+                        and isinstance(base.args[0], fx.Node) and "view" in str(base.target):
+                    base = base.args[0]
+                if base not in members:
+                    return True
+    return False
+
+
+def chunk_regions(program: Program, regions: list[Region], k: int) -> list[Region]:
+    """Segments of k consecutive regions; each takes every region node between its first and last node (the
+    glue in between too, so the segment stays convex). Named `first+last`."""
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    out = []
+    for i in range(0, len(regions), k):
+        grp = regions[i:i + k]
+        lo, hi = pos[grp[0].nodes[0]], pos[grp[-1].nodes[-1]]
+        nodes = [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)]
+        name = grp[0].path if len(grp) == 1 else f"{grp[0].path}+{grp[-1].path.split('.')[-1]}"
+        r = Region(name, nodes)
+        r.first, r.last = lo, hi
+        out.append(r)
+    return out
+
+
 def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: bool = False) -> list[str]:
     """Top-level module paths; a module holding over half the saved bytes is replaced by its children.
     finer: then every chosen module with two or more children is replaced by its children."""
@@ -651,12 +685,22 @@ class CheckpointPass:
             levels = [False]
         sets: list[CandidateSet] = []
         seen_paths: set = set()
+        candidate_lists = []
         for finer in levels:
             regions = candidate_regions(program, saved_by_node, opts.regions or None, finer=finer)
-            key = tuple(r.path for r in regions)
-            if key in seen_paths:
+            candidate_lists.append(("sub-block" if finer else "block", regions))
+        if opts.granularity == "auto" and not opts.regions:
+            # uniform segments of k consecutive finest regions (Chen et al.): a region of one op frees nothing
+            finest = candidate_lists[-1][1]
+            for k in range(2, max(2, int(math.isqrt(len(finest)))) + 2):
+                if len(finest) >= k + 1:
+                    candidate_lists.append((f"segments-{k}", chunk_regions(program, finest, k)))
+        for level, regions in candidate_lists:
+            key = tuple(tuple(n.name for n in r.nodes) for r in regions)
+            if key in seen_paths or not regions:
                 continue
             seen_paths.add(key)
+            regions = [r for r in regions if not _writes_input(r)]  # recomputation would see the written value
             measure_regions(program, regions, rec, base_keys, keep_ops, node_time)
             total_saved = sum(r.saved for r in regions) or 1
             if not opts.regions:
@@ -666,8 +710,7 @@ class CheckpointPass:
             choices = [("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
                        and r.flops_sel < r.flops else ("keep", "full") for r in regions]
             model = build_model(est0, regions, program, choices)
-            sets.append(CandidateSet(regions, choices, model, is_chain(regions, program),
-                                     "sub-block" if finer else "block"))
+            sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
         if not sets:
             notes.append("checkpoint: no candidate region saves activations; nothing to do")
             return PassResult(program, False, notes=notes, metrics=metrics)
