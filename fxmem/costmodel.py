@@ -443,6 +443,13 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
                     if base_keys.get(k) is None and k not in saved_until and k not in out_keys:
                         saved_until[k] = hi
     # inputs of a recompute region are held by the region until its backward
+    savers: dict[int, list[int]] = defaultdict(list)  # key -> records saving it (for offloaded region inputs)
+    if any(getattr(i, "offload_inputs", False) for i in regions.values()):
+        for r in R:
+            ri = regions.get(r.region) if r.region else None
+            if r.out_rg and not (ri is not None and ri.kind == "recompute" and not ri.keeps(r.func)):
+                for k in r.saved:  # saves that persist (a recompute region's own saves are recomputed)
+                    savers[k].append(r.idx)
     for name, info in regions.items():
         if info is None or info.kind != "recompute":
             continue
@@ -451,8 +458,10 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
             for k in r.in_keys:
                 if k is not None and created_in.get(k, -1) < lo and base_keys.get(k) is None:
                     saved_until[k] = min(saved_until.get(k, lo), lo)
-                    if getattr(info, "offload_inputs", False) and k in created_in:
-                        offloaded[name].add(k)  # an activation: off the device from the region's end until its backward
+                    if getattr(info, "offload_inputs", False) and k in created_in \
+                            and not any(not lo <= i <= hi for i in savers.get(k, ())):
+                        # an activation nobody else saves: off the device from the region's end until its backward
+                        offloaded[name].add(k)
 
     # ---------------------------------------------------------------------------- forward walk
     baseline = est.params + est.buffers + est.inputs + est.optimizer_state
