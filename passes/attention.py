@@ -13,8 +13,13 @@ Rewrites (`passes.attention.rewrite`):
                     from the module's training flag (`fxmem.nn.attention.sdpa_dropout`). The report says which
                     SDPA backend runs for each site on this device, in train and in eval mode (probed with
                     `torch.nn.attention.sdpa_kernel`): a fall-back to the math kernel loses the memory win.
-    hab             (lossy) `fxmem.nn.attention.HybridAttention`: chunked top-k attention.
-    semiseparable   (lossy) `fxmem.nn.attention.SemiseparableAttention`: exact band + low-rank far field.
+    hab             (lossy) `fxmem.nn.attention.HybridAttention`: top-k per query over blocks of query rows (the
+                    full matrix never exists; backward keeps O(Lq * k)); with `rank_ratio`, q/k come from new
+                    low-rank projections built from a per-head truncated SVD of the existing q/k weights.
+    semiseparable   (lossy) `fxmem.nn.attention.SemiseparableAttention`: exact block band + low-rank far field
+                    (positive random features), one normaliser; causal; hierarchical; bf16/fp16 low-rank factors.
+                    Its error grows with |q|^2 + |k|^2 (random-feature variance): the per-site tolerance decides.
+Per-site cost-model bytes (`site_bytes`, two static traces) go into each Change's `bytes_saved`.
 
 Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and implements the optional
 `is_exact(options)` hook the PassManager consults (fxmem/pipeline.py): for `hab`/`semiseparable` the pass is

@@ -244,7 +244,13 @@ class SemiseparableAttention(nn.Module):
         kband, vband = torch.cat(kband, -2), torch.cat(vband, -2)  # (B,H,nq,nb*b,E)
         bband = torch.cat(bband, -1)  # (B?,1?,nq,nb*b)
         kpos = torch.cat(pos, -1)  # (nq, nb*b) absolute key positions
-        s = torch.einsum("bhcie,bhcje->bhcij", qb, kband) + bband.unsqueeze(-2)
+        # centring (an exact rewrite): q.k - q.mu = (q - nu).(k - mu) + nu.(k - mu) for constant means nu, mu; the
+        # row term q.mu cancels in the normalisation, nu.(k - mu) is a per-key weight. The random features then see
+        # the smaller centred vectors, whose estimator variance is lower.
+        mu, nu = ks.detach().mean(-2, keepdim=True), qs.detach().mean(-2, keepdim=True)
+        qc, kc = qs - nu, ks - mu
+        rowterm = self._blocks((qs * mu).sum(-1, keepdim=True), nq, b)  # (B,H,nq,b,1)
+        s = torch.einsum("bhcie,bhcje->bhcij", qb, kband) + bband.unsqueeze(-2) - rowterm
         if self.causal:
             qpos = torch.arange(nq * b, device=q.device).reshape(nq, b)
             s = s.masked_fill(kpos[:, None, :] > qpos[:, :, None], float("-inf"))
@@ -255,8 +261,8 @@ class SemiseparableAttention(nn.Module):
             levels = [(self.features_near, 2, 2), (self.features, 3, None)]
         lq_all, lk_all = [], []
         for w, _, _ in levels:
-            lq_all.append(self._logfeat(qs, w))
-            lkf = self._logfeat(ks, w) + key_bias.unsqueeze(-1)
+            lq_all.append(self._logfeat(qc, w))
+            lkf = self._logfeat(kc, w) + key_bias.unsqueeze(-1) + (nu * kc).sum(-1, keepdim=True)
             lk_all.append(lkf)
         with torch.no_grad():
             ck = [lk.amax(dim=(-2, -1), keepdim=True).clamp_min(-1e30) for lk in lk_all]  # (B,H,1,1)
