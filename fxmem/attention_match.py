@@ -136,9 +136,17 @@ def sym_shape(n) -> tuple | None:
     return tuple(str(s) for s in v.shape)
 
 
+def _as_int(s) -> int:
+    try:
+        return int(s)
+    except Exception:  # noqa: BLE001 - an unbacked / symbolic size: its example hint
+        hint = getattr(getattr(s, "node", None), "hint", None)
+        return int(hint) if hint is not None else -1
+
+
 def shape(n) -> tuple | None:
     v = val(n)
-    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+    return tuple(_as_int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def dtype(n):
@@ -362,6 +370,9 @@ def _causal_keep(mask: fx.Node, scores_like: fx.Node, kind: str) -> tuple[bool, 
 
 def find_attention(program: Program | fx.GraphModule) -> list[AttentionSite]:
     """Every attention computation in the graph, rewritable (`site.ok`) or with the reason it is not."""
+    if isinstance(program, Program) and any(
+            n.op == "call_function" and "fxmem_val" not in n.meta for n in program.graph.nodes):
+        program.refresh()  # concrete example shapes for the checks
     graph = program.graph
     sites = []
     claimed: set = set()
