@@ -738,9 +738,13 @@ class CheckpointPass:
         best = None
         for attempt in range(1 + max(0, opts.refine)):
             if offload_rest:
+                # best effort: the cheapest plan reaching the lowest planned peak (not simply everything recomputed)
                 cs = min_set
-                plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
-                sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan), "max", True)
+                sol = solve(cs.model, max(cs.model.min_peak(), cs.model.floor), opts.solver, opts.time_limit,
+                            cs.chain)
+                if sol is None:
+                    plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
+                    sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan), "max", True)
             else:
                 found = []
                 for cs in sets:
@@ -763,8 +767,9 @@ class CheckpointPass:
             if target < min_peak:
                 break
         sol, trial, changes, est1, target, cs = best
-        if est1 is not None and est1.peak >= est0.peak and est1.activations >= est0.activations:
-            notes.append(f"checkpoint: the best plan does not lower the estimated memory (peak "
+        if est1 is not None and (est1.peak > est0.peak
+                                 or (est1.peak == est0.peak and est1.activations >= est0.activations)):
+            notes.append(f"checkpoint: the best plan would not lower the estimated memory (peak "
                          f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}: the peak is where recomputation "
                          f"cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
             metrics.update({"estimated_peak": est1.peak, "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})

@@ -223,7 +223,8 @@ def test_budget_error_names_what_cannot_be_checkpointed(gpt_prog):
     # with offload enabled the pass does its best and says so
     res, base = _run_pass(p, loss_fn, "20%", enabled=("checkpoint", "offload"))
     assert res.modified and any("offload pass is enabled" in n for n in res.notes)
-    assert all(v != "keep" for v in res.metrics["plan"].values())
+    base = _baseline(p, loss_fn)
+    assert res.metrics["estimated_peak"] < base.peak and res.metrics["planned_peak"] < 0.8 * base.peak
     # a preset's budget is a target (budget_strict: false): as low as checkpointing goes, and a note
     base = _baseline(p, loss_fn)
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",

@@ -17,9 +17,11 @@ from .conftest import EXAMPLE_NAMES, example
 from .test_checkpoint import ck
 
 SMALL = {"gpt": dict(n_layer=2)}
-# examples where the pass finds nothing worth recomputing (single-op module boundaries in a Sequential MLP; graph
-# models whose peak sits where recomputation cannot reach); the test checks the pass says so
-NOT_CHECKPOINTABLE = {"mlp_digits", "gat", "gcn"}
+# examples where the pass may find nothing worth recomputing at this (unreachable) budget: graph models whose peak
+# sits where recomputation cannot reach (gat, gcn), and gnn_stan, whose best-effort plan the cost model estimates
+# above the baseline peak (recomputation transient at its attention matmul's backward); mlp_digits needed segments
+# of consecutive layers (it is checkpointed now, kept here as allowed). The test checks the pass says why.
+NOT_CHECKPOINTABLE = {"mlp_digits", "gat", "gcn", "gnn_stan"}
 
 
 def _step(mod, args, kwargs, loss_fn, seed=5):
@@ -47,7 +49,7 @@ def test_checkpoint_exact_on_example(name):
     res = ck.CheckpointPass().run(p.snapshot(), ctx)
     if not res.modified:
         # allowed only with a reason: no candidate saves anything, or no plan lowers the estimate
-        assert any("no candidate region" in n or "does not lower" in n for n in res.notes), (name, res.notes)
+        assert any("no candidate region" in n or "would not lower" in n for n in res.notes), (name, res.notes)
         assert name in NOT_CHECKPOINTABLE, (name, res.notes)
         return
     q = res.program
@@ -70,4 +72,4 @@ def test_checkpoint_exact_on_example(name):
     # the peak may sit where checkpointing cannot reach (optimizer step, last region): the step's memory must
     # still drop somewhere: a lower peak or fewer activation bytes held after forward
     assert after.peak < base.peak or after.activations < base.activations, (name, after.peak, base.peak)
-    assert after.peak <= base.peak * 1.01, (name, after.peak, base.peak)
+    assert after.peak <= base.peak, (name, after.peak, base.peak)
