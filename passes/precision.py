@@ -396,7 +396,8 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
             if d.cls == OPAQUE:
                 w = orig_float_dtype(a)
             elif mixed and a is not first:
-                return a  # batch norm: weight, bias and running statistics stay fp32 (mixed-dtype kernel)
+                # batch norm's mixed-dtype kernel: low-precision input, weight/bias/running statistics in fp32
+                w = torch.float32
             if w is None or cur[a] == w:
                 return a
             return cast(a, w, n)

@@ -470,3 +470,24 @@ def test_sdpa_stays_one_fused_node_in_bf16():
     assert set(_float_in_dtypes(sdpa[0])) == {torch.bfloat16}  # q, k, v and the float mask
     assert sdpa[0].meta["fxmem_val"].dtype == torch.bfloat16
     assert res.metrics["output_deviation"]["rel"] < 1e-2
+
+
+def test_params_bf16_with_batch_norm_trains():
+    """Batch norm with bf16 parameters: its mixed kernel gets fp32 weight/bias and running statistics."""
+    ex, prog = _example("unet")
+    res = _run(prog, loss_fn=ex.loss_fn, params="bf16", report_estimate=False)
+    gm = copy.deepcopy(res.program.module)
+    for n in res.program.graph.nodes:
+        if n.op == "call_function" and P._packet(n.target) == "batch_norm":
+            dts = _float_in_dtypes(n)
+            assert dts[0] == torch.bfloat16 and set(dts[1:]) == {torch.float32}
+    opt = make_optimizer(gm, "adamw", lr=1e-2)
+    gm.train()
+    losses = []
+    for _ in range(3):
+        loss = ex.loss_fn(gm(*prog.example_args), prog.example_args)
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
