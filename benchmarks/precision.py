@@ -9,7 +9,7 @@ Per example and mode (measured with fxmem.measure, real steps on this machine's 
 - inference modes (`int8`, `nf4`: bitsandbytes weights on aten.linear sites, fp32 compute): bytes of the swapped
   linears' weights vs their fp32 weights, all parameter+buffer bytes, forward time, relative output error;
 - `adamw8bit`: bitsandbytes AdamW8bit optimizer-state bytes vs torch AdamW on the fp32 model.
-Writes precision_<timestamp-free>.md (table), precision.json, and precision.png / .svg.
+Writes benchmarks/results/precision_modes.md (table), .json, and .png / .svg.
 """
 from __future__ import annotations
 
@@ -219,8 +219,8 @@ def main(argv=None):
               "`bf16-params` stores parameters in bf16 and its optimizer keeps fp32 master weights (counted in "
               "optimizer state). On CPU, bitsandbytes int8/nf4 matmuls dequantize and are slower than fp32."]
     md = "\n".join(lines) + "\n"
-    (out / "precision.md").write_text(md)
-    (out / "precision.json").write_text(json.dumps({"train": train, "inference": infer}, indent=1))
+    (out / "precision_modes.md").write_text(md)
+    (out / "precision_modes.json").write_text(json.dumps({"train": train, "inference": infer}, indent=1))
     print(md)
     try:
         import matplotlib
@@ -247,8 +247,8 @@ def main(argv=None):
         axes[1].set_ylabel("linear weight bytes / fp32")
         axes[1].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / "precision.png", dpi=120)
-        fig.savefig(out / "precision.svg")
+        fig.savefig(out / "precision_modes.png", dpi=120)
+        fig.savefig(out / "precision_modes.svg")
     except Exception as e:  # noqa: BLE001
         print(f"plot not written: {type(e).__name__}: {e}")
 
