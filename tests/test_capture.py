@@ -83,6 +83,9 @@ def test_train_eval_switch_dropout_and_batchnorm():
     p = fxmem.capture(net, (x,))
     gm = p.module
     assert net.bn.num_batches_tracked.item() == 0, "capture must not change the user's buffers"
+    p.refresh()  # shape propagation (fake inputs, real buffers) and the traced estimate count no batch either
+    fxmem.estimate(p, method="traced")
+    assert gm.bn.num_batches_tracked.item() == 0 and net.bn.num_batches_tracked.item() == 0
     gm.train()
     a, b = gm(x), gm(x)
     assert not torch.equal(a, b), "dropout is active in train mode"
