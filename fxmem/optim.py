@@ -89,13 +89,28 @@ def optimizer_name(policy_or_name) -> str:
 
 
 def make_optimizer(module: nn.Module, policy="adamw", *, lr: float = 1e-3):
-    """The optimizer `policy.optimizer` (or a name) names, for the trainable parameters of `module`."""
+    """The optimizer `policy.optimizer` (or a name) names, for the trainable parameters of `module`.
+
+    A module whose offload pass planned `grads: true` (`module.fxmem_offload`) gets the optimizer wrapped in
+    `fxmem.nn.offload.OffloadedOptimizer`: gradients go to the host as they are accumulated (above the plan's
+    `grad_threshold` of device memory, if set) and the optimizer steps there."""
     name = optimizer_name(policy)
     params = [p for p in module.parameters() if p.requires_grad]
     if name == "none" or not params:
         return None
     notes = []
     device = params[0].device
+    plan = getattr(module, "fxmem_offload", None) or {}
+    if plan.get("grads"):
+        from .nn.offload import OffloadedOptimizer
+        threshold = plan.get("grad_threshold")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = OffloadedOptimizer(params, lambda ps: make_optimizer_for(name, ps, lr), threshold=threshold)
+        where = "the host" if device.type != "cpu" else "host copies (this module is already on the CPU)"
+        opt.fxmem_notes = [f"offload grads: {name} steps on {where}; gradients move as they are accumulated"
+                           + (f" while device memory is above {threshold} bytes" if threshold else "")]
+        return opt
     if name == "paged_adamw8bit" and device.type != "cuda":
         notes.append("paged_adamw8bit: no CUDA device, bitsandbytes runs it unpaged (state stays on the CPU)")
     low = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
@@ -115,6 +130,14 @@ def make_optimizer(module: nn.Module, policy="adamw", *, lr: float = 1e-3):
     except AttributeError:
         pass
     return opt
+
+
+def make_optimizer_for(name: str, params: list, lr: float):
+    """`name` over `params`: low-precision parameters get fp32 master weights unless bitsandbytes handles them."""
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if low and name not in ("adamw8bit", "adam8bit", "paged_adamw8bit"):
+        return MasterWeightOptimizer(params, name, lr=lr)
+    return make_torch_optimizer(name, params, lr=lr)
 
 
 def optimizer_state_bytes(opt) -> int:

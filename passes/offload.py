@@ -26,8 +26,8 @@ call before each block's first use returns its weights (prefetching the next blo
 fetched weights as tensors created at the fetch and freed after their last use.
 
 Gradients/optimizer (`grads: true`) and distribution (`distributed: ddp|fsdp`) act on the training loop, not the
-graph: the pass records the plan on the module (`module.fxmem_offload`), and `fxmem.nn.offload.OffloadedOptimizer`
-/ `fxmem.distribute(module, options)` apply it.
+graph: the pass records the plan on the module (`module.fxmem_offload`), and `fxmem.make_optimizer(module, policy)`
+(an `fxmem.nn.offload.OffloadedOptimizer`) / `fxmem.distribute(module, options)` apply it.
 """
 from __future__ import annotations
 
@@ -268,10 +268,11 @@ class OffloadPass:
             notes += n
         if o.grads:
             changes.append(Change("offload-plan", "", [], [], "gradients to host as accumulated, optimizer on host "
-                                  "(fxmem.nn.offload.OffloadedOptimizer)", None,
+                                  "(fxmem.make_optimizer returns a fxmem.nn.offload.OffloadedOptimizer)", None,
                                   {"grad_threshold": o.grad_threshold}))
-            notes.append("grads: the plan is recorded on the module (fxmem_offload); build the optimizer with "
-                         "fxmem.nn.offload.OffloadedOptimizer to move gradients to the host as they are accumulated")
+            notes.append("grads: the plan is recorded on the module (fxmem_offload); fxmem.make_optimizer(module, "
+                         "policy) wraps the optimizer in fxmem.nn.offload.OffloadedOptimizer, which moves gradients to "
+                         "the host as they are accumulated")
         if o.distributed != "none":
             from fxmem.distributed import block_paths
             plan["fsdp_blocks"] = block_paths(program.module)

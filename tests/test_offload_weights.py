@@ -203,3 +203,27 @@ def test_pass_records_grad_and_distributed_plan():
     plan = res.module.fxmem_offload
     assert plan["grads"] is True and plan["grad_threshold"] == 1 << 20
     assert plan["distributed"] == "fsdp" and plan["fsdp_blocks"] == ["h.0", "h.1"]
+
+
+def test_make_optimizer_follows_the_grads_plan():
+    """A module transformed with `grads: true` gets an OffloadedOptimizer from fxmem.make_optimizer, and training
+    with it gives bit-identical parameters to the same optimizer on the untransformed module."""
+    ex = example_module("mlp_digits")
+    torch.manual_seed(0)
+    model = ex.build_model(hidden=64)
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 64)
+    res = fxmem.transform(model, (x,), policy={"version": 1, "optimizer": "adamw", "passes": {"offload": {
+        "activations": False, "grads": True}}})
+    opt = fxmem.make_optimizer(res.module, res.policy)
+    assert isinstance(opt, OffloadedOptimizer) and "offload grads" in opt.fxmem_notes[0]
+    ref_opt = fxmem.make_optimizer(ref, "adamw")
+    assert not isinstance(ref_opt, OffloadedOptimizer)
+    for _ in range(3):
+        for m, o in ((ref, ref_opt), (res.module, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    got = dict(res.module.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(p, got[n]), n
