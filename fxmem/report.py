@@ -526,6 +526,12 @@ class Report:
                 n = str(n).rstrip()
                 P.append(f"<li><pre>{e(n)}</pre></li>" if "\n" in n else f"<li>{e(n)}</li>")
             P.append("</ul>")
+        hsvg = histograms_svg(rec.metrics.get("histograms") if isinstance(rec.metrics, dict) else None,
+                              title=f"{rec.name}: coldness per layer")
+        if hsvg:
+            P.append("<figure class=\"plot\">" + _svg_for_html(hsvg) + "<figcaption>Coldness histograms from "
+                     "calibration: how many hidden units of each layer fire on what fraction of the calibration "
+                     "inputs (units on the left are cold).</figcaption></figure>")
         mlines = _metric_lines(rec.metrics)
         if mlines:
             P.append("<p>Metrics (reported by the pass; byte counts are its estimates):</p><ul class=\"metrics\">"
@@ -663,6 +669,45 @@ def _render(report: Report, fmt: str) -> bytes:
         meta = {"Date": None} if fmt == "svg" else {"Software": None}
         fig.savefig(buf, format=fmt, metadata=meta)
     return buf.getvalue()
+
+
+def histograms_svg(hist, title: str = "coldness per layer", max_layers: int = 24) -> str | None:
+    """Small multiples of per-layer histograms ({"bin_edges": [...], layer: counts}) as deterministic SVG text;
+    None when there is nothing to draw. Layers past `max_layers` are left out (the metrics list keeps them all)."""
+    if not isinstance(hist, dict):
+        return None
+    edges = hist.get("bin_edges")
+    layers = [(k, v) for k, v in hist.items() if k != "bin_edges" and isinstance(v, (list, tuple)) and v
+              and all(isinstance(c, (int, float)) for c in v)]
+    if not layers or not isinstance(edges, (list, tuple)) or len(edges) < 2:
+        return None
+    shown = layers[:max_layers]
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols = min(4, len(shown))
+    rows = (len(shown) + cols - 1) // cols
+    with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
+                                "font.family": "DejaVu Sans"}):
+        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 1.9 * rows + 0.5), squeeze=False)
+        for ax in axes.flat[len(shown):]:
+            ax.axis("off")
+        for ax, (name, counts) in zip(axes.flat, shown):
+            lo = [float(x) for x in edges[:-1]][:len(counts)]
+            width = [float(b) - float(a) for a, b in zip(edges[:-1], edges[1:])][:len(counts)]
+            ax.bar(lo, counts, width=width, align="edge", color="#1f4e8c", edgecolor="white", linewidth=0.5)
+            ax.set_title(str(name) if len(str(name)) <= 34 else "…" + str(name)[-33:], fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.set_xlim(float(edges[0]), float(edges[-1]))
+        for ax in axes[-1]:
+            ax.set_xlabel("firing frequency", fontsize=7)
+        more = f" (first {len(shown)} of {len(layers)} layers)" if len(layers) > len(shown) else ""
+        fig.suptitle(title + more, fontsize=10)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+        plt.close(fig)
+    return buf.getvalue().decode("utf-8")
 
 
 def timeline_svg(report: Report) -> str:

@@ -243,7 +243,7 @@ def test_html_self_contained():
     h = _report(measured=True).to_html()
     assert h.startswith("<!DOCTYPE html>") and h.rstrip().endswith("</html>")
     assert "http://" not in h and "https://" not in h
-    assert "<svg" in h and "</svg>" in h and h.count("<svg") == 1
+    assert "<svg" in h and "</svg>" in h and h.count("<svg") == 2  # the timeline and one coldness figure
     low = h.lower()
     assert "<script" not in low and "<link" not in low and "@import" not in low
     assert not re.search(r"url\((?!#)", low)  # only in-document references (clip paths)
@@ -255,6 +255,12 @@ def test_html_self_contained():
     svg = h[h.index("<svg"):h.index("</svg>") + 6]
     assert "<text" not in svg and '<path id="DejaVuSans-' in svg  # glyphs as paths: no font dependency
     assert len(re.findall(r'<g id="axes_\d+"', svg)) == 2
+    # a pass's coldness histograms (the checkpoint record of this fake report carries them) are an image: inline
+    # SVG, one bar per bin, inside that pass's section
+    sec = h[h.index('id="pass-checkpoint"'):]
+    sec = sec[:sec.index("</section>")]
+    hsvg = sec[sec.index("<svg"):sec.index("</svg>") + 6]
+    assert "Coldness histograms" in sec and len(re.findall(r'<g id="patch_\d+"', hsvg)) >= 4
     # timing in its own section, only when not deterministic
     assert '<section id="timing">' in h and "capture_s: 0.731" in h
     assert "Timing" not in _report(measured=True).to_html(deterministic=True)
