@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
+from .nn.recast import cast_param, installed as recast_installed, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -239,6 +240,8 @@ class _Recorder(TorchDispatchMode):
         self.storage_bytes: dict[int, int] = {}
         self.keep_alive: list = []  # storages must not be freed and their ids reused during the trace
         self.grad_enabled = True
+        self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
+        self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
 
     def key(self, t):
         st = t.untyped_storage()
@@ -279,6 +282,8 @@ class _Recorder(TorchDispatchMode):
                 out_bytes.append(int(t.numel()) * t.element_size())
                 if new:
                     new_keys.append(k)
+                    if self.recast_node:
+                        self.recast_keys.add(k)
             else:
                 out_keys.append(None)
                 out_bytes.append(0)
@@ -310,6 +315,7 @@ class _RecordingInterpreter(fx.Interpreter):
     def run_node(self, n):
         self.rec.node = n.name
         self.rec.module = module_path(n)
+        self.rec.recast_node = n.op == "call_function" and n.target is cast_param
         return super().run_node(n)
 
     def call_module(self, target, args, kwargs):
@@ -407,6 +413,9 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
     for r in R:
         for k in r.new_keys:
             created_in[k] = r.idx
+    # parameter casts under fxmem.nn.recast are not saved: backward casts the parameter again (a transient)
+    recast = rec.recast_keys if recast_installed(program.module) else set()
+    recast_at: dict[int, int] = defaultdict(int)  # record index -> bytes its backward casts again
     last_use: dict[int, int] = {}
     for r in R:
         for k in r.in_keys + r.out_keys + r.list_keys:
@@ -421,6 +430,9 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
         info = regions.get(r.region) if r.region else None
         for k in r.saved:
             if base_keys.get(k) in ("param", "buffer", "input"):
+                continue
+            if k in recast and info is None:
+                recast_at[r.idx] += sb[k]
                 continue
             inside = info is not None and created_in.get(k, -1) >= region_first[r.region]
             # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
@@ -503,7 +515,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
     if mode == "train":
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
-            regions, region_first, region_last, recompute_bytes, offloaded, program)
+            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -526,7 +538,7 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
-                     region_first, region_last, recompute_bytes, offloaded, program):
+                     region_first, region_last, recompute_bytes, offloaded, program, recast_at=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -565,6 +577,8 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             continue
         node_peak_start = cur
         node_high[0] = cur
+        again = (recast_at or {}).get(r.idx, 0)
+        cur += again  # parameter copies cast again for this op's backward (fxmem.nn.recast)
         # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
         for k, b in zip(r.out_keys, r.out_bytes):
             if k is not None and k not in grad_live and b:
@@ -593,6 +607,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             cur += grad_live[k]
         bump(r.node, r.module)
         node_peak = max(cur, node_peak_start, node_high[0])
+        cur -= again
         # the op's output grads die, and what it saved
         for k in r.out_keys:
             if k is not None and k in grad_live and k not in param_keys:
@@ -656,7 +671,8 @@ def _traced(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
 
         def run_model(*a, **k):
             flat_in, _ = pytree.tree_flatten((tuple(a), dict(k)))
-            out = interp.run(*flat_in, enable_io_processing=False)
+            with recast_scope(gm):  # what the module's forward hooks would enter (fgm is a fake copy)
+                out = interp.run(*flat_in, enable_io_processing=False)
             return fgm.graph.process_outputs(out)
 
         marks = {}

@@ -79,6 +79,10 @@ class Program:
         new_gm._parameters = dict(gm._parameters)
         new_gm._buffers = dict(gm._buffers)
         new_gm._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
+        # module hooks a pass installed on the root (e.g. fxmem.nn.recast's scope) belong to the program
+        for attr in ROOT_HOOK_ATTRS:
+            if hasattr(gm, attr):
+                setattr(new_gm, attr, copy.copy(getattr(gm, attr)))
         new_gm.train(gm.training)
         return Program(module=new_gm, example_args=self.example_args, example_kwargs=self.example_kwargs,
                        mode=self.mode, input_names=list(self.input_names), input_specs=list(self.input_specs),
@@ -86,6 +90,11 @@ class Program:
 
     def code(self) -> str:
         return self.module.code
+
+
+# hooks on the root module that GraphModule(...) does not carry over to a module rebuilt from a graph
+ROOT_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_deepcopy_hooks")
 
 
 def _is_impure(node: fx.Node) -> bool:

@@ -19,6 +19,8 @@ from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.graph_module import _CodeOnlyModule
 
+from .program import ROOT_HOOK_ATTRS
+
 _META_KEEP = ("nn_module_stack", "stack_trace", "fxmem_mode_flag")
 
 
@@ -125,7 +127,7 @@ def _rebuild_graph_module(body: dict, state: dict, class_name: str):
     com = _CodeOnlyModule(body)
     gm = _make_graph_module(com, graph, class_name=class_name)
     for k, v in body.items():
-        if not hasattr(gm, k):
+        if not hasattr(gm, k) or k in ROOT_HOOK_ATTRS:
             setattr(gm, k, v)
     return gm
 

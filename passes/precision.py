@@ -59,6 +59,7 @@ from torch.utils import _pytree as pytree
 from fxmem import ops as optable
 from fxmem.compare import deviation
 from fxmem.errors import PolicyError
+from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_path
 
@@ -117,6 +118,7 @@ class PrecisionOptions:
     keep_fp32_modules: list[str] = field(default_factory=list)
     islands: Literal["compact", "autocast"] = "compact"
     params: Literal["fp32", "bf16"] = "fp32"
+    recast_params: bool = True  # training, fp32 params: backward re-casts weights instead of saving their copies
     weights: Literal["none", "fp32", "int8", "nf4", "fp4"] = "none"  # "fp32" = "none": weights not quantized
     double_quant: bool = True
     int8_threshold: float = 6.0
@@ -281,8 +283,12 @@ def plan(gm: fx.GraphModule, opts: PrecisionOptions, low: torch.dtype, reverted:
 
 # ============================================================================================ the rewrite
 
-def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions, low: torch.dtype) -> dict:
-    """Insert casts on every edge whose dtype changes under the plan; returns counters."""
+def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions, low: torch.dtype,
+               recast: bool = False) -> dict:
+    """Insert casts on every edge whose dtype changes under the plan; returns counters.
+
+    recast: casts of parameters become `fxmem.nn.recast.cast_param` and the module gets the recast hooks, so
+    autograd saves the parameter (alive anyway) instead of its low-precision copy and casts again in backward."""
     g = gm.graph
     compact = opts.islands == "compact"
     cur: dict[fx.Node, torch.dtype | None] = {}
@@ -297,7 +303,11 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
         c = casts.get(key)
         if c is None:
             with g.inserting_before(before):
-                c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
+                if recast and is_param(a) and dt != torch.float32:
+                    c = g.call_function(cast_param, (a, dt))
+                    stats["params_recast"] = stats.get("params_recast", 0) + 1
+                else:
+                    c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
             c.name = f"{a.name}_{_SHORT.get(dt, 'cast')}"
             c.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
             c.meta["fxmem_precision"] = "cast"
@@ -420,6 +430,8 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
             cur[n] = od
     g.lint()
     gm.recompile()
+    if stats.get("params_recast"):
+        install_recast(gm)
     return stats
 
 
@@ -934,7 +946,8 @@ class PrecisionPass:
                                           {"max_abs": mx, "rel": rel, "decision": d.cls}))
             if reverted:
                 decisions = plan(gm, opts, low, reverted)
-            stats = apply_plan(gm, decisions, opts, low)
+            stats = apply_plan(gm, decisions, opts, low,
+                               recast=opts.recast_params and opts.params == "fp32" and mode == "train")
             program.refresh()
             stats["casts_removed"] = simplify_casts(gm)
             metrics.update(stats)

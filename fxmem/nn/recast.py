@@ -1,0 +1,161 @@
+"""Low-precision copies of parameters that autograd does not keep: backward casts the parameter again.
+
+With fp32 master parameters and bf16/fp16 compute (autocast semantics), every matmul saves the low-precision copy
+of its weight for backward, so a training step holds a second, half-size copy of the weights from forward to
+backward. Those copies are a pure function of the parameter, which stays alive anyway: saving the parameter and
+casting it again in backward frees the copies at once, for the cost of one cast per use, with bit-identical
+gradients (the cast is deterministic and the parameter does not change between forward and backward).
+
+How: the precision pass emits `cast_param(weight, dtype)` instead of `aten._to_copy` for parameter casts and
+calls `install(module)`. While the module's forward runs, a `RecastScope` is the innermost
+`saved_tensors_hooks`: a tensor whose storage is one that `cast_param` created in this forward is packed as
+(parameter, dtype, view geometry) and unpacked by casting again; every other tensor is saved as usual. The
+scope is entered by a forward pre-hook and left by an always-called forward hook (also when forward raises).
+Inside regions with their own hooks (checkpoint, offload) those hooks are innermost and decide, as they should.
+
+The cost model reads `installed(module)` and leaves the outputs of `cast_param` nodes out of what is saved.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+_state = threading.local()
+
+
+def _stack() -> list:
+    s = getattr(_state, "stack", None)
+    if s is None:
+        s = _state.stack = []
+    return s
+
+
+def _calls() -> list:
+    """Scopes entered by forward pre-hooks on this thread, innermost last (nested fxmem modules)."""
+    c = getattr(_state, "calls", None)
+    if c is None:
+        c = _state.calls = []
+    return c
+
+
+def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`p.to(dtype)`; inside an active RecastScope the copy is recast in backward instead of being saved."""
+    out = p.to(dtype)
+    stack = _stack()
+    if stack and out is not p:
+        stack[-1].register(out, p, dtype)
+    return out
+
+
+torch.fx.wrap("cast_param")
+
+
+class RecastScope:
+    """saved_tensors_hooks that save registered parameter casts as their parameter (see the module docstring)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}  # storage id -> (weakref to the storage, parameter, dtype)
+        self._hooks = None
+
+    def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
+        st = out.untyped_storage()
+        key = st._cdata
+        entries = self._entries
+        # the storage object is preserved while the storage lives; when it dies the entry goes with it, so a
+        # later tensor that reuses the address is never mistaken for the cast
+        ref = weakref.ref(st, lambda _r, key=key: entries.pop(key, None))
+        entries[key] = (ref, p, dtype)
+
+    def _pack(self, t: torch.Tensor):
+        if not self._entries:
+            return t
+        st = t.untyped_storage()
+        e = self._entries.get(st._cdata)
+        if e is None or e[0]() is not st:
+            return t
+        return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    @staticmethod
+    def _unpack(x):
+        if isinstance(x, _Recast):
+            with torch.no_grad():
+                full = x.param.to(x.dtype)
+                return full.as_strided(x.shape, x.stride, x.offset)
+        return x
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        stack = _stack()
+        if stack and stack[-1] is self:
+            stack.pop()
+        hooks, self._hooks = self._hooks, None
+        self._entries = {}
+        if hooks is not None:
+            hooks.__exit__(*exc)
+        return False
+
+
+class _Recast:
+    __slots__ = ("param", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, param, dtype, shape, stride, offset):
+        self.param, self.dtype, self.shape, self.stride, self.offset = param, dtype, shape, stride, offset
+
+
+class _Enter:
+    """Forward pre-hook: a fresh scope per call (picklable, so saved modules keep it)."""
+
+    def __call__(self, module, args):
+        scope = RecastScope()
+        scope.__enter__()
+        _calls().append(scope)
+
+
+class _Exit:
+    """Forward hook, always called: leaves the scope the matching pre-hook entered."""
+
+    def __call__(self, module, args, output):
+        calls = _calls()
+        if calls:
+            calls.pop().__exit__(None, None, None)
+
+
+class _Reinstall:
+    """GraphModule deepcopy hook: `GraphModule.__deepcopy__` drops forward hooks; put ours back on the copy."""
+
+    def __call__(self, copied: nn.Module) -> None:
+        install(copied)
+
+
+def install(module: nn.Module) -> None:
+    """Run `module`'s forward inside a RecastScope (idempotent; survives deepcopy and Program.snapshot)."""
+    if not installed(module):
+        module.register_forward_pre_hook(_Enter())
+        module.register_forward_hook(_Exit(), always_call=True)
+    hooks = getattr(module, "_deepcopy_hooks", None)
+    if hooks is not None and not any(isinstance(h, _Reinstall) for h in hooks):
+        module._register_deepcopy_hook(_Reinstall())
+
+
+def installed(module: nn.Module) -> bool:
+    return any(isinstance(h, _Enter) for h in module._forward_pre_hooks.values())
+
+
+def scope_for(module: nn.Module):
+    """The scope forward would enter, for callers that run the graph through an fx.Interpreter."""
+    import contextlib
+    return RecastScope() if installed(module) else contextlib.nullcontext()
+
+
+def copy_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """Carry the recast hooks over to a module rebuilt from `src`'s graph (Program.snapshot)."""
+    if installed(src) and not installed(dst):
+        install(dst)
