@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import fx
 
+from fxmem import ops as optable
 from fxmem.costmodel import trace_forward
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
@@ -67,7 +68,10 @@ class CheckpointOptions:
     budget: Budget | None = None  # '4GiB', '40%' (of the baseline peak); None: the policy's budget
     solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
     selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
-    cost: Literal["flops", "profile"] = "flops"  # recompute cost: op-table FLOPs, or timed on the example inputs
+    # recompute cost: roofline (max of FLOPs and `balance` x bytes moved: pointwise and normalization ops are
+    # memory-bound), op-table FLOPs alone, or ops timed on the example inputs
+    cost: Literal["roofline", "flops", "profile"] = "roofline"
+    balance: float | None = None  # roofline: FLOPs per byte of memory traffic; None: 10 on CPU, 100 on CUDA
     time_limit: float = 10.0  # seconds for the MILP before the greedy fallback
     slack: float = 0.05  # stated tolerance: measured peak <= budget * (1 + slack)
     keep_ops: list[str] = field(default_factory=lambda: sorted(MATMUL_OPS))  # what selective regions save
@@ -245,8 +249,25 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
+def op_cost(r, balance: float | None) -> float:
+    """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
+    read and written). Views and metadata ops move no data."""
+    if balance is None:
+        return float(r.flops)
+    if optable.category(r.func) == optable.VIEW:
+        return float(r.flops)
+    moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
+    return max(float(r.flops), balance * moved)
+
+
+def default_balance(program: Program) -> float:
+    """FLOPs per byte at which an op stops being memory-bound: ~10 for CPUs, ~100 for datacenter GPUs."""
+    p = next(program.module.parameters(), None)
+    return 100.0 if p is not None and p.device.type == "cuda" else 10.0
+
+
 def measure_regions(program: Program, regions: list[Region], rec, base_keys, keep_ops: frozenset,
-                    node_time: dict[str, float] | None = None) -> None:
+                    node_time: dict[str, float] | None = None, balance: float | None = None) -> None:
     """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
     R = rec.records
     sb = rec.storage_bytes
@@ -271,9 +292,10 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         for r in recs:
             is_keep = _packet(r.func) in keep_ops or str(r.func) in keep_ops
             if node_time is None:
-                flops += r.flops
+                c = op_cost(r, balance)
+                flops += c
                 if not is_keep:
-                    flops_sel += r.flops
+                    flops_sel += c
             if r.out_rg:
                 for k in r.saved:
                     if base_keys.get(k) is None and created_in.get(k) in idxs:
@@ -680,6 +702,9 @@ class CheckpointPass:
                     seen.add(k)
                     saved_by_node[r.node] = saved_by_node.get(r.node, 0) + rec.storage_bytes[k]
         node_time = profile_nodes(program) if opts.cost == "profile" else None
+        balance = None
+        if opts.cost == "roofline":
+            balance = opts.balance if opts.balance is not None else default_balance(program)
         levels = {"block": [False], "sub-block": [True], "auto": [False, True]}[opts.granularity]
         if opts.regions:
             levels = [False]
@@ -701,7 +726,7 @@ class CheckpointPass:
                 continue
             seen_paths.add(key)
             regions = [r for r in regions if not _writes_input(r)]  # recomputation would see the written value
-            measure_regions(program, regions, rec, base_keys, keep_ops, node_time)
+            measure_regions(program, regions, rec, base_keys, keep_ops, node_time, balance)
             total_saved = sum(r.saved for r in regions) or 1
             if not opts.regions:
                 regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
@@ -784,6 +809,7 @@ class CheckpointPass:
             "planned_peak": sol.peak, "planning_budget": target,
             "estimated_peak": est1.peak if est1 is not None else None,
             "recompute_flops": sol.cost if opts.cost == "flops" else None,
+            "recompute_roofline_flops": sol.cost if opts.cost == "roofline" else None,
             "recompute_seconds": sol.cost if opts.cost == "profile" else None,
             "forward_flops": est0.flops_forward, "plan": {r.path: c for r, c in zip(regions, sol.plan)},
             "transform_seconds": round(time.perf_counter() - t0, 3),

@@ -118,7 +118,7 @@ class PrecisionOptions:
     keep_fp32_modules: list[str] = field(default_factory=list)
     islands: Literal["compact", "autocast"] = "compact"
     params: Literal["fp32", "bf16"] = "fp32"
-    recast_params: bool = True  # training, fp32 params: backward re-casts weights instead of saving their copies
+    recast_params: bool = True  # training, fp32 params: backward re-casts weights/inputs instead of saving copies
     weights: Literal["none", "fp32", "int8", "nf4", "fp4"] = "none"  # "fp32" = "none": weights not quantized
     double_quant: bool = True
     int8_threshold: float = 6.0
@@ -303,7 +303,7 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
         c = casts.get(key)
         if c is None:
             with g.inserting_before(before):
-                if recast and is_param(a) and dt != torch.float32:
+                if recast and (is_param(a) or a.op == "placeholder") and dt != torch.float32:
                     c = g.call_function(cast_param, (a, dt))
                     stats["params_recast"] = stats.get("params_recast", 0) + 1
                 else:

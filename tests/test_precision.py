@@ -566,3 +566,14 @@ def test_recast_module_saves_and_loads(tmp_path):
     assert installed(loaded)
     res.module.eval(), loaded.eval()
     torch.testing.assert_close(loaded(*x), res.module(*x), atol=0, rtol=0)
+
+
+def test_recast_refuses_a_parameter_changed_before_backward():
+    ex, prog = _example("gpt")
+    m = copy.deepcopy(_run(prog, loss_fn=ex.loss_fn).program.module)
+    out = _call(prog, m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)  # an optimizer step before backward
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        ex.loss_fn(out, prog.example_args).backward()

@@ -1,10 +1,14 @@
-"""Low-precision copies of parameters that autograd does not keep: backward casts the parameter again.
+"""Low-precision copies of parameters (and inputs) that autograd does not keep: backward casts them again.
 
 With fp32 master parameters and bf16/fp16 compute (autocast semantics), every matmul saves the low-precision copy
 of its weight for backward, so a training step holds a second, half-size copy of the weights from forward to
 backward. Those copies are a pure function of the parameter, which stays alive anyway: saving the parameter and
 casting it again in backward frees the copies at once, for the cost of one cast per use, with bit-identical
-gradients (the cast is deterministic and the parameter does not change between forward and backward).
+gradients (the cast is deterministic and the parameter does not change between forward and backward: checked
+with its version counter, an in-place change in between is an error, as autograd's own saved tensors would be).
+The same holds for the step's inputs, which the caller holds during the step: a cast of a graph input is
+recast too (otherwise the low-precision copy of an image batch would be a new activation the fp32 graph never
+had).
 
 How: the precision pass emits `cast_param(weight, dtype)` instead of `aten._to_copy` for parameter casts and
 calls `install(module)`. While the module's forward runs, a `RecastScope` is the innermost
@@ -76,11 +80,16 @@ class RecastScope:
         e = self._entries.get(st._cdata)
         if e is None or e[0]() is not st:
             return t
-        return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
 
     @staticmethod
     def _unpack(x):
         if isinstance(x, _Recast):
+            if x.param._version != x.version:
+                raise RuntimeError(
+                    "fxmem recast: a parameter or input whose low-precision copy backward needs was modified in "
+                    "place between forward and backward (e.g. optimizer.step() before loss.backward()); "
+                    f"shape {tuple(x.param.shape)}, version {x.version} -> {x.param._version}")
             with torch.no_grad():
                 full = x.param.to(x.dtype)
                 return full.as_strided(x.shape, x.stride, x.offset)
@@ -104,10 +113,11 @@ class RecastScope:
 
 
 class _Recast:
-    __slots__ = ("param", "dtype", "shape", "stride", "offset")
+    __slots__ = ("param", "dtype", "shape", "stride", "offset", "version")
 
-    def __init__(self, param, dtype, shape, stride, offset):
+    def __init__(self, param, dtype, shape, stride, offset, version):
         self.param, self.dtype, self.shape, self.stride, self.offset = param, dtype, shape, stride, offset
+        self.version = version
 
 
 class _Enter:
