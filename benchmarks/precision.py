@@ -214,8 +214,8 @@ def main(argv=None):
             if r["linear_dense"] else "-"
         lines.append(f"| {r['example']} | {r['mode']} | {lin} | {fmt_ratio(r['weights'], b['weights'])} | "
                      f"{fmt_ratio(r['time'], b['time'])} | {r['rel_err']:.2e} |")
-    lines += ["", "Notes: `bf16` keeps fp32 master parameters; the bf16 copies of the weights that the matmuls save "
-              "for backward count as activations (as under torch.autocast), which dominates on the tiny models. "
+    lines += ["", "Notes: `bf16` keeps fp32 master parameters; with `recast_params` (default) backward casts them (and "
+              "fp32 inputs) to bf16 again instead of saving the copies; `bf16-autocast` islands as torch.autocast. "
               "`bf16-params` stores parameters in bf16 and its optimizer keeps fp32 master weights (counted in "
               "optimizer state). On CPU, bitsandbytes int8/nf4 matmuls dequantize and are slower than fp32."]
     md = "\n".join(lines) + "\n"
