@@ -549,19 +549,22 @@ def is_chain(regions: list[Region], program: Program) -> bool:
     return True
 
 
-def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool) -> Solution | None:
+def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool,
+          tiebreak: bool = True) -> Solution | None:
+    """The cheapest plan under `budget`; with `tiebreak`, among the cheapest the one with the lowest planned peak
+    (see `tie_break`)."""
     t0 = time.perf_counter()
     kind = solver if solver != "auto" else ("dp" if chain else "milp")
     note = ""
     optimal, gap = True, None
     if kind == "dp":
         plan = solve_dp(model, budget)
-        if plan is not None:
+        if plan is not None and tiebreak:
             # lexicographic tie-break: the lowest budget with the same cost gives the lowest peak
             plan = _lowest_peak_same_cost(model, plan, budget, lambda b: solve_dp(model, b))
     elif kind == "milp":
         plan, optimal, lp_bound = solve_milp(model, budget, time_limit)
-        if plan is not None and optimal:
+        if plan is not None and optimal and tiebreak:
             plan = _lowest_peak_same_cost(model, plan, budget,
                                           lambda b: solve_milp(model, b, time_limit)[0], iters=10)
         if plan is None or not optimal:
@@ -584,6 +587,19 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
     if plan is None:
         return None
     return Solution(plan, model.cost(plan), model.peak(plan), kind, optimal, gap, time.perf_counter() - t0, note)
+
+
+def tie_break(sol: Solution, model: Model, budget: int, time_limit: float) -> Solution:
+    """`sol` (found with tiebreak=False) replaced by a plan of the same cost with the lowest planned peak."""
+    if sol.solver == "dp":
+        plan = _lowest_peak_same_cost(model, sol.plan, budget, lambda b: solve_dp(model, b))
+    elif sol.solver == "milp" and sol.optimal:
+        plan = _lowest_peak_same_cost(model, sol.plan, budget, lambda b: solve_milp(model, b, time_limit)[0],
+                                      iters=10)
+    else:
+        return sol
+    return Solution(plan, model.cost(plan), model.peak(plan), sol.solver, sol.optimal, sol.gap, sol.seconds,
+                    sol.note)
 
 
 def _lowest_peak_same_cost(model: Model, plan: list[str], budget: int, solve_at, iters: int = 24) -> list[str]:
@@ -773,14 +789,19 @@ class CheckpointPass:
             else:
                 found = []
                 for cs in sets:
-                    sl = solve(cs.model, target, opts.solver, opts.time_limit, cs.chain)
+                    sl = solve(cs.model, target, opts.solver, opts.time_limit, cs.chain, tiebreak=False)
                     if sl is not None:
                         found.append((sl.cost, sl.peak, len(found), sl, cs))
                 if not found:
                     if best is not None:
                         break
                     raise BudgetError(self._budget_message(budget, min_peak, est0, min_set.model))
-                _, _, _, sol, cs = min(found, key=lambda t: t[:3])  # cheapest, then lowest planned peak
+                # cheapest, then lowest planned peak: only the sets at the lowest cost can win, so only their
+                # plans go through the (costly) lowest-peak tie-break
+                c_min = min(t[0] for t in found)
+                found = [(c, sl2.peak, i, sl2, cs2) for c, _, i, sl, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9
+                         for sl2 in [tie_break(sl, cs2.model, target, opts.time_limit)]]
+                _, _, _, sol, cs = min(found, key=lambda t: t[:3])
             trial = program.snapshot()
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
