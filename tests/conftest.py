@@ -31,6 +31,16 @@ def example(name: str, **build_kwargs):
     return model, args, kwargs, getattr(mod, "loss_fn", None)
 
 
+def grads(module, args, kwargs, loss_fn):
+    """(output, {param name: grad}) of one forward + default-or-given loss + backward, from cleared grads."""
+    from fxmem.step import compute_loss
+    for p in module.parameters():
+        p.grad = None
+    out = module(*args, **kwargs)
+    compute_loss(loss_fn, out, args, kwargs).backward()
+    return out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -12,17 +12,9 @@ from torch.utils import _pytree as pytree
 
 import fxmem
 from fxmem.compare import compare_outputs
-from fxmem.step import compute_loss
 
 from .conftest import EXAMPLE_NAMES, example
-
-
-def _grads(module, args, kwargs, loss_fn):
-    for p in module.parameters():
-        p.grad = None
-    out = module(*args, **kwargs)
-    compute_loss(loss_fn, out, args, kwargs).backward()
-    return out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+from .conftest import grads as _grads
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
