@@ -226,6 +226,7 @@ class OpRecord:
     known: bool = True
     saved: list = field(default_factory=list)  # storage keys saved for backward
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
+    recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
 
 
 class _Recorder(TorchDispatchMode):
@@ -242,6 +243,7 @@ class _Recorder(TorchDispatchMode):
         self.grad_enabled = True
         self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
         self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
+        self.recast_enabled = False  # the traced module runs under fxmem.nn.recast's scope
 
     def key(self, t):
         st = t.untyped_storage()
@@ -299,6 +301,11 @@ class _Recorder(TorchDispatchMode):
                 keys = in_keys if kind == "in" else out_keys
                 if i < len(keys) and keys[i] is not None:
                     rec.saved.append(keys[i])
+            if self.recast_enabled and self.recast_keys and self.region is None:
+                # casts of parameters/inputs are saved as their source and cast again in backward; inside a
+                # region the region's own hooks decide (checkpoint recomputes, offload moves them)
+                rec.recast = [k for k in rec.saved if k in self.recast_keys]
+                rec.saved = [k for k in rec.saved if k not in self.recast_keys]
         else:
             rec.known = optable.lookup(func) is not None or True
         if optable.lookup(func) is None:
@@ -347,6 +354,7 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
         fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
     rec = _Recorder()
     rec.grad_enabled = mode == "train"
+    rec.recast_enabled = recast_installed(gm)
     was = gm.training
     gm.train(mode == "train")
     grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
@@ -414,8 +422,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
         for k in r.new_keys:
             created_in[k] = r.idx
     # parameter casts under fxmem.nn.recast are not saved: backward casts the parameter again (a transient)
-    recast = rec.recast_keys if recast_installed(program.module) else set()
-    recast_at: dict[int, int] = defaultdict(int)  # record index -> bytes its backward casts again
+    recast_at = {r.idx: sum(sb[k] for k in r.recast) for r in R if r.recast}
     last_use: dict[int, int] = {}
     for r in R:
         for k in r.in_keys + r.out_keys + r.list_keys:
@@ -430,9 +437,6 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
         info = regions.get(r.region) if r.region else None
         for k in r.saved:
             if base_keys.get(k) in ("param", "buffer", "input"):
-                continue
-            if k in recast and info is None:
-                recast_at[r.idx] += sb[k]
                 continue
             inside = info is not None and created_in.get(k, -1) >= region_first[r.region]
             # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
