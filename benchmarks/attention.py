@@ -194,7 +194,9 @@ def mib(b):
 def write(rows, args):
     OUT.mkdir(parents=True, exist_ok=True)
     stem = OUT / f"attention_{args.tag}"
-    cmd = "python benchmarks/attention.py" + (f" --max-n {args.max_n}" if args.max_n != 4096 else "") + \
+    cmd = "python benchmarks/attention.py" + (f" --min-n {args.min_n}" if args.min_n != 256 else "") + \
+        (f" --max-n {args.max_n}" if args.max_n != 4096 else "") + \
+        (f" --rounds {args.rounds}" if args.rounds != 3 else "") + \
         (f" --dropout {args.dropout}" if args.dropout else "") + (f" --tag {args.tag}" if args.tag != "scaling" else "")
     lines = [f"# Attention pass: eager vs SDPA rewrite vs HAB vs semiseparable ({args.tag})", "",
              f"Reproduce: `{cmd}` (torch {torch.__version__}, CPU, {torch.get_num_threads()} threads). One causal "
