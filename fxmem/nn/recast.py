@@ -16,6 +16,8 @@ calls `install(module)`. While the module's forward runs, a `RecastScope` is the
 (parameter, dtype, view geometry) and unpacked by casting again; every other tensor is saved as usual. The
 scope is entered by a forward pre-hook and left by an always-called forward hook (also when forward raises).
 Inside regions with their own hooks (checkpoint, offload) those hooks are innermost and decide, as they should.
+Under torch.compile the hooks and the registration step aside (no graph breaks): the compiled graph's
+partitioner decides what it saves and recomputes casts by itself.
 
 The cost model reads `installed(module)` and leaves the outputs of `cast_param` nodes out of what is saved.
 """
@@ -48,6 +50,8 @@ def _calls() -> list:
 def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`p.to(dtype)`; inside an active RecastScope the copy is recast in backward instead of being saved."""
     out = p.to(dtype)
+    if torch.compiler.is_compiling():
+        return out  # a compiled graph's partitioner decides what it saves (and recomputes casts itself)
     stack = _stack()
     if stack and out is not p:
         stack[-1].register(out, p, dtype)
@@ -124,6 +128,8 @@ class _Enter:
     """Forward pre-hook: a fresh scope per call (picklable, so saved modules keep it)."""
 
     def __call__(self, module, args):
+        if torch.compiler.is_compiling():
+            return  # under torch.compile the compiled graph's partitioner decides what is saved
         scope = RecastScope()
         scope.__enter__()
         _calls().append(scope)
@@ -133,6 +139,8 @@ class _Exit:
     """Forward hook, always called: leaves the scope the matching pre-hook entered."""
 
     def __call__(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return
         calls = _calls()
         if calls:
             calls.pop().__exit__(None, None, None)
