@@ -210,7 +210,7 @@ def distributed():
         lines.append(f"| {mode} | {dl:.2e} | {dg:.2e} | {_fmt(est)} | {_fmt(meas)} | {ratio} | "
                      f"{r['blocks'] or '—'} |")
     lines += ["", "Per-rank estimate = the cost model with world_size/zero_stage (DDP 0, FSDP 3) plus DDP's gradient "
-              "buckets, or FSDP2's unsharded root parameters and two unsharded blocks. Measured = live tensor "
+              "buckets, or FSDP2's unsharded root parameters, two unsharded blocks and a block's unsharded gradients with their reduce-scatter copy. Measured = live tensor "
               "storages on rank 0 over one steady-state step (local shards of parameters and optimizer state "
               "seeded)."]
     (RESULTS / "offload_distributed.md").write_text("\n".join(lines) + "\n")

@@ -353,8 +353,9 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
 
     `fxmem.estimate(..., world_size, zero_stage)` shards parameters, gradients and optimizer state; on top of it:
     DDP keeps gradient buckets (one more copy of the trainable parameters' bytes); FSDP2 holds the root's
-    parameters unsharded from forward until the end of backward, and up to two blocks' unsharded parameters
-    (the one computing and the one prefetched). `program` must be at the per-rank input shapes.
+    parameters unsharded from forward until the end of backward, up to two blocks' unsharded parameters
+    (the one computing and the one prefetched), and in a block's backward its unsharded gradients plus the
+    reduce-scatter input copied from them (twice the largest block). `program` must be at the per-rank input shapes.
     Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes.
     """
     from .costmodel import estimate
@@ -379,5 +380,7 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
                 per_block[b] += size
         unsharded_root = root - -(-root // world_size)
         biggest = sorted(per_block.values(), reverse=True)[:2]
-        extra = unsharded_root + sum(biggest)
+        # in a block's backward: its unsharded gradients and the flat reduce-scatter input built from them
+        rs = 2 * (biggest[0] if biggest else 0)
+        extra = unsharded_root + sum(biggest) + rs
     return {"peak": est.peak + extra, "base_estimate": est.peak, "extra": extra, "zero_stage": stage}

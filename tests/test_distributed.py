@@ -149,5 +149,5 @@ def test_fsdp_shards_blocks_found_from_the_graph(runs):
 def test_per_rank_estimate_tracks_measured(runs, mode):
     got, _ = runs
     est, meas = got[mode]["est"]["peak"], got[mode]["meas"]["peak"]
-    # stated tolerance: the per-rank estimate is within 30% of the measured per-rank peak (see the report)
-    assert abs(est - meas) <= 0.30 * meas, (mode, est, meas)
+    # stated tolerance: the per-rank estimate is within 15% of the measured per-rank peak (see the report)
+    assert abs(est - meas) <= 0.15 * meas, (mode, est, meas)
