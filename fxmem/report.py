@@ -701,6 +701,8 @@ def histograms_svg(hist, title: str = "coldness per layer", max_layers: int = 24
             ax.set_xlim(float(edges[0]), float(edges[-1]))
         for ax in axes[-1]:
             ax.set_xlabel("firing frequency", fontsize=7)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("hidden units", fontsize=7)
         more = f" (first {len(shown)} of {len(layers)} layers)" if len(layers) > len(shown) else ""
         fig.suptitle(title + more, fontsize=10)
         fig.tight_layout()
