@@ -430,6 +430,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
                 last_use[k] = r.idx
     saved_until: dict[int, int] = {}  # key -> record index whose backward frees it (the earliest saver)
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
+    recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
     offloaded: dict[str, set] = defaultdict(set)
     for r in R:
         if not r.out_rg:
@@ -442,7 +443,10 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
             # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
             producer = R[created_in[k]].func if k in created_in else r.func
             if info is not None and info.kind == "recompute" and inside and not info.keeps(producer):
-                recompute_bytes[r.region] += sb[k]
+                rk = recompute_keys[r.region]
+                if k not in rk:
+                    recompute_bytes[r.region] += sb[k]  # once per tensor, however many ops save it
+                rk[k] = min(rk.get(k, r.idx), r.idx)
                 continue
             if info is not None and info.kind == "offload" and inside:
                 offloaded[r.region].add(k)
@@ -519,7 +523,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
     if mode == "train":
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
-            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at)
+            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -542,7 +546,8 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
-                     region_first, region_last, recompute_bytes, offloaded, program, recast_at=None):
+                     region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
+                     recompute_keys=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -551,6 +556,11 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         free_saved_at[i].append(k)
     # the loss gradient seeds backward
     recomputed_live: dict[str, int] = {}
+    # a recomputed tensor is freed once the last op (in backward order) that saved it has run its backward
+    recomputed_free_at: dict[int, list] = defaultdict(list)  # record index -> [(region, bytes)]
+    for name, rk in (recompute_keys or {}).items():
+        for k, i in rk.items():
+            recomputed_free_at[i].append((name, sb[k]))
     reload_at: dict[int, list[int]] = defaultdict(list)
     # offloaded tensors come back one region ahead (prefetch) of the region's backward
     order = sorted(offloaded, key=lambda n: region_first[n])
@@ -567,6 +577,22 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         if cur > peak:
             peak, peak_at, peak_phase, peak_mod = cur, f"{label} (backward)", "backward", module
 
+    def free_saved(r, cur):
+        """What the backward of record r releases: tensors saved until r, recomputed tensors r saved."""
+        for k in free_saved_at.get(r.idx, ()):
+            if k in out_keys:
+                continue  # the step's outputs stay referenced by the caller until the step ends
+            if k in live:
+                live.discard(k)
+                cur -= sb[k]
+            elif any(k in s for s in offloaded.values()):
+                cur -= sb[k]
+        for name, b in recomputed_free_at.get(r.idx, ()):
+            if name in recomputed_live:
+                recomputed_live[name] -= b
+                cur -= b
+        return cur
+
     for r in reversed(R):
         for k in reload_at.get(r.idx, ()):
             cur += sb[k]
@@ -575,7 +601,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
             cur += recomputed_live[r.region]
         if not r.out_rg:
-            # a region whose first op needs no grad (e.g. prim.device) still ends its recomputation here
+            # an op without a backward still frees what is held until its position (a region input held until
+            # the region's first op, e.g. a mask built there), and a region whose first op needs no grad (e.g.
+            # prim.device) still ends its recomputation here
+            cur = free_saved(r, cur)
             if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
                 cur -= recomputed_live.pop(r.region)
             continue
@@ -616,14 +645,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         for k in r.out_keys:
             if k is not None and k in grad_live and k not in param_keys:
                 cur -= grad_live.pop(k)
-        for k in free_saved_at.get(r.idx, ()):
-            if k in out_keys:
-                continue  # the step's outputs stay referenced by the caller until the step ends
-            if k in live:
-                live.discard(k)
-                cur -= sb[k]
-            elif any(k in s for s in offloaded.values()):
-                cur -= sb[k]
+        cur = free_saved(r, cur)
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
             cur -= recomputed_live.pop(r.region)
         _timeline_add(timeline, "backward", r.node, cur, node_peak)

@@ -73,3 +73,7 @@ def test_checkpoint_exact_on_example(name):
     # still drop somewhere: a lower peak or fewer activation bytes held after forward
     assert after.peak < base.peak or after.activations < base.activations, (name, after.peak, base.peak)
     assert after.peak <= base.peak, (name, after.peak, base.peak)
+    # the cost model's view of recomputation (recomputed tensors freed as the region's backward goes) holds:
+    # its estimate of the checkpointed step is close to the measured one
+    meas = fxmem.measure(copy.deepcopy(q.module), args, kwargs, loss_fn=loss_fn)
+    assert abs(after.peak - meas.peak) <= 0.05 * meas.peak, (name, after.peak, meas.peak)
