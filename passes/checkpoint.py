@@ -6,7 +6,16 @@ graph, one of three things:
     keep       the region runs as captured; autograd saves what it saves
     selective  recompute in backward, but save the outputs of matmul-like ops (mm/addmm/bmm/convolution/attention
                kernels); pointwise and normalization ops are recomputed (selective activation checkpointing)
-    full       recompute the whole region in backward; only its inputs are kept
+    full       recompute the whole region in backward; only its inputs (and its random draws, below) are kept
+
+Random draws are kept, not drawn again. On CPU, dropout draws its mask into a float tensor and autograd saves it
+(4 bytes per element), and drawing is most of a dropout-heavy forward's time (bernoulli_ was 60% of the
+reference decoder's forward here). When the pass has work to do, `compact_dropout` first replaces CPU
+`aten.dropout` by `fxmem.nn.dropout.bool_mask_dropout`: the same random numbers drawn into a bool mask
+(bit-identical outputs and gradients, a quarter of the bytes). Recompute regions then keep those draws
+(`RNG_KEEP`, through the selective-checkpoint policy) instead of recomputing them, when every draw in the region
+can be kept (recomputation replays the draws in order from the restored RNG state, so keeping only some would
+shift the others); the memory model counts the kept masks and the cost leaves their draw out.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -54,6 +63,7 @@ from fxmem import ops as optable
 from fxmem.costmodel import trace_forward
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
+from fxmem.nn.dropout import bool_mask_dropout
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -80,6 +90,9 @@ class CheckpointOptions:
     min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
     verify: bool = True  # estimate the planned program with the cost model (one more trace) and re-plan if high
     refine: int = 2  # at most this many re-plans when the cost model's estimate is above the budget
+    # CPU dropout saves a float mask; draw the same numbers into a bool mask instead (bit-identical, 1/4 the bytes),
+    # which recompute regions then keep rather than draw again (see compact_dropout)
+    compact_dropout: bool = True
 
 
 # ============================================================================================ candidates
@@ -97,10 +110,12 @@ class Region:
     flops: float = 0.0  # forward cost of the region (recompute cost of `full`)
     flops_sel: float = 0.0  # recompute cost of `selective`
     inputs: list = field(default_factory=list)
+    keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
+    kept_full: int = 0  # bytes of their outputs
 
     def freed(self, choice: str) -> int:
         if choice == "full":
-            return max(0, self.saved - self.held)
+            return max(0, self.saved - self.kept_full - self.held)
         if choice == "selective":
             return max(0, self.saved - self.kept - self.held)
         return 0
@@ -288,12 +303,20 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         idxs = {r.idx for r in recs}
         saved: set[int] = set()
         kept: set[int] = set()
+        kept_full: set[int] = set()
         flops = flops_sel = 0.0
+        # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
+        # the RNG state and replays the draws in order, so skipping some would shift the others
+        draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
+        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP for r in draws) else frozenset()
+        keep_sel = keep_ops | keep_rng
         for r in recs:
-            is_keep = _packet(r.func) in keep_ops or str(r.func) in keep_ops
+            is_keep = _packet(r.func) in keep_sel or str(r.func) in keep_sel
+            is_keep_full = _packet(r.func) in keep_rng
             if node_time is None:
                 c = op_cost(r, balance)
-                flops += c
+                if not is_keep_full:
+                    flops += c
                 if not is_keep:
                     flops_sel += c
             if r.out_rg:
@@ -302,17 +325,22 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                         saved.add(k)
             if is_keep:
                 kept.update(k for k in r.new_keys if base_keys.get(k) is None)
+            if is_keep_full:
+                kept_full.update(k for k in r.new_keys if base_keys.get(k) is None)
         if node_time is not None:
             for n in reg.nodes:
                 t = node_time.get(n.name, 0.0)
-                flops += t
-                if not any(_packet(r.func) in keep_ops for r in by_node.get(n.name, [])):
+                node_recs = by_node.get(n.name, [])
+                if not any(_packet(r.func) in keep_rng for r in node_recs):
+                    flops += t
+                if not any(_packet(r.func) in keep_sel for r in node_recs):
                     flops_sel += t
         ins, outs = region_boundary(reg.nodes)
         # the region's outputs live on outside it (consumers save or hold them): checkpointing cannot free them
         out_keys = {k for o in outs for r in by_node.get(o.name, []) for k in r.out_keys if k is not None}
         saved -= out_keys
         kept -= out_keys
+        kept_full -= out_keys
         held = 0
         for a in ins:
             v = a.meta.get("fxmem_val")
@@ -324,10 +352,61 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                     held += sum(sb[k] for k in keys)
         reg.saved = sum(sb[k] for k in saved)
         reg.kept = sum(sb[k] for k in kept)
+        reg.kept_full = sum(sb[k] for k in kept_full)
+        reg.keep_full = keep_rng
         reg.held = held
         reg.flops, reg.flops_sel = float(flops), float(flops_sel)
         reg.inputs = ins
         del names
+
+
+# ============================================================================================ compact dropout masks
+
+RNG_KEEP = frozenset({"bernoulli"})  # random draws recompute regions keep instead of drawing again
+
+
+def compact_dropout(program: Program) -> list[Change]:
+    """Replace train-capable `aten.dropout` of CPU floating tensors by `fxmem.nn.dropout.bool_mask_dropout`.
+
+    CPU dropout saves a float mask; the replacement draws the same numbers into a bool mask (bit-identical outputs
+    and gradients, 1 byte per element saved; see fxmem/nn/dropout.py; the pipeline's exactness check would roll
+    the pass back on a build where they differ). `train` stays the graph's (the module's .train()/.eval()). CUDA
+    already runs the fused native_dropout, whose mask is bool, so CUDA graphs are left alone. The draw is what
+    recompute regions keep (RNG_KEEP) rather than draw again: on CPU, drawing is most of a dropout-heavy forward."""
+    g = program.graph
+    changes: list[Change] = []
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.dropout.default:
+            continue
+        x = n.args[0] if n.args else n.kwargs.get("input")
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p")
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
+        v = x.meta.get("fxmem_val", x.meta.get("val")) if isinstance(x, fx.Node) else None
+        if train is False or train is None or isinstance(p, bool) or not isinstance(p, (int, float)) \
+                or not 0 < p < 1 or not isinstance(v, torch.Tensor) or v.device.type != "cpu" \
+                or not v.dtype.is_floating_point:
+            continue
+        with g.inserting_before(n):
+            new = g.create_node("call_function", bool_mask_dropout, (x, float(p), train), {}, name=n.name + "_bool")
+        new.meta.update(n.meta)
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+        path = (_paths(new) or ["<root>"])[-1]
+        changes.append(Change(
+            kind="checkpoint_compact_dropout", module=path, nodes_before=[n.name], nodes_after=[new.name],
+            reason=f"dropout p={p:g} on CPU: the mask autograd saves is drawn as bool (1 byte per element instead "
+                   f"of {v.element_size()}): the same random numbers, bit-identical outputs and gradients",
+            bytes_saved=max(0, _static_numel(v) * (v.element_size() - 1) - v.element_size()),  # (0-dim scale saved)
+            details={"p": float(p), "elements": _static_numel(v) or "data-dependent"}))
+    return changes
+
+
+def _static_numel(v: torch.Tensor) -> int:
+    """Elements of a traced value; 0 where the size depends on the data (an unbacked symbol)."""
+    try:
+        return int(v.numel())
+    except Exception:  # noqa: BLE001 - GuardOnDataDependentSymNode and friends
+        return 0
 
 
 def _packet(func) -> str:
@@ -709,6 +788,28 @@ class CheckpointPass:
             notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
                          f"{format_bytes(budget)}; nothing recomputed")
             return PassResult(program, False, notes=notes, metrics=metrics)
+        # over budget: first the free, exact saving (bool dropout masks), then recomputation for the rest
+        pre: list[Change] = []
+        if opts.compact_dropout:
+            compacted = program.snapshot()
+            pre = compact_dropout(compacted)
+            if pre:
+                compacted.refresh()
+                program = compacted
+                rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs,
+                                                     ctx.mode, ctx.loss_fn)
+                before = est0
+                est0 = ctx.estimate(program)
+                metrics["compact_dropout"] = {"sites": len(pre), "peak_after": est0.peak,
+                                              "activations_saved": before.activations - est0.activations}
+                ctx.log(f"[checkpoint] {len(pre)} dropout masks drawn as bool: estimated peak "
+                        f"{format_bytes(before.peak)} -> {format_bytes(est0.peak)}")
+        if est0.peak <= budget:
+            notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
+                         f"{format_bytes(budget)}; nothing recomputed")
+            if pre:
+                metrics["estimated_peak"] = est0.peak
+            return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
 
         saved_by_node: dict[str, int] = {}
         seen: set = set()
@@ -754,7 +855,9 @@ class CheckpointPass:
             sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
         if not sets:
             notes.append("checkpoint: no candidate region saves activations; nothing to do")
-            return PassResult(program, False, notes=notes, metrics=metrics)
+            if pre:
+                metrics["estimated_peak"] = est0.peak
+            return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
         metrics["candidates"] = {cs.level: len(cs.regions) for cs in sets}
 
         min_set = min(sets, key=lambda cs: max(cs.model.min_peak(), cs.model.floor))
@@ -818,8 +921,9 @@ class CheckpointPass:
             notes.append(f"checkpoint: the best plan would not lower the estimated memory (peak "
                          f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}: the peak is where recomputation "
                          f"cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
-            metrics.update({"estimated_peak": est1.peak, "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})
-            return PassResult(program, False, notes=notes, metrics=metrics)
+            metrics.update({"estimated_peak": est0.peak if pre else est1.peak,
+                            "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})
+            return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
         program = trial
         regions = cs.regions
         metrics.update({"chain": cs.chain, "granularity": cs.level})
@@ -843,7 +947,7 @@ class CheckpointPass:
                 f"({sol.solver}); planned peak {format_bytes(sol.peak)}, estimated "
                 f"{format_bytes(est1.peak) if est1 is not None else 'not checked'}, "
                 f"budget {format_bytes(budget)}")
-        return PassResult(program, bool(changes), changes=changes, notes=notes, metrics=metrics)
+        return PassResult(program, bool(changes) or bool(pre), changes=pre + changes, notes=notes, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -864,7 +968,7 @@ class CheckpointPass:
             if choice == "keep":
                 continue
             nodes = [by_name[n.name] for n in reg.nodes]
-            keep = keep_ops if choice == "selective" else frozenset()
+            keep = (keep_ops | reg.keep_full) if choice == "selective" else reg.keep_full
             ins, _ = region_boundary(nodes)
             restore = _restore_args(ins, nodes, program.module)
             label = reg.path.split("#")[0]
@@ -882,6 +986,7 @@ class CheckpointPass:
                         f"for {reg.cost(choice):.3g} recompute cost"
                         + (f" (keeps outputs of {', '.join(sorted(keep))})" if keep else "")),
                 bytes_saved=reg.freed(choice),
-                details={"choice": choice, "saved_bytes": reg.saved, "kept_bytes": reg.kept if keep else 0,
+                details={"choice": choice, "saved_bytes": reg.saved,
+                         "kept_bytes": reg.kept if choice == "selective" else reg.kept_full,
                          "recompute_cost": reg.cost(choice), "submodule": call.target}))
         return changes

@@ -1,0 +1,224 @@
+"""Checkpoint pass, compact dropout: CPU dropout masks drawn as bool (bit-identical outputs and gradients, a quarter
+of the bytes saved for backward), kept by recompute regions instead of drawn again."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxmem
+from fxmem.costmodel import estimate
+from fxmem.nn.dropout import bool_mask_dropout, dropout_scale
+from fxmem.pipeline import PassContext
+
+from .test_checkpoint import _assert_same_step, _baseline, _gpt, _run_pass, _train_step, ck
+
+
+class _CountDraws(TorchDispatchMode):
+    """Counts random draws (bernoulli) dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "bernoulli" in str(func):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_bool_mask_dropout_bit_identical(dtype, p, contiguous):
+    x = torch.randn(4, 3, 17, 9, dtype=dtype).transpose(1, 2)  # strided: the original dropout runs
+    if contiguous:
+        x = x.contiguous()
+    g = torch.randn(4, 17, 3, 9, dtype=dtype)
+    a = x.clone().requires_grad_()
+    torch.manual_seed(11)
+    ya = torch.ops.aten.dropout(a, p, True)
+    ya.backward(g)
+    b = x.clone().requires_grad_()
+    torch.manual_seed(11)
+    yb = bool_mask_dropout(b, p, True)
+    yb.backward(g)
+    assert torch.equal(ya, yb)
+    assert torch.equal(a.grad, b.grad)
+    # the random stream advanced by the same amount
+    torch.manual_seed(11)
+    torch.ops.aten.dropout(x, p, True)
+    after_a = torch.rand(4)
+    torch.manual_seed(11)
+    bool_mask_dropout(x, p, True)
+    assert torch.equal(after_a, torch.rand(4))
+
+
+def test_bool_mask_dropout_eval_and_edges():
+    x = torch.randn(5, 6)
+    assert bool_mask_dropout(x, 0.3, False) is x
+    assert bool_mask_dropout(x, 0.0, True) is x
+    assert torch.equal(bool_mask_dropout(x, 1.0, True), torch.ops.aten.dropout(x, 1.0, True))
+    assert float(dropout_scale(x, 0.1)) == float(torch.ones(()).div_(0.9))
+
+
+def test_bool_mask_dropout_saves_a_bool_mask():
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bool_mask_dropout(x, 0.2, True)
+    assert sorted(saved, key=str) == sorted([(torch.bool, 64 * 64), (torch.float32, 1)], key=str)  # mask, 0-dim scale
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    return _gpt()
+
+
+def test_pass_compacts_dropout_exactly_and_keeps_draws(small_gpt):
+    p, x, loss_fn = small_gpt
+    base = _baseline(p, loss_fn)
+    res, _ = _run_pass(p, loss_fn, "60%")
+    kinds = [c.kind for c in res.changes]
+    n_dropout = sum(1 for n in p.graph.nodes if n.target is torch.ops.aten.dropout.default)
+    assert kinds.count("checkpoint_compact_dropout") == n_dropout > 0
+    assert any(k in ("checkpoint_full", "checkpoint_selective") for k in kinds)
+    q = res.program
+    code = q.module.code
+    assert "bool_mask_dropout(" in code and "aten.dropout" not in code
+    # every region with a draw keeps it: `full` regions keep bernoulli, selective ones keep it and the matmuls
+    regions = [m for n, m in q.module.named_children() if n.startswith("ckpt_")]
+    assert regions and all("bernoulli" in r.keep_ops for r in regions)
+    # bit-identical to the captured model (same seed), outputs and gradients
+    o1, g1 = _train_step(copy.deepcopy(p.module), x, loss_fn)
+    o2, g2 = _train_step(copy.deepcopy(q.module), x, loss_fn)
+    assert torch.equal(o1, o2)
+    assert all(torch.equal(g1[k], g2[k]) for k in g1)
+    # recomputation draws nothing: backward dispatches no bernoulli
+    mod = copy.deepcopy(q.module).train()
+    torch.manual_seed(3)
+    loss = loss_fn(mod(*x), x)
+    counter = _CountDraws()
+    with counter:
+        loss.backward()
+    assert counter.n == 0
+    # .eval() still switches dropout off
+    mod.eval()
+    ref = copy.deepcopy(p.module).eval()
+    with torch.no_grad():
+        assert torch.equal(mod(*x), ref(*x))
+    # the estimate knows the bool masks, and matches the measured step
+    est = estimate(q, mode="train", loss_fn=loss_fn)
+    meas = fxmem.measure(copy.deepcopy(q.module), x, loss_fn=loss_fn)
+    assert est.peak < base.peak
+    assert abs(est.peak - meas.peak) <= 0.05 * meas.peak  # the bound test_checkpoint_examples holds every example to
+    assert res.metrics["compact_dropout"]["activations_saved"] > 0
+
+
+def test_compact_alone_saves_three_quarters_of_the_masks(small_gpt):
+    p, x, loss_fn = small_gpt
+    q = p.snapshot()
+    changes = ck.compact_dropout(q)
+    q.refresh()
+    masks = sum(c.details["elements"] for c in changes)
+    a = fxmem.measure(copy.deepcopy(p.module), x, loss_fn=loss_fn)
+    b = fxmem.measure(copy.deepcopy(q.module), x, loss_fn=loss_fn)
+    # fp32 mask -> bool mask at every site, plus the 0-dim fp32 scale the second multiply saves
+    assert a.activations - b.activations == 3 * masks - 4 * len(changes)
+    assert sum(c.bytes_saved for c in changes) == 3 * masks - 4 * len(changes)
+    _assert_same_step(p.module, q.module, x, loss_fn)
+
+
+def test_compact_dropout_option_off_and_budget_fits(small_gpt):
+    p, x, loss_fn = small_gpt
+    res, _ = _run_pass(p, loss_fn, "60%", compact_dropout=False)
+    assert not any(c.kind == "checkpoint_compact_dropout" for c in res.changes)
+    assert "aten.dropout" in res.program.module.code
+    res, _ = _run_pass(p, loss_fn, "100%")
+    assert not res.modified  # nothing to do: no surgery at all
+
+
+def test_region_with_other_draws_recomputes_all_of_them():
+    """A region with a draw it cannot keep (randn) keeps none: recomputation replays every draw in order."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 32)
+            self.b = torch.nn.Linear(32, 32)
+            self.drop = torch.nn.Dropout(0.2)
+
+        def forward(self, x):
+            h = self.drop(torch.relu(self.a(x)))
+            h = h + 0.01 * torch.randn_like(h)
+            return self.b(h)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[Noisy() for _ in range(3)])
+            self.head = torch.nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.head(self.blocks(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(64, 32)
+    p = fxmem.capture(model, (x,))
+    p.refresh()
+
+    def loss_fn(out, args):
+        return out.square().mean()
+
+    base = estimate(p, mode="train", loss_fn=loss_fn)
+    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
+                      budget=int(base.peak - 0.6 * base.activations), baseline=base,
+                      enabled=("checkpoint", "offload"), loss_fn=loss_fn)
+    res = ck.CheckpointPass().run(p.snapshot(), ctx)
+    q = res.program
+    regions = [m for n, m in q.module.named_children() if n.startswith("ckpt_")]
+    assert regions
+    for r in regions:
+        has_randn = "randn" in r.body.code
+        assert not (has_randn and "bernoulli" in r.keep_ops), r.body.code
+    o1, g1 = _train_step(copy.deepcopy(p.module), (x,), loss_fn)
+    o2, g2 = _train_step(copy.deepcopy(q.module), (x,), loss_fn)
+    assert torch.equal(o1, o2)
+    assert all(torch.equal(g1[k], g2[k]) for k in g1)
+
+
+def test_region_with_kept_draws_under_torch_compile():
+    """Users stack torch.compile on the result: a full region keeping its bool draws traces in one graph and
+    gives what eager gives (values: compiled RNG may differ, so dropout off via p only in the comparison)."""
+    from fxmem.nn.checkpoint import CheckpointRegion
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 16)
+            self.b = torch.nn.Linear(16, 8)
+
+        def forward(self, x, train: bool):
+            return self.b(bool_mask_dropout(torch.relu(self.a(x)), 0.25, train))
+
+    torch.manual_seed(0)
+    body = Body()
+    reg = CheckpointRegion(body, frozenset({"bernoulli"})).train()
+    x = torch.randn(4, 8, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(reg, backend="aot_eager", fullgraph=True)
+    out = compiled(x, True)
+    out.sum().backward()
+    assert out.shape == (4, 8) and x.grad is not None and torch.isfinite(x.grad).all()
+    # eval-mode flag: no dropout, equal to the plain body
+    x.grad = None
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, False), body(x, False))
