@@ -14,6 +14,7 @@ static walk models them (recompute in backward, off-device while offloaded).
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class MemoryEstimate:
     world_size: int = 1
     zero_stage: int = 0
     notes: list = field(default_factory=list)
+    program_key: str = ""  # program_key() of the program estimated (not in to_dict: reports stay the same)
 
     def to_dict(self) -> dict:
         keys = ("method", "mode", "optimizer", "device", "params", "buffers", "grads", "optimizer_state",
@@ -102,6 +104,8 @@ def estimate(model_or_program, args=(), kwargs=None, *, mode: str | None = None,
     fn = _static if method == "static" else _traced
     est = with_data_dependent_fallback(lambda: fn(program, args, kwargs, mode, optimizer, loss_fn))
     est.device = str(device or _device_of(program.module))
+    if args is program.example_args and kwargs == program.example_kwargs:
+        est.program_key = program_key(program)
     _apply_sharding(est, world_size, zero_stage)
     return est
 
@@ -386,8 +390,32 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
     return rec, base_keys, out_keys, params
 
 
-def _static(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryEstimate:
-    rec, base_keys, out_keys, params = trace_forward(program, args, kwargs, mode, loss_fn)
+def program_key(program: Program) -> str:
+    """A fingerprint of the program's code (the root graph and every graph module under it): equal keys, same
+    computation at the same example inputs, so an estimate made for one holds for the other."""
+    h = hashlib.sha1()
+    for name, m in program.module.named_modules():
+        if isinstance(m, fx.GraphModule):
+            h.update(name.encode())
+            h.update(m.code.encode())
+    return h.hexdigest()
+
+
+def estimate_from_trace(program: Program, traced, *, mode: str, optimizer: str = "adamw",
+                        loss_fn=None) -> MemoryEstimate:
+    """The static estimate of `program` from `traced`, what `trace_forward` returned for the same program at its
+    example inputs (same mode and loss): a pass that traced the program already saves a second trace."""
+    if mode == "inference":
+        optimizer = "none"
+    est = _static(program, program.example_args, program.example_kwargs, mode, optimizer, loss_fn, traced=traced)
+    est.device = str(_device_of(program.module))
+    est.program_key = program_key(program)
+    return est
+
+
+def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=None) -> MemoryEstimate:
+    rec, base_keys, out_keys, params = traced if traced is not None else \
+        trace_forward(program, args, kwargs, mode, loss_fn)
     R = rec.records
     sb = rec.storage_bytes
     est = MemoryEstimate(mode=mode, optimizer=optimizer, method="static")

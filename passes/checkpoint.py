@@ -13,9 +13,10 @@ Random draws are kept, not drawn again. On CPU, dropout draws its mask into a fl
 reference decoder's forward here). When the pass has work to do, `compact_dropout` first replaces CPU
 `aten.dropout` by `fxmem.nn.dropout.bool_mask_dropout`: the same random numbers drawn into a bool mask
 (bit-identical outputs and gradients, a quarter of the bytes). Recompute regions then keep those draws
-(`RNG_KEEP`, through the selective-checkpoint policy) instead of recomputing them, when every draw in the region
-can be kept (recomputation replays the draws in order from the restored RNG state, so keeping only some would
-shift the others); the memory model counts the kept masks and the cost leaves their draw out.
+(`RNG_KEEP`: the region's `DrawTape` hands the recomputation the forward's masks) instead of drawing again, when
+every draw in the region is such a mask (recomputation replays other draws in order from the restored RNG state,
+so keeping only some would shift the others); the memory model counts the kept masks and the cost leaves their
+draw out.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -60,9 +61,9 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import trace_forward
+from fxmem.costmodel import estimate_from_trace, program_key, trace_forward
 from fxmem.errors import BudgetError, PolicyError
-from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
+from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
@@ -308,7 +309,9 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
         # the RNG state and replays the draws in order, so skipping some would shift the others
         draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
-        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP for r in draws) else frozenset()
+        targets = {n.name: n.target for n in reg.nodes}
+        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP and targets.get(r.node) is bool_mask_dropout
+                                             for r in draws) else frozenset()
         keep_sel = keep_ops | keep_rng
         for r in recs:
             is_keep = _packet(r.func) in keep_sel or str(r.func) in keep_sel
@@ -362,7 +365,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
 
 # ============================================================================================ compact dropout masks
 
-RNG_KEEP = frozenset({"bernoulli"})  # random draws recompute regions keep instead of drawing again
+RNG_KEEP = DRAW_OPS  # random draws recompute regions keep (bool_mask_dropout's, through a DrawTape)
 
 
 def compact_dropout(program: Program) -> list[Change]:
@@ -386,8 +389,10 @@ def compact_dropout(program: Program) -> list[Change]:
                 or not 0 < p < 1 or not isinstance(v, torch.Tensor) or v.device.type != "cpu" \
                 or not v.dtype.is_floating_point:
             continue
+        scale = float(torch.ones((), dtype=v.dtype).div_(1 - p))  # what the float mask held where it kept
         with g.inserting_before(n):
-            new = g.create_node("call_function", bool_mask_dropout, (x, float(p), train), {}, name=n.name + "_bool")
+            new = g.create_node("call_function", bool_mask_dropout, (x, float(p), train, scale, v.dtype), {},
+                                name=n.name + "_bool")
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         g.erase_node(n)
@@ -396,7 +401,7 @@ def compact_dropout(program: Program) -> list[Change]:
             kind="checkpoint_compact_dropout", module=path, nodes_before=[n.name], nodes_after=[new.name],
             reason=f"dropout p={p:g} on CPU: the mask autograd saves is drawn as bool (1 byte per element instead "
                    f"of {v.element_size()}): the same random numbers, bit-identical outputs and gradients",
-            bytes_saved=max(0, _static_numel(v) * (v.element_size() - 1) - v.element_size()),  # (0-dim scale saved)
+            bytes_saved=_static_numel(v) * (v.element_size() - 1),
             details={"p": float(p), "elements": _static_numel(v) or "data-dependent"}))
     return changes
 
@@ -731,17 +736,13 @@ def profile_nodes(program: Program, repeats: int = 3) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _current_estimate(program: Program, ctx, rec):
-    """The cost model's estimate of `program`: the context's baseline if the program is still the one it was
-    made for (same forward FLOPs and every timeline node present), else a fresh estimate."""
+def _current_estimate(program: Program, ctx):
+    """The context's baseline if it was made for this very program (same code, mode and optimizer), else None."""
     base = ctx.baseline
-    if base is not None and base.timeline and getattr(base, "mode", ctx.mode) == ctx.mode:
-        names = {n.name for n in program.graph.nodes}
-        fwd = [p.label for p in base.timeline if p.phase == "forward" and p.label not in ("loss",)]
-        if sum(r.flops for r in rec.records) == base.flops_forward and all(lb in names for lb in fwd) \
-                and getattr(base, "optimizer", ctx.optimizer) == ctx.optimizer:
-            return base
-    return ctx.estimate(program)
+    if base is not None and getattr(base, "program_key", "") and base.program_key == program_key(program) \
+            and getattr(base, "mode", ctx.mode) == ctx.mode and getattr(base, "optimizer", ctx.optimizer) == ctx.optimizer:
+        return base
+    return None
 
 
 def _restore_args(inputs: list, nodes: list, gm) -> tuple[int, ...]:
@@ -780,9 +781,11 @@ class CheckpointPass:
             return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget or the "
                                                      "policy's budget); nothing to do"])
         keep_ops = frozenset(opts.keep_ops)
-        rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs, ctx.mode,
-                                             ctx.loss_fn)
-        est0 = _current_estimate(program, ctx, rec)
+        est0 = _current_estimate(program, ctx)  # the baseline itself when it was made for this program
+        traced = None
+        if est0 is None:
+            traced = self._trace(program, ctx)
+            est0 = estimate_from_trace(program, traced, mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
         metrics = {"budget": budget, "peak_before": est0.peak, "slack": opts.slack}
         if est0.peak <= budget:
             notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
@@ -794,16 +797,20 @@ class CheckpointPass:
             compacted = program.snapshot()
             pre = compact_dropout(compacted)
             if pre:
-                compacted.refresh()
+                compacted.graph.lint()  # the new nodes carry the replaced nodes' metadata (same shapes and dtypes)
+                compacted.module.recompile()
                 program = compacted
-                rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs,
-                                                     ctx.mode, ctx.loss_fn)
+                traced = self._trace(program, ctx)
                 before = est0
-                est0 = ctx.estimate(program)
+                est0 = estimate_from_trace(program, traced, mode=ctx.mode, optimizer=ctx.optimizer,
+                                           loss_fn=ctx.loss_fn)
                 metrics["compact_dropout"] = {"sites": len(pre), "peak_after": est0.peak,
                                               "activations_saved": before.activations - est0.activations}
                 ctx.log(f"[checkpoint] {len(pre)} dropout masks drawn as bool: estimated peak "
                         f"{format_bytes(before.peak)} -> {format_bytes(est0.peak)}")
+        if traced is None:
+            traced = self._trace(program, ctx)
+        rec, base_keys = traced[0], traced[1]
         if est0.peak <= budget:
             notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
                          f"{format_bytes(budget)}; nothing recomputed")
@@ -950,6 +957,10 @@ class CheckpointPass:
         return PassResult(program, bool(changes) or bool(pre), changes=pre + changes, notes=notes, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _trace(program: Program, ctx):
+        return trace_forward(program, program.example_args, program.example_kwargs, ctx.mode, ctx.loss_fn)
+
     @staticmethod
     def _budget_message(budget, min_peak, est, model) -> str:
         fixed = est.params + est.buffers + est.grads + est.optimizer_state + est.inputs

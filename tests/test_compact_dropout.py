@@ -62,6 +62,7 @@ def test_bool_mask_dropout_eval_and_edges():
     assert bool_mask_dropout(x, 0.0, True) is x
     assert torch.equal(bool_mask_dropout(x, 1.0, True), torch.ops.aten.dropout(x, 1.0, True))
     assert float(dropout_scale(x, 0.1)) == float(torch.ones(()).div_(0.9))
+    assert float(dropout_scale(x.double(), 0.1)) == 1 / 0.9
 
 
 def test_bool_mask_dropout_saves_a_bool_mask():
@@ -72,9 +73,34 @@ def test_bool_mask_dropout_saves_a_bool_mask():
         return t
 
     x = torch.randn(64, 64, requires_grad=True)
+    scale = float(torch.ones(()).div_(0.8))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bool_mask_dropout(x, 0.2, True)
-    assert sorted(saved, key=str) == sorted([(torch.bool, 64 * 64), (torch.float32, 1)], key=str)  # mask, 0-dim scale
+        bool_mask_dropout(x, 0.2, True, scale, torch.float32)  # as the pass writes it: the scale a literal
+    assert saved == [(torch.bool, 64 * 64)]
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bool_mask_dropout(x.double(), 0.2, True, scale, torch.float32)  # another dtype: its own 0-dim scale
+    assert sorted(saved, key=str) == sorted([(torch.bool, 64 * 64), (torch.float64, 1)], key=str)
+
+
+def test_draw_tape_replays_the_forward_masks():
+    from fxmem.nn.dropout import DrawTape
+
+    def body(x):
+        return bool_mask_dropout(bool_mask_dropout(x, 0.3, True) * 2, 0.5, True)
+
+    x = torch.randn(32, 32)
+    tape = DrawTape(body)
+    torch.manual_seed(1)
+    first = tape(x)
+    state = torch.get_rng_state()
+    counter = _CountDraws()
+    with counter:
+        again = tape(x)  # the recomputation: no draw, the same masks, the generator untouched
+    assert counter.n == 0 and torch.equal(first, again) and torch.equal(state, torch.get_rng_state())
+    assert len(tape.masks) == 2 and all(m.dtype == torch.bool for m in tape.masks)
+    torch.manual_seed(1)
+    assert torch.equal(first, body(x))  # and the same as drawing without a tape
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +119,9 @@ def test_pass_compacts_dropout_exactly_and_keeps_draws(small_gpt):
     q = res.program
     code = q.module.code
     assert "bool_mask_dropout(" in code and "aten.dropout" not in code
-    # every region with a draw keeps it: `full` regions keep bernoulli, selective ones keep it and the matmuls
+    # every region with a draw keeps it (a DrawTape), `full` ones without the selective-checkpoint dispatch mode
     regions = [m for n, m in q.module.named_children() if n.startswith("ckpt_")]
-    assert regions and all("bernoulli" in r.keep_ops for r in regions)
+    assert regions and all("bernoulli" in r.keep_ops and "bernoulli" not in r.sac_ops for r in regions)
     # bit-identical to the captured model (same seed), outputs and gradients
     o1, g1 = _train_step(copy.deepcopy(p.module), x, loss_fn)
     o2, g2 = _train_step(copy.deepcopy(q.module), x, loss_fn)
@@ -130,9 +156,8 @@ def test_compact_alone_saves_three_quarters_of_the_masks(small_gpt):
     masks = sum(c.details["elements"] for c in changes)
     a = fxmem.measure(copy.deepcopy(p.module), x, loss_fn=loss_fn)
     b = fxmem.measure(copy.deepcopy(q.module), x, loss_fn=loss_fn)
-    # fp32 mask -> bool mask at every site, plus the 0-dim fp32 scale the second multiply saves
-    assert a.activations - b.activations == 3 * masks - 4 * len(changes)
-    assert sum(c.bytes_saved for c in changes) == 3 * masks - 4 * len(changes)
+    assert a.activations - b.activations == 3 * masks  # fp32 mask -> bool mask, every site
+    assert sum(c.bytes_saved for c in changes) == 3 * masks
     _assert_same_step(p.module, q.module, x, loss_fn)
 
 
@@ -207,7 +232,7 @@ def test_region_with_kept_draws_under_torch_compile():
             self.b = torch.nn.Linear(16, 8)
 
         def forward(self, x, train: bool):
-            return self.b(bool_mask_dropout(torch.relu(self.a(x)), 0.25, train))
+            return self.b(bool_mask_dropout(torch.relu(self.a(x)), 0.25, train, 4 / 3, torch.float32))
 
     torch.manual_seed(0)
     body = Body()

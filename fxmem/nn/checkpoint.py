@@ -27,7 +27,11 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .dropout import DrawTape
 from .regions import RegionInfo
+
+# draws a region keeps through a DrawTape (fxmem.nn.dropout.bool_mask_dropout's Bernoulli draw)
+DRAW_OPS = frozenset({"bernoulli"})
 
 # dispatch-level ops worth keeping under selective checkpointing: matmuls, convolutions, attention kernels
 MATMUL_OPS = frozenset({
@@ -63,15 +67,23 @@ class CheckpointRegion(nn.Module):
 
     def _context_fn(self):
         # a partial of module-level functions (not a bound method): torch.compile traces it as context_fn
-        return functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, self.keep_ops))
+        return functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, self.sac_ops))
+
+    @property
+    def sac_ops(self) -> frozenset:
+        """The kept ops the selective-checkpoint policy caches (kept draws replay from a DrawTape instead)."""
+        return self.keep_ops - DRAW_OPS
 
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()):
             return self.body(*args)
         fn = self.body
-        if self.restore_args and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self.restore_args and not compiling:
             fn = _RestoringBody(self.body, self.restore_args)
-        if not self.keep_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
+        if self.keep_ops & DRAW_OPS and not compiling:
+            fn = DrawTape(fn)  # the recomputation replays the forward's dropout masks instead of drawing them
+        if not self.sac_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn())
 

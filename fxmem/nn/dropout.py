@@ -5,22 +5,69 @@ multiplies, so autograd saves a float mask (4 bytes per element for fp32). `bool
 numbers into a bool tensor (the CPU generator's Bernoulli stream does not depend on the tensor's dtype), multiplies
 by it, then by the value 1/(1-p) the float mask held (rounded in the input's dtype, as the mask was): outputs and
 gradients are bit-identical, and the mask autograd saves takes 1 byte per element. A non-contiguous input runs the
-original dropout (its mask is filled in the input's memory order). The draw is one
-`aten.bernoulli.p` op, which checkpoint regions keep instead of drawing again.
+original dropout (its mask is filled in the input's memory order).
 
-    y = bool_mask_dropout(x, 0.1, training)
+    y = bool_mask_dropout(x, 0.1, training, 1.1111111640930176, torch.float32)
+
+The pass writes the scale as a literal for the dtype it saw (a Python float: nothing more is saved, no host sync);
+an input of another dtype (the user converted the module) gets the scale computed in its own dtype.
+
+Draw tapes. Recomputing a checkpoint region would draw its masks again, and on CPU drawing is the dearest part of
+a dropout-heavy forward. `DrawTape` runs a region's body: on the first call (the forward) every mask
+`bool_mask_dropout` draws is recorded; on later calls (the recomputation in backward) the recorded masks are
+returned in order instead of drawing. The tape lives as long as the checkpoint keeps the body for recomputation,
+so each mask is held from the forward to the region's backward, as a saved bool mask would be. The checkpoint pass
+uses a tape only for regions where every draw is one of these (other random ops replay from the restored RNG
+state, and skipping some draws would shift the others). Under torch.compile the tape steps aside (the compiler's
+partitioner decides what random values to save).
 """
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
+_TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
+
+
+class DrawTape:
+    """Masks drawn by one call of a region's body, replayed by its later calls (the recomputation)."""
+
+    def __init__(self, body):
+        self.body = body
+        self.masks: list[torch.Tensor] = []
+        self.replaying = False
+        self.pos = 0
+
+    def __call__(self, *args):
+        token = _TAPE.set(self)
+        try:
+            return self.body(*args)
+        finally:
+            _TAPE.reset(token)
+            self.replaying, self.pos = True, 0  # the next call replays from the first draw
+
+    def draw(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        if self.replaying:
+            keep = self.masks[self.pos]
+            self.pos += 1
+            return keep
+        keep = _draw(x, p)
+        self.masks.append(keep)
+        return keep
+
+
+def _draw(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.ops.aten.bernoulli.p(torch.empty_like(x, dtype=torch.bool), 1 - p)
+
+
 def dropout_scale(x: torch.Tensor, p: float) -> torch.Tensor:
-    """1/(1-p) as `aten.dropout` rounds it (ones of x's dtype divided by 1 - p), a 0-dim tensor: no host sync and
-    no Python-side cache, so it traces under torch.compile inside a checkpoint region."""
-    return torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+    """1/(1-p) as `aten.dropout` rounds it (ones of x's dtype divided by 1 - p), as a 0-dim tensor of x's dtype."""
+    return torch.ones((), dtype=x.dtype, device=x.device) / (1 - p)
 
 
-def bool_mask_dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
+                      scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
     if not train or p == 0 or x.numel() == 0:
         return x
@@ -28,5 +75,7 @@ def bool_mask_dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         # a strided input: the float mask (empty_like(x)) is filled in x's memory order, which a contiguous bool
         # draw would not follow; the original dropout keeps it exact
         return torch.ops.aten.dropout(x, p, True)
-    keep = torch.ops.aten.bernoulli.p(torch.empty_like(x, dtype=torch.bool), 1 - p)
-    return x * keep * dropout_scale(x, p)
+    tape = None if torch.compiler.is_compiling() else _TAPE.get()
+    keep = tape.draw(x, p) if tape is not None else _draw(x, p)
+    s = scale if scale is not None and x.dtype == scale_dtype else dropout_scale(x, p)
+    return x * keep * s
