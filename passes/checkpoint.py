@@ -6,7 +6,8 @@ graph, one of three things:
     keep       the region runs as captured; autograd saves what it saves
     selective  recompute in backward, but save the outputs of matmul-like ops (mm/addmm/bmm/convolution/attention
                kernels); pointwise and normalization ops are recomputed (selective activation checkpointing)
-    full       recompute the whole region in backward; only its inputs (and its random draws, below) are kept
+    full       recompute the whole region in backward; only its inputs (and its dropout masks, below) are kept
+    redraw     like full, and the dropout masks are drawn again too (the lowest memory, the dearest recompute)
 
 Random draws are kept, not drawn again. On CPU, dropout draws its mask into a float tensor and autograd saves it
 (4 bytes per element), and drawing is most of a dropout-heavy forward's time (bernoulli_ was 60% of the
@@ -70,7 +71,7 @@ from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
 from fxmem.units import Budget, format_bytes, parse_budget
 
-CHOICES = ("keep", "selective", "full")
+CHOICES = ("keep", "selective", "full", "redraw")
 
 
 @dataclass
@@ -113,16 +114,19 @@ class Region:
     inputs: list = field(default_factory=list)
     keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
     kept_full: int = 0  # bytes of their outputs
+    flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
 
     def freed(self, choice: str) -> int:
         if choice == "full":
             return max(0, self.saved - self.kept_full - self.held)
+        if choice == "redraw":
+            return max(0, self.saved - self.held)
         if choice == "selective":
             return max(0, self.saved - self.kept - self.held)
         return 0
 
     def cost(self, choice: str) -> float:
-        return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops}[choice]
+        return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops, "redraw": self.flops_redraw}[choice]
 
 
 def _is_region_node(n: fx.Node) -> bool:
@@ -265,14 +269,23 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
+# CPU random draws cost far more than their bytes: Bernoulli ~7 ns per element on the 2-core host the benchmarks
+# run on, against ~200 GFLOP/s matmuls, i.e. ~1500 FLOP-equivalents; 1000 per byte drawn (a bool mask: per element)
+DRAW_COST_PER_BYTE_CPU = 1000.0
+
+
 def op_cost(r, balance: float | None) -> float:
     """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
-    read and written). Views and metadata ops move no data."""
+    read and written). Views and metadata ops move no data. On CPU (balance below CUDA's) a random draw costs
+    DRAW_COST_PER_BYTE_CPU per byte it writes."""
     if balance is None:
         return float(r.flops)
-    if optable.category(r.func) == optable.VIEW:
+    cat = optable.category(r.func)
+    if cat == optable.VIEW:
         return float(r.flops)
     moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
+    if cat == optable.RANDOM and balance < 100:
+        return max(float(r.flops), DRAW_COST_PER_BYTE_CPU * sum(b for b in r.out_bytes if b))
     return max(float(r.flops), balance * moved)
 
 
@@ -305,7 +318,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         saved: set[int] = set()
         kept: set[int] = set()
         kept_full: set[int] = set()
-        flops = flops_sel = 0.0
+        flops = flops_sel = draws_cost = 0.0
         # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
         # the RNG state and replays the draws in order, so skipping some would shift the others
         draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
@@ -320,6 +333,8 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 c = op_cost(r, balance)
                 if not is_keep_full:
                     flops += c
+                else:
+                    draws_cost += c
                 if not is_keep:
                     flops_sel += c
             if r.out_rg:
@@ -336,6 +351,8 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 node_recs = by_node.get(n.name, [])
                 if not any(_packet(r.func) in keep_rng for r in node_recs):
                     flops += t
+                else:
+                    draws_cost += t
                 if not any(_packet(r.func) in keep_sel for r in node_recs):
                     flops_sel += t
         ins, outs = region_boundary(reg.nodes)
@@ -359,6 +376,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         reg.keep_full = keep_rng
         reg.held = held
         reg.flops, reg.flops_sel = float(flops), float(flops_sel)
+        reg.flops_redraw = float(flops + draws_cost)
         reg.inputs = ins
         del names
 
@@ -856,8 +874,10 @@ class CheckpointPass:
                 regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
             if not regions:
                 continue
-            choices = [("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
-                       and r.flops_sel < r.flops else ("keep", "full") for r in regions]
+            choices = [(("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
+                        and r.flops_sel < r.flops else ("keep", "full"))
+                       + (("redraw",) if r.keep_full and r.freed("redraw") > r.freed("full") else ())
+                       for r in regions]
             model = build_model(est0, regions, program, choices)
             sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
         if not sets:
@@ -979,7 +999,7 @@ class CheckpointPass:
             if choice == "keep":
                 continue
             nodes = [by_name[n.name] for n in reg.nodes]
-            keep = (keep_ops | reg.keep_full) if choice == "selective" else reg.keep_full
+            keep = {"selective": keep_ops | reg.keep_full, "full": reg.keep_full}.get(choice, frozenset())
             ins, _ = region_boundary(nodes)
             restore = _restore_args(ins, nodes, program.module)
             label = reg.path.split("#")[0]
@@ -993,7 +1013,8 @@ class CheckpointPass:
                 continue
             changes.append(Change(
                 kind="checkpoint_" + choice, module=label, nodes_before=before, nodes_after=[call.name],
-                reason=(f"{choice} recompute: frees about {format_bytes(reg.freed(choice))} of saved activations "
+                reason=(f"{'full recompute, dropout masks drawn again' if choice == 'redraw' else choice + ' recompute'}"
+                        f": frees about {format_bytes(reg.freed(choice))} of saved activations "
                         f"for {reg.cost(choice):.3g} recompute cost"
                         + (f" (keeps outputs of {', '.join(sorted(keep))})" if keep else "")),
                 bytes_saved=reg.freed(choice),

@@ -296,7 +296,7 @@ def test_profile_cost_and_explicit_regions(gpt_prog):
                        verify=False)
     assert res.modified
     assert set(res.metrics["plan"]) == {"h.0", "h.1", "h.2"}
-    assert set(res.metrics["plan"].values()) <= {"keep", "full"}
+    assert set(res.metrics["plan"].values()) <= {"keep", "full", "redraw"}
     assert res.metrics["recompute_seconds"] is not None and res.metrics["recompute_seconds"] > 0
     with pytest.raises(fxmem.PolicyError, match="no graph nodes"):
         _run_pass(p, loss_fn, "85%", regions=["nonexistent.module"])

@@ -247,3 +247,29 @@ def test_region_with_kept_draws_under_torch_compile():
     x.grad = None
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, False), body(x, False))
+
+
+def test_lowest_budget_redraws_masks_exactly(small_gpt):
+    """At the lowest reachable peak the kept masks go too (`redraw`): recomputation draws them again from the
+    restored RNG state, still bit-identical, and the measured peak is below the kept-mask plan's."""
+    p, x, loss_fn = small_gpt
+    low, _ = _run_pass(p, loss_fn, 1, enabled=("checkpoint", "offload"))  # unreachable: the lowest peak
+    assert "redraw" in low.metrics["plan"].values(), low.metrics["plan"]
+    q = low.program
+    regions = {n: m for n, m in q.module.named_children() if n.startswith("ckpt_")}
+    redraw = [m for m in regions.values() if not m.keep_ops]
+    assert redraw and all("bernoulli" not in m.keep_ops for m in redraw)
+    o1, g1 = _train_step(copy.deepcopy(p.module), x, loss_fn)
+    o2, g2 = _train_step(copy.deepcopy(q.module), x, loss_fn)
+    assert torch.equal(o1, o2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    mod = copy.deepcopy(q.module).train()
+    torch.manual_seed(3)
+    loss = loss_fn(mod(*x), x)
+    counter = _CountDraws()
+    with counter:
+        loss.backward()
+    assert counter.n > 0  # drawn again
+    kept, _ = _run_pass(p, loss_fn, "60%")
+    m_low = fxmem.measure(copy.deepcopy(q.module), x, loss_fn=loss_fn)
+    m_kept = fxmem.measure(copy.deepcopy(kept.program.module), x, loss_fn=loss_fn)
+    assert m_low.peak < m_kept.peak

@@ -18,8 +18,8 @@ a dropout-heavy forward. `DrawTape` runs a region's body: on the first call (the
 returned in order instead of drawing. The tape lives as long as the checkpoint keeps the body for recomputation,
 so each mask is held from the forward to the region's backward, as a saved bool mask would be. The checkpoint pass
 uses a tape only for regions where every draw is one of these (other random ops replay from the restored RNG
-state, and skipping some draws would shift the others). Under torch.compile the tape steps aside (the compiler's
-partitioner decides what random values to save).
+state, and skipping some draws would shift the others). Under torch.compile the function is aten.dropout again:
+the compiler draws with its own generator and its partitioner decides what to save.
 """
 from __future__ import annotations
 
@@ -71,11 +71,12 @@ def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | Non
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
     if not train or p == 0 or x.numel() == 0:
         return x
-    if p == 1 or not x.is_contiguous():
+    if p == 1 or not x.is_contiguous() or torch.compiler.is_compiling():
+        # under torch.compile the compiler's own dropout (its RNG, fused; eager's masks are not reproduced anyway)
         # a strided input: the float mask (empty_like(x)) is filled in x's memory order, which a contiguous bool
         # draw would not follow; the original dropout keeps it exact
         return torch.ops.aten.dropout(x, p, True)
-    tape = None if torch.compiler.is_compiling() else _TAPE.get()
+    tape = _TAPE.get()
     keep = tape.draw(x, p) if tape is not None else _draw(x, p)
     s = scale if scale is not None and x.dtype == scale_dtype else dropout_scale(x, p)
     return x * keep * s
