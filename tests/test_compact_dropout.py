@@ -29,6 +29,21 @@ class _CountDraws(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _exact_and_draws_in_backward(ref, mod, x, loss_fn) -> int:
+    """Asserts `mod` gives `ref`'s outputs and gradients bit for bit (same seed); returns how many random draws
+    its backward made (recomputation)."""
+    o1, g1 = _train_step(copy.deepcopy(ref), x, loss_fn)
+    o2, g2 = _train_step(copy.deepcopy(mod), x, loss_fn)
+    assert torch.equal(o1, o2) and set(g1) == set(g2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    mod.train()
+    torch.manual_seed(3)
+    loss = loss_fn(mod(*x), x)
+    counter = _CountDraws()
+    with counter:
+        loss.backward()
+    return counter.n
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -122,19 +137,9 @@ def test_pass_compacts_dropout_exactly_and_keeps_draws(small_gpt):
     # every region with a draw keeps it (a DrawTape), `full` ones without the selective-checkpoint dispatch mode
     regions = [m for n, m in q.module.named_children() if n.startswith("ckpt_")]
     assert regions and all("bernoulli" in r.keep_ops and "bernoulli" not in r.sac_ops for r in regions)
-    # bit-identical to the captured model (same seed), outputs and gradients
-    o1, g1 = _train_step(copy.deepcopy(p.module), x, loss_fn)
-    o2, g2 = _train_step(copy.deepcopy(q.module), x, loss_fn)
-    assert torch.equal(o1, o2)
-    assert all(torch.equal(g1[k], g2[k]) for k in g1)
-    # recomputation draws nothing: backward dispatches no bernoulli
-    mod = copy.deepcopy(q.module).train()
-    torch.manual_seed(3)
-    loss = loss_fn(mod(*x), x)
-    counter = _CountDraws()
-    with counter:
-        loss.backward()
-    assert counter.n == 0
+    # bit-identical to the captured model (same seed), outputs and gradients; recomputation draws nothing
+    mod = copy.deepcopy(q.module)
+    assert _exact_and_draws_in_backward(p.module, mod, x, loss_fn) == 0
     # .eval() still switches dropout off
     mod.eval()
     ref = copy.deepcopy(p.module).eval()
@@ -259,16 +264,7 @@ def test_lowest_budget_redraws_masks_exactly(small_gpt):
     regions = {n: m for n, m in q.module.named_children() if n.startswith("ckpt_")}
     redraw = [m for m in regions.values() if not m.keep_ops]
     assert redraw and all("bernoulli" not in m.keep_ops for m in redraw)
-    o1, g1 = _train_step(copy.deepcopy(p.module), x, loss_fn)
-    o2, g2 = _train_step(copy.deepcopy(q.module), x, loss_fn)
-    assert torch.equal(o1, o2) and all(torch.equal(g1[k], g2[k]) for k in g1)
-    mod = copy.deepcopy(q.module).train()
-    torch.manual_seed(3)
-    loss = loss_fn(mod(*x), x)
-    counter = _CountDraws()
-    with counter:
-        loss.backward()
-    assert counter.n > 0  # drawn again
+    assert _exact_and_draws_in_backward(p.module, copy.deepcopy(q.module), x, loss_fn) > 0  # drawn again
     kept, _ = _run_pass(p, loss_fn, "60%")
     m_low = fxmem.measure(copy.deepcopy(q.module), x, loss_fn=loss_fn)
     m_kept = fxmem.measure(copy.deepcopy(kept.program.module), x, loss_fn=loss_fn)
