@@ -10,7 +10,8 @@ What it shows:
 - a memory timeline plot, before vs after (matplotlib Agg; SVG inline in the HTML, PNG beside it).
 
 Determinism: with `deterministic=True` every renderer leaves out the one non-deterministic part (wall-clock
-timing), and the SVG is written with a fixed `svg.hashsalt` and no date, so the same model, inputs and policy give
+timing, and what passes derive from probes of the machine: metrics and change details named like `*_s`,
+`*_seconds`, `*_ms`, which the timing section shows), and the SVG is written with a fixed `svg.hashsalt` and no date, so the same model, inputs and policy give
 byte-identical files. Every number says whether it is estimated or measured.
 """
 from __future__ import annotations
@@ -830,6 +831,9 @@ def _pass_dict(rec, deterministic: bool) -> dict:
     d = rec.to_dict(with_timing=not deterministic)
     if deterministic:
         d["metrics"] = {k: v for k, v in d.get("metrics", {}).items() if not is_timing_key(k)}
+        for c in d.get("changes", []):  # e.g. offload's per-region transfer times, from probes of this machine
+            if isinstance(c.get("details"), dict):
+                c["details"] = {k: v for k, v in c["details"].items() if not is_timing_key(k)}
     return d
 
 

@@ -5,8 +5,9 @@ the model's top-level modules, descending into a module that holds over half the
 `transformer` -> `transformer.h.0`, ...). Checkpoint regions already in the graph (the checkpoint pass runs
 first) are candidates too: their inputs are the only thing they keep, and offloading those is how fxmem goes
 below what checkpointing alone reaches. For each candidate the cost model gives the bytes autograd would
-save inside it and its FLOPs; compute time is FLOPs / a quick matmul probe's FLOP/s, transfer time is bytes /
-bandwidth (a quick probe of the tier, or `bandwidth: '2GB/s'`). The write overlaps the region's own forward,
+save inside it and its FLOPs; compute time is FLOPs / FLOP/s (a quick matmul probe, or `compute_rate: '50GFLOP/s'`), transfer time is
+bytes / bandwidth (a quick probe of the tier, or `bandwidth: '2GB/s'`). Without a budget the choice depends on
+both rates: set both for a plan that does not change with the machine's load. The write overlaps the region's own forward,
 the read the next region's backward (~2x its forward); what they cannot hide is the estimated time cost.
 
 Choice. With a budget, candidates are taken largest and longest-lived first (bytes x how long they wait for
@@ -60,6 +61,7 @@ class OffloadOptions:
     tier: Literal["auto", "cpu", "disk"] = "auto"  # auto: cpu (pinned host) for CUDA models, disk on CPU hosts
     prefetch: int = 1  # regions (or weight blocks) loaded ahead of backward (use)
     bandwidth: str | None = None  # e.g. '2GB/s'; default: a quick probe of the tier
+    compute_rate: str | None = None  # e.g. '50GFLOP/s'; default: a quick matmul probe (pin it for a repeatable plan)
     budget: Budget | None = None  # '4GiB', '40%'; None: the policy's budget
     max_memory: dict[str, str] | None = None  # weights: {'cpu': '1GiB'} keep blocks resident up to this
     distributed: Literal["none", "ddp", "fsdp"] = "none"  # recorded for fxmem.distribute
@@ -68,6 +70,15 @@ class OffloadOptions:
     grad_threshold: Size | None = None  # grads: move only when device memory is above this
     scratch_dir: str | None = None  # where the per-step scratch directory is created (default: the temp dir)
     unlink_early: bool = True  # disk: unlink the scratch file as soon as it is open (nothing visible on disk)
+
+    def __post_init__(self) -> None:
+        # rates are checked when the policy is read (the error names the file and line), not when the pass runs
+        for key, parse in (("bandwidth", _parse_bandwidth), ("compute_rate", _parse_rate)):
+            if getattr(self, key) is not None:
+                try:
+                    parse(getattr(self, key))
+                except PolicyError as e:
+                    raise ValueError(f"{key}: {str(e).partition(': ')[2]}") from None
 
 
 # ============================================================================================ candidates
@@ -226,6 +237,18 @@ def _parse_bandwidth(s: str) -> float:
         raise PolicyError(f"passes.offload.bandwidth: {e}") from None
 
 
+_FLOP_PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def _parse_rate(s: str) -> float:
+    """'50GFLOP/s', '5e10 FLOP/s', '2 TFLOPS' -> FLOP/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTP]?)\s*(?:FLOP/s|FLOPS|flop/s|flops)\s*",
+                     str(s))
+    if not m or float(m.group(1)) <= 0:
+        raise PolicyError(f"passes.offload.compute_rate: expected a positive rate like '50GFLOP/s', got {s!r}")
+    return float(m.group(1)) * _FLOP_PREFIX[m.group(2).upper()]
+
+
 # ============================================================================================ the pass
 
 def resolve_tier(tier: str, program: Program) -> str:
@@ -294,7 +317,7 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
     if not cands:
         return [], ["activations: no region saves tensors of at least min_bytes; nothing to offload"], {}
     bw = _parse_bandwidth(o.bandwidth) if o.bandwidth else _probe(tier, o, notes)
-    rate = _probe_flops(program)
+    rate = _parse_rate(o.compute_rate) if o.compute_rate else _probe_flops(program)
     n_nodes = len(program.graph.nodes)
     for i, c in enumerate(cands):
         c.transfer_s = c.saved / bw
@@ -308,6 +331,11 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
         return [], ["activations: only one candidate region (the last before backward, needed at once); "
                     "offloading it cannot lower the peak"], {}
     metrics = {"bandwidth_bytes_per_s": bw, "flops_per_s": rate, "candidates": len(cands)}
+    # probed rates differ run to run: they stay out of the notes (metrics named *_s go to the report's timing
+    # section, left out of the deterministic report); pinned rates are policy values and are named
+    pinned = bool(o.bandwidth and o.compute_rate)
+    rates = (f"{format_bytes(bw)}/s, compute {rate:.3g} FLOP/s" if pinned
+             else "bandwidth and compute rate probed on this machine: see the timing section")
 
     def apply(k: int) -> Program:
         trial = program.snapshot()
@@ -340,16 +368,17 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
     else:
         chosen = [c for c in order if c.exposed_s <= 0.1 * max(c.compute_s, 1e-9)]
         if not chosen:
-            return [], [f"activations: no budget, and no region's transfer ({format_bytes(bw)}/s) is hidden by "
-                        f"its compute; nothing offloaded (set a budget to force it)"], metrics
+            return [], [f"activations: no budget, and no region's transfer ({rates}) is hidden by its compute; "
+                        f"nothing offloaded (set a budget to force it)"], metrics
     chosen_set = set(id(c) for c in chosen)
     chosen = [c for c in cands if id(c) in chosen_set]
     changes = emit(program, chosen, o, tier)
     metrics["offloaded_bytes"] = sum(c.saved for c in chosen)
     metrics["exposed_transfer_s"] = sum(c.exposed_s for c in chosen)
+    exposed = (f"; estimated transfer time not hidden by compute: {sum(c.exposed_s for c in chosen) * 1e3:.1f} ms"
+               if pinned else "; the transfer time compute cannot hide is in the timing section")
     notes.append(f"activations: {len(chosen)} of {len(cands)} regions to {tier}, "
-                 f"{format_bytes(sum(c.saved for c in chosen))} per step at {format_bytes(bw)}/s; estimated "
-                 f"transfer time not hidden by compute: {sum(c.exposed_s for c in chosen) * 1e3:.1f} ms")
+                 f"{format_bytes(sum(c.saved for c in chosen))} per step ({rates}){exposed}")
     return changes, notes, metrics
 
 

@@ -29,7 +29,7 @@ def _build():
     model = ex.build_model(**CFG)
     x = ex.example_inputs(**INPUTS)
     res = fxmem.transform(model, x, policy={"version": 1, "passes": {"offload": {
-        "min_bytes": 0, "bandwidth": "10GB/s"}}})
+        "min_bytes": 0, "bandwidth": "10GB/s", "compute_rate": "1GFLOP/s"}}})
     return res, x[0]
 
 

@@ -342,7 +342,7 @@ def test_cpu_tier_on_cpu_model_is_a_policy_error(captured):
         _run_pass(captured, tier="cpu")
 
 
-def test_bandwidth_parsing():
+def test_bandwidth_and_compute_rate_parsing():
     from fxmem.pipeline import load_passes
     load_passes()
     import sys
@@ -351,6 +351,20 @@ def test_bandwidth_parsing():
     assert mod._parse_bandwidth("512 MiB/s") == 512 * 2 ** 20
     with pytest.raises(PolicyError, match="passes.offload.bandwidth"):
         mod._parse_bandwidth("fast")
+    assert mod._parse_rate("50GFLOP/s") == 5e10
+    assert mod._parse_rate("5e10 FLOP/s") == 5e10
+    assert mod._parse_rate("2 TFLOPS") == 2e12
+    for bad in ("quick", "0 FLOP/s", "-1GFLOP/s", "50GB/s"):
+        with pytest.raises(PolicyError, match="passes.offload.compute_rate"):
+            mod._parse_rate(bad)
+
+
+@pytest.mark.parametrize("key,value", [("bandwidth", "fast"), ("compute_rate", "quick")])
+def test_bad_rate_is_a_policy_error_with_file_and_line(tmp_path, key, value):
+    f = tmp_path / "p.yaml"
+    f.write_text(f"version: 1\npasses:\n  offload:\n    enabled: true\n    {key}: {value}\n")
+    with pytest.raises(PolicyError, match=rf"p\.yaml:5 passes\.offload\.{key}: expected .*{value}"):
+        fxmem.load_policy(str(f))
 
 
 def test_no_budget_offloads_only_what_compute_hides(captured):
@@ -362,6 +376,18 @@ def test_no_budget_offloads_only_what_compute_hides(captured):
     res = _run_pass(captured, bandwidth="1000TB/s")
     assert len(_regions(res.program.module)) >= CFG["n_layer"] - 1
     assert all(c.kind == "offload" and c.bytes_saved > 0 for c in res.changes)
+
+
+def test_pinned_rates_make_the_no_budget_choice_independent_of_the_machine(captured):
+    # the same tier: slow compute hides every transfer, instant compute hides none; pinned, the plan repeats
+    slow = _run_pass(captured, bandwidth="1GB/s", compute_rate="1MFLOP/s")
+    assert len(_regions(slow.program.module)) >= CFG["n_layer"] - 1
+    assert slow.metrics["flops_per_s"] == 1e6 and slow.metrics["bandwidth_bytes_per_s"] == 1e9
+    fast = _run_pass(captured, bandwidth="1GB/s", compute_rate="1000PFLOP/s")
+    assert not _regions(fast.program.module) and not fast.changes
+    again = _run_pass(captured, bandwidth="1GB/s", compute_rate="1MFLOP/s")
+    assert [(c.kind, c.module, c.bytes_saved) for c in again.changes] == \
+        [(c.kind, c.module, c.bytes_saved) for c in slow.changes]
 
 
 # ============================================================================================ with checkpointing
@@ -400,3 +426,21 @@ def test_checkpoint_plus_offload_is_exact_and_offloads_block_inputs(tmp_path):
     assert abs(estimate(prog).activations - meas.activations) <= 0.02 * meas.activations + 4096
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+def test_report_is_deterministic_with_probed_rates():
+    # bandwidth and FLOP/s are probed on each run: they and what derives from them (transfer times) stay out of
+    # the deterministic report, which is byte-identical; the timing section shows them
+    outs = []
+    for _ in range(2):
+        model, x = _gpt()
+        res = fxmem.transform(model, x, policy={"version": 1, "verify": {"enabled": False},
+                                                "passes": {"offload": {"min_bytes": 0}}}, budget="60%")
+        assert _regions(res.module)
+        rec = next(r for r in res.report.passes if r.name == "offload")
+        assert rec.metrics["bandwidth_bytes_per_s"] > 0 and rec.metrics["flops_per_s"] > 0
+        assert any("timing section" in n for n in rec.notes)
+        assert "bandwidth_bytes_per_s" in res.report.to_markdown()
+        outs.append((res.report.to_json(deterministic=True), res.report.to_markdown(deterministic=True)))
+    assert outs[0] == outs[1]
+    assert "bandwidth_bytes_per_s" not in outs[0][0] and "exposed_s" not in outs[0][0]
