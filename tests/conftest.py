@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import pathlib
 import warnings
 
@@ -13,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 EXAMPLE_NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "__init__")
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# one intra-op thread per pytest-xdist worker (the workers share the cores), else up to two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
