@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
-from .nn.recast import cast_param, installed as recast_installed, scope_for as recast_scope
+from .nn.dropout import bool_mask_dropout_remat
+from .nn.recast import cast_param, installed as recast_installed, remat, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -318,6 +319,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+RECOMPUTED = (remat, bool_mask_dropout_remat)  # graph functions whose output autograd keeps as a recipe
+
+
 class _RecordingInterpreter(fx.Interpreter):
     def __init__(self, gm, recorder: _Recorder):
         super().__init__(gm)
@@ -327,7 +331,11 @@ class _RecordingInterpreter(fx.Interpreter):
         self.rec.node = n.name
         self.rec.module = module_path(n)
         self.rec.recast_node = n.op == "call_function" and n.target is cast_param
-        return super().run_node(n)
+        out = super().run_node(n)
+        if n.op == "call_function" and n.target in RECOMPUTED and isinstance(out, torch.Tensor):
+            # saved as a recipe (fxmem.nn.recast.remat): recomputed in backward, like a recast parameter copy
+            self.rec.recast_keys.add(self.rec.key(out)[0])
+        return out
 
     def call_module(self, target, args, kwargs):
         mod = self.fetch_attr(target)
@@ -399,6 +407,21 @@ def program_key(program: Program) -> str:
             h.update(name.encode())
             h.update(m.code.encode())
     return h.hexdigest()
+
+
+def smallest_fitting_prefix(n: int, peak_of, budget: int) -> int:
+    """The smallest k in 1..n with peak_of(k) <= budget, by bisection (a pass applies its candidates in order, so
+    the peak falls as k grows); n when even all n do not fit. Passes call this with their own peak_of."""
+    if peak_of(n) > budget:
+        return n
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak_of(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def estimate_from_trace(program: Program, traced, *, mode: str, optimizer: str = "adamw",

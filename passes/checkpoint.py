@@ -1,7 +1,7 @@
 """Checkpoint pass: land the training step under a memory budget with the least extra compute.
 
 Given a budget (bytes, or a fraction of the baseline peak), the pass chooses, for each candidate region of the
-graph, one of three things:
+graph, one of four things:
 
     keep       the region runs as captured; autograd saves what it saves
     selective  recompute in backward, but save the outputs of matmul-like ops (mm/addmm/bmm/convolution/attention
@@ -18,6 +18,16 @@ reference decoder's forward here). When the pass has work to do, `compact_dropou
 every draw in the region is such a mask (recomputation replays other draws in order from the restored RNG state,
 so keeping only some would shift the others); the memory model counts the kept masks and the cost leaves their
 draw out.
+
+Before any region, `remat` (on by default) looks for activations that are cheap functions of tensors autograd
+keeps anyway: a GELU, dropout or layer-norm output that the next matmul saves, while the GELU's input, the
+dropout's input and mask, or the norm's input and statistics are saved too. Such an output is saved twice over
+in effect; the pass rewrites the node as `fxmem.nn.recast.remat(y, "aten.op.overload", *args)`, which hands the
+consumers' saved-tensor hooks a recipe instead of the tensor and runs the op again (under no_grad, with a
+version check) when backward unpacks it. Outputs and gradients are bit-identical (same op, same inputs), there
+is no region, no dispatch mode and no RNG state, and it is what torch.compile's min-cut partitioner does inside
+its joint graph, in eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs
+(all of them when it needs more, and then regions plan on the rewritten program).
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -62,10 +72,11 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import estimate_from_trace, program_key, trace_forward
+from fxmem.costmodel import estimate_from_trace, program_key, smallest_fitting_prefix, trace_forward
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
-from fxmem.nn.dropout import bool_mask_dropout
+from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
+from fxmem.nn.recast import install as install_recast, remat
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -95,6 +106,9 @@ class CheckpointOptions:
     # CPU dropout saves a float mask; draw the same numbers into a bool mask instead (bit-identical, 1/4 the bytes),
     # which recompute regions then keep rather than draw again (see compact_dropout)
     compact_dropout: bool = True
+    # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
+    # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
+    remat: bool = True
 
 
 # ============================================================================================ candidates
@@ -323,7 +337,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         # the RNG state and replays the draws in order, so skipping some would shift the others
         draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
         targets = {n.name: n.target for n in reg.nodes}
-        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP and targets.get(r.node) is bool_mask_dropout
+        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
                                              for r in draws) else frozenset()
         keep_sel = keep_ops | keep_rng
         for r in recs:
@@ -384,6 +398,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
 # ============================================================================================ compact dropout masks
 
 RNG_KEEP = DRAW_OPS  # random draws recompute regions keep (bool_mask_dropout's, through a DrawTape)
+DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 
 def compact_dropout(program: Program) -> list[Change]:
@@ -434,6 +449,133 @@ def _static_numel(v: torch.Tensor) -> int:
 
 def _packet(func) -> str:
     return str(getattr(func, "overloadpacket", func)).split(".")[-1]
+
+
+# ============================================================================================ remat
+
+REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"})
+
+
+@dataclass
+class RematSite:
+    """An activation a consumer saves that is a cheap function of tensors autograd keeps anyway."""
+    node: fx.Node
+    key: int  # storage key of its output in the trace
+    bytes: int  # what the consumers' saves hold
+    cost: float  # recompute cost (roofline), paid once per saving consumer in backward
+    path: str
+
+
+def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
+    """Nodes whose output some later op saves for backward, that (1) are pointwise ops, layer/group/RMS norms or
+    bool-mask dropout, (2) do not save their own output, (3) have every tensor input held until that consumer's
+    backward anyway (parameters, inputs, or tensors saved by this node or an earlier one). Cheapest per byte
+    first."""
+    rec, base_keys, out_keys = traced[0], traced[1], traced[2]
+    R = [r for r in rec.records if r.region is None]
+    sb = rec.storage_bytes
+    by_node: dict[str, list] = {}
+    for r in R:
+        by_node.setdefault(r.node, []).append(r)
+    saved_upto: dict[int, int] = {}  # storage key -> index of the first record saving it
+    savers: dict[int, list] = {}
+    for r in R:
+        for k in r.saved:
+            saved_upto.setdefault(k, r.idx)
+            savers.setdefault(k, []).append(r)
+
+    def key_of(a) -> int | None:
+        for r in reversed(by_node.get(a.name, []) if isinstance(a, fx.Node) else []):
+            if r.out_keys and r.out_keys[0] is not None:
+                return r.out_keys[0]
+        return None
+
+    sites = []
+    for n in program.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        dropout = t is bool_mask_dropout
+        if not dropout:
+            if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+                continue
+            cat = optable.category(t)
+            if not (cat == optable.POINTWISE or (cat == optable.NORM and _packet(t) in REMAT_NORMS)):
+                continue
+        v = n.meta.get("fxmem_val", n.meta.get("val"))
+        recs = by_node.get(n.name)
+        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or not recs:
+            continue
+        k = key_of(n)
+        if k is None or k in out_keys or base_keys.get(k) is not None:
+            continue
+        own = {r.idx for r in recs}
+        if any(k in r.saved for r in recs):
+            continue  # it saves its own output (relu, exp, softmax ...): recomputing needs what it frees
+        consumers = [r for r in savers.get(k, []) if r.idx not in own]
+        if not consumers:
+            continue
+        last = max(own)
+        inputs = [a for a in (n.args[:1] if dropout else n.all_input_nodes)]
+        held = True
+        for a in inputs:
+            if a.op in ("placeholder", "get_attr"):
+                continue
+            ak = key_of(a)
+            if ak is None or not (base_keys.get(ak) is not None or saved_upto.get(ak, last + 1) <= last):
+                held = False
+                break
+        if not held:
+            continue
+        cost_recs = [r for r in recs if optable.category(r.func) not in (optable.RANDOM, optable.CREATION)]
+        cost = sum(op_cost(r, balance) for r in cost_recs) * len(consumers)
+        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1]))
+    sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
+    return sites
+
+
+def remat_traced(traced, keys: set):
+    """`traced` as if the outputs under `keys` were rematerialised (consumers' saves become recipes): what the
+    cost model would record for the rewritten program, without tracing it."""
+    import copy as _copy
+    rec = _copy.copy(traced[0])
+    records = []
+    for r in rec.records:
+        if r.region is None and r.saved and any(k in keys for k in r.saved):
+            r = _copy.copy(r)
+            r.recast = list(r.recast) + [k for k in r.saved if k in keys]
+            r.saved = [k for k in r.saved if k not in keys]
+        records.append(r)
+    rec.records = records
+    return (rec,) + tuple(traced[1:])
+
+
+def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
+    """Rewrite each site as `remat(op(*args), 'aten.op', *args)` (bool-mask dropout: its remat variant)."""
+    g = program.graph
+    by_name = {n.name: n for n in g.nodes}
+    changes = []
+    for s in sites:
+        n = by_name[s.node.name]
+        if n.target is bool_mask_dropout:
+            n.target = bool_mask_dropout_remat
+            after, what = n.name, "dropout output (input and bool mask are saved anyway)"
+        else:
+            t = n.target
+            op = f"{t.namespace}.{t._opname}.{t._overloadname}"
+            with g.inserting_after(n):
+                m = g.create_node("call_function", remat, (n, op) + tuple(n.args), dict(n.kwargs),
+                                  name=n.name + "_remat")
+            m.meta.update(n.meta)
+            n.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
+            after, what = m.name, f"{_packet(t)} output (its inputs are saved anyway)"
+        changes.append(Change(
+            kind="checkpoint_remat", module=s.path, nodes_before=[n.name], nodes_after=[after],
+            reason=f"{what}: recomputed where backward needs it instead of saved by its consumer",
+            bytes_saved=s.bytes, details={"recompute_cost": s.cost}))
+    install_recast(program.module)
+    program.module.recompile()
+    return changes
 
 
 # ============================================================================================ memory model
@@ -835,6 +977,38 @@ class CheckpointPass:
             if pre:
                 metrics["estimated_peak"] = est0.peak
             return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
+
+        if opts.regions:
+            candidate_regions(program, {}, opts.regions)  # names every listed module that is not in the graph
+        if opts.remat:
+            # cheap activations whose inputs are kept anyway: recomputed in backward (no region, no dispatch
+            # mode), the cheapest per byte first; only as many as the budget needs, all of them if it needs more
+            sites = remat_sites(program, traced, opts.balance if opts.balance is not None
+                                else default_balance(program) if opts.cost == "roofline" else None)
+            if sites:
+                def planned(k: int):
+                    return estimate_from_trace(program, remat_traced(traced, {s.key for s in sites[:k]}),
+                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
+                k = smallest_fitting_prefix(len(sites), planned, budget)
+                rematted = program.snapshot()
+                rm = apply_remat(rematted, sites[:k])
+                rematted.graph.lint()
+                traced2 = self._trace(rematted, ctx)
+                est2 = estimate_from_trace(rematted, traced2, mode=ctx.mode, optimizer=ctx.optimizer,
+                                           loss_fn=ctx.loss_fn)
+                if est2.peak < est0.peak or (est2.peak == est0.peak and est2.activations < est0.activations):
+                    metrics["remat"] = {"sites": len(rm), "candidates": len(sites), "peak_after": est2.peak,
+                                        "activations_saved": est0.activations - est2.activations}
+                    ctx.log(f"[checkpoint] {len(rm)} of {len(sites)} cheap activations recomputed in backward: "
+                            f"estimated peak {format_bytes(est0.peak)} -> {format_bytes(est2.peak)}")
+                    program, traced, est0, pre = rematted, traced2, est2, pre + rm
+                    rec, base_keys = traced[0], traced[1]
+                    if est0.peak <= budget:
+                        notes.append(f"checkpoint: {len(rm)} cheap activations recomputed in backward bring the "
+                                     f"estimated peak to {format_bytes(est0.peak)}, within the budget "
+                                     f"{format_bytes(budget)}; no region recomputed")
+                        metrics["estimated_peak"] = est0.peak
+                        return PassResult(program, True, changes=pre, notes=notes, metrics=metrics)
 
         saved_by_node: dict[str, int] = {}
         seen: set = set()

@@ -32,6 +32,7 @@ graph: the pass records the plan on the module (`module.fxmem_offload`), and `fx
 """
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from typing import Literal
 import torch
 from torch import fx
 
-from fxmem.costmodel import trace_forward
+from fxmem.costmodel import smallest_fitting_prefix, trace_forward
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.regions import region_info
@@ -343,6 +344,7 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
         trial.refresh()
         return trial
 
+    @functools.cache
     def peak_of(k: int) -> int:
         return estimate(apply(k), mode=program.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
 
@@ -351,19 +353,10 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
         if base_peak <= budget:
             return [], [f"activations: the estimated peak {format_bytes(base_peak)} already fits the budget "
                         f"{format_bytes(budget)}; nothing offloaded"], metrics
-        lo, hi = 1, len(order)
-        if peak_of(hi) > budget:
-            k = hi
-            notes.append(f"activations: offloading every candidate ({hi}) gives an estimated peak of "
-                         f"{format_bytes(peak_of(hi))}, above the budget {format_bytes(budget)}")
-        else:
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if peak_of(mid) <= budget:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            k = lo
+        k = smallest_fitting_prefix(len(order), peak_of, budget)
+        if k == len(order) and peak_of(k) > budget:
+            notes.append(f"activations: offloading every candidate ({k}) gives an estimated peak of "
+                         f"{format_bytes(peak_of(k))}, above the budget {format_bytes(budget)}")
         chosen = order[:k]
     else:
         chosen = [c for c in order if c.exposed_s <= 0.1 * max(c.compute_s, 1e-9)]

@@ -371,7 +371,8 @@ def test_transform_end_to_end_report_and_cli_diff(tmp_path, capsys):
     assert "### checkpoint: applied" in md and "before (measured)" in md
     assert f"`{ck[0].changes[0].module}`" in md
     d = rep.graph_diff()
-    assert any(line.startswith("+") and "ckpt" in line for line in d.splitlines()), d
+    # the cheapest way under 85% is rematerialising the GELU outputs (no region); the diff shows those calls
+    assert any(line.startswith("+") and ("ckpt" in line or "remat(" in line) for line in d.splitlines()), d
     h = rep.to_html(deterministic=True)
     assert "http://" not in h and "https://" not in h and "<svg" in h
     again = _transform_chain().report
@@ -387,7 +388,7 @@ def test_transform_end_to_end_report_and_cli_diff(tmp_path, capsys):
     assert main(["diff", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"--- {out}/original.py\n+++ {out}/transformed.py\n")
-    assert any(line.startswith("+") and "ckpt" in line for line in printed.splitlines())
+    assert any(line.startswith("+") and ("ckpt" in line or "remat(" in line) for line in printed.splitlines())
     assert "= None" not in printed
 
 

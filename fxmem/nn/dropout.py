@@ -20,12 +20,17 @@ so each mask is held from the forward to the region's backward, as a saved bool 
 uses a tape only for regions where every draw is one of these (other random ops replay from the restored RNG
 state, and skipping some draws would shift the others). Under torch.compile the function is aten.dropout again:
 the compiler draws with its own generator and its partitioner decides what to save.
+
+`bool_mask_dropout_remat` (what the checkpoint pass's `remat` puts in where a consumer saves the output) does not
+keep the output for backward: the consumer's saved copy is recomputed from the input and the mask.
 """
 from __future__ import annotations
 
 import contextvars
 
 import torch
+
+from .recast import register_recompute
 
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
 
@@ -67,7 +72,7 @@ def dropout_scale(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
-                      scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      scale_dtype: torch.dtype | None = None, remat: bool = False) -> torch.Tensor:
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
     if not train or p == 0 or x.numel() == 0:
         return x
@@ -79,4 +84,18 @@ def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | Non
     tape = _TAPE.get()
     keep = tape.draw(x, p) if tape is not None else _draw(x, p)
     s = scale if scale is not None and x.dtype == scale_dtype else dropout_scale(x, p)
+    out = _apply_mask(x, keep, s)
+    if remat:
+        register_recompute(out, _apply_mask, (x, keep, s))
+    return out
+
+
+def _apply_mask(x: torch.Tensor, keep: torch.Tensor, s) -> torch.Tensor:
     return x * keep * s
+
+
+def bool_mask_dropout_remat(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
+                            scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`bool_mask_dropout` whose output, where a consumer saves it (e.g. attention probabilities feeding `@ v`),
+    is recomputed in backward from the input and the mask (`fxmem.nn.recast`: both are saved anyway)."""
+    return bool_mask_dropout(x, p, train, scale, scale_dtype, remat=True)

@@ -20,6 +20,18 @@ Under torch.compile the hooks and the registration step aside (no graph breaks):
 partitioner decides what it saves and recomputes casts by itself.
 
 The cost model reads `installed(module)` and leaves the outputs of `cast_param` nodes out of what is saved.
+
+Rematerialisation (`remat`), the same mechanism for activations. Some activations are cheap functions of
+tensors autograd keeps anyway: GELU's output (its input is saved by GELU itself), dropout's output (its input,
+a softmax output, is saved by the softmax, and its bool mask by the multiply), a layer norm's output (input,
+weight and bias are saved by the norm). A matmul that consumes such an activation saves it, holding a second
+tensor of the same size from forward to backward. The checkpoint pass rewrites `y = op(*args)` as
+`y = remat(op(*args), 'aten.op.overload', *args)`: the consumer's saved copy of `y` is packed as the recipe
+(op, args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per
+use in backward, with bit-identical values (the op is deterministic; an input changed in place in between is an
+error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
+without the dispatch-mode overhead of selective checkpointing in eager mode. `fxmem.nn.dropout` registers its
+masked outputs the same way (`register_recompute`).
 """
 from __future__ import annotations
 
@@ -60,22 +72,60 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 torch.fx.wrap("cast_param")
 
+_OPS: dict[str, object] = {}
+
+
+def _resolve(op: str):
+    """'aten.gelu.default' -> torch.ops.aten.gelu.default (cached)."""
+    fn = _OPS.get(op)
+    if fn is None:
+        ns, name, overload = op.split(".")
+        fn = _OPS[op] = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    return fn
+
+
+def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None) -> None:
+    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward)."""
+    if torch.compiler.is_compiling():
+        return
+    stack = _stack()
+    if stack and isinstance(out, torch.Tensor):
+        stack[-1].register_recipe(out, fn, tuple(args), dict(kwargs or {}))
+
+
+def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
+    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe."""
+    if not torch.compiler.is_compiling() and _stack():
+        register_recompute(y, _resolve(op), args, kwargs)
+    return y
+
+
+torch.fx.wrap("remat")
+
 
 class RecastScope:
     """saved_tensors_hooks that save registered parameter casts as their parameter (see the module docstring)."""
 
     def __init__(self):
-        self._entries: dict[int, tuple] = {}  # storage id -> (weakref to the storage, parameter, dtype)
+        # storage id -> (weakref to the storage, parameter, dtype) or (weakref, _Recipe)
+        self._entries: dict[int, tuple] = {}
         self._hooks = None
 
-    def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
+    def _add(self, out: torch.Tensor, entry: tuple) -> None:
         st = out.untyped_storage()
         key = st._cdata
         entries = self._entries
         # the storage object is preserved while the storage lives; when it dies the entry goes with it, so a
         # later tensor that reuses the address is never mistaken for the cast
         ref = weakref.ref(st, lambda _r, key=key: entries.pop(key, None))
-        entries[key] = (ref, p, dtype)
+        entries[key] = (ref,) + entry
+
+    def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
+        self._add(out, (p, dtype))
+
+    def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors)),))
 
     def _pack(self, t: torch.Tensor):
         if not self._entries:
@@ -84,10 +134,22 @@ class RecastScope:
         e = self._entries.get(st._cdata)
         if e is None or e[0]() is not st:
             return t
+        if len(e) == 2:  # a recipe
+            return _Remat(e[1], tuple(t.shape), tuple(t.stride()), t.storage_offset())
         return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
 
     @staticmethod
     def _unpack(x):
+        if isinstance(x, _Remat):
+            r = x.recipe
+            tensors = [a for a in r.args if isinstance(a, torch.Tensor)]
+            if any(a._version != v for a, v in zip(tensors, r.versions)):
+                raise RuntimeError(
+                    f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
+                    "was modified in place between forward and backward")
+            with torch.no_grad():
+                full = r.fn(*r.args, **r.kwargs)
+                return full.as_strided(x.shape, x.stride, x.offset)
         if isinstance(x, _Recast):
             if x.param._version != x.version:
                 raise RuntimeError(
@@ -122,6 +184,20 @@ class _Recast:
     def __init__(self, param, dtype, shape, stride, offset, version):
         self.param, self.dtype, self.shape, self.stride, self.offset = param, dtype, shape, stride, offset
         self.version = version
+
+
+class _Recipe:
+    __slots__ = ("fn", "args", "kwargs", "versions")
+
+    def __init__(self, fn, args, kwargs, versions):
+        self.fn, self.args, self.kwargs, self.versions = fn, args, kwargs, versions
+
+
+class _Remat:
+    __slots__ = ("recipe", "shape", "stride", "offset")
+
+    def __init__(self, recipe, shape, stride, offset):
+        self.recipe, self.shape, self.stride, self.offset = recipe, shape, stride, offset
 
 
 class _Enter:
