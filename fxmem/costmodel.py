@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.dropout import bool_mask_dropout_remat
-from .nn.recast import cast_param, installed as recast_installed, remat, scope_for as recast_scope
+from .nn.recast import cast_param, installed as recast_installed, remat, remat_call, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -249,6 +249,9 @@ class _Recorder(TorchDispatchMode):
         self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
         self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
         self.recast_enabled = False  # the traced module runs under fxmem.nn.recast's scope
+        # recipe output storage -> storages its recipe holds (its tensor arguments, through nested recipes): a
+        # record that saves the recipe instead of the output keeps those alive (free only inside regions)
+        self.recipe_holds: dict[int, list[int]] = {}
 
     def key(self, t):
         st = t.untyped_storage()
@@ -258,6 +261,12 @@ class _Recorder(TorchDispatchMode):
             self.keep_alive.append(st)
             return k, True
         return k, False
+
+    def hold_recipe_args(self, rec) -> None:
+        for k in rec.recast:
+            for h in self.recipe_holds.get(k, ()):
+                if h not in rec.saved:
+                    rec.saved.append(h)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -311,6 +320,7 @@ class _Recorder(TorchDispatchMode):
                 # region the region's own hooks decide (checkpoint recomputes, offload moves them)
                 rec.recast = [k for k in rec.saved if k in self.recast_keys]
                 rec.saved = [k for k in rec.saved if k not in self.recast_keys]
+                self.hold_recipe_args(rec)
         else:
             rec.known = optable.lookup(func) is not None or True
         if optable.lookup(func) is None:
@@ -319,7 +329,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-RECOMPUTED = (remat, bool_mask_dropout_remat)  # graph functions whose output autograd keeps as a recipe
+RECOMPUTED = (remat, remat_call, bool_mask_dropout_remat)  # graph functions whose output autograd keeps as a recipe
 
 
 class _RecordingInterpreter(fx.Interpreter):
@@ -331,11 +341,42 @@ class _RecordingInterpreter(fx.Interpreter):
         self.rec.node = n.name
         self.rec.module = module_path(n)
         self.rec.recast_node = n.op == "call_function" and n.target is cast_param
+        first = len(self.rec.records)
         out = super().run_node(n)
         if n.op == "call_function" and n.target in RECOMPUTED and isinstance(out, torch.Tensor):
             # saved as a recipe (fxmem.nn.recast.remat): recomputed in backward, like a recast parameter copy
-            self.rec.recast_keys.add(self.rec.key(out)[0])
+            k = self.rec.key(out)[0]
+            self.rec.recast_keys.add(k)
+            self.rec.recipe_holds[k] = self._recipe_holds(n, k, first)
+            if n.target is remat_call and self.rec.recast_enabled:
+                for r in self.rec.records[first:]:  # the op's own saves of its output are recipes too
+                    if r.region is None and k in r.saved:
+                        r.saved = [s for s in r.saved if s != k]
+                        r.recast = list(r.recast) + [k]
+                        self.rec.hold_recipe_args(r)
         return out
+
+    def _recipe_holds(self, n: fx.Node, k: int, first: int) -> list[int]:
+        """Storages the recipe of node n's output (key k) holds: its tensor arguments (a nested recipe's own)."""
+        if n.target is remat:
+            args = n.args[2:]
+        elif n.target is remat_call:
+            args = n.args[1:]
+        else:  # bool-mask dropout: its input and the mask it drew
+            args = n.args[:1]
+        held: list[int] = []
+        for a in pytree.tree_leaves(list(args)):
+            v = self.env.get(a) if isinstance(a, fx.Node) else None
+            if isinstance(v, torch.Tensor):
+                ak = self.rec.key(v)[0]
+                for h in self.rec.recipe_holds.get(ak, [ak]):  # (k itself: an in-place op on a recipe)
+                    if h not in held:
+                        held.append(h)
+        if n.target not in (remat, remat_call):
+            for r in self.rec.records[first:]:
+                if optable.category(r.func) == optable.RANDOM:
+                    held.extend(t for t in r.out_keys if t is not None and t not in held)
+        return held
 
     def call_module(self, target, args, kwargs):
         mod = self.fetch_attr(target)
@@ -483,6 +524,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
     recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
     offloaded: dict[str, set] = defaultdict(set)
+    recipe_holds = {k: h for k, h in getattr(rec, "recipe_holds", {}).items() if base_keys.get(k) is None}
     for r in R:
         if not r.out_rg:
             continue
@@ -491,6 +533,8 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
             if base_keys.get(k) in ("param", "buffer", "input"):
                 continue
             inside = info is not None and created_in.get(k, -1) >= region_first[r.region]
+            if info is not None and info.kind == "recompute" and not inside and k in recipe_holds:
+                continue  # a recipe's output entering the region: made again for the recomputation (below)
             # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
             producer = R[created_in[k]].func if k in created_in else r.func
             if info is not None and info.kind == "recompute" and inside and not info.keeps(producer):
@@ -526,7 +570,18 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
             continue
         lo, hi = region_first[name], region_last[name]
         for r in R[lo:hi + 1]:
-            for k in r.in_keys:
+            for k in r.in_keys + r.list_keys:  # (list_keys: every tensor of a cat's list, not only the first)
+                if k in recipe_holds and created_in.get(k, -1) < lo and k not in out_keys:
+                    # non-reentrant checkpoint saves its inputs through the saved-tensor hooks outside it: an
+                    # input that is a recipe's output is kept as the recipe (its arguments) and made again for
+                    # the recomputation
+                    if k not in recompute_keys[name]:
+                        recompute_keys[name][k] = lo
+                        recompute_bytes[name] += sb[k]
+                    for h in recipe_holds[k]:
+                        if h != k and created_in.get(h, -1) < lo and base_keys.get(h) is None:
+                            saved_until[h] = min(saved_until.get(h, lo), lo)
+                    continue
                 if k is not None and created_in.get(k, -1) < lo and base_keys.get(k) is None:
                     saved_until[k] = min(saved_until.get(k, lo), lo)
                     if getattr(info, "offload_inputs", False) and k in created_in \

@@ -27,7 +27,11 @@ consumers' saved-tensor hooks a recipe instead of the tensor and runs the op aga
 version check) when backward unpacks it. Outputs and gradients are bit-identical (same op, same inputs), there
 is no region, no dispatch mode and no RNG state, and it is what torch.compile's min-cut partitioner does inside
 its joint graph, in eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs
-(all of them when it needs more, and then regions plan on the rewritten program).
+(all of them when it needs more, and then regions plan on the rewritten program; if that plan misses the
+budget, regions plan on the program without remat). Ops that save their own output (ReLU) and short chains
+whose middle output nobody keeps (batch norm -> in-place ReLU, the ReLU made out of place) are rewritten as
+`remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe
+ReLU(batch_norm(conv output)), the conv output being saved by the norm anyway.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -76,7 +80,7 @@ from fxmem.costmodel import estimate_from_trace, program_key, smallest_fitting_p
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import install as install_recast, remat
+from fxmem.nn.recast import install as install_recast, op_named, remat, remat_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -318,6 +322,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     for r in R:
         for k in r.new_keys:
             created_in[k] = r.idx
+    recipes = set(getattr(rec, "recipe_holds", {}))
     saved_anywhere: set[int] = set()
     for r in R:
         if r.out_rg:
@@ -382,6 +387,8 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 # an input the region must hold; if autograd saves it anyway, nothing extra
                 producer = [r for r in by_node.get(a.name, [])]
                 keys = {k for r in producer for k in r.new_keys}
+                if keys & recipes:
+                    continue  # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe
                 if not (keys & saved_anywhere):
                     held += sum(sb[k] for k in keys)
         reg.saved = sum(sb[k] for k in saved)
@@ -453,7 +460,8 @@ def _packet(func) -> str:
 
 # ============================================================================================ remat
 
-REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm"})
+REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm",
+                         "batch_norm"})
 
 
 @dataclass
@@ -464,12 +472,36 @@ class RematSite:
     bytes: int  # what the consumers' saves hold
     cost: float  # recompute cost (roofline), paid once per saving consumer in backward
     path: str
+    chain: tuple = ()  # cheap producers recomputed with it (their outputs are not kept either): batch norm -> ReLU
+    call: bool = False  # emitted as remat_call: the op saves its own output, runs in place, or has a chain
+
+
+def _remat_op(n: fx.Node) -> bool:
+    """A cheap op remat can run again: pointwise (in place too), a layer/group/RMS/batch norm."""
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t._schema.is_mutable and not _packet(t).endswith("_"):
+        return False
+    cat = optable.category(t)
+    return cat == optable.POINTWISE or (cat == optable.NORM and _packet(t) in REMAT_NORMS)
+
+
+def _functional_exists(t) -> bool:
+    """relu_ -> relu: the out-of-place overload an in-place site is rewritten to."""
+    try:
+        f = getattr(getattr(torch.ops.aten, t._opname[:-1]), t._overloadname)
+    except AttributeError:
+        return False
+    return t.namespace == "aten" and not f._schema.is_mutable
 
 
 def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
-    """Nodes whose output some later op saves for backward, that (1) are pointwise ops, layer/group/RMS norms or
-    bool-mask dropout, (2) do not save their own output, (3) have every tensor input held until that consumer's
-    backward anyway (parameters, inputs, or tensors saved by this node or an earlier one). Cheapest per byte
+    """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
+    that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms or bool-mask dropout, and (2) have
+    every tensor input held until those saves are unpacked anyway (parameters, inputs, tensors saved by this node
+    or an earlier one), or computed by one such cheap op from held tensors and kept by nobody (a chain: a batch
+    norm feeding an in-place ReLU is recomputed from the norm's input, which the norm saves). Cheapest per byte
     first."""
     rec, base_keys, out_keys = traced[0], traced[1], traced[2]
     R = [r for r in rec.records if r.region is None]
@@ -490,18 +522,28 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
                 return r.out_keys[0]
         return None
 
+    def tensor_inputs(n: fx.Node) -> list:
+        ins = n.args[:1] if n.target is bool_mask_dropout else n.all_input_nodes
+        return [a for a in ins if a.op in ("placeholder", "get_attr")
+                or isinstance(a.meta.get("fxmem_val", a.meta.get("val")), torch.Tensor)]
+
+    def held(a: fx.Node, k: int, last: int) -> bool:
+        if a.op in ("placeholder", "get_attr"):
+            return True
+        ak = key_of(a)
+        return ak is not None and ak != k and (base_keys.get(ak) is not None or saved_upto.get(ak, last + 1) <= last)
+
+    def cost_of(n: fx.Node) -> float:
+        rs = [r for r in by_node.get(n.name, []) if optable.category(r.func) not in (optable.RANDOM, optable.CREATION)]
+        return sum(op_cost(r, balance) for r in rs)
+
     sites = []
     for n in program.graph.nodes:
         if n.op != "call_function":
             continue
-        t = n.target
-        dropout = t is bool_mask_dropout
-        if not dropout:
-            if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
-                continue
-            cat = optable.category(t)
-            if not (cat == optable.POINTWISE or (cat == optable.NORM and _packet(t) in REMAT_NORMS)):
-                continue
+        dropout = n.target is bool_mask_dropout
+        if not (dropout or _remat_op(n)):
+            continue
         v = n.meta.get("fxmem_val", n.meta.get("val"))
         recs = by_node.get(n.name)
         if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or not recs:
@@ -509,27 +551,36 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         k = key_of(n)
         if k is None or k in out_keys or base_keys.get(k) is not None:
             continue
+        if any(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+               and u.target._schema.is_mutable and u.args and u.args[0] is n for u in n.users):
+            continue  # changed in place later (batch norm -> ReLU_): the in-place op is the site, with a chain
         own = {r.idx for r in recs}
-        if any(k in r.saved for r in recs):
-            continue  # it saves its own output (relu, exp, softmax ...): recomputing needs what it frees
-        consumers = [r for r in savers.get(k, []) if r.idx not in own]
+        consumers = savers.get(k, [])
         if not consumers:
             continue
         last = max(own)
-        inputs = [a for a in (n.args[:1] if dropout else n.all_input_nodes)]
-        held = True
-        for a in inputs:
-            if a.op in ("placeholder", "get_attr"):
-                continue
-            ak = key_of(a)
-            if ak is None or not (base_keys.get(ak) is not None or saved_upto.get(ak, last + 1) <= last):
-                held = False
-                break
-        if not held:
+        in_place = not dropout and n.target._schema.is_mutable
+        if in_place and not _functional_exists(n.target):
             continue
-        cost_recs = [r for r in recs if optable.category(r.func) not in (optable.RANDOM, optable.CREATION)]
-        cost = sum(op_cost(r, balance) for r in cost_recs) * len(consumers)
-        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1]))
+        chain, ok = [], True
+        for i, a in enumerate(tensor_inputs(n)):
+            if held(a, k, last) and not (in_place and i == 0):
+                continue
+            # a cheap producer nobody keeps (or the tensor an in-place op overwrites), its inputs held
+            ak = key_of(a)
+            if (dropout or not _remat_op(a) or _remat_op(a) and a.target._schema.is_mutable or len(a.users) != 1
+                    or ak is None or ak in out_keys or base_keys.get(ak) is not None
+                    or (ak != k and ak in savers) or not by_node.get(a.name)
+                    or not all(held(b, k, last) for b in tensor_inputs(a))):
+                ok = False
+                break
+            chain.append(a)
+        if not ok:
+            continue
+        self_saves = any(k in r.saved for r in recs)
+        cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * len(consumers)
+        call = bool(chain) or in_place or self_saves or _packet(n.target) == "batch_norm"
+        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call))
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
 
@@ -557,6 +608,25 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
     changes = []
     for s in sites:
         n = by_name[s.node.name]
+        if s.call:
+            # remat_call: the op's own saves of its output become the recipe too, and a chained producer's
+            # output is held as its recipe (nested), not as a tensor
+            names = []
+            for c in (*s.chain, n):
+                c = by_name[c.name]
+                if c.target is not remat_call:
+                    t = c.target
+                    # in place on a chained output nobody else reads (relu_ after a batch norm): out of place
+                    name = t._opname[:-1] if t._schema.is_mutable else t._opname
+                    c.args = (f"{t.namespace}.{name}.{t._overloadname}",) + tuple(c.args)
+                    c.target = remat_call
+                names.append(c.name)
+            what = " -> ".join(_packet(op_named(by_name[m].args[0])) for m in names)
+            changes.append(Change(
+                kind="checkpoint_remat", module=s.path, nodes_before=names, nodes_after=names,
+                reason=f"{what} output (inputs saved anyway): recomputed where backward needs it, also for the "
+                       "op's own saves, instead of kept", bytes_saved=s.bytes, details={"recompute_cost": s.cost}))
+            continue
         if n.target is bool_mask_dropout:
             n.target = bool_mask_dropout_remat
             after, what = n.name, "dropout output (input and bool mask are saved anyway)"
@@ -970,7 +1040,6 @@ class CheckpointPass:
                         f"{format_bytes(before.peak)} -> {format_bytes(est0.peak)}")
         if traced is None:
             traced = self._trace(program, ctx)
-        rec, base_keys = traced[0], traced[1]
         if est0.peak <= budget:
             notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
                          f"{format_bytes(budget)}; nothing recomputed")
@@ -1001,15 +1070,43 @@ class CheckpointPass:
                                         "activations_saved": est0.activations - est2.activations}
                     ctx.log(f"[checkpoint] {len(rm)} of {len(sites)} cheap activations recomputed in backward: "
                             f"estimated peak {format_bytes(est0.peak)} -> {format_bytes(est2.peak)}")
-                    program, traced, est0, pre = rematted, traced2, est2, pre + rm
-                    rec, base_keys = traced[0], traced[1]
-                    if est0.peak <= budget:
+                    if est2.peak <= budget:
                         notes.append(f"checkpoint: {len(rm)} cheap activations recomputed in backward bring the "
-                                     f"estimated peak to {format_bytes(est0.peak)}, within the budget "
+                                     f"estimated peak to {format_bytes(est2.peak)}, within the budget "
                                      f"{format_bytes(budget)}; no region recomputed")
-                        metrics["estimated_peak"] = est0.peak
-                        return PassResult(program, True, changes=pre, notes=notes, metrics=metrics)
+                        metrics["estimated_peak"] = est2.peak
+                        return PassResult(rematted, True, changes=pre + rm, notes=notes, metrics=metrics)
+                    # regions plan on the rewritten program; if that plan misses the budget (recipes and regions
+                    # interact: a region's inputs that are recipes are recomputed too), plan without remat
+                    first_err = None
+                    try:
+                        res = self._plan_regions(rematted, traced2, est2, pre + rm, list(notes), dict(metrics),
+                                                 opts, ctx, budget, keep_ops, t0)
+                        fits = res.metrics.get("estimated_peak") is None or res.metrics["estimated_peak"] <= budget
+                        if fits:
+                            return res
+                    except BudgetError as e:
+                        res, first_err = None, e
+                    metrics.pop("remat", None)
+                    try:
+                        res2 = self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, budget,
+                                                  keep_ops, t0)
+                    except BudgetError:
+                        if res is None:
+                            raise first_err
+                        return res
+                    if res is not None and res.metrics.get("estimated_peak", 0) < \
+                            res2.metrics.get("estimated_peak", 0):
+                        return res
+                    res2.notes.append("checkpoint: remat was not used: with it, recompute regions could not reach "
+                                      "the budget")
+                    return res2
+        return self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, budget, keep_ops, t0)
 
+    def _plan_regions(self, program: Program, traced, est0, pre: list, notes: list, metrics: dict, opts, ctx,
+                      budget: int, keep_ops: frozenset, t0: float) -> PassResult:
+        """Recompute regions on `program` (already rewritten by `pre`) for the rest of the way to the budget."""
+        rec, base_keys = traced[0], traced[1]
         saved_by_node: dict[str, int] = {}
         seen: set = set()
         for r in rec.records:
@@ -1110,7 +1207,8 @@ class CheckpointPass:
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
             est1 = ctx.estimate(trial) if opts.verify else None
-            best = (sol, trial, changes, est1, target, cs)
+            if best is None or best[3] is None or est1 is None or est1.peak < best[3].peak:
+                best = (sol, trial, changes, est1, target, cs)
             if offload_rest or est1 is None or est1.peak <= budget:
                 break
             target = target - (est1.peak - budget) - max(1, budget // 1000)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.nn.recast import RecastScope, remat
+from fxmem.nn.recast import RecastScope, remat, remat_call
 
 from .conftest import example, grads
 
@@ -119,10 +119,10 @@ def test_remat_is_cheapest_first_and_only_as_much_as_needed():
     assert "checkpoint_remat" not in kinds and kinds - {"checkpoint_compact_dropout"}
 
 
-@pytest.mark.parametrize("name,sites", [("unet", False), ("hf_llama", True), ("vit", True)])
+@pytest.mark.parametrize("name,sites", [("unet", True), ("hf_llama", True), ("vit", True)])
 def test_remat_with_regions_exact_on_examples(name, sites):
-    """hf_llama (RMS norm, SiLU) and vit (GELU, layer norm, dropout) have sites; the U-Net has none: ReLU saves its
-    own output and training-mode batch norm is not recomputed (running statistics), so regions do all the work."""
+    """hf_llama (RMS norm, SiLU), vit (GELU, layer norm, dropout) and the U-Net (batch norm -> ReLU chains) keep
+    remat sites together with regions."""
     ref, res, args, kwargs, loss_fn = _transform(name, "80%")
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
@@ -171,3 +171,93 @@ def test_saved_and_loaded_remat_module_still_recomputes(tmp_path):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m: f"{n}: {m}")
     peaks = [fxmem.measure(m, (x,)).peak for m in (ref, res.module, loaded)]
     assert peaks[2] == peaks[1] < peaks[0], peaks
+
+
+def test_unet_batch_norm_relu_chains_alone_fit_bit_exact_and_estimate_is_measured():
+    """conv -> batch norm -> ReLU_: the ReLU output (saved by the ReLU itself and the next conv) is recomputed from
+    the batch norm's input, which the norm saves anyway; neither output is kept. Running statistics are updated
+    once (the recomputation runs the norm without them)."""
+    ref, res, args, kwargs, loss_fn = _transform("unet", "90%")
+    rec = next(r for r in res.report.passes if r.name == "checkpoint")
+    kinds = [c.kind for c in rec.changes]
+    assert kinds and set(kinds) == {"checkpoint_remat"}, kinds
+    assert any("batch_norm -> relu" in c.reason for c in rec.changes)
+    code = res.module.code
+    assert "remat_call('aten.batch_norm.default'" in code and "remat_call('aten.relu.default'" in code
+    assert "aten.relu_" not in code.split("remat_call('aten.relu.default'")[0].split("\n")[-1]
+    est, meas = res.report.after.peak, res.report.measured_after.peak
+    assert abs(est - meas) <= 0.001 * meas, (est, meas)
+    assert meas < res.report.measured_before.peak
+    _same_step(ref, res.module, args, kwargs, loss_fn, exact=True)
+    # batch-norm running statistics: updated once per step, as in the original
+    rb, nb = dict(ref.named_buffers()), dict(res.module.named_buffers())
+    for k in rb:
+        assert torch.equal(nb[k], rb[k]), k
+
+
+def test_chained_recipe_frees_both_outputs_and_an_in_place_change_is_saved_as_is():
+    torch.manual_seed(0)
+    conv, bn, proj = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+    x = torch.randn(4, 3, 8, 8)
+
+    def run(use, bump=False):
+        for q in (*conv.parameters(), *bn.parameters(), *proj.parameters()):
+            q.grad = None
+        packed = []
+        with RecastScope() as scope:
+            h = conv(x)
+            a = (h, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5, False)
+            if use:
+                b = remat_call("aten.batch_norm.default", *a)
+                r = remat_call("aten.relu.default", b)
+            else:
+                r = torch.ops.aten.relu.default(torch.ops.aten.batch_norm.default(*a))
+            if bump:
+                r.mul_(1.0)  # changed in place after registration: the recipe would be stale
+            inner = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(scope._pack(t)) or t,
+                                                             lambda t: t)
+            with inner:
+                out = proj(r)
+        out.square().sum().backward()
+        grads = [q.grad.clone() for q in (*conv.parameters(), *bn.parameters(), *proj.parameters())]
+        return out.detach(), grads, packed
+
+    o1, g1, _ = run(False)
+    o2, g2, packed = run(True)
+    assert [type(p).__name__ for p in packed if type(p).__name__ == "_Remat"]  # proj saves the recipe
+    remat_obj = next(p for p in packed if type(p).__name__ == "_Remat")
+    # the ReLU's recipe holds the batch norm's recipe, not its output tensor
+    assert not any(isinstance(a, torch.Tensor) for a in remat_obj.recipe.args)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    _, g3, packed3 = run(True, bump=True)
+    assert not any(type(p).__name__ == "_Remat" for p in packed3)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g3))
+
+
+def test_remat_call_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 8, 5, 5, requires_grad=True), torch.randn(8), torch.randn(8)
+
+    def f(x):
+        y = remat_call("aten.batch_norm.default", x, w, b, None, None, True, 0.1, 1e-5, False)
+        return remat_call("aten.relu.default", y)
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager", fullgraph=True)(x)  # fullgraph: a break is an error
+    torch.testing.assert_close(out, torch.relu(torch.batch_norm(x, w, b, None, None, True, 0.1, 1e-5, False)))
+
+
+def test_unet_remat_module_under_torch_compile():
+    """(The U-Net's batch-norm step counter breaks the graph under torch.compile, remat or not.)"""
+    ref, res, args, kwargs, loss_fn = _transform("unet", "90%")
+    assert "remat_call(" in res.module.code
+    torch._dynamo.reset()
+    compiled = torch.compile(res.module, backend="eager")
+    torch.manual_seed(1)
+    o1, g1 = grads(ref, args, kwargs, loss_fn)
+    torch.manual_seed(1)
+    o2, g2 = grads(compiled, args, kwargs, loss_fn)
+    torch.testing.assert_close(o2, o1)
+    for k in g1:
+        torch.testing.assert_close(g2[k.replace("_orig_mod.", "")] if k in g2 else g2["_orig_mod." + k], g1[k],
+                                   rtol=1e-5, atol=1e-6)

@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import recast
 from .dropout import DrawTape
 from .regions import RegionInfo
 
@@ -83,6 +84,12 @@ class CheckpointRegion(nn.Module):
             fn = _RestoringBody(self.body, self.restore_args)
         if self.keep_ops & DRAW_OPS and not compiling:
             fn = DrawTape(fn)  # the recomputation replays the forward's dropout masks instead of drawing them
+        if compiling:
+            return self._checkpoint(fn, args)
+        with recast.aside():  # no recipes inside: the region decides what it keeps
+            return self._checkpoint(fn, args)
+
+    def _checkpoint(self, fn, args):
         if not self.sac_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn())

@@ -58,6 +58,7 @@ from typing import Callable, Iterable
 import torch
 from torch import fx, nn
 
+from . import recast
 from .regions import RegionInfo
 
 __all__ = ["OffloadRuntime", "OffloadRegion", "WeightStreamer", "OffloadedOptimizer", "probe_bandwidth",
@@ -451,7 +452,7 @@ class OffloadRegion(nn.Module):
         store = rt.begin(self.index == 0)
         scope = _RegionScope(store, store.new_slot(), skip, rt.min_bytes)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack), recast.aside():
                 out = self.body(*args)
             scope.flush()
         except BaseException:

@@ -32,6 +32,17 @@ use in backward, with bit-identical values (the op is deterministic; an input ch
 error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
 without the dispatch-mode overhead of selective checkpointing in eager mode. `fxmem.nn.dropout` registers its
 masked outputs the same way (`register_recompute`).
+
+`remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains:
+it runs the op while the scope defers the op's own saves, registers the recipe, then packs those saves as it.
+A tensor argument that is itself a recipe's output is held as that recipe (nested), so conv -> batch norm ->
+ReLU keeps neither the norm's nor the ReLU's output: backward recomputes ReLU(batch_norm(conv output)) from the
+conv output, which the norm saves anyway. A training-mode batch norm is recomputed without running statistics
+(updated once, in forward; the output is bit-identical). A registered output changed in place afterwards is
+saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps
+aside (`aside`): the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of
+a non-reentrant checkpoint region are saved through the hooks outside it, so a region input that is a recipe's
+output is kept as the recipe.
 """
 from __future__ import annotations
 
@@ -51,6 +62,28 @@ def _stack() -> list:
     return s
 
 
+def _active():
+    """The scope registrations go to: the innermost entered one, None outside forward or inside a region."""
+    s = _stack()
+    return s[-1] if s else None
+
+
+class aside:
+    """While a checkpoint or offload region's body runs, its own saved-tensor hooks decide what is kept, and
+    nothing registers here: a recipe holds its arguments, which inside a region are not kept otherwise (the
+    cost model likewise leaves regions' insides to the region)."""
+
+    def __enter__(self):
+        _stack().append(None)
+        return self
+
+    def __exit__(self, *exc):
+        s = _stack()
+        if s and s[-1] is None:
+            s.pop()
+        return False
+
+
 def _calls() -> list:
     """Scopes entered by forward pre-hooks on this thread, innermost last (nested fxmem modules)."""
     c = getattr(_state, "calls", None)
@@ -64,9 +97,9 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = p.to(dtype)
     if torch.compiler.is_compiling():
         return out  # a compiled graph's partitioner decides what it saves (and recomputes casts itself)
-    stack = _stack()
-    if stack and out is not p:
-        stack[-1].register(out, p, dtype)
+    scope = _active()
+    if scope is not None and out is not p:
+        scope.register(out, p, dtype)
     return out
 
 
@@ -88,19 +121,66 @@ def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None =
     """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward)."""
     if torch.compiler.is_compiling():
         return
-    stack = _stack()
-    if stack and isinstance(out, torch.Tensor):
-        stack[-1].register_recipe(out, fn, tuple(args), dict(kwargs or {}))
+    scope = _active()
+    if scope is not None and isinstance(out, torch.Tensor):
+        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}))
 
 
 def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
     """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe."""
-    if not torch.compiler.is_compiling() and _stack():
+    if not torch.compiler.is_compiling() and _active() is not None:
         register_recompute(y, _resolve(op), args, kwargs)
     return y
 
 
 torch.fx.wrap("remat")
+
+
+def op_named(op: str):
+    """'aten.gelu.default' -> torch.ops.aten.gelu.default (no cache: also traced by dynamo)."""
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
+    """How backward recomputes `op(*args, **kwargs)`: a training-mode batch norm without running statistics
+    (they are updated once, in forward; the output depends only on the batch statistics, bit-identical with or
+    without them)."""
+    name = op.split(".")[1]
+    if name == "batch_norm" and len(args) > 5 and args[5] is True:
+        args = args[:3] + (None, None) + args[5:]
+    return _resolve(op), args, kwargs
+
+
+def remat_call(op: str, *args, **kwargs) -> torch.Tensor:
+    """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
+    the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
+    themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
+    batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
+    form for ops that save only their inputs."""
+    if torch.compiler.is_compiling():
+        return op_named(op)(*args, **kwargs)  # the compiled graph's partitioner decides
+    scope = _active()
+    if scope is None:
+        return _resolve(op)(*args, **kwargs)
+    rargs = scope.as_recipe_args(args)  # before the op: an in-place op's output reuses its input's storage
+    pending: list = []
+    prev, scope._pending = scope._pending, pending
+    try:
+        y = _resolve(op)(*args, **kwargs)
+    finally:
+        scope._pending = prev
+    if isinstance(y, torch.Tensor) and not any(
+            isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
+        # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
+        fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
+        scope.register_recipe(y, fn, rargs, rkwargs)
+    for d in pending:  # the op's own saves, packed now that its output is a recipe
+        d.value = scope._pack_now(d.value)
+    return y
+
+
+torch.fx.wrap("remat_call")
 
 
 class RecastScope:
@@ -110,6 +190,7 @@ class RecastScope:
         # storage id -> (weakref to the storage, parameter, dtype) or (weakref, _Recipe)
         self._entries: dict[int, tuple] = {}
         self._hooks = None
+        self._pending: list | None = None  # while remat_call runs its op: that op's saves, packed after it
 
     def _add(self, out: torch.Tensor, entry: tuple) -> None:
         st = out.untyped_storage()
@@ -125,9 +206,23 @@ class RecastScope:
 
     def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors)),))
+        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors), out._version),))
+
+    def as_recipe_args(self, args: tuple) -> tuple:
+        """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested)."""
+        if not self._entries:
+            return tuple(args)
+        packed = [self._pack_now(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return tuple(p if isinstance(p, _Remat) else a for a, p in zip(args, packed))
 
     def _pack(self, t: torch.Tensor):
+        if self._pending is not None:
+            d = _Deferred(t)
+            self._pending.append(d)
+            return d
+        return self._pack_now(t)
+
+    def _pack_now(self, t: torch.Tensor):
         if not self._entries:
             return t
         st = t.untyped_storage()
@@ -135,21 +230,18 @@ class RecastScope:
         if e is None or e[0]() is not st:
             return t
         if len(e) == 2:  # a recipe
+            if t._version != e[1].out_version:
+                return t  # changed in place since (the recipe would give the old values): saved as it is
             return _Remat(e[1], tuple(t.shape), tuple(t.stride()), t.storage_offset())
         return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
 
     @staticmethod
     def _unpack(x):
+        if isinstance(x, _Deferred):
+            x = x.value
         if isinstance(x, _Remat):
-            r = x.recipe
-            tensors = [a for a in r.args if isinstance(a, torch.Tensor)]
-            if any(a._version != v for a, v in zip(tensors, r.versions)):
-                raise RuntimeError(
-                    f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
-                    "was modified in place between forward and backward")
             with torch.no_grad():
-                full = r.fn(*r.args, **r.kwargs)
-                return full.as_strided(x.shape, x.stride, x.offset)
+                return _materialize(x)
         if isinstance(x, _Recast):
             if x.param._version != x.version:
                 raise RuntimeError(
@@ -187,10 +279,11 @@ class _Recast:
 
 
 class _Recipe:
-    __slots__ = ("fn", "args", "kwargs", "versions")
+    __slots__ = ("fn", "args", "kwargs", "versions", "out_version")
 
-    def __init__(self, fn, args, kwargs, versions):
+    def __init__(self, fn, args, kwargs, versions, out_version):
         self.fn, self.args, self.kwargs, self.versions = fn, args, kwargs, versions
+        self.out_version = out_version  # the output's version when registered
 
 
 class _Remat:
@@ -198,6 +291,26 @@ class _Remat:
 
     def __init__(self, recipe, shape, stride, offset):
         self.recipe, self.shape, self.stride, self.offset = recipe, shape, stride, offset
+
+
+class _Deferred:
+    """A save made while remat_call's op runs; `value` becomes what the scope packs once the output is a recipe."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _materialize(x: _Remat) -> torch.Tensor:
+    """Run x's recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
+    r = x.recipe
+    tensors = [a for a in r.args if isinstance(a, torch.Tensor)]
+    if any(a._version != v for a, v in zip(tensors, r.versions)):
+        raise RuntimeError(
+            f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
+            "was modified in place between forward and backward")
+    args = tuple(_materialize(a) if isinstance(a, _Remat) else a for a in r.args)
+    return r.fn(*args, **r.kwargs).as_strided(x.shape, x.stride, x.offset)
 
 
 class _Enter:
