@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
-from .nn.dropout import bool_mask_dropout_remat
-from .nn.recast import cast_param, installed as recast_installed, remat, remat_call, scope_for as recast_scope
+from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
+    installed as recast_installed, recipe_tensors, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -329,9 +329,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-RECOMPUTED = (remat, remat_call, bool_mask_dropout_remat)  # graph functions whose output autograd keeps as a recipe
-
-
 class _RecordingInterpreter(fx.Interpreter):
     def __init__(self, gm, recorder: _Recorder):
         super().__init__(gm)
@@ -343,40 +340,20 @@ class _RecordingInterpreter(fx.Interpreter):
         self.rec.recast_node = n.op == "call_function" and n.target is cast_param
         first = len(self.rec.records)
         out = super().run_node(n)
-        if n.op == "call_function" and n.target in RECOMPUTED and isinstance(out, torch.Tensor):
-            # saved as a recipe (fxmem.nn.recast.remat): recomputed in backward, like a recast parameter copy
+        scope = recast_active()
+        recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
+        if recipe is not None and self.rec.key(out)[0] not in self.rec.recipe_holds:
+            # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout):
+            # saved as the recipe, which holds its arguments, and recomputed in backward
             k = self.rec.key(out)[0]
             self.rec.recast_keys.add(k)
-            self.rec.recipe_holds[k] = self._recipe_holds(n, k, first)
-            if n.target is remat_call and self.rec.recast_enabled:
-                for r in self.rec.records[first:]:  # the op's own saves of its output are recipes too
-                    if r.region is None and k in r.saved:
-                        r.saved = [s for s in r.saved if s != k]
-                        r.recast = list(r.recast) + [k]
-                        self.rec.hold_recipe_args(r)
+            self.rec.recipe_holds[k] = list(dict.fromkeys(self.rec.key(t)[0] for t in recipe_tensors(recipe)))
+            for r in self.rec.records[first:]:  # the op's own saves of its output (ReLU's result) too
+                if r.region is None and k in r.saved:
+                    r.saved = [s for s in r.saved if s != k]
+                    r.recast = list(r.recast) + [k]
+                    self.rec.hold_recipe_args(r)
         return out
-
-    def _recipe_holds(self, n: fx.Node, k: int, first: int) -> list[int]:
-        """Storages the recipe of node n's output (key k) holds: its tensor arguments (a nested recipe's own)."""
-        if n.target is remat:
-            args = n.args[2:]
-        elif n.target is remat_call:
-            args = n.args[1:]
-        else:  # bool-mask dropout: its input and the mask it drew
-            args = n.args[:1]
-        held: list[int] = []
-        for a in pytree.tree_leaves(list(args)):
-            v = self.env.get(a) if isinstance(a, fx.Node) else None
-            if isinstance(v, torch.Tensor):
-                ak = self.rec.key(v)[0]
-                for h in self.rec.recipe_holds.get(ak, [ak]):  # (k itself: an in-place op on a recipe)
-                    if h not in held:
-                        held.append(h)
-        if n.target not in (remat, remat_call):
-            for r in self.rec.records[first:]:
-                if optable.category(r.func) == optable.RANDOM:
-                    held.extend(t for t in r.out_keys if t is not None and t not in held)
-        return held
 
     def call_module(self, target, args, kwargs):
         mod = self.fetch_attr(target)
@@ -386,7 +363,8 @@ class _RecordingInterpreter(fx.Interpreter):
         prev = self.rec.region
         self.rec.region = target
         try:
-            return info.body(*args, **kwargs)  # the region's computation, recorded op by op
+            with recast_aside():  # as the region's forward does: its own hooks decide inside
+                return info.body(*args, **kwargs)  # the region's computation, recorded op by op
         finally:
             self.rec.region = prev
 
@@ -425,7 +403,7 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
             for t in fake_flat:
                 if isinstance(t, torch.Tensor):
                     base_keys.setdefault(rec.key(t)[0], "input")
-            with rec:
+            with rec, recast_scope(gm):  # what the module's forward hooks enter (recipes register there)
                 out_flat = _RecordingInterpreter(gm, rec).run(*fake_flat, enable_io_processing=False)
                 output = gm.graph.process_outputs(out_flat)
                 out_keys = {rec.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
@@ -448,6 +426,21 @@ def program_key(program: Program) -> str:
             h.update(name.encode())
             h.update(m.code.encode())
     return h.hexdigest()
+
+
+def as_recipes(traced, keys: set):
+    """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes of tensors that
+    are kept anyway (fxmem.nn.recast): what tracing the rewritten program would record, without tracing it."""
+    rec = copy.copy(traced[0])
+    records = []
+    for r in rec.records:
+        if r.region is None and r.saved and any(k in keys for k in r.saved):
+            r = copy.copy(r)
+            r.recast = list(r.recast) + [k for k in r.saved if k in keys]
+            r.saved = [k for k in r.saved if k not in keys]
+        records.append(r)
+    rec.records = records
+    return (rec,) + tuple(traced[1:])
 
 
 def smallest_fitting_prefix(n: int, peak_of, budget: int) -> int:

@@ -76,7 +76,7 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import estimate_from_trace, program_key, smallest_fitting_prefix, trace_forward
+from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smallest_fitting_prefix, trace_forward
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
@@ -487,13 +487,13 @@ def _remat_op(n: fx.Node) -> bool:
     return cat == optable.POINTWISE or (cat == optable.NORM and _packet(t) in REMAT_NORMS)
 
 
-def _functional_exists(t) -> bool:
-    """relu_ -> relu: the out-of-place overload an in-place site is rewritten to."""
+def _functional(t):
+    """relu_ -> relu: the out-of-place overload an in-place site is rewritten to (None if there is none)."""
     try:
         f = getattr(getattr(torch.ops.aten, t._opname[:-1]), t._overloadname)
     except AttributeError:
-        return False
-    return t.namespace == "aten" and not f._schema.is_mutable
+        return None
+    return f if t.namespace == "aten" and not f._schema.is_mutable else None
 
 
 def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
@@ -560,7 +560,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             continue
         last = max(own)
         in_place = not dropout and n.target._schema.is_mutable
-        if in_place and not _functional_exists(n.target):
+        if in_place and _functional(n.target) is None:
             continue
         chain, ok = [], True
         for i, a in enumerate(tensor_inputs(n)):
@@ -579,26 +579,10 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             continue
         self_saves = any(k in r.saved for r in recs)
         cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * len(consumers)
-        call = bool(chain) or in_place or self_saves or _packet(n.target) == "batch_norm"
+        call = bool(chain) or in_place or self_saves
         sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call))
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
-
-
-def remat_traced(traced, keys: set):
-    """`traced` as if the outputs under `keys` were rematerialised (consumers' saves become recipes): what the
-    cost model would record for the rewritten program, without tracing it."""
-    import copy as _copy
-    rec = _copy.copy(traced[0])
-    records = []
-    for r in rec.records:
-        if r.region is None and r.saved and any(k in keys for k in r.saved):
-            r = _copy.copy(r)
-            r.recast = list(r.recast) + [k for k in r.saved if k in keys]
-            r.saved = [k for k in r.saved if k not in keys]
-        records.append(r)
-    rec.records = records
-    return (rec,) + tuple(traced[1:])
 
 
 def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
@@ -615,10 +599,9 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             for c in (*s.chain, n):
                 c = by_name[c.name]
                 if c.target is not remat_call:
-                    t = c.target
                     # in place on a chained output nobody else reads (relu_ after a batch norm): out of place
-                    name = t._opname[:-1] if t._schema.is_mutable else t._opname
-                    c.args = (f"{t.namespace}.{name}.{t._overloadname}",) + tuple(c.args)
+                    t = _functional(c.target) if c.target._schema.is_mutable else c.target
+                    c.args = (optable.op_name(t),) + tuple(c.args)
                     c.target = remat_call
                 names.append(c.name)
             what = " -> ".join(_packet(op_named(by_name[m].args[0])) for m in names)
@@ -632,7 +615,7 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             after, what = n.name, "dropout output (input and bool mask are saved anyway)"
         else:
             t = n.target
-            op = f"{t.namespace}.{t._opname}.{t._overloadname}"
+            op = optable.op_name(t)
             with g.inserting_after(n):
                 m = g.create_node("call_function", remat, (n, op) + tuple(n.args), dict(n.kwargs),
                                   name=n.name + "_remat")
@@ -1056,7 +1039,7 @@ class CheckpointPass:
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
                 def planned(k: int):
-                    return estimate_from_trace(program, remat_traced(traced, {s.key for s in sites[:k]}),
+                    return estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]}),
                                                mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
                 k = smallest_fitting_prefix(len(sites), planned, budget)
                 rematted = program.snapshot()

@@ -261,3 +261,25 @@ def test_unet_remat_module_under_torch_compile():
     for k in g1:
         torch.testing.assert_close(g2[k.replace("_orig_mod.", "")] if k in g2 else g2["_orig_mod." + k], g1[k],
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_training_batch_norm_recomputed_without_running_statistics_is_bit_identical(threads):
+    """recompute_form drops the running statistics of a training-mode batch norm (they are updated once, in
+    forward); the output depends only on the batch statistics: the same bits with or without them."""
+    from fxmem.nn.recast import recompute_form
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in [(8, 16, 16, 16), (3, 5, 7, 9), (4, 32)]:
+            x = torch.randn(shape) * 3 + 1
+            c = shape[1]
+            args = (x, torch.randn(c), torch.randn(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5, False)
+            y = torch.ops.aten.batch_norm.default(*args)
+            fn, rargs, rkwargs = recompute_form("aten.batch_norm.default", args, {})
+            assert rargs[3] is None and rargs[4] is None
+            before = args[3].clone()
+            assert torch.equal(fn(*rargs, **rkwargs), y), shape
+            assert torch.equal(args[3], before)  # the recomputation leaves the running statistics alone
+    finally:
+        torch.set_num_threads(prev)

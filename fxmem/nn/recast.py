@@ -62,7 +62,7 @@ def _stack() -> list:
     return s
 
 
-def _active():
+def active_scope():
     """The scope registrations go to: the innermost entered one, None outside forward or inside a region."""
     s = _stack()
     return s[-1] if s else None
@@ -97,7 +97,7 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = p.to(dtype)
     if torch.compiler.is_compiling():
         return out  # a compiled graph's partitioner decides what it saves (and recomputes casts itself)
-    scope = _active()
+    scope = active_scope()
     if scope is not None and out is not p:
         scope.register(out, p, dtype)
     return out
@@ -105,15 +105,20 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 torch.fx.wrap("cast_param")
 
+def op_named(op: str):
+    """'aten.gelu.default' (`str` of an overload) -> torch.ops.aten.gelu.default; no cache, dynamo traces it."""
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
 _OPS: dict[str, object] = {}
 
 
 def _resolve(op: str):
-    """'aten.gelu.default' -> torch.ops.aten.gelu.default (cached)."""
+    """op_named, cached (eager only)."""
     fn = _OPS.get(op)
     if fn is None:
-        ns, name, overload = op.split(".")
-        fn = _OPS[op] = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        fn = _OPS[op] = op_named(op)
     return fn
 
 
@@ -121,25 +126,19 @@ def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None =
     """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward)."""
     if torch.compiler.is_compiling():
         return
-    scope = _active()
+    scope = active_scope()
     if scope is not None and isinstance(out, torch.Tensor):
         scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}))
 
 
 def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
     """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe."""
-    if not torch.compiler.is_compiling() and _active() is not None:
-        register_recompute(y, _resolve(op), args, kwargs)
+    if not torch.compiler.is_compiling() and active_scope() is not None:
+        register_recompute(y, *recompute_form(op, args, kwargs))
     return y
 
 
 torch.fx.wrap("remat")
-
-
-def op_named(op: str):
-    """'aten.gelu.default' -> torch.ops.aten.gelu.default (no cache: also traced by dynamo)."""
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
 def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
@@ -160,7 +159,7 @@ def remat_call(op: str, *args, **kwargs) -> torch.Tensor:
     form for ops that save only their inputs."""
     if torch.compiler.is_compiling():
         return op_named(op)(*args, **kwargs)  # the compiled graph's partitioner decides
-    scope = _active()
+    scope = active_scope()
     if scope is None:
         return _resolve(op)(*args, **kwargs)
     rargs = scope.as_recipe_args(args)  # before the op: an in-place op's output reuses its input's storage
@@ -207,6 +206,11 @@ class RecastScope:
     def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors), out._version),))
+
+    def recipe_for(self, t: torch.Tensor):
+        """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
+        p = self._pack_now(t)
+        return p.recipe if isinstance(p, _Remat) else None
 
     def as_recipe_args(self, args: tuple) -> tuple:
         """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested)."""
@@ -299,6 +303,17 @@ class _Deferred:
 
     def __init__(self, value):
         self.value = value
+
+
+def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
+    """The tensors a recipe holds: its tensor arguments and, through nested recipes, theirs."""
+    out: list[torch.Tensor] = []
+    for a in recipe.args:
+        if isinstance(a, _Remat):
+            out.extend(recipe_tensors(a.recipe))
+        elif isinstance(a, torch.Tensor):
+            out.append(a)
+    return out
 
 
 def _materialize(x: _Remat) -> torch.Tensor:
