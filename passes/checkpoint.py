@@ -1059,36 +1059,77 @@ class CheckpointPass:
                                      f"{format_bytes(budget)}; no region recomputed")
                         metrics["estimated_peak"] = est2.peak
                         return PassResult(rematted, True, changes=pre + rm, notes=notes, metrics=metrics)
-                    # regions plan on the rewritten program; if that plan misses the budget (recipes and regions
-                    # interact: a region's inputs that are recipes are recomputed too), plan without remat
-                    first_err = None
-                    try:
-                        res = self._plan_regions(rematted, traced2, est2, pre + rm, list(notes), dict(metrics),
-                                                 opts, ctx, budget, keep_ops, t0)
-                        fits = res.metrics.get("estimated_peak") is None or res.metrics["estimated_peak"] <= budget
-                        if fits:
-                            return res
-                    except BudgetError as e:
-                        res, first_err = None, e
-                    metrics.pop("remat", None)
-                    try:
-                        res2 = self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, budget,
-                                                  keep_ops, t0)
-                    except BudgetError:
-                        if res is None:
-                            raise first_err
-                        return res
-                    if res is not None and res.metrics.get("estimated_peak", 0) < \
-                            res2.metrics.get("estimated_peak", 0):
-                        return res
-                    res2.notes.append("checkpoint: remat was not used: with it, recompute regions could not reach "
-                                      "the budget")
-                    return res2
+                    # regions for the rest, planned on the rewritten program and on the program without remat
+                    # (recipes and regions interact: a region input that is a recipe is recomputed too, and a
+                    # region can make remat's recomputation redundant); the cheaper plan that fits wins
+                    remat_cost = sum(s.cost for s in sites[:k]) if opts.cost != "profile" else 0.0
+                    def planner(prog, tr, est, changes, mets):
+                        memo: dict = {}
+
+                        def run(only: bool):
+                            if "sets" not in memo:
+                                memo["sets"] = self._candidate_sets(prog, tr, est, opts, keep_ops)
+                            return self._plan_regions(prog, tr, est, changes, list(notes), dict(mets), opts, ctx,
+                                                      budget, keep_ops, t0, only, memo["sets"])
+                        return run
+
+                    return self._remat_or_not(
+                        planner(rematted, traced2, est2, pre + rm, metrics),
+                        planner(program, traced, est0, pre, {m: v for m, v in metrics.items() if m != "remat"}),
+                        remat_cost, budget)
         return self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, budget, keep_ops, t0)
 
-    def _plan_regions(self, program: Program, traced, est0, pre: list, notes: list, metrics: dict, opts, ctx,
-                      budget: int, keep_ops: frozenset, t0: float) -> PassResult:
-        """Recompute regions on `program` (already rewritten by `pre`) for the rest of the way to the budget."""
+    @staticmethod
+    def _remat_or_not(with_remat, without, remat_cost: float, budget: int) -> PassResult:
+        """Regions with remat or regions alone. Both are planned (the memory model and the solver, no tracing);
+        the cheaper reachable plan (remat's own recompute counted) is emitted and verified. The other is emitted
+        too only if it may be cheaper after all (the verify-and-refine loop made the first costlier) or the first
+        misses the budget by its estimate: the cheaper one that fits wins, else the lower estimate. A budget
+        neither plan reaches is a BudgetError. `run(True)` plans only: (cost, planned peak, reachable);
+        `run(False)` emits and verifies (a PassResult)."""
+        def fits(r) -> bool:
+            return r.metrics.get("estimated_peak") is None or r.metrics["estimated_peak"] <= budget
+
+        def cost(r, extra) -> float:
+            return extra + next((r.metrics[m] for m in ("recompute_roofline_flops", "recompute_flops",
+                                                        "recompute_seconds") if r.metrics.get(m) is not None), 0.0)
+
+        plans, err = [], None
+        for run, extra in ((with_remat, remat_cost), (without, 0.0)):
+            try:
+                planned_cost, peak, reachable = run(True)
+            except BudgetError as e:
+                err = err or e
+                continue
+            # reachable plans first, cheapest first; best-effort plans (unreachable budget) by planned peak
+            plans.append(((not reachable, planned_cost + extra if reachable else peak), run, extra))
+        if not plans:
+            raise err
+        plans.sort(key=lambda t: t[0])
+        (_, run1, extra1), rest = plans[0], plans[1:]
+        first = run1(False)
+        best, best_run, why = first, run1, "the cheaper plan"
+        if rest and not (fits(first) and (rest[0][0][0] or cost(first, extra1) <= rest[0][0][1])):
+            (_, run2, extra2) = rest[0]
+            try:
+                second = run2(False)
+            except BudgetError:
+                second = None
+            if second is not None and (fits(second) and not fits(first) or fits(second) and fits(first)
+                                       and cost(second, extra2) < cost(first, extra1)):
+                best, best_run = second, run2
+                why = "the cheaper plan that fits" if fits(first) else "the plan that fits"
+            elif second is not None and not fits(first) and not fits(second) and \
+                    second.metrics.get("estimated_peak", 0) < first.metrics.get("estimated_peak", 0):
+                best, best_run, why = second, run2, "the lower estimate"
+        if best_run is without:
+            best.notes.append(f"checkpoint: regions without remat: {why} (remat + regions was planned too, its "
+                              f"own recompute counted)")
+        return best
+
+    @staticmethod
+    def _candidate_sets(program: Program, traced, est0, opts, keep_ops: frozenset) -> list:
+        """Candidate regions at each level (block, sub-block, segments), measured, with their memory models."""
         rec, base_keys = traced[0], traced[1]
         saved_by_node: dict[str, int] = {}
         seen: set = set()
@@ -1134,7 +1175,18 @@ class CheckpointPass:
                        for r in regions]
             model = build_model(est0, regions, program, choices)
             sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
+        return sets
+
+    def _plan_regions(self, program: Program, traced, est0, pre: list, notes: list, metrics: dict, opts, ctx,
+                      budget: int, keep_ops: frozenset, t0: float, plan_only: bool = False, sets=None):
+        """Recompute regions on `program` (already rewritten by `pre`) for the rest of the way to the budget;
+        `plan_only`: the first plan's (cost, planned peak, budget reachable) without emitting it. `sets`: the
+        candidate sets, if already built for this program."""
+        if sets is None:
+            sets = self._candidate_sets(program, traced, est0, opts, keep_ops)
         if not sets:
+            if plan_only:
+                return 0.0, est0.peak, False
             notes.append("checkpoint: no candidate region saves activations; nothing to do")
             if pre:
                 metrics["estimated_peak"] = est0.peak
@@ -1186,6 +1238,8 @@ class CheckpointPass:
                 found = [(c, sl2.peak, i, sl2, cs2) for c, _, i, sl, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9
                          for sl2 in [tie_break(sl, cs2.model, target, opts.time_limit)]]
                 _, _, _, sol, cs = min(found, key=lambda t: t[:3])
+            if plan_only:
+                return sol.cost, sol.peak, not offload_rest
             trial = program.snapshot()
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass

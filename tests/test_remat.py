@@ -119,14 +119,17 @@ def test_remat_is_cheapest_first_and_only_as_much_as_needed():
     assert "checkpoint_remat" not in kinds and kinds - {"checkpoint_compact_dropout"}
 
 
-@pytest.mark.parametrize("name,sites", [("unet", True), ("hf_llama", True), ("vit", True)])
+@pytest.mark.parametrize("name,sites", [("unet", False), ("hf_llama", True), ("vit", True)])
 def test_remat_with_regions_exact_on_examples(name, sites):
-    """hf_llama (RMS norm, SiLU), vit (GELU, layer norm, dropout) and the U-Net (batch norm -> ReLU chains) keep
-    remat sites together with regions."""
+    """hf_llama (RMS norm, SiLU) and vit (GELU, layer norm, dropout) keep remat sites together with regions. The
+    U-Net's batch norm -> ReLU chains are planned too, but at 80% regions alone need less recompute than chains
+    plus regions (each chain is recomputed once per saving consumer), and the pass says so."""
     ref, res, args, kwargs, loss_fn = _transform(name, "80%")
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
     assert ("checkpoint_remat" in {c.kind for c in rec.changes}) == sites
+    if not sites:
+        assert any("regions without remat" in n for n in rec.notes), rec.notes
     meas = res.report.measured_after.peak
     assert meas <= res.report.budget * 1.05, (meas, res.report.budget)
     _same_step(ref, res.module, args, kwargs, loss_fn, exact=False)
