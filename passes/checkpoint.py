@@ -1085,8 +1085,8 @@ class CheckpointPass:
         the cheaper reachable plan (remat's own recompute counted) is emitted and verified. The other is emitted
         too only if it may be cheaper after all (the verify-and-refine loop made the first costlier) or the first
         misses the budget by its estimate: the cheaper one that fits wins, else the lower estimate. A budget
-        neither plan reaches is a BudgetError. `run(True)` plans only: (cost, planned peak, reachable);
-        `run(False)` emits and verifies (a PassResult)."""
+        neither plan reaches (one by its planner, the other by its estimate) is a BudgetError. `run(True)` plans
+        only: (cost, planned peak, reachable); `run(False)` emits and verifies (a PassResult)."""
         def fits(r) -> bool:
             return r.metrics.get("estimated_peak") is None or r.metrics["estimated_peak"] <= budget
 
@@ -1122,6 +1122,10 @@ class CheckpointPass:
             elif second is not None and not fits(first) and not fits(second) and \
                     second.metrics.get("estimated_peak", 0) < first.metrics.get("estimated_peak", 0):
                 best, best_run, why = second, run2, "the lower estimate"
+        if err is not None and not fits(best):
+            # the other plan cannot reach the budget and this one misses it by its estimate: unreachable (a plan
+            # returned here could peak above what a lower, best-effort budget gives: not monotone)
+            raise err
         if best_run is without:
             best.notes.append(f"checkpoint: regions without remat: {why} (remat + regions was planned too, its "
                               f"own recompute counted)")

@@ -286,3 +286,35 @@ def test_training_batch_norm_recomputed_without_running_statistics_is_bit_identi
             assert torch.equal(args[3], before)  # the recomputation leaves the running statistics alone
     finally:
         torch.set_num_threads(prev)
+
+
+def test_unet_monotone_with_remat_in_play():
+    """Lower activation budgets never give a higher measured peak on the U-Net, where remat (batch norm -> ReLU
+    chains) competes with regions; an unreachable budget is a BudgetError, and the best effort (offload enabled)
+    is the lowest plan."""
+    from fxmem.errors import BudgetError
+    from fxmem.pipeline import PassContext
+
+    from .test_checkpoint import ck
+    model, args, kwargs, loss_fn = example("unet", base=32)
+    x = args[0]
+    p = fxmem.capture(model, torch.cat([x] * 4))
+    p.refresh()
+    base = fxmem.estimate(p, mode="train", loss_fn=loss_fn)
+    peaks = []
+    for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+        budget = int(base.peak - (1 - frac) * base.activations)
+
+        def run(enabled):
+            ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
+                              budget=budget, baseline=base, enabled=enabled, loss_fn=loss_fn)
+            return ck.CheckpointPass().run(p.snapshot(), ctx)
+        try:
+            res = run(("checkpoint",))
+        except BudgetError:
+            res = run(("checkpoint", "offload"))
+        else:
+            est = res.metrics.get("estimated_peak")
+            assert est is None or est <= budget * 1.05, (frac, est, budget)
+        peaks.append(fxmem.measure(copy.deepcopy(res.program.module), (torch.cat([x] * 4),), loss_fn=loss_fn).peak)
+    assert peaks == sorted(peaks), peaks
