@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
@@ -377,10 +378,73 @@ def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
     return with_data_dependent_fallback(lambda: _trace_forward(program, args, kwargs, mode, loss_fn))
 
 
+class _SharedFakes:
+    """One FakeTensorMode kept across static traces with the fakes it made of parameters, buffers, tensor
+    attributes and example inputs: a pass traces its program several times (snapshots share parameters), and
+    converting a tensor costs about half a millisecond (a quarter of a 12-layer decoder's trace). A tensor whose
+    type, dtype, device, shape, strides, storage or requires_grad changed since its fake was made (a pass cast or
+    replaced it) starts a fresh mode. Not used when fakes must carry real values (the data-dependent fallback)."""
+
+    def __init__(self):
+        self.mode: FakeTensorMode | None = None
+        self.fakes = WeakIdKeyDictionary()  # real tensor -> (signature, fake)
+
+    @staticmethod
+    def signature(t: torch.Tensor) -> tuple:
+        return (type(t), t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad,
+                t.untyped_storage()._cdata)
+
+    def mode_for(self, tensors: list) -> FakeTensorMode:
+        import torch._functorch.config as fconfig
+        if fconfig.fake_tensor_propagate_real_tensors:
+            return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        stale = self.mode is None or any(
+            (e := self.fakes.get(t)) is not None and e[0] != self.signature(t) for t in tensors)
+        if stale:
+            self.mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+            self.fakes = WeakIdKeyDictionary()
+        return self.mode
+
+    def keep(self, mode: FakeTensorMode, tensors: list) -> None:
+        """Hold the fakes of `tensors` (the mode's memo holds them weakly only)."""
+        if mode is not self.mode:
+            return
+        for t in tensors:
+            if t not in self.fakes:
+                self.fakes[t] = (self.signature(t), mode.from_tensor(t))
+
+    def drop(self) -> None:
+        self.mode, self.fakes = None, WeakIdKeyDictionary()
+
+
+_SHARED_FAKES = _SharedFakes()
+
+
+def _module_tensors(gm: nn.Module) -> list:
+    """Parameters, buffers and plain tensor attributes (graph constants) of every module under `gm`."""
+    out = list(gm.parameters()) + list(gm.buffers())
+    for m in gm.modules():
+        out.extend(v for v in vars(m).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter))
+    return out
+
+
 def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     gm = program.module
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    reals = list({id(t): t for t in _module_tensors(gm) + [x for x in flat if isinstance(x, torch.Tensor)]
+                  if not isinstance(t, torch._subclasses.FakeTensor)}.values())
+    fake_mode = _SHARED_FAKES.mode_for(reals)
+    try:
+        out = _trace_forward_in(fake_mode, program, flat, args, kwargs, mode, loss_fn)
+    except BaseException:
+        _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
+        raise
+    _SHARED_FAKES.keep(fake_mode, reals)
+    return out
+
+
+def _trace_forward_in(fake_mode, program: Program, flat, args, kwargs, mode: str, loss_fn=None):
+    gm = program.module
     with fake_mode:
         fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
     rec = _Recorder()

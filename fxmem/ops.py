@@ -343,11 +343,21 @@ _reg(["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits
       "kl_div", "huber_loss"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
 
 
+_LOOKED_UP: dict = {}  # op -> entry (the table is filled at import and not changed after)
+
+
 def lookup(op) -> OpInfo | None:
     """The table entry for an OpOverload (or its packet), or None if unknown."""
+    try:
+        return _LOOKED_UP[op]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return None
     info = OPS.get(op)
     if info is None and hasattr(op, "overloadpacket"):
         info = OPS.get(getattr(op.overloadpacket, "default", None))
+    _LOOKED_UP[op] = info
     return info
 
 

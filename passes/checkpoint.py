@@ -454,8 +454,15 @@ def _static_numel(v: torch.Tensor) -> int:
         return 0
 
 
+_PACKETS: dict = {}
+
+
 def _packet(func) -> str:
-    return str(getattr(func, "overloadpacket", func)).split(".")[-1]
+    """The op's packet name ("gelu" for aten.gelu.default)."""
+    name = _PACKETS.get(func)
+    if name is None:
+        name = _PACKETS[func] = str(getattr(func, "overloadpacket", func)).split(".")[-1]
+    return name
 
 
 # ============================================================================================ remat
@@ -693,6 +700,7 @@ class CandidateSet:
     model: Model
     chain: bool
     level: str
+    solved: dict = field(default_factory=dict)  # planning budget -> (solution, tie-broken solution)
 
 @dataclass
 class Solution:
@@ -757,8 +765,9 @@ def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
     return plan[::-1]
 
 
-def solve_milp(model: Model, budget: int, time_limit: float, bound: float | None = None):
-    """MILP via scipy (HiGHS). Returns (plan or None, optimal flag, lp_bound)."""
+def solve_milp(model: Model, budget: int, time_limit: float, with_bound: bool = False):
+    """MILP via scipy (HiGHS). Returns (plan or None, optimal flag, lp_bound); the LP relaxation's bound only
+    when the plan is not proven optimal or `with_bound`."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     needs = model.needs(budget)
     n = len(model.regions)
@@ -783,8 +792,10 @@ def solve_milp(model: Model, budget: int, time_limit: float, bound: float | None
     cons = LinearConstraint(A, lo, hi)
     opts = {"time_limit": float(time_limit), "disp": False}
     res = milp(cost, constraints=cons, integrality=np.ones(m), bounds=Bounds(0, 1), options=opts)
-    lp = milp(cost, constraints=cons, integrality=np.zeros(m), bounds=Bounds(0, 1))
-    lp_bound = float(lp.fun) * scale if lp.status == 0 else None
+    lp_bound = None
+    if res.status != 0 or with_bound:  # the LP relaxation bounds a plan that is not proven optimal
+        lp = milp(cost, constraints=cons, integrality=np.zeros(m), bounds=Bounds(0, 1))
+        lp_bound = float(lp.fun) * scale if lp.status == 0 else None
     if res.x is None:
         return None, False, lp_bound
     plan = ["keep"] * n
@@ -792,6 +803,51 @@ def solve_milp(model: Model, budget: int, time_limit: float, bound: float | None
         if res.x[j] > 0.5:
             plan[i] = c
     return plan, res.status == 0, lp_bound
+
+
+def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[str]:
+    """Among plans no costlier than `plan`, one with the lowest planned peak: one MILP (minimise P subject to
+    live[k] - freed(regions[:k]) <= P for every prefix k and cost <= plan's), not a bisection over budgets."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    n = len(model.regions)
+    var = [(i, c) for i in range(n) for c in model.choices[i]]
+    m = len(var)
+    c0 = model.cost(plan)
+    p0 = model.peak(plan)
+    cost = np.array([model.regions[i].cost(c) for i, c in var])
+    cscale = max(1.0, cost.max())
+    bscale = float(max(1, p0))
+    A = np.zeros((n + 1 + n + 1, m + 1))
+    lo, hi = np.zeros(len(A)), np.zeros(len(A))
+    for j, (i, _) in enumerate(var):  # one choice per region
+        A[i, j] = 1.0
+    lo[:n], hi[:n] = 1.0, 1.0
+    A[n, :m] = cost / cscale  # no costlier (a relative tolerance: the solver's own is about 1e-6)
+    lo[n], hi[n] = -np.inf, c0 / cscale * (1 + 1e-7) + 1e-9
+    for k, lv in enumerate(model.live_by_prefix):  # P + freed(regions[:k]) >= live[k]
+        row = n + 1 + k
+        A[row, m] = 1.0
+        for j, (i, c) in enumerate(var):
+            if i < k:
+                A[row, j] = model.regions[i].freed(c) / bscale
+        lo[row], hi[row] = lv / bscale, np.inf
+    obj = np.zeros(m + 1)
+    obj[m] = 1.0
+    integrality = np.ones(m + 1)
+    integrality[m] = 0
+    res = milp(obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(np.r_[np.zeros(m), model.floor / bscale], np.r_[np.ones(m), np.inf]),
+               options={"time_limit": float(time_limit), "disp": False})
+    if res.x is None:
+        return plan
+    out = ["keep"] * n
+    for j, (i, c) in enumerate(var):
+        if res.x[j] > 0.5:
+            out[i] = c
+    # the solver's tolerances must not make the plan costlier or its peak higher
+    if model.cost(out) <= c0 * (1 + 1e-9) + 1e-9 and model.peak(out) <= p0:
+        return out
+    return plan
 
 
 def solve_greedy(model: Model, budget: int) -> list[str] | None:
@@ -862,8 +918,7 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
     elif kind == "milp":
         plan, optimal, lp_bound = solve_milp(model, budget, time_limit)
         if plan is not None and optimal and tiebreak:
-            plan = _lowest_peak_same_cost(model, plan, budget,
-                                          lambda b: solve_milp(model, b, time_limit)[0], iters=10)
+            plan = milp_lowest_peak(model, plan, time_limit)
         if plan is None or not optimal:
             g = solve_greedy(model, budget)
             if g is not None and (plan is None or model.cost(g) < model.cost(plan)):
@@ -876,7 +931,7 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
         optimal = False
         if plan is not None:
             try:
-                _, _, lp_bound = solve_milp(model, budget, time_limit)
+                _, _, lp_bound = solve_milp(model, budget, time_limit, with_bound=True)
             except Exception:  # noqa: BLE001 - the bound is informative only
                 lp_bound = None
             if lp_bound:
@@ -891,8 +946,7 @@ def tie_break(sol: Solution, model: Model, budget: int, time_limit: float) -> So
     if sol.solver == "dp":
         plan = _lowest_peak_same_cost(model, sol.plan, budget, lambda b: solve_dp(model, b))
     elif sol.solver == "milp" and sol.optimal:
-        plan = _lowest_peak_same_cost(model, sol.plan, budget, lambda b: solve_milp(model, b, time_limit)[0],
-                                      iters=10)
+        plan = milp_lowest_peak(model, sol.plan, time_limit)
     else:
         return sol
     return Solution(plan, model.cost(plan), model.peak(plan), sol.solver, sol.optimal, sol.gap, sol.seconds,
@@ -1229,7 +1283,10 @@ class CheckpointPass:
             else:
                 found = []
                 for cs in sets:
-                    sl = solve(cs.model, target, opts.solver, opts.time_limit, cs.chain, tiebreak=False)
+                    if target not in cs.solved:  # planning, then emitting, solve the same budget
+                        cs.solved[target] = [solve(cs.model, target, opts.solver, opts.time_limit, cs.chain,
+                                                   tiebreak=False), None]
+                    sl = cs.solved[target][0]
                     if sl is not None:
                         found.append((sl.cost, sl.peak, len(found), sl, cs))
                 if not found:
@@ -1239,8 +1296,11 @@ class CheckpointPass:
                 # cheapest, then lowest planned peak: only the sets at the lowest cost can win, so only their
                 # plans go through the (costly) lowest-peak tie-break
                 c_min = min(t[0] for t in found)
-                found = [(c, sl2.peak, i, sl2, cs2) for c, _, i, sl, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9
-                         for sl2 in [tie_break(sl, cs2.model, target, opts.time_limit)]]
+                for c, _, _, sl, cs2 in found:
+                    if c <= c_min * (1 + 1e-9) + 1e-9 and cs2.solved[target][1] is None:
+                        cs2.solved[target][1] = tie_break(sl, cs2.model, target, opts.time_limit)
+                found = [(c, cs2.solved[target][1].peak, i, cs2.solved[target][1], cs2)
+                         for c, _, i, _, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9]
                 _, _, _, sol, cs = min(found, key=lambda t: t[:3])
             if plan_only:
                 return sol.cost, sol.peak, not offload_rest

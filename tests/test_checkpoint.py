@@ -291,6 +291,34 @@ def test_dp_plan_model_peak_monotone_in_budget():
     assert ck.solve(model, 900, "dp", 1.0, True) is None  # below what checkpointing reaches
 
 
+def test_tie_break_lowest_peak_at_optimal_cost_brute_force():
+    # equal-cost regions that free different bytes: among the cheapest plans under each budget, the solvers
+    # return one with the lowest planned peak (MILP: one minimise-the-peak MILP; DP: bisection on the budget)
+    import itertools
+    regs = []
+    for i, (saved, cost) in enumerate([(120, 50.0), (200, 50.0), (90, 50.0), (160, 70.0), (140, 50.0)]):
+        r = ck.Region(f"b{i}", [])
+        r.saved, r.kept, r.held, r.flops, r.flops_sel = saved, 60, 0, cost, cost / 4
+        regs.append(r)
+    live = [1000, 1100, 1150, 1300, 1250, 1400]
+    choices = [("keep", "selective", "full")] * len(regs)
+    model = ck.Model(regs, live, 900, "opt", choices)
+    plans = [list(p) for p in itertools.product(*choices)]
+    for b in range(1390, 1000, -30):
+        fit = [p for p in plans if model.peak(p) <= b]
+        if not fit:
+            assert ck.solve(model, b, "milp", 5.0, False) is None
+            continue
+        c_min = min(model.cost(p) for p in fit)
+        p_min = min(model.peak(p) for p in fit if model.cost(p) <= c_min + 1e-9)
+        for solver in ("milp", "dp"):
+            sol = ck.solve(model, b, solver, 5.0, True)
+            assert sol.cost == pytest.approx(c_min, rel=1e-9), (solver, b)
+            assert sol.peak == p_min, (solver, b, sol.plan)
+            untied = ck.solve(model, b, solver, 5.0, True, tiebreak=False)
+            assert ck.tie_break(untied, model, b, 5.0).peak == p_min
+
+
 def test_profile_cost_and_explicit_regions(gpt_prog):
     p, x, loss_fn = gpt_prog
     res, _ = _run_pass(p, loss_fn, "85%", cost="profile", regions=["h.0", "h.1", "h.2"], selective=False,

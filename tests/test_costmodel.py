@@ -162,3 +162,50 @@ def test_unknown_op_is_reported_conservatively():
 
     est = fxmem.estimate(M(), (torch.randn(4, 8),))
     assert "fxmemtest.twice.default" in est.unknown_ops
+
+
+def test_static_traces_share_fakes_and_notice_changed_tensors():
+    # the static trace keeps one fake mode across traces (parameters convert once); a parameter a pass casts,
+    # resizes or replaces in place, or a changed tensor attribute, must start afresh: the estimate follows it
+    from fxmem import costmodel
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 256)
+            self.b = nn.Linear(256, 64)
+            self.scale = torch.ones(256)  # a plain tensor attribute (a graph constant)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) * self.scale)
+
+    model = M()
+    x = torch.randn(32, 64)
+    p = fxmem.capture(model, (x,))
+    costmodel._SHARED_FAKES.drop()
+    e_fresh = fxmem.estimate(copy.deepcopy(p), mode="train")
+    e1 = fxmem.estimate(p, mode="train")
+    assert (e_fresh.peak, e_fresh.activations) == (e1.peak, e1.activations)
+    mode1 = costmodel._SHARED_FAKES.mode
+    e2 = fxmem.estimate(p.snapshot(), mode="train")
+    assert costmodel._SHARED_FAKES.mode is mode1  # reused: nothing changed
+    assert (e2.peak, e2.params, e2.activations) == (e1.peak, e1.params, e1.activations)
+
+    gm = p.module
+    w = gm.get_submodule("a").weight
+    w.data = w.data.to(torch.bfloat16)  # same Parameter object, new dtype and storage
+    e3 = fxmem.estimate(p, mode="train")
+    assert costmodel._SHARED_FAKES.mode is not mode1
+    assert e3.params == e1.params - 64 * 256 * 2
+
+    w.data = torch.zeros(128, 64, dtype=torch.bfloat16)  # resized in place: half the output features
+    gm.get_submodule("b").weight.data = torch.zeros(64, 128)
+    gm.get_submodule("a").bias.data = torch.zeros(128)
+    scale = dict(gm.named_buffers())["scale"]  # capture keeps the tensor attribute as a buffer
+    scale.data = torch.ones(128)  # same tensor object, new shape and storage
+    e4 = fxmem.estimate(p, mode="train")
+    ref = copy.deepcopy(p)
+    costmodel._SHARED_FAKES.drop()
+    e5 = fxmem.estimate(ref, mode="train")
+    assert (e4.peak, e4.params, e4.activations) == (e5.peak, e5.params, e5.activations)
+    assert e4.activations < e1.activations
