@@ -253,6 +253,7 @@ class _Recorder(TorchDispatchMode):
         # recipe output storage -> storages its recipe holds (its tensor arguments, through nested recipes): a
         # record that saves the recipe instead of the output keeps those alive (free only inside regions)
         self.recipe_holds: dict[int, list[int]] = {}
+        self.recipe_at: dict[int, str] = {}  # recipe output storage -> the node that registered the recipe
 
     def key(self, t):
         st = t.untyped_storage()
@@ -349,6 +350,7 @@ class _RecordingInterpreter(fx.Interpreter):
             k = self.rec.key(out)[0]
             self.rec.recast_keys.add(k)
             self.rec.recipe_holds[k] = list(dict.fromkeys(self.rec.key(t)[0] for t in recipe_tensors(recipe)))
+            self.rec.recipe_at[k] = n.name
             for r in self.rec.records[first:]:  # the op's own saves of its output (ReLU's result) too
                 if r.region is None and k in r.saved:
                     r.saved = [s for s in r.saved if s != k]

@@ -133,14 +133,15 @@ class Region:
     keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
     kept_full: int = 0  # bytes of their outputs
     flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
+    lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
 
     def freed(self, choice: str) -> int:
         if choice == "full":
-            return max(0, self.saved - self.kept_full - self.held)
+            return max(0, self.saved - self.kept_full - self.held - self.lost)
         if choice == "redraw":
-            return max(0, self.saved - self.held)
+            return max(0, self.saved - self.held - self.lost)
         if choice == "selective":
-            return max(0, self.saved - self.kept - self.held)
+            return max(0, self.saved - self.kept - self.held - self.lost)
         return 0
 
     def cost(self, choice: str) -> float:
@@ -208,6 +209,15 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
             cur = Region(p, [n])
             cur_path = p
             regions.append(cur)
+    for r in regions:
+        # a node registering a recipe (a remat wrapper, a remat dropout) whose readers are all outside (a block's
+        # closing layer norm, attention's dropped-out probabilities) stays outside too: inside a recomputed region
+        # the recipe scope steps aside and its output would be a plain tensor kept by its readers; outside, the
+        # recipe is registered and they keep the recipe
+        members = set(r.nodes)
+        r.nodes = [n for n in r.nodes if not (n.target in (remat, bool_mask_dropout_remat) and n.users and
+                                              all(u not in members for u in n.users))]
+    regions = [r for r in regions if r.nodes]
     # unique names for repeated calls of one module (e.g. a shared pool)
     seen: dict[str, int] = {}
     for r in regions:
@@ -330,6 +340,12 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     by_node: dict[str, list] = {}
     for r in R:
         by_node.setdefault(r.node, []).append(r)
+    recipe_at = getattr(rec, "recipe_at", {})
+    recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
+    for r in R:
+        for k in r.recast:
+            if k in recipe_at:
+                recast_savers.setdefault(k, []).append(r.idx)
     for reg in regions:
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
@@ -388,9 +404,20 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 producer = [r for r in by_node.get(a.name, [])]
                 keys = {k for r in producer for k in r.new_keys}
                 if keys & recipes:
-                    continue  # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe
+                    # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
+                    # another region made it and recomputes, that region counts it: see `lost`)
+                    continue
                 if not (keys & saved_anywhere):
                     held += sum(sb[k] for k in keys)
+        # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
+        # region): recomputed (any choice but keep), the body runs with the recipe scope aside
+        # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward
+        # to their backward: the region frees that much less
+        lost = 0
+        for k, at in recipe_at.items():
+            if at in names and base_keys.get(k) is None and any(i not in idxs for i in recast_savers.get(k, ())):
+                lost += sb[k]
+        reg.lost = lost
         reg.saved = sum(sb[k] for k in saved)
         reg.kept = sum(sb[k] for k in kept)
         reg.kept_full = sum(sb[k] for k in kept_full)
@@ -399,7 +426,6 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         reg.flops, reg.flops_sel = float(flops), float(flops_sel)
         reg.flops_redraw = float(flops + draws_cost)
         reg.inputs = ins
-        del names
 
 
 # ============================================================================================ compact dropout masks

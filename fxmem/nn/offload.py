@@ -57,6 +57,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from . import recast
 from .regions import RegionInfo
@@ -404,7 +405,7 @@ def _close_all() -> None:
 def _is_fake(args) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     return any(isinstance(a, FakeTensor) or (isinstance(a, torch.Tensor) and a.device.type == "meta")
-               for a in args)
+               for a in pytree.tree_leaves(args))  # (an argument can be a tuple: a multi-output region's result)
 
 
 class OffloadRegion(nn.Module):
@@ -443,12 +444,12 @@ class OffloadRegion(nn.Module):
             skip_idx = range(len(args))
         skip = set()
         for i in skip_idx:
-            a = args[i]
-            if isinstance(a, torch.Tensor):
-                try:
-                    skip.add(a.untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):
-                    pass
+            for a in pytree.tree_leaves(args[i]):
+                if isinstance(a, torch.Tensor):
+                    try:
+                        skip.add(a.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
         store = rt.begin(self.index == 0)
         scope = _RegionScope(store, store.new_slot(), skip, rt.min_bytes)
         try:
