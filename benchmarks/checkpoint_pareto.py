@@ -366,7 +366,7 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--models", default="gpt,unet")
-    ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7")
+    ap.add_argument("--budgets", default="0.1,0.2,0.3,0.5,0.7")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-transform-time", action="store_true", help="skip the 12-layer transform timing")
     ap.add_argument("--out", default=str(RESULTS / "checkpoint_pareto"))
