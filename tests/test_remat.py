@@ -251,11 +251,13 @@ def test_remat_call_compiles_without_graph_breaks():
 
 
 def test_unet_remat_module_under_torch_compile():
-    """(The U-Net's batch-norm step counter breaks the graph under torch.compile, remat or not.)"""
+    """The transformed U-Net (batch norm -> ReLU chains, the batch-norm step counter) compiles as one graph and
+    trains like the original: outputs, gradients and every buffer (running statistics, num_batches_tracked)."""
     ref, res, args, kwargs, loss_fn = _transform("unet", "90%")
     assert "remat_call(" in res.module.code
     torch._dynamo.reset()
-    compiled = torch.compile(res.module, backend="eager")
+    mod = res.module
+    compiled = torch.compile(mod, backend="eager", fullgraph=True)
     torch.manual_seed(1)
     o1, g1 = grads(ref, args, kwargs, loss_fn)
     torch.manual_seed(1)
@@ -264,6 +266,11 @@ def test_unet_remat_module_under_torch_compile():
     for k in g1:
         torch.testing.assert_close(g2[k.replace("_orig_mod.", "")] if k in g2 else g2["_orig_mod." + k], g1[k],
                                    rtol=1e-5, atol=1e-6)
+    rb, nb = dict(ref.named_buffers()), dict(mod.named_buffers())
+    assert set(rb) <= set(nb)
+    assert any(k.endswith("num_batches_tracked") for k in rb)
+    for k in rb:
+        torch.testing.assert_close(nb[k], rb[k], msg=lambda m: f"buffer {k}: {m}")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -21,8 +21,10 @@ def count_batch(num_batches_tracked: torch.Tensor, training: bool) -> torch.Tens
     """Batch-norm's `num_batches_tracked += 1`, which only happens in training mode.
 
     Not under FakeTensorMode: shape propagation and the traced cost model run the graph on fake inputs with the
-    module's real buffers, and must not count a batch the user never ran."""
-    if training and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+    module's real buffers, and must not count a batch the user never ran. Under torch.compile the compiled graph
+    counts (the dispatch-mode query is not traceable: checking it would break the graph)."""
+    if training and (torch.compiler.is_compiling()
+                     or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None):
         num_batches_tracked.add_(1)
     return num_batches_tracked
 
