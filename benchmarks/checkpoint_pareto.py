@@ -262,13 +262,16 @@ def transform_time_12_layers() -> str:
     ck = checkpoint_pass_module()
     out = []
     for verify in (True, False):
-        ctx = PassContext(policy=None, options=ck.CheckpointOptions(verify=verify), mode="train",
-                          optimizer="adamw", budget=int(base.peak - 0.5 * base.activations), baseline=base,
-                          enabled=("checkpoint",), loss_fn=ex.loss_fn)
-        t0 = time.perf_counter()
-        res = ck.CheckpointPass().run(program.snapshot(), ctx)
-        dt = time.perf_counter() - t0
-        out.append(f"verify={verify}: {dt:.2f} s ({res.metrics.get('solver')}, "
+        times = []
+        for _ in range(3):  # best of 3: one run is at the mercy of GC and load
+            ctx = PassContext(policy=None, options=ck.CheckpointOptions(verify=verify), mode="train",
+                              optimizer="adamw", budget=int(base.peak - 0.5 * base.activations), baseline=base,
+                              enabled=("checkpoint",), loss_fn=ex.loss_fn)
+            t0 = time.perf_counter()
+            res = ck.CheckpointPass().run(program.snapshot(), ctx)
+            times.append(time.perf_counter() - t0)
+        out.append(f"verify={verify}: {min(times):.2f} s best of 3, {max(times):.2f} s worst "
+                   f"({res.metrics.get('solver')}, "
                    f"{sum(c != 'keep' for c in res.metrics.get('plan', {}).values())} regions recomputed)")
     return ("Transform time, 12-layer decoder d=128 T=128 B=8 at b=0.5 (capture excluded): " + "; ".join(out)
             + ".")
