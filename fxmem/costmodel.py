@@ -495,8 +495,10 @@ def program_key(program: Program) -> str:
 
 
 def as_recipes(traced, keys: set):
-    """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes of tensors that
-    are kept anyway (fxmem.nn.recast): what tracing the rewritten program would record, without tracing it."""
+    """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes (fxmem.nn.recast),
+    without tracing the rewritten program: their savers save the recipe instead. What a recipe holds is not
+    recorded (`recipe_holds` stays as traced): this is for outputs whose recipe arguments are kept anyway (remat
+    sites), where holding them adds nothing; a pass that emits the rewrite traces it for the real record."""
     rec = copy.copy(traced[0])
     records = []
     for r in rec.records:
@@ -583,7 +585,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
     recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
     offloaded: dict[str, set] = defaultdict(set)
-    recipe_holds = {k: h for k, h in getattr(rec, "recipe_holds", {}).items() if base_keys.get(k) is None}
+    recipe_holds = {k: h for k, h in rec.recipe_holds.items() if base_keys.get(k) is None}
     for r in R:
         if not r.out_rg:
             continue

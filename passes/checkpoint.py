@@ -332,7 +332,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     for r in R:
         for k in r.new_keys:
             created_in[k] = r.idx
-    recipes = set(getattr(rec, "recipe_holds", {}))
+    recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
     saved_anywhere: set[int] = set()
     for r in R:
         if r.out_rg:
@@ -340,7 +340,6 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     by_node: dict[str, list] = {}
     for r in R:
         by_node.setdefault(r.node, []).append(r)
-    recipe_at = getattr(rec, "recipe_at", {})
     recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
     for r in R:
         for k in r.recast:
@@ -403,7 +402,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                 # an input the region must hold; if autograd saves it anyway, nothing extra
                 producer = [r for r in by_node.get(a.name, [])]
                 keys = {k for r in producer for k in r.new_keys}
-                if keys & recipes:
+                if keys & recipe_at.keys():
                     # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
                     # another region made it and recomputes, that region counts it: see `lost`)
                     continue
@@ -601,7 +600,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
                 continue
             # a cheap producer nobody keeps (or the tensor an in-place op overwrites), its inputs held
             ak = key_of(a)
-            if (dropout or not _remat_op(a) or _remat_op(a) and a.target._schema.is_mutable or len(a.users) != 1
+            if (dropout or not _remat_op(a) or a.target._schema.is_mutable or len(a.users) != 1
                     or ak is None or ak in out_keys or base_keys.get(ak) is not None
                     or (ak != k and ak in savers) or not by_node.get(a.name)
                     or not all(held(b, k, last) for b in tensor_inputs(a))):
@@ -791,30 +790,43 @@ def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
     return plan[::-1]
 
 
+class _MilpLayout:
+    """The 0/1 variables of a plan (one per region and allowed choice) and the matrices both MILPs use."""
+
+    def __init__(self, model: Model):
+        n = len(model.regions)
+        self.n = n
+        self.var = [(i, c) for i in range(n) for c in model.choices[i]]
+        m = len(self.var)
+        self.cost = np.array([model.regions[i].cost(c) for i, c in self.var])
+        self.one = np.zeros((n, m))  # row i: region i takes exactly one choice
+        self.freed = np.zeros((n + 1, m))  # row k: bytes freed by regions[:k]
+        for j, (i, c) in enumerate(self.var):
+            self.one[i, j] = 1.0
+            self.freed[i + 1:, j] = model.regions[i].freed(c)
+
+    def plan(self, x) -> list[str]:
+        out = ["keep"] * self.n
+        for j, (i, c) in enumerate(self.var):
+            if x[j] > 0.5:
+                out[i] = c
+        return out
+
+
 def solve_milp(model: Model, budget: int, time_limit: float, with_bound: bool = False):
     """MILP via scipy (HiGHS). Returns (plan or None, optimal flag, lp_bound); the LP relaxation's bound only
     when the plan is not proven optimal or `with_bound`."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     needs = model.needs(budget)
-    n = len(model.regions)
-    var = [(i, c) for i in range(n) for c in model.choices[i]]
-    m = len(var)
-    cost = np.array([model.regions[i].cost(c) for i, c in var])
-    scale = max(1.0, cost.max())
-    cost = cost / scale
-    rows, lo, hi = [], [], []
-    for i in range(n):  # one choice per region
-        rows.append([1.0 if j == i else 0.0 for j, _ in var])
-        lo.append(1.0)
-        hi.append(1.0)
+    lay = _MilpLayout(model)
+    m = len(lay.var)
+    scale = max(1.0, lay.cost.max())
+    cost = lay.cost / scale
     bscale = max(1.0, max(needs))
-    for k in range(1, n + 1):
-        if needs[k] <= 0:
-            continue
-        rows.append([model.regions[j].freed(c) / bscale if j < k else 0.0 for j, c in var])
-        lo.append(needs[k] / bscale)
-        hi.append(np.inf)
-    A = np.array(rows)
+    binding = [k for k in range(1, lay.n + 1) if needs[k] > 0]  # prefix k: freed(regions[:k]) >= need[k]
+    A = np.vstack([lay.one, lay.freed[binding] / bscale])
+    lo = np.r_[np.ones(lay.n), np.array([needs[k] for k in binding], dtype=float) / bscale]
+    hi = np.r_[np.ones(lay.n), np.full(len(binding), np.inf)]
     cons = LinearConstraint(A, lo, hi)
     opts = {"time_limit": float(time_limit), "disp": False}
     res = milp(cost, constraints=cons, integrality=np.ones(m), bounds=Bounds(0, 1), options=opts)
@@ -824,39 +836,27 @@ def solve_milp(model: Model, budget: int, time_limit: float, with_bound: bool = 
         lp_bound = float(lp.fun) * scale if lp.status == 0 else None
     if res.x is None:
         return None, False, lp_bound
-    plan = ["keep"] * n
-    for j, (i, c) in enumerate(var):
-        if res.x[j] > 0.5:
-            plan[i] = c
-    return plan, res.status == 0, lp_bound
+    return lay.plan(res.x), res.status == 0, lp_bound
 
 
 def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[str]:
     """Among plans no costlier than `plan`, one with the lowest planned peak: one MILP (minimise P subject to
     live[k] - freed(regions[:k]) <= P for every prefix k and cost <= plan's), not a bisection over budgets."""
     from scipy.optimize import Bounds, LinearConstraint, milp
-    n = len(model.regions)
-    var = [(i, c) for i in range(n) for c in model.choices[i]]
-    m = len(var)
-    c0 = model.cost(plan)
-    p0 = model.peak(plan)
-    cost = np.array([model.regions[i].cost(c) for i, c in var])
-    cscale = max(1.0, cost.max())
+    lay = _MilpLayout(model)
+    n, m = lay.n, len(lay.var)
+    c0, p0 = model.cost(plan), model.peak(plan)
+    cscale = max(1.0, lay.cost.max())
     bscale = float(max(1, p0))
+    # columns: the plan's variables, then P; rows: one choice per region, no costlier (a relative tolerance: the
+    # solver's own is about 1e-6), then P + freed(regions[:k]) >= live[k] for every prefix k
     A = np.zeros((n + 1 + n + 1, m + 1))
-    lo, hi = np.zeros(len(A)), np.zeros(len(A))
-    for j, (i, _) in enumerate(var):  # one choice per region
-        A[i, j] = 1.0
-    lo[:n], hi[:n] = 1.0, 1.0
-    A[n, :m] = cost / cscale  # no costlier (a relative tolerance: the solver's own is about 1e-6)
-    lo[n], hi[n] = -np.inf, c0 / cscale * (1 + 1e-7) + 1e-9
-    for k, lv in enumerate(model.live_by_prefix):  # P + freed(regions[:k]) >= live[k]
-        row = n + 1 + k
-        A[row, m] = 1.0
-        for j, (i, c) in enumerate(var):
-            if i < k:
-                A[row, j] = model.regions[i].freed(c) / bscale
-        lo[row], hi[row] = lv / bscale, np.inf
+    A[:n, :m] = lay.one
+    A[n, :m] = lay.cost / cscale
+    A[n + 1:, :m] = lay.freed / bscale
+    A[n + 1:, m] = 1.0
+    lo = np.r_[np.ones(n), -np.inf, np.array(model.live_by_prefix, dtype=float) / bscale]
+    hi = np.r_[np.ones(n), c0 / cscale * (1 + 1e-7) + 1e-9, np.full(n + 1, np.inf)]
     obj = np.zeros(m + 1)
     obj[m] = 1.0
     integrality = np.ones(m + 1)
@@ -866,10 +866,7 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
                options={"time_limit": float(time_limit), "disp": False})
     if res.x is None:
         return plan
-    out = ["keep"] * n
-    for j, (i, c) in enumerate(var):
-        if res.x[j] > 0.5:
-            out[i] = c
+    out = lay.plan(res.x)
     # the solver's tolerances must not make the plan costlier or its peak higher
     if model.cost(out) <= c0 * (1 + 1e-9) + 1e-9 and model.peak(out) <= p0:
         return out

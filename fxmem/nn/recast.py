@@ -62,6 +62,13 @@ def _stack() -> list:
     return s
 
 
+def _leave(entry) -> None:
+    """Pop `entry` (a scope, or None for `aside`) if it is the innermost: leaving what was entered."""
+    s = _stack()
+    if s and s[-1] is entry:
+        s.pop()
+
+
 def active_scope():
     """The scope registrations go to: the innermost entered one, None outside forward or inside a region."""
     s = _stack()
@@ -78,9 +85,7 @@ class aside:
         return self
 
     def __exit__(self, *exc):
-        s = _stack()
-        if s and s[-1] is None:
-            s.pop()
+        _leave(None)
         return False
 
 
@@ -264,9 +269,7 @@ class RecastScope:
         return self
 
     def __exit__(self, *exc):
-        stack = _stack()
-        if stack and stack[-1] is self:
-            stack.pop()
+        _leave(self)
         hooks, self._hooks = self._hooks, None
         self._entries = {}
         if hooks is not None:
