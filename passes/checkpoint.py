@@ -50,9 +50,9 @@ without checkpointing. So with baseline live bytes `live(p)` (the cost model's s
 
 and the pass minimises the sum of recompute costs subject to peak(plan) <= budget. Regions sorted by position
 make the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised,
-always rounding in the safe direction), or a MILP (scipy's HiGHS `milp`) for graphs whose regions are not a
-chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs the LP bound) is
-reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget:
+always rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a
+chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the
+optimum) is reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget:
 a lower budget never gets a higher planned peak.
 
 The plan is then checked with the cost model's static estimate of the rewritten program (`verify`); if that is
@@ -813,36 +813,67 @@ class _MilpLayout:
         return out
 
 
-def solve_milp(model: Model, budget: int, time_limit: float, with_bound: bool = False):
-    """MILP via scipy (HiGHS). Returns (plan or None, optimal flag, lp_bound); the LP relaxation's bound only
-    when the plan is not proven optimal or `with_bound`."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _highs(cost, A, lo, hi, col_lo, col_hi, integer, time_limit: float):
+    """min cost.x subject to lo <= A x <= hi, col_lo <= x <= col_hi, x[integer] integral: HiGHS through highspy
+    (imported here, about 0.1 s the first time; scipy.optimize's import costs 0.4 s). Returns (x or None,
+    proven optimal, dual bound): x is the best feasible point found, the dual bound a lower bound on the optimum
+    (the optimum itself when proven; at least the LP relaxation's bound otherwise), None when unknown."""
+    import highspy
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    A = np.asarray(A, dtype=float)
+    col, row = np.nonzero(A.T)  # the nonzeros column by column
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.asarray(col_lo, dtype=float)
+    lp.col_upper_ = np.asarray(col_hi, dtype=float)
+    lp.row_lower_ = np.asarray(lo, dtype=float)
+    lp.row_upper_ = np.asarray(hi, dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.r_[0, np.cumsum(np.bincount(col, minlength=A.shape[1]))].astype(np.int32)
+    lp.a_matrix_.index_ = row.astype(np.int32)
+    lp.a_matrix_.value_ = A.T[col, row]
+    kind = highspy.HighsVarType
+    lp.integrality_ = [kind.kInteger if i else kind.kContinuous for i in integer]
+    h.passModel(lp)
+    h.run()
+    status, info = h.getModelStatus(), h.getInfo()
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    feasible = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if feasible else None
+    bound = None
+    if optimal:
+        bound = float(info.objective_function_value)
+    elif status == highspy.HighsModelStatus.kTimeLimit and math.isfinite(info.mip_dual_bound):
+        bound = float(info.mip_dual_bound)
+    return x, optimal, bound
+
+
+def solve_milp(model: Model, budget: int, time_limit: float):
+    """The cheapest plan under `budget` as a MILP (HiGHS). Returns (plan or None, proven optimal, lower bound on
+    the optimal cost or None): the bound is the optimum when proven, HiGHS's dual bound when the time limit
+    stopped it (what a greedy plan's optimality gap is measured against)."""
     needs = model.needs(budget)
     lay = _MilpLayout(model)
     m = len(lay.var)
     scale = max(1.0, lay.cost.max())
-    cost = lay.cost / scale
     bscale = max(1.0, max(needs))
     binding = [k for k in range(1, lay.n + 1) if needs[k] > 0]  # prefix k: freed(regions[:k]) >= need[k]
     A = np.vstack([lay.one, lay.freed[binding] / bscale])
     lo = np.r_[np.ones(lay.n), np.array([needs[k] for k in binding], dtype=float) / bscale]
     hi = np.r_[np.ones(lay.n), np.full(len(binding), np.inf)]
-    cons = LinearConstraint(A, lo, hi)
-    opts = {"time_limit": float(time_limit), "disp": False}
-    res = milp(cost, constraints=cons, integrality=np.ones(m), bounds=Bounds(0, 1), options=opts)
-    lp_bound = None
-    if res.status != 0 or with_bound:  # the LP relaxation bounds a plan that is not proven optimal
-        lp = milp(cost, constraints=cons, integrality=np.zeros(m), bounds=Bounds(0, 1))
-        lp_bound = float(lp.fun) * scale if lp.status == 0 else None
-    if res.x is None:
-        return None, False, lp_bound
-    return lay.plan(res.x), res.status == 0, lp_bound
+    x, optimal, bound = _highs(lay.cost / scale, A, lo, hi, np.zeros(m), np.ones(m), [True] * m, time_limit)
+    bound = bound * scale if bound is not None else None
+    if x is None:
+        return None, False, bound
+    return lay.plan(x), optimal, bound
 
 
 def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[str]:
     """Among plans no costlier than `plan`, one with the lowest planned peak: one MILP (minimise P subject to
     live[k] - freed(regions[:k]) <= P for every prefix k and cost <= plan's), not a bisection over budgets."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
     lay = _MilpLayout(model)
     n, m = lay.n, len(lay.var)
     c0, p0 = model.cost(plan), model.peak(plan)
@@ -859,14 +890,11 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
     hi = np.r_[np.ones(n), c0 / cscale * (1 + 1e-7) + 1e-9, np.full(n + 1, np.inf)]
     obj = np.zeros(m + 1)
     obj[m] = 1.0
-    integrality = np.ones(m + 1)
-    integrality[m] = 0
-    res = milp(obj, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-               bounds=Bounds(np.r_[np.zeros(m), model.floor / bscale], np.r_[np.ones(m), np.inf]),
-               options={"time_limit": float(time_limit), "disp": False})
-    if res.x is None:
+    x, _, _ = _highs(obj, A, lo, hi, np.r_[np.zeros(m), model.floor / bscale], np.r_[np.ones(m), np.inf],
+                     [True] * m + [False], time_limit)
+    if x is None:
         return plan
-    out = lay.plan(res.x)
+    out = lay.plan(x)
     # the solver's tolerances must not make the plan costlier or its peak higher
     if model.cost(out) <= c0 * (1 + 1e-9) + 1e-9 and model.peak(out) <= p0:
         return out
@@ -939,7 +967,7 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
             # lexicographic tie-break: the lowest budget with the same cost gives the lowest peak
             plan = _lowest_peak_same_cost(model, plan, budget, lambda b: solve_dp(model, b))
     elif kind == "milp":
-        plan, optimal, lp_bound = solve_milp(model, budget, time_limit)
+        plan, optimal, bound = solve_milp(model, budget, time_limit)
         if plan is not None and optimal and tiebreak:
             plan = milp_lowest_peak(model, plan, time_limit)
         if plan is None or not optimal:
@@ -947,18 +975,18 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
             if g is not None and (plan is None or model.cost(g) < model.cost(plan)):
                 note = (f"MILP found no proven optimum within time_limit={time_limit:g}s; greedy plan used")
                 plan, kind = g, "greedy"
-            if plan is not None and lp_bound:
-                gap = (model.cost(plan) - lp_bound) / max(lp_bound, 1e-12)
+            if plan is not None and bound:
+                gap = (model.cost(plan) - bound) / max(bound, 1e-12)
     else:
         plan = solve_greedy(model, budget)
         optimal = False
         if plan is not None:
             try:
-                _, _, lp_bound = solve_milp(model, budget, time_limit, with_bound=True)
+                _, _, bound = solve_milp(model, budget, time_limit)  # the optimum, or a bound on it
             except Exception:  # noqa: BLE001 - the bound is informative only
-                lp_bound = None
-            if lp_bound:
-                gap = (model.cost(plan) - lp_bound) / max(lp_bound, 1e-12)
+                bound = None
+            if bound:
+                gap = (model.cost(plan) - bound) / max(bound, 1e-12)
     if plan is None:
         return None
     return Solution(plan, model.cost(plan), model.peak(plan), kind, optimal, gap, time.perf_counter() - t0, note)
