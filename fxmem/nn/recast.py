@@ -17,7 +17,8 @@ calls `install(module)`. While the module's forward runs, a `RecastScope` is the
 scope is entered by a forward pre-hook and left by an always-called forward hook (also when forward raises).
 Inside regions with their own hooks (checkpoint, offload) those hooks are innermost and decide, as they should.
 Under torch.compile the hooks and the registration step aside (no graph breaks): the compiled graph's
-partitioner decides what it saves and recomputes casts by itself.
+partitioner decides what it saves and recomputes casts by itself. `remat` (below) is the exception: there it
+becomes a one-op checkpoint, which tags its output for the partitioner to recompute.
 
 The cost model reads `installed(module)` and leaves the outputs of `cast_param` nodes out of what is saved.
 
@@ -30,7 +31,11 @@ tensor of the same size from forward to backward. The checkpoint pass rewrites `
 (op, args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per
 use in backward, with bit-identical values (the op is deterministic; an input changed in place in between is an
 error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
-without the dispatch-mode overhead of selective checkpointing in eager mode. `fxmem.nn.dropout` registers its
+without the dispatch-mode overhead of selective checkpointing in eager mode. Under torch.compile, `remat` runs the op again
+inside a one-op non-reentrant checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module
+keeps what the pass planned instead of what the compiler's own budget keeps (gpt, 6 blocks: 66 vs 83 MiB saved,
+same step time). `remat_call` leaves the choice to the partitioner there: as a checkpoint, a training-mode batch
+norm -> ReLU chain kept more (U-Net: 18.3 vs 16.8 MiB), the running-statistics update being part of the op. `fxmem.nn.dropout` registers its
 masked outputs the same way (`register_recompute`).
 
 `remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains:
@@ -51,6 +56,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 _state = threading.local()
 
@@ -137,8 +143,17 @@ def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None =
 
 
 def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
-    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe."""
-    if not torch.compiler.is_compiling() and active_scope() is not None:
+    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
+
+    Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
+    its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
+    kernels) rather than deciding alone at its own memory budget, which kept it; `y` goes dead and the compiler
+    drops it."""
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            return checkpoint(op_named(op), *args, use_reentrant=False, **kwargs)
+        return y
+    if active_scope() is not None:
         register_recompute(y, *recompute_form(op, args, kwargs))
     return y
 
