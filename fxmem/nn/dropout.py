@@ -93,7 +93,7 @@ def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | Non
 
 def _apply_mask(x: torch.Tensor, keep: torch.Tensor, s) -> torch.Tensor:
     # The mask goes in as uint8, a view of the same bytes: CPU kernels convert a bool operand to x's dtype
-    # element by element, which took longer than the multiply (about 3.5x uint8's conversion on a 2 MiB fp32
+    # element by element, which took longer than the multiply (and much longer than uint8's conversion on a fp32
     # tensor). Autograd saves the uint8 view (1 byte per element); the backward's grad * mask converts it the
     # same fast way. Scaling in place spares a temporary: the product is not saved, only the mask is.
     return torch.mul(x, keep.view(torch.uint8)).mul_(s)

@@ -33,9 +33,10 @@ use in backward, with bit-identical values (the op is deterministic; an input ch
 error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
 without the dispatch-mode overhead of selective checkpointing in eager mode. Under torch.compile, `remat` runs the op again
 inside a one-op non-reentrant checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module
-keeps what the pass planned instead of what the compiler's own budget keeps (gpt, 6 blocks: 66 vs 83 MiB saved,
-same step time). `remat_call` leaves the choice to the partitioner there: as a checkpoint, a training-mode batch
-norm -> ReLU chain kept more (U-Net: 18.3 vs 16.8 MiB), the running-statistics update being part of the op. `fxmem.nn.dropout` registers its
+keeps what the pass planned instead of what the compiler's own budget keeps (benchmarks/checkpoint_pareto.py,
+gpt at 0.7: 61.2 vs 77.8 MiB saved, same step time). `remat_call` leaves the choice to the partitioner there:
+tried as a checkpoint, a training-mode batch norm -> ReLU chain kept more on the U-Net than the partitioner
+alone (the running-statistics update is part of the op). `fxmem.nn.dropout` registers its
 masked outputs the same way (`register_recompute`).
 
 `remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains:
