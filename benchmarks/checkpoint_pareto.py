@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
-from fxmem.pipeline import PassContext  # noqa: E402
+from fxmem.pipeline import PassContext, long_lived_frozen  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -114,10 +114,12 @@ def fxmem_module(program, base, loss_fn, frac):
     ctx = PassContext(policy=None, options=opts, mode="train", optimizer="adamw", budget=budget, baseline=base,
                       enabled=("checkpoint",), loss_fn=loss_fn)
     try:
-        res = ck.CheckpointPass().run(program.snapshot(), ctx)
+        with long_lived_frozen():  # as the pass manager runs passes
+            res = ck.CheckpointPass().run(program.snapshot(), ctx)
     except BudgetError:
         ctx.enabled = ("checkpoint", "offload")  # best effort: everything recomputable is recomputed
-        res = ck.CheckpointPass().run(program.snapshot(), ctx)
+        with long_lived_frozen():
+            res = ck.CheckpointPass().run(program.snapshot(), ctx)
         note = "(min)"
     dt = time.perf_counter() - t0
     return res.program.module, dt, budget, note, res.metrics
@@ -272,7 +274,8 @@ def transform_time_12_layers() -> str:
                               optimizer="adamw", budget=int(base.peak - 0.5 * base.activations), baseline=base,
                               enabled=("checkpoint",), loss_fn=ex.loss_fn)
             t0 = time.perf_counter()
-            res = ck.CheckpointPass().run(program.snapshot(), ctx)
+            with long_lived_frozen():  # as the pass manager runs passes
+                res = ck.CheckpointPass().run(program.snapshot(), ctx)
             times.append(time.perf_counter() - t0)
         out.append(f"verify={verify}: {min(times):.2f} s best of 3, {max(times):.2f} s worst "
                    f"({res.metrics.get('solver')}, "

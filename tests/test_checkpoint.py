@@ -374,19 +374,27 @@ def test_region_traces_under_torch_compile(keep):
     torch.testing.assert_close(x.grad, gref)
 
 
-def test_remat_recomputed_under_torch_compile():
+@pytest.mark.parametrize("frac", [0.8, 0.6], ids=["remat-alone", "remat-inside-regions"])
+def test_remat_recomputed_under_torch_compile(frac):
     """Users stack torch.compile on the result: there the recast hooks step aside, and `remat` becomes a one-op
     checkpoint so the compiler's partitioner recomputes what the pass planned. The compiled module (one graph)
-    saves fewer bytes than the compiled original, by what remat frees, and trains like the original."""
+    saves fewer bytes than the compiled original (remat alone: by what remat frees) and trains like the original;
+    also with remat nodes inside recomputed regions (a checkpoint inside a checkpoint)."""
     torch.manual_seed(0)
     m = gpt.build_model(n_layer=2, d_model=32, n_head=2, block_size=32, dropout=0.0)  # compiled RNG != eager's
     x = gpt.example_inputs(batch=2, seq_len=32)
     p = fxmem.capture(m, x)
     p.refresh()
     base = estimate(p, mode="train", loss_fn=gpt.loss_fn)
-    res, _ = _run_pass(p, gpt.loss_fn, int(base.peak - 0.2 * base.activations))
-    assert res.metrics["remat"]["sites"] >= 3 and "plan" not in res.metrics  # remat alone, no region
-    freed = res.metrics["remat"]["activations_saved"]
+    res, _ = _run_pass(p, gpt.loss_fn, int(base.peak - (1 - frac) * base.activations))
+    assert res.metrics["remat"]["sites"] >= 3
+    if frac == 0.8:
+        assert "plan" not in res.metrics  # remat alone, no region
+        freed = res.metrics["remat"]["activations_saved"]
+    else:
+        bodies = [mod.body.code for mod in res.program.module.modules() if isinstance(mod, CheckpointRegion)]
+        assert bodies and any("remat(" in code for code in bodies)
+        freed = 1
 
     def saved_bytes(mod):
         seen = {}
