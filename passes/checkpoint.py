@@ -636,6 +636,14 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                     c.args = (optable.op_name(t),) + tuple(c.args)
                     c.target = remat_call
                 names.append(c.name)
+            # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
+            pos = {m: i for i, m in enumerate(names)}
+            last = by_name[names[-1]]
+            last.kwargs = {**last.kwargs, "_fxmem_chain": tuple(
+                (by_name[m].args[0],
+                 tuple(f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
+                       for a in by_name[m].args[1:]),
+                 {k: v for k, v in by_name[m].kwargs.items() if k != "_fxmem_chain"}) for m in names)}
             what = " -> ".join(_packet(op_named(by_name[m].args[0])) for m in names)
             changes.append(Change(
                 kind="checkpoint_remat", module=s.path, nodes_before=names, nodes_after=names,

@@ -152,7 +152,8 @@ def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
     drops it."""
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
-            return checkpoint(op_named(op), *args, use_reentrant=False, **kwargs)
+            # (y's op already updated any running statistics: the checkpointed one must not again)
+            return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
         return y
     if active_scope() is not None:
         register_recompute(y, *recompute_form(op, args, kwargs))
@@ -166,20 +167,34 @@ def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
     """How backward recomputes `op(*args, **kwargs)`: a training-mode batch norm without running statistics
     (they are updated once, in forward; the output depends only on the batch statistics, bit-identical with or
     without them)."""
-    name = op.split(".")[1]
-    if name == "batch_norm" and len(args) > 5 and args[5] is True:
-        args = args[:3] + (None, None) + args[5:]
-    return _resolve(op), args, kwargs
+    return _resolve(op), _stats_free(op, args), kwargs
 
 
-def remat_call(op: str, *args, **kwargs) -> torch.Tensor:
+def _stats_free(op: str, args: tuple) -> tuple:
+    """A training-mode batch norm's arguments without its running statistics (the same output)."""
+    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True:
+        return args[:3] + (None, None) + args[5:]
+    return args
+
+
+def remat_call(op: str, *args, _fxmem_chain=None, **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
     themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
     batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
-    form for ops that save only their inputs."""
+    form for ops that save only their inputs.
+
+    Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
+    arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
+    then recomputes; the members before it run as plain ops (their outputs go dead). One checkpoint per member
+    would not do: the partitioner keeps a value passed from one checkpoint to the next."""
     if torch.compiler.is_compiling():
-        return op_named(op)(*args, **kwargs)  # the compiled graph's partitioner decides
+        fn = op_named(op)
+        if _fxmem_chain is None or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
+        if _stats_free(op, args) is not args:
+            fn(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
+        return checkpoint(_run_chain, _fxmem_chain, use_reentrant=False)
     scope = active_scope()
     if scope is None:
         return _resolve(op)(*args, **kwargs)
@@ -201,6 +216,16 @@ def remat_call(op: str, *args, **kwargs) -> torch.Tensor:
 
 
 torch.fx.wrap("remat_call")
+
+
+def _run_chain(chain: tuple) -> torch.Tensor:
+    """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
+    statistics; the last member's output."""
+    outs: list = []
+    for op, args, kwargs in chain:
+        args = tuple(outs[int(a[1:])] if isinstance(a, str) and a[:1] == "@" else a for a in args)
+        outs.append(op_named(op)(*_stats_free(op, args), **kwargs))
+    return outs[-1]
 
 
 class RecastScope:
