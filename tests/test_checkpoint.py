@@ -374,6 +374,40 @@ def test_region_traces_under_torch_compile(keep):
     torch.testing.assert_close(x.grad, gref)
 
 
+def _compiled(mod):
+    """`mod` under torch.compile (aot_eager: the partitioner honours recompute tags; one graph), in training."""
+    torch._dynamo.reset()
+    return torch.compile(copy.deepcopy(mod), backend="aot_eager", fullgraph=True).train()
+
+
+def _saved_bytes(mod, x):
+    """Bytes of the distinct storages autograd saves in one forward, parameters and buffers left out."""
+    own = {t.untyped_storage().data_ptr() for t in (*mod.parameters(), *mod.buffers())}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mod(*x)
+    return sum(seen.values())
+
+
+def _assert_compiled_step_as_eager(ref, compiled, x, loss_fn):
+    """One training step of the compiled module gives the eager reference's outputs, gradients and buffers."""
+    o1, g1 = _train_step(ref, x, loss_fn)
+    o2, g2 = _train_step(compiled, x, loss_fn)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+    g2 = {k.removeprefix("_orig_mod."): v for k, v in g2.items()}
+    assert set(g1) == set(g2)
+    for k in g1:
+        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    buffers = {k.removeprefix("_orig_mod."): v for k, v in compiled.named_buffers()}
+    for k, v in ref.named_buffers():
+        torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"buffer {k}: {m}")
+
+
 @pytest.mark.parametrize("frac", [0.8, 0.6], ids=["remat-alone", "remat-inside-regions"])
 def test_remat_recomputed_under_torch_compile(frac):
     """Users stack torch.compile on the result: there the recast hooks step aside, and `remat` becomes a one-op
@@ -395,40 +429,19 @@ def test_remat_recomputed_under_torch_compile(frac):
         bodies = [mod.body.code for mod in res.program.module.modules() if isinstance(mod, CheckpointRegion)]
         assert bodies and any("remat(" in code for code in bodies)
         freed = 1
-
-    def saved_bytes(mod):
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mod(*x)
-        return sum(seen.values())
-
-    compiled = {}
-    for name, mod in (("original", p.snapshot().module), ("remat", res.program.module)):
-        torch._dynamo.reset()
-        compiled[name] = torch.compile(copy.deepcopy(mod), backend="aot_eager", fullgraph=True).train()
-        _train_step(compiled[name], x, gpt.loss_fn)
-    assert saved_bytes(compiled["remat"]) <= saved_bytes(compiled["original"]) - 0.9 * freed
-    o1, g1 = _train_step(p.snapshot().module, x, gpt.loss_fn)
-    o2, g2 = _train_step(compiled["remat"], x, gpt.loss_fn)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
-    g2 = {k.removeprefix("_orig_mod."): v for k, v in g2.items()}
-    assert set(g1) == set(g2)
-    for k in g1:
-        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    original, compiled = _compiled(p.snapshot().module), _compiled(res.program.module)
+    _assert_compiled_step_as_eager(p.snapshot().module, compiled, x, gpt.loss_fn)
+    _train_step(original, x, gpt.loss_fn)
+    assert _saved_bytes(compiled, x) <= _saved_bytes(original, x) - 0.9 * freed
 
 
-def test_remat_batch_norm_under_torch_compile_updates_statistics_once():
-    """A lone training-mode batch norm recomputed by `remat` under torch.compile: the checkpointed copy runs
-    without running statistics (the graph's own op updated them), so buffers end the step as in eager. Before
-    the fix the statistics were updated twice in forward."""
+def _conv_bn_model(relu: bool):
     torch.manual_seed(0)
     nn = torch.nn
-    m = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1),
-                      nn.BatchNorm2d(8), nn.Conv2d(8, 2, 3, padding=1))
+    layers = [nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)] + ([nn.ReLU()] if relu else []) + \
+        [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)] + ([nn.ReLU(inplace=True)] if relu else []) + \
+        [nn.Conv2d(8, 2, 3, padding=1)]
+    m = nn.Sequential(*layers)
     x = (torch.randn(4, 4, 16, 16),)
 
     def loss_fn(out, inp):
@@ -437,20 +450,16 @@ def test_remat_batch_norm_under_torch_compile_updates_statistics_once():
     p.refresh()
     base = estimate(p, mode="train", loss_fn=loss_fn)
     res, _ = _run_pass(p, loss_fn, int(base.peak - 0.1 * base.activations))
+    return p, res, x, loss_fn
+
+
+def test_remat_batch_norm_under_torch_compile_updates_statistics_once():
+    """A lone training-mode batch norm recomputed by `remat` under torch.compile: the checkpointed copy runs
+    without running statistics (the graph's own op updated them), so buffers end the step as in eager. Before
+    the fix the statistics were updated twice in forward."""
+    p, res, x, loss_fn = _conv_bn_model(relu=False)
     assert "remat(" in res.program.module.code and "batch_norm" in res.program.module.code
-    ref = copy.deepcopy(p.snapshot().module)
-    torch._dynamo.reset()
-    compiled = torch.compile(copy.deepcopy(res.program.module), backend="aot_eager", fullgraph=True)
-    o1, g1 = _train_step(ref, x, loss_fn)
-    o2, g2 = _train_step(compiled, x, loss_fn)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
-    g2 = {k.removeprefix("_orig_mod."): v for k, v in g2.items()}
-    assert set(g1) == set(g2)
-    for k in g1:
-        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    buffers = {k.removeprefix("_orig_mod."): v for k, v in compiled.named_buffers()}
-    for k, v in ref.named_buffers():
-        torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"buffer {k}: {m}")
+    _assert_compiled_step_as_eager(p.snapshot().module, _compiled(res.program.module), x, loss_fn)
 
 
 def test_remat_chain_recomputed_under_torch_compile():
@@ -458,46 +467,10 @@ def test_remat_chain_recomputed_under_torch_compile():
     checkpoint (one per member would make the partitioner keep the value passed between them), so the compiled
     module saves what remat frees fewer bytes than the compiled original; values, gradients and running
     statistics as in eager (statistics updated once)."""
-    torch.manual_seed(0)
-    nn = torch.nn
-    m = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                      nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 2, 3, padding=1))
-    x = (torch.randn(4, 4, 16, 16),)
-
-    def loss_fn(out, inp):
-        return out.pow(2).mean()
-    p = fxmem.capture(m, x)
-    p.refresh()
-    base = estimate(p, mode="train", loss_fn=loss_fn)
-    res, _ = _run_pass(p, loss_fn, int(base.peak - 0.1 * base.activations))
+    p, res, x, loss_fn = _conv_bn_model(relu=True)
     assert "_fxmem_chain" in res.program.module.code and "plan" not in res.metrics
     freed = res.metrics["remat"]["activations_saved"]
-
-    def saved_bytes(mod):
-        own = {t.untyped_storage().data_ptr() for t in (*mod.parameters(), *mod.buffers())}
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mod(*x)
-        return sum(seen.values())
-
-    compiled = {}
-    for name, mod in (("original", p.snapshot().module), ("remat", res.program.module)):
-        torch._dynamo.reset()
-        compiled[name] = torch.compile(copy.deepcopy(mod), backend="aot_eager", fullgraph=True).train()
-    ref = copy.deepcopy(p.snapshot().module)
-    o1, g1 = _train_step(ref, x, loss_fn)
-    o2, g2 = _train_step(compiled["remat"], x, loss_fn)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
-    g2 = {k.removeprefix("_orig_mod."): v for k, v in g2.items()}
-    assert set(g1) == set(g2)
-    for k in g1:
-        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    buffers = {k.removeprefix("_orig_mod."): v for k, v in compiled["remat"].named_buffers()}
-    for k, v in ref.named_buffers():
-        torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"buffer {k}: {m}")
-    assert saved_bytes(compiled["remat"]) <= saved_bytes(compiled["original"]) - 0.9 * freed
+    original, compiled = _compiled(p.snapshot().module), _compiled(res.program.module)
+    _assert_compiled_step_as_eager(p.snapshot().module, compiled, x, loss_fn)
+    _train_step(original, x, loss_fn)
+    assert _saved_bytes(compiled, x) <= _saved_bytes(original, x) - 0.9 * freed
