@@ -862,7 +862,8 @@ def _highs(cost, A, lo, hi, col_lo, col_hi, integer, time_limit: float):
 def solve_milp(model: Model, budget: int, time_limit: float):
     """The cheapest plan under `budget` as a MILP (HiGHS). Returns (plan or None, proven optimal, lower bound on
     the optimal cost or None): the bound is the optimum when proven, HiGHS's dual bound when the time limit
-    stopped it (what a greedy plan's optimality gap is measured against)."""
+    stopped it, the LP relaxation's optimum when it stopped before having one (what a greedy plan's optimality
+    gap is measured against)."""
     needs = model.needs(budget)
     lay = _MilpLayout(model)
     m = len(lay.var)
@@ -873,6 +874,9 @@ def solve_milp(model: Model, budget: int, time_limit: float):
     lo = np.r_[np.ones(lay.n), np.array([needs[k] for k in binding], dtype=float) / bscale]
     hi = np.r_[np.ones(lay.n), np.full(len(binding), np.inf)]
     x, optimal, bound = _highs(lay.cost / scale, A, lo, hi, np.zeros(m), np.ones(m), [True] * m, time_limit)
+    if bound is None:  # stopped before HiGHS had a bound: the LP relaxation's optimum is one (an LP solves fast)
+        _, lp_optimal, lp = _highs(lay.cost / scale, A, lo, hi, np.zeros(m), np.ones(m), [False] * m, math.inf)
+        bound = lp if lp_optimal else None
     bound = bound * scale if bound is not None else None
     if x is None:
         return None, False, bound

@@ -292,6 +292,27 @@ def test_dp_plan_model_peak_monotone_in_budget():
     assert ck.solve(model, 900, "dp", 1.0, True) is None  # below what checkpointing reaches
 
 
+def test_milp_time_limit_falls_back_to_greedy_with_a_bounded_gap():
+    # HiGHS stopped by the time limit before it had a bound: the greedy plan is used and its gap is measured
+    # against the LP relaxation's optimum, a lower bound on the true optimum (found here without a limit)
+    import random
+    rnd = random.Random(0)
+    regs = []
+    for i in range(40):
+        r = ck.Region(f"b{i}", [])
+        r.saved, r.kept, r.held = rnd.randint(100, 400), rnd.randint(10, 90), 0
+        r.flops, r.flops_sel = rnd.uniform(10, 100), rnd.uniform(1, 10)
+        regs.append(r)
+    model = ck.Model(regs, [10000 + 150 * k for k in range(41)], 900, "opt", [("keep", "selective", "full")] * 40)
+    best = ck.solve(model, 10000, "milp", 30.0, True, tiebreak=False)
+    assert best.solver == "milp" and best.optimal
+    quick = ck.solve(model, 10000, "milp", 0.0, True, tiebreak=False)
+    assert quick.solver == "greedy" and not quick.optimal and "time_limit=0s" in quick.note
+    assert quick.peak <= 10000 and quick.cost >= best.cost * (1 - 1e-9)
+    assert quick.gap is not None and quick.gap >= 0
+    assert quick.cost / (1 + quick.gap) <= best.cost * (1 + 1e-6)  # the bound is below the optimum
+
+
 def test_tie_break_lowest_peak_at_optimal_cost_brute_force():
     # equal-cost regions that free different bytes: among the cheapest plans under each budget, the solvers
     # return one with the lowest planned peak (MILP: one minimise-the-peak MILP; DP: bisection on the budget)
