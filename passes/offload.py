@@ -158,11 +158,15 @@ def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[s
                 out.append(Candidate(n.target, [n], "checkpoint"))
             cur = None
             continue
+        if n.op == "call_function" and n.target is operator.getitem:
+            if cur is not None and n.args[0] in cur.nodes:
+                cur.nodes.append(n)  # an element of the run's own tuple (split, max_pool2d_with_indices)
+            else:
+                # glue reading another node's tuple (a multi-output checkpoint region's results): outside every
+                # run, so a run takes the tensors as inputs, not the tuple
+                cur = None
+            continue
         if not _is_run_node(n):
-            if cur is not None and n.op == "call_function" and n.target is operator.getitem \
-                    and n.args[0] in cur.nodes:
-                cur.nodes.append(n)
-                continue
             if n.op in ("get_attr", "placeholder"):
                 continue
             cur = None

@@ -444,3 +444,36 @@ def test_report_is_deterministic_with_probed_rates():
         outs.append((res.report.to_json(deterministic=True), res.report.to_markdown(deterministic=True)))
     assert outs[0] == outs[1]
     assert "bandwidth_bytes_per_s" not in outs[0][0] and "exposed_s" not in outs[0][0]
+
+
+def test_runs_take_tensors_not_a_multi_output_region_tuple():
+    """After checkpointing with multi-output regions (a block's attention with the next layer norm), the getitem
+    glue reading a region's tuple stays outside every offload run, so runs take tensors as inputs (before, a run
+    started with that glue and took the whole tuple)."""
+    import operator
+    import sys
+
+    from fxmem.pipeline import PassContext, load_passes
+    load_passes()
+    ck, off = sys.modules["fxmem.passes.checkpoint"], sys.modules["fxmem.passes.offload"]
+    ex = example_module("gpt")
+    torch.manual_seed(0)
+    model = ex.build_model(n_layer=4, d_model=64, n_head=4, block_size=64)
+    x = ex.example_inputs(batch=4, seq_len=64)
+    p = fxmem.capture(model, x)
+    p.refresh()
+    base = estimate(p, mode="train", loss_fn=ex.loss_fn)
+    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
+                      budget=int(base.peak - 0.7 * base.activations), baseline=base, enabled=("checkpoint",),
+                      loss_fn=ex.loss_fn)
+    prog = ck.CheckpointPass().run(p.snapshot(), ctx).program
+    prog.refresh()
+    glue = [n for n in prog.graph.nodes
+            if n.op == "call_function" and n.target is operator.getitem and n.args[0].op == "call_module"]
+    assert glue, "expected multi-output checkpoint regions"
+    runs = [c for c in off.candidates(prog, off._saved_by_node(prog), []) if c.kind == "run"]
+    assert runs
+    for c in runs:
+        for n in c.nodes:
+            if n.op == "call_function" and n.target is operator.getitem:
+                assert n.args[0] in c.nodes, (c.path, n.name)
