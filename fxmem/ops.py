@@ -375,6 +375,21 @@ def op_name(op) -> str:
     return str(op)
 
 
+_PACKETS: dict = {}
+
+
+def packet(op) -> str:
+    """The op's packet name ("gelu" for aten.gelu.default; a plain callable's own name), cached: selective
+    checkpoint policies ask it for every op they see."""
+    try:
+        return _PACKETS[op]
+    except KeyError:
+        name = _PACKETS[op] = str(getattr(op, "overloadpacket", op)).split(".")[-1]
+        return name
+    except TypeError:  # unhashable callable
+        return str(getattr(op, "overloadpacket", op)).split(".")[-1]
+
+
 def flops(op, args, out) -> int:
     info = lookup(op)
     if info is None or info.flops is None:

@@ -357,12 +357,12 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         # the RNG state and replays the draws in order, so skipping some would shift the others
         draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
         targets = {n.name: n.target for n in reg.nodes}
-        keep_rng = RNG_KEEP if draws and all(_packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
+        keep_rng = RNG_KEEP if draws and all(optable.packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
                                              for r in draws) else frozenset()
         keep_sel = keep_ops | keep_rng
         for r in recs:
-            is_keep = _packet(r.func) in keep_sel or str(r.func) in keep_sel
-            is_keep_full = _packet(r.func) in keep_rng
+            is_keep = optable.packet(r.func) in keep_sel or str(r.func) in keep_sel
+            is_keep_full = optable.packet(r.func) in keep_rng
             if node_time is None:
                 c = op_cost(r, balance)
                 if not is_keep_full:
@@ -383,11 +383,11 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
             for n in reg.nodes:
                 t = node_time.get(n.name, 0.0)
                 node_recs = by_node.get(n.name, [])
-                if not any(_packet(r.func) in keep_rng for r in node_recs):
+                if not any(optable.packet(r.func) in keep_rng for r in node_recs):
                     flops += t
                 else:
                     draws_cost += t
-                if not any(_packet(r.func) in keep_sel for r in node_recs):
+                if not any(optable.packet(r.func) in keep_sel for r in node_recs):
                     flops_sel += t
         ins, outs = region_boundary(reg.nodes)
         # the region's outputs live on outside it (consumers save or hold them): checkpointing cannot free them
@@ -479,17 +479,6 @@ def _static_numel(v: torch.Tensor) -> int:
         return 0
 
 
-_PACKETS: dict = {}
-
-
-def _packet(func) -> str:
-    """The op's packet name ("gelu" for aten.gelu.default)."""
-    name = _PACKETS.get(func)
-    if name is None:
-        name = _PACKETS[func] = str(getattr(func, "overloadpacket", func)).split(".")[-1]
-    return name
-
-
 # ============================================================================================ remat
 
 REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm",
@@ -513,10 +502,10 @@ def _remat_op(n: fx.Node) -> bool:
     t = n.target
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False
-    if t._schema.is_mutable and not _packet(t).endswith("_"):
+    if t._schema.is_mutable and not optable.packet(t).endswith("_"):
         return False
     cat = optable.category(t)
-    return cat == optable.POINTWISE or (cat == optable.NORM and _packet(t) in REMAT_NORMS)
+    return cat == optable.POINTWISE or (cat == optable.NORM and optable.packet(t) in REMAT_NORMS)
 
 
 def _functional(t):
@@ -644,7 +633,7 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                  tuple(f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
                        for a in by_name[m].args[1:]),
                  {k: v for k, v in by_name[m].kwargs.items() if k != "_fxmem_chain"}) for m in names)}
-            what = " -> ".join(_packet(op_named(by_name[m].args[0])) for m in names)
+            what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)
             changes.append(Change(
                 kind="checkpoint_remat", module=s.path, nodes_before=names, nodes_after=names,
                 reason=f"{what} output (inputs saved anyway): recomputed where backward needs it, also for the "
@@ -661,7 +650,7 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                                   name=n.name + "_remat")
             m.meta.update(n.meta)
             n.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
-            after, what = m.name, f"{_packet(t)} output (its inputs are saved anyway)"
+            after, what = m.name, f"{optable.packet(t)} output (its inputs are saved anyway)"
         changes.append(Change(
             kind="checkpoint_remat", module=s.path, nodes_before=[n.name], nodes_after=[after],
             reason=f"{what}: recomputed where backward needs it instead of saved by its consumer",
@@ -823,7 +812,7 @@ class _MilpLayout:
 
 def _highs(cost, A, lo, hi, col_lo, col_hi, integer, time_limit: float):
     """min cost.x subject to lo <= A x <= hi, col_lo <= x <= col_hi, x[integer] integral: HiGHS through highspy
-    (imported here, about 0.1 s the first time; scipy.optimize's import costs 0.4 s). Returns (x or None,
+    (imported here; `python -X importtime` puts highspy at about 0.1 s and scipy.optimize at 0.4 s). Returns (x or None,
     proven optimal, dual bound): x is the best feasible point found, the dual bound a lower bound on the optimum
     (the optimum itself when proven; at least the LP relaxation's bound otherwise), None when unknown."""
     import highspy

@@ -133,10 +133,6 @@ class PrecisionOptions:
 
 # ============================================================================================ small helpers
 
-def _packet(op) -> str:
-    return str(getattr(op, "overloadpacket", op)).split(".")[-1]
-
-
 def _val(n):
     return n.meta.get("fxmem_val", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
@@ -225,7 +221,7 @@ def classify(gm: fx.GraphModule, n: fx.Node, opts: PrecisionOptions, keep_names,
         return Decision(n.name, path, "getitem", FOLLOW, "")
     if not isinstance(t, torch._ops.OpOverload):
         return Decision(n.name, path, str(getattr(t, "__name__", t)), OPAQUE, "not an aten op: original dtypes")
-    name = _packet(t)
+    name = optable.packet(t)
     opname = f"aten.{name}"
     if t._schema.is_mutable:
         if name.endswith("_") and n.args and isinstance(n.args[0], fx.Node):
@@ -396,7 +392,7 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
             continue
         want = target_for(n, d)
 
-        mixed = d.cls == ACC and n.op == "call_function" and _packet(n.target) in BATCH_NORMS
+        mixed = d.cls == ACC and n.op == "call_function" and optable.packet(n.target) in BATCH_NORMS
         first = n.args[0] if n.args else None
 
         def fix(a, n=n, want=want, d=d, mixed=mixed, first=first):
@@ -710,7 +706,7 @@ def _err(ref, got) -> tuple[float, float]:
 def site_error_compute(n: fx.Node, values: list[dict], dt: torch.dtype, seed: int = 0) -> tuple[float, float]:
     """Error of running node `n` with its float inputs in `dt` (vs its fp32 outputs), over the recorded batches."""
     mx, rels = 0.0, []
-    bn = _packet(n.target) in BATCH_NORMS
+    bn = optable.packet(n.target) in BATCH_NORMS
     for vals in values:
         if n.name not in vals:
             continue

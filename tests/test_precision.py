@@ -15,6 +15,7 @@ from torch import nn
 
 import fxmem
 from fxmem.errors import PolicyError
+from fxmem.ops import packet
 from fxmem.pipeline import PassContext
 from fxmem.program import Program
 
@@ -121,7 +122,7 @@ def test_autocast_islands_keep_softmax_and_norm_fp32():
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        name = P._packet(n.target)
+        name = packet(n.target)
         if name in ("softmax", "layer_norm"):
             assert set(_float_in_dtypes(n)) == {torch.float32}
             assert n.meta["fxmem_val"].dtype == torch.float32
@@ -150,12 +151,12 @@ def test_exp_island_in_compact_mode():
     prog = fxmem.capture(M(), (torch.randn(4, 16),), mode="train")
     prog.refresh()
     res = _run(prog)
-    exp = [n for n in res.program.graph.nodes if n.op == "call_function" and P._packet(n.target) == "exp"][0]
+    exp = [n for n in res.program.graph.nodes if n.op == "call_function" and packet(n.target) == "exp"][0]
     assert set(_float_in_dtypes(exp)) == {torch.float32} and exp.meta["fxmem_val"].dtype == torch.float32
     assert res.metrics["fp32_islands"] == [exp.name]
     # a keep_fp32 list without exp_log_pow lets exp follow its bf16 input
     res2 = _run(prog, keep_fp32=["softmax", "norm"])
-    exp2 = [n for n in res2.program.graph.nodes if n.op == "call_function" and P._packet(n.target) == "exp"][0]
+    exp2 = [n for n in res2.program.graph.nodes if n.op == "call_function" and packet(n.target) == "exp"][0]
     assert exp2.meta["fxmem_val"].dtype == torch.bfloat16
 
 
@@ -201,7 +202,7 @@ def test_fp16_trains_with_grad_scaler_and_notes():
     res = _run(prog, loss_fn=ex.loss_fn, compute="fp16")
     assert any("GradScaler" in n for n in res.notes)
     gm = copy.deepcopy(res.program.module)
-    lin = [n for n in gm.graph.nodes if n.op == "call_function" and P._packet(n.target) == "linear"]
+    lin = [n for n in gm.graph.nodes if n.op == "call_function" and packet(n.target) == "linear"]
     assert lin and all(set(_float_in_dtypes(n)) == {torch.float16} for n in lin)
     gm.train()
     opt = make_optimizer(gm, "adamw", lr=3e-3)
@@ -407,7 +408,7 @@ def test_sites_over_tolerance_are_reverted():
     assert rev and all("exceeds the tolerance" in c.reason for c in rev)
     assert res.metrics["sites_reverted"] == len(rev)
     for n in res.program.graph.nodes:
-        if n.op == "call_function" and P._packet(n.target) in ("linear", "addmm"):
+        if n.op == "call_function" and packet(n.target) in ("linear", "addmm"):
             assert set(_float_in_dtypes(n)) == {torch.float32}
     # quantized sites too: nf4 at 5% tolerance stays fp32, int8 passes
     ex, prog = _example("gpt", mode="inference")
@@ -465,7 +466,7 @@ def test_sdpa_stays_one_fused_node_in_bf16():
     prog.refresh()
     res = _run(prog, report_estimate=False)
     sdpa = [n for n in res.program.graph.nodes if n.op == "call_function"
-            and P._packet(n.target) == "scaled_dot_product_attention"]
+            and packet(n.target) == "scaled_dot_product_attention"]
     assert len(sdpa) == 1
     assert set(_float_in_dtypes(sdpa[0])) == {torch.bfloat16}  # q, k, v and the float mask
     assert sdpa[0].meta["fxmem_val"].dtype == torch.bfloat16
@@ -478,7 +479,7 @@ def test_params_bf16_with_batch_norm_trains():
     res = _run(prog, loss_fn=ex.loss_fn, params="bf16", report_estimate=False)
     gm = copy.deepcopy(res.program.module)
     for n in res.program.graph.nodes:
-        if n.op == "call_function" and P._packet(n.target) == "batch_norm":
+        if n.op == "call_function" and packet(n.target) == "batch_norm":
             dts = _float_in_dtypes(n)
             assert dts[0] == torch.bfloat16 and set(dts[1:]) == {torch.float32}
     opt = make_optimizer(gm, "adamw", lr=1e-2)

@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..ops import packet
 from . import recast
 from .dropout import DrawTape
 from .regions import RegionInfo
@@ -43,13 +44,9 @@ MATMUL_OPS = frozenset({
 })
 
 
-def _packet_name(func) -> str:
-    return str(getattr(func, "overloadpacket", func)).split(".")[-1]
-
-
 def _policy(keep: frozenset, ctx, func, *args, **kwargs):
     """Selective checkpoint policy: save the outputs of `keep` ops, recompute everything else."""
-    name = _packet_name(func)
+    name = packet(func)
     if name in keep or str(func) in keep:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

@@ -172,8 +172,10 @@ def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
 
 
 def _stats_free(op: str, args: tuple) -> tuple:
-    """A training-mode batch norm's arguments without its running statistics (the same output)."""
-    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True:
+    """A training-mode batch norm's arguments without its running statistics (the same output); `args` itself when
+    there are none to leave out (callers test identity: not `args` means the op updates statistics)."""
+    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True and \
+            (args[3] is not None or args[4] is not None):
         return args[:3] + (None, None) + args[5:]
     return args
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..ops import packet
+
 
 @dataclass
 class RegionInfo:
@@ -24,9 +26,7 @@ class RegionInfo:
     def keeps(self, func) -> bool:
         if not self.keep_ops:
             return False
-        name = str(getattr(func, "overloadpacket", func)).split(".")[-1]
-        full = str(func)
-        return name in self.keep_ops or full in self.keep_ops
+        return packet(func) in self.keep_ops or str(func) in self.keep_ops
 
 
 def region_info(mod: nn.Module) -> RegionInfo | None:
