@@ -23,7 +23,7 @@ Columns: measured peak (fxmem.measure: live storage bytes of a real steady-state
 state included), activation bytes after forward, step time ratio to eager, transform (fxmem: the pass, capture
 excluded) or compile time. For compiled modules a dispatch-mode tracker cannot see inside the compiled graph, so
 their peak is not measured (n/a) and activation bytes are the bytes of distinct storages autograd saved, counted
-with saved_tensors_hooks (parameters and buffers left out, as in fxmem.measure's activations); fxmem rows state
+with saved_tensors_hooks (fxmem.measure.saved_bytes: parameters and buffers left out, as in fxmem.measure's activations); fxmem rows state
 which method was used.
 
 Writes benchmarks/results/checkpoint_pareto.md, .png and .svg.
@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
+from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
@@ -123,28 +124,6 @@ def fxmem_module(program, base, loss_fn, frac):
         note = "(min)"
     dt = time.perf_counter() - t0
     return res.program.module, dt, budget, note, res.metrics
-
-
-def saved_bytes_hooks(model, x):
-    """Bytes of distinct storages autograd saves in one forward (works for compiled modules too), parameters and
-    buffers left out: they live anyway, and `fxmem.measure`'s activation bytes do not count them either."""
-    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            if st.data_ptr() not in own:
-                seen[st.data_ptr()] = st.nbytes()
-        except Exception:  # noqa: BLE001
-            pass
-        return t
-
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*x)
-    del out
-    return sum(seen.values())
 
 
 _copies = iter(range(1, 1 << 30))
@@ -223,14 +202,14 @@ def run_model(name, full, budgets, rounds, do_compile):
         if "compile" in k:
             # the compiled graph saves what its partitioner chose (for fxmem+compile: honouring the checkpoint
             # regions' recompute tags); saved-tensor hooks see those saves
-            acts = saved_bytes_hooks(mod, x)
+            acts = saved_bytes(mod, x)
             rows[k] = {"peak": None, "acts": acts, "acts_method": "hooks", "setup_s": dt, "note": note}
         else:
             prof = fxmem.measure(copy.deepcopy(mod), x, loss_fn=loss_fn)
             rows[k] = {"peak": prof.peak, "acts": prof.activations, "acts_method": "measure", "setup_s": dt,
                        "note": note}
             if k in ("eager", "captured"):  # the hooks count of the same model, to compare with compiled rows
-                rows[k]["note"] = f"(hooks: {format_bytes(saved_bytes_hooks(copy.deepcopy(mod), x))})"
+                rows[k]["note"] = f"(hooks: {format_bytes(saved_bytes(copy.deepcopy(mod), x))})"
     # interleaved timing
     steps = {k: step_fn(copy.deepcopy(m) if "compile" not in k else m, x, loss_fn) for k, (m, _, _) in
              mods.items()}

@@ -10,6 +10,7 @@ import torch
 import fxmem
 from fxmem.costmodel import estimate
 from fxmem.errors import BudgetError
+from fxmem.measure import saved_bytes
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
 from fxmem.outline import OutlineError, outline
 from fxmem.pipeline import PassContext
@@ -401,20 +402,6 @@ def _compiled(mod):
     return torch.compile(copy.deepcopy(mod), backend="aot_eager", fullgraph=True).train()
 
 
-def _saved_bytes(mod, x):
-    """Bytes of the distinct storages autograd saves in one forward, parameters and buffers left out."""
-    own = {t.untyped_storage().data_ptr() for t in (*mod.parameters(), *mod.buffers())}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in own:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        mod(*x)
-    return sum(seen.values())
-
-
 def _assert_compiled_step_as_eager(ref, compiled, x, loss_fn):
     """One training step of the compiled module gives the eager reference's outputs, gradients and buffers."""
     o1, g1 = _train_step(ref, x, loss_fn)
@@ -453,7 +440,7 @@ def test_remat_recomputed_under_torch_compile(frac):
     original, compiled = _compiled(p.snapshot().module), _compiled(res.program.module)
     _assert_compiled_step_as_eager(p.snapshot().module, compiled, x, gpt.loss_fn)
     _train_step(original, x, gpt.loss_fn)
-    assert _saved_bytes(compiled, x) <= _saved_bytes(original, x) - 0.9 * freed
+    assert saved_bytes(compiled, x) <= saved_bytes(original, x) - 0.9 * freed
 
 
 def _conv_bn_model(relu: bool):
@@ -494,4 +481,4 @@ def test_remat_chain_recomputed_under_torch_compile():
     original, compiled = _compiled(p.snapshot().module), _compiled(res.program.module)
     _assert_compiled_step_as_eager(p.snapshot().module, compiled, x, loss_fn)
     _train_step(original, x, loss_fn)
-    assert _saved_bytes(compiled, x) <= _saved_bytes(original, x) - 0.9 * freed
+    assert saved_bytes(compiled, x) <= saved_bytes(original, x) - 0.9 * freed

@@ -209,3 +209,16 @@ def test_static_traces_share_fakes_and_notice_changed_tensors():
     e5 = fxmem.estimate(ref, mode="train")
     assert (e4.peak, e4.params, e4.activations) == (e5.peak, e5.params, e5.activations)
     assert e4.activations < e1.activations
+
+
+def test_saved_bytes_counts_activations_not_weights_and_sees_into_compiled_modules():
+    # Linear -> ReLU -> Linear on x (4, 8): autograd saves x (128 B) and the ReLU output (256 B, saved by the ReLU
+    # and by the second Linear: one storage); the weights are left out. A compiled copy hands autograd its saves too.
+    from fxmem.measure import saved_bytes
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = (torch.randn(4, 8),)
+    assert saved_bytes(m, x) == 4 * 8 * 4 + 4 * 16 * 4
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    assert 0 < saved_bytes(compiled, x) <= 4 * 8 * 4 + 4 * 16 * 4 + 4 * 16  # (+ at most a bool ReLU mask)
