@@ -49,25 +49,10 @@ import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
-from fxmem.pipeline import PassContext, long_lived_frozen  # noqa: E402
+from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def checkpoint_pass_module():
-    """Import fxmem.passes.checkpoint alone (without the other passes, which may be mid-edit)."""
-    import importlib.util
-    try:
-        return importlib.import_module("fxmem.passes.checkpoint")
-    except ModuleNotFoundError:
-        src = ROOT / "passes"
-        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                      submodule_search_locations=[str(src)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["fxmem.passes"] = pkg
-        spec.loader.exec_module(pkg)
-        return importlib.import_module("fxmem.passes.checkpoint")
 
 
 class Ckpt(nn.Module):
@@ -107,7 +92,7 @@ def setup(name, full):
 
 
 def fxmem_module(program, base, loss_fn, frac):
-    ck = checkpoint_pass_module()
+    ck = pass_module("checkpoint")
     budget = int(base.peak - (1 - frac) * base.activations)
     opts = ck.CheckpointOptions()
     note = ""
@@ -244,7 +229,7 @@ def transform_time_12_layers() -> str:
     program = fxmem.capture(model, x)
     program.refresh()
     base = estimate(program, mode="train", loss_fn=ex.loss_fn)
-    ck = checkpoint_pass_module()
+    ck = pass_module("checkpoint")
     out = []
     for verify in (True, False):
         times = []

@@ -32,25 +32,11 @@ import torch  # noqa: E402
 import fxmem  # noqa: E402
 from fxmem.compare import deviation  # noqa: E402
 from fxmem.optim import make_optimizer, optimizer_state_bytes  # noqa: E402
-from fxmem.pipeline import PassContext  # noqa: E402
+from fxmem.pipeline import PassContext, pass_module  # noqa: E402
 from fxmem.step import compute_loss  # noqa: E402
 
 
-def load_precision():
-    if "fxmem.passes" not in sys.modules:
-        try:
-            importlib.import_module("fxmem.passes")
-        except ModuleNotFoundError:
-            src = ROOT / "passes"
-            spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                          submodule_search_locations=[str(src)])
-            pkg = importlib.util.module_from_spec(spec)
-            sys.modules["fxmem.passes"] = pkg
-            spec.loader.exec_module(pkg)
-    return importlib.import_module("fxmem.passes.precision")
-
-
-P = load_precision()
+P = pass_module("precision")
 TRAIN_MODES = {"bf16": dict(compute="bf16"), "bf16-autocast": dict(compute="bf16", islands="autocast"),
                "bf16-params": dict(compute="bf16", params="bf16")}
 INFER_MODES = {"int8": dict(compute="fp32", weights="int8"),

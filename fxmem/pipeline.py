@@ -132,13 +132,10 @@ def register(cls):
 _loaded = False
 
 
-def load_passes() -> dict[str, type]:
-    """Import the pass modules (`fxmem.passes`, which is `passes/` in the source tree)."""
-    global _loaded
-    if _loaded:
-        return REGISTRY
+def _passes_package():
+    """`fxmem.passes`: the installed package, or `passes/` of the source tree."""
     try:
-        pkg = importlib.import_module("fxmem.passes")
+        return importlib.import_module("fxmem.passes")
     except ModuleNotFoundError:
         src = Path(__file__).resolve().parent.parent / "passes"
         if not (src / "__init__.py").exists():
@@ -148,6 +145,22 @@ def load_passes() -> dict[str, type]:
         pkg = importlib.util.module_from_spec(spec)
         sys.modules["fxmem.passes"] = pkg
         spec.loader.exec_module(pkg)
+        return pkg
+
+
+def pass_module(name: str):
+    """One pass's module (`fxmem.passes.<name>`) alone, without importing the others (tests and benchmarks of one
+    pass run while another may be mid-edit)."""
+    _passes_package()
+    return importlib.import_module(f"fxmem.passes.{name}")
+
+
+def load_passes() -> dict[str, type]:
+    """Import the pass modules (`fxmem.passes`, which is `passes/` in the source tree)."""
+    global _loaded
+    if _loaded:
+        return REGISTRY
+    pkg = _passes_package()
     for name in CANONICAL_ORDER:
         path = Path(pkg.__path__[0]) / f"{name}.py"
         if path.exists():

@@ -13,28 +13,10 @@ from torch import nn
 import fxmem
 from fxmem.attention_match import find_attention
 from fxmem.nn.attention import sdpa_dropout
-from .conftest import example
+from fxmem.pipeline import pass_module
 
 
-def _attention_pass():
-    """fxmem.passes.attention (the canonical module name, as the PassManager imports it)."""
-    import importlib
-    import importlib.util
-    import pathlib
-    import sys
-    try:
-        return importlib.import_module("fxmem.passes.attention")
-    except ModuleNotFoundError:
-        src = pathlib.Path(__file__).resolve().parents[1] / "passes"
-        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                      submodule_search_locations=[str(src)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["fxmem.passes"] = pkg
-        spec.loader.exec_module(pkg)
-        return importlib.import_module("fxmem.passes.attention")
-
-
-_ap = _attention_pass()
+_ap = pass_module("attention")
 AttentionOptions, rewrite_attention = _ap.AttentionOptions, _ap.rewrite_attention
 
 aten = torch.ops.aten

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -13,29 +12,10 @@ from fxmem.errors import BudgetError
 from fxmem.measure import saved_bytes
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
 from fxmem.outline import OutlineError, outline
-from fxmem.pipeline import PassContext
+from fxmem.pipeline import PassContext, pass_module
 from fxmem.program import module_stack
 
-
-
-def _checkpoint_pass_module():
-    """fxmem.passes.checkpoint alone (the other passes may be mid-edit in a shared tree)."""
-    import importlib.util
-    import pathlib
-    import sys
-    try:
-        return importlib.import_module("fxmem.passes.checkpoint")
-    except ModuleNotFoundError:
-        src = pathlib.Path(__file__).resolve().parents[1] / "passes"
-        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                      submodule_search_locations=[str(src)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["fxmem.passes"] = pkg
-        spec.loader.exec_module(pkg)
-        return importlib.import_module("fxmem.passes.checkpoint")
-
-
-ck = _checkpoint_pass_module()
+ck = pass_module("checkpoint")
 
 import examples.gpt as gpt  # noqa: E402
 import examples.unet as unet  # noqa: E402

@@ -1,45 +1,22 @@
 """The precision pass on every example with aten.linear: bitsandbytes int8 weights."""
 from __future__ import annotations
 
-import copy
 import importlib
-import importlib.util
-import math
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import fxmem
-from fxmem.errors import PolicyError
-from fxmem.pipeline import PassContext
+from fxmem.nn.lowbit import QuantLinear
+from fxmem.pipeline import PassContext, pass_module
 from fxmem.program import Program
 
 ROOT = Path(__file__).resolve().parent.parent
 warnings.filterwarnings("ignore")
 
-
-def _load_precision():
-    """Import only this pass (other passes in the tree may be mid-edit)."""
-    if "fxmem.passes" not in sys.modules:
-        try:
-            importlib.import_module("fxmem.passes")
-        except ModuleNotFoundError:
-            src = ROOT / "passes"
-            spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                          submodule_search_locations=[str(src)])
-            pkg = importlib.util.module_from_spec(spec)
-            sys.modules["fxmem.passes"] = pkg
-            spec.loader.exec_module(pkg)
-    return importlib.import_module("fxmem.passes.precision")
-
-
-P = _load_precision()
-from fxmem.nn.lowbit import LoRALinear, QuantLinear  # noqa: E402
-from fxmem.optim import MasterWeightOptimizer, make_optimizer, optimizer_state_bytes  # noqa: E402
+P = pass_module("precision")
 
 ALL = ["gpt", "hf_llama", "hf_gpt2", "hf_bert", "gcn", "gat", "gnn_stan", "unet", "vit", "mlp_digits"]
 # hf_gpt2's Conv1D layers are aten.addmm(bias, x, W): swapped too
