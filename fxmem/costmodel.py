@@ -254,6 +254,9 @@ class _Recorder(TorchDispatchMode):
         # record that saves the recipe instead of the output keeps those alive (free only inside regions)
         self.recipe_holds: dict[int, list[int]] = {}
         self.recipe_at: dict[int, str] = {}  # recipe output storage -> the node that registered the recipe
+        self.recipe_of: dict[int, object] = {}  # recipe output storage -> the recipe (an in-place op replaces it)
+        # recipe output storages recomputed once for all their saves (held from the first unpack to the last)
+        self.recipe_shared: set[int] = set()
 
     def key(self, t):
         st = t.untyped_storage()
@@ -344,13 +347,19 @@ class _RecordingInterpreter(fx.Interpreter):
         out = super().run_node(n)
         scope = recast_active()
         recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
-        if recipe is not None and self.rec.key(out)[0] not in self.rec.recipe_holds:
-            # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout):
-            # saved as the recipe, which holds its arguments, and recomputed in backward
+        if recipe is not None and self.rec.recipe_of.get(self.rec.key(out)[0]) is not recipe:
+            # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout),
+            # or an in-place op re-registered a recipe's storage (relu_ after a batch norm): saved as the recipe,
+            # which holds its arguments, and recomputed in backward (a view of a recipe's output is not new)
             k = self.rec.key(out)[0]
             self.rec.recast_keys.add(k)
             self.rec.recipe_holds[k] = list(dict.fromkeys(self.rec.key(t)[0] for t in recipe_tensors(recipe)))
             self.rec.recipe_at[k] = n.name
+            self.rec.recipe_of[k] = recipe
+            if recipe.share:
+                self.rec.recipe_shared.add(k)
+            else:
+                self.rec.recipe_shared.discard(k)
             for r in self.rec.records[first:]:  # the op's own saves of its output (ReLU's result) too
                 if r.region is None and k in r.saved:
                     r.saved = [s for s in r.saved if s != k]
@@ -494,12 +503,14 @@ def program_key(program: Program) -> str:
     return h.hexdigest()
 
 
-def as_recipes(traced, keys: set):
+def as_recipes(traced, keys: set, shared: set = frozenset()):
     """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes (fxmem.nn.recast),
-    without tracing the rewritten program: their savers save the recipe instead. What a recipe holds is not
-    recorded (`recipe_holds` stays as traced): this is for outputs whose recipe arguments are kept anyway (remat
-    sites), where holding them adds nothing; a pass that emits the rewrite traces it for the real record."""
+    without tracing the rewritten program: their savers save the recipe instead (those under `shared` recomputed
+    once for all their saves). What a recipe holds is not recorded (`recipe_holds` stays as traced): this is for
+    outputs whose recipe arguments are kept anyway (remat sites), where holding them adds nothing; a pass that
+    emits the rewrite traces it for the real record."""
     rec = copy.copy(traced[0])
+    rec.recipe_shared = set(rec.recipe_shared) | (set(shared) & set(keys))
     records = []
     for r in rec.records:
         if r.region is None and r.saved and any(k in keys for k in r.saved):
@@ -574,8 +585,23 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     for r in R:
         for k in r.new_keys:
             created_in[k] = r.idx
-    # parameter casts under fxmem.nn.recast are not saved: backward casts the parameter again (a transient)
-    recast_at = {r.idx: sum(sb[k] for k in r.recast) for r in R if r.recast}
+    # parameter casts and recipes under fxmem.nn.recast are not saved: backward casts the parameter again or
+    # recomputes the recipe, a transient of the op's backward; a shared recipe is made once, at the backward of its
+    # last saver, and held until its first saver's backward has run
+    recast_at: dict[int, int] = defaultdict(int)
+    spans: dict[int, list[int]] = {}
+    for r in R:
+        for k in r.recast:
+            if k in rec.recipe_shared:
+                sp = spans.setdefault(k, [r.idx, r.idx])
+                sp[0], sp[1] = min(sp[0], r.idx), max(sp[1], r.idx)
+            else:
+                recast_at[r.idx] += sb[k]
+    held_from: dict[int, int] = defaultdict(int)
+    held_until: dict[int, int] = defaultdict(int)
+    for k, (lo, hi) in spans.items():
+        held_from[hi] += sb[k]
+        held_until[lo] += sb[k]
     last_use: dict[int, int] = {}
     for r in R:
         for k in r.in_keys + r.out_keys + r.list_keys:
@@ -690,7 +716,8 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     if mode == "train":
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
-            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys)
+            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
+            (held_from, held_until))
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -714,7 +741,7 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
-                     recompute_keys=None):
+                     recompute_keys=None, recast_held=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -778,7 +805,9 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         node_peak_start = cur
         node_high[0] = cur
         again = (recast_at or {}).get(r.idx, 0)
-        cur += again  # parameter copies cast again for this op's backward (fxmem.nn.recast)
+        cur += again  # parameter copies cast again, recipes recomputed for this op's backward (fxmem.nn.recast)
+        if recast_held is not None:
+            cur += recast_held[0].get(r.idx, 0)  # a shared recipe, recomputed here for this and earlier savers
         # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
         for k, b in zip(r.out_keys, r.out_bytes):
             if k is not None and k not in grad_live and b:
@@ -808,6 +837,8 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         bump(r.node, r.module)
         node_peak = max(cur, node_peak_start, node_high[0])
         cur -= again
+        if recast_held is not None:
+            cur -= recast_held[1].get(r.idx, 0)  # a shared recipe's first saver: its last unpack
         # the op's output grads die, and what it saved
         for k in r.out_keys:
             if k is not None and k in grad_live and k not in param_keys:

@@ -29,9 +29,11 @@ is no region, no dispatch mode and no RNG state, and it is what torch.compile's 
 its joint graph, in eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs
 (all of them when it needs more, and then regions plan on the rewritten program; if that plan misses the
 budget, regions plan on the program without remat). Ops that save their own output (ReLU) and short chains
-whose middle output nobody keeps (batch norm -> in-place ReLU, the ReLU made out of place) are rewritten as
+whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are rewritten as
 `remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe
-ReLU(batch_norm(conv output)), the conv output being saved by the norm anyway.
+ReLU(batch_norm(conv output)), the conv output being saved by the norm anyway. When the ops saving an output run
+their backward back to back (ReLU's own save and the next conv's), backward recomputes it once for all of them
+(`_fxmem_share`; the cost model holds it from the first unpack to the last) instead of once per save.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -491,10 +493,11 @@ class RematSite:
     node: fx.Node
     key: int  # storage key of its output in the trace
     bytes: int  # what the consumers' saves hold
-    cost: float  # recompute cost (roofline), paid once per saving consumer in backward
+    cost: float  # recompute cost (roofline): once per saving op in backward, once in all if `share`
     path: str
     chain: tuple = ()  # cheap producers recomputed with it (their outputs are not kept either): batch norm -> ReLU
     call: bool = False  # emitted as remat_call: the op saves its own output, runs in place, or has a chain
+    share: bool = False  # its savers run their backward back to back: recomputed once, for all of them
 
 
 def _remat_op(n: fx.Node) -> bool:
@@ -509,7 +512,7 @@ def _remat_op(n: fx.Node) -> bool:
 
 
 def _functional(t):
-    """relu_ -> relu: the out-of-place overload an in-place site is rewritten to (None if there is none)."""
+    """relu_ -> relu: the op's out-of-place overload (None if there is none: such an in-place op is no site)."""
     try:
         f = getattr(getattr(torch.ops.aten, t._opname[:-1]), t._overloadname)
     except AttributeError:
@@ -530,6 +533,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
     by_node: dict[str, list] = {}
     for r in R:
         by_node.setdefault(r.node, []).append(r)
+    pos = {r.idx: i for i, r in enumerate(R)}
     saved_upto: dict[int, int] = {}  # storage key -> index of the first record saving it
     savers: dict[int, list] = {}
     for r in R:
@@ -599,9 +603,15 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         if not ok:
             continue
         self_saves = any(k in r.saved for r in recs)
-        cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * len(consumers)
+        # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
+        # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
+        span = sorted({pos[r.idx] for r in consumers})
+        share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
+                                           for r in R[span[0]:span[-1] + 1])
+        cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * (1 if share else len(consumers))
         call = bool(chain) or in_place or self_saves
-        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call))
+        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call,
+                               share))
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
 
@@ -620,11 +630,12 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             for c in (*s.chain, n):
                 c = by_name[c.name]
                 if c.target is not remat_call:
-                    # in place on a chained output nobody else reads (relu_ after a batch norm): out of place
-                    t = _functional(c.target) if c.target._schema.is_mutable else c.target
-                    c.args = (optable.op_name(t),) + tuple(c.args)
+                    # (in place on a chained output nobody else reads, relu_ after a batch norm, stays in place)
+                    c.args = (optable.op_name(c.target),) + tuple(c.args)
                     c.target = remat_call
                 names.append(c.name)
+            if s.share:
+                n.kwargs = {**n.kwargs, "_fxmem_share": True}
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
             last = by_name[names[-1]]
@@ -632,7 +643,8 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                 (by_name[m].args[0],
                  tuple(f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
                        for a in by_name[m].args[1:]),
-                 {k: v for k, v in by_name[m].kwargs.items() if k != "_fxmem_chain"}) for m in names)}
+                 {k: v for k, v in by_name[m].kwargs.items() if k not in ("_fxmem_chain", "_fxmem_share")})
+                for m in names)}
             what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)
             changes.append(Change(
                 kind="checkpoint_remat", module=s.path, nodes_before=names, nodes_after=names,
@@ -646,8 +658,8 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             t = n.target
             op = optable.op_name(t)
             with g.inserting_after(n):
-                m = g.create_node("call_function", remat, (n, op) + tuple(n.args), dict(n.kwargs),
-                                  name=n.name + "_remat")
+                m = g.create_node("call_function", remat, (n, op) + tuple(n.args),
+                                  {**n.kwargs, **({"_fxmem_share": True} if s.share else {})}, name=n.name + "_remat")
             m.meta.update(n.meta)
             n.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
             after, what = m.name, f"{optable.packet(t)} output (its inputs are saved anyway)"
@@ -1145,7 +1157,8 @@ class CheckpointPass:
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
                 def planned(k: int):
-                    return estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]}),
+                    return estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]},
+                                                                   {s.key for s in sites[:k] if s.share}),
                                                mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
                 k = smallest_fitting_prefix(len(sites), planned, budget)
                 rematted = program.snapshot()

@@ -29,7 +29,7 @@ weight and bias are saved by the norm). A matmul that consumes such an activatio
 tensor of the same size from forward to backward. The checkpoint pass rewrites `y = op(*args)` as
 `y = remat(op(*args), 'aten.op.overload', *args)`: the consumer's saved copy of `y` is packed as the recipe
 (op, args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per
-use in backward, with bit-identical values (the op is deterministic; an input changed in place in between is an
+use in backward (once for all uses when the pass marks them as running back to back), with bit-identical values (the op is deterministic; an input changed in place in between is an
 error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
 without the dispatch-mode overhead of selective checkpointing in eager mode. Under torch.compile, `remat` runs the op again
 inside a one-op non-reentrant checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module
@@ -135,17 +135,23 @@ def _resolve(op: str):
     return fn
 
 
-def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None) -> None:
-    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward)."""
+def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None, share: bool = False) -> None:
+    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward; `share`:
+    once for all its saves, see `remat`)."""
     if torch.compiler.is_compiling():
         return
     scope = active_scope()
     if scope is not None and isinstance(out, torch.Tensor):
-        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}))
+        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}), share)
 
 
-def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
+def remat(y: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
     """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
+
+    `_fxmem_share` (the checkpoint pass sets it when the ops that save `y` run their backward one after another):
+    backward runs the op once for all of them, the value held from the first unpack to the last, instead of once
+    per save. A save that is never unpacked (a partial backward) leaves the value held until autograd frees the
+    graph.
 
     Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
     its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
@@ -157,7 +163,7 @@ def remat(y: torch.Tensor, op: str, *args, **kwargs) -> torch.Tensor:
             return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
         return y
     if active_scope() is not None:
-        register_recompute(y, *recompute_form(op, args, kwargs))
+        register_recompute(y, *recompute_form(op, args, kwargs), share=_fxmem_share)
     return y
 
 
@@ -180,12 +186,14 @@ def _stats_free(op: str, args: tuple) -> tuple:
     return args
 
 
-def remat_call(op: str, *args, _fxmem_chain=None, **kwargs) -> torch.Tensor:
+def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
     themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
     batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
-    form for ops that save only their inputs.
+    form for ops that save only their inputs. An in-place op (relu_) on a chained output stays in place, in
+    forward and in the recomputation, which writes into the member's freshly recomputed output. `_fxmem_share`:
+    as for `remat`.
 
     Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
     arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
@@ -212,9 +220,9 @@ def remat_call(op: str, *args, _fxmem_chain=None, **kwargs) -> torch.Tensor:
             isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
         fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
-        scope.register_recipe(y, fn, rargs, rkwargs)
+        scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
     for d in pending:  # the op's own saves, packed now that its output is a recipe
-        d.value = scope._pack_now(d.value)
+        d.value = scope._pack_now(d.value, count=True)
     return y
 
 
@@ -252,9 +260,11 @@ class RecastScope:
     def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
         self._add(out, (p, dtype))
 
-    def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict) -> None:
+    def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict, share: bool = False) -> None:
+        """`out` saved as fn(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
+        e.g. relu_ on a batch norm's output) replaces that entry: `args` hold the earlier recipe, nested."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors), out._version),))
+        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors), out._version, share),))
 
     def recipe_for(self, t: torch.Tensor):
         """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
@@ -273,9 +283,10 @@ class RecastScope:
             d = _Deferred(t)
             self._pending.append(d)
             return d
-        return self._pack_now(t)
+        return self._pack_now(t, count=True)
 
-    def _pack_now(self, t: torch.Tensor):
+    def _pack_now(self, t: torch.Tensor, count: bool = False):
+        """What `t` is saved as; `count`: a save autograd will unpack (a shared recipe counts its saves)."""
         if not self._entries:
             return t
         st = t.untyped_storage()
@@ -283,9 +294,12 @@ class RecastScope:
         if e is None or e[0]() is not st:
             return t
         if len(e) == 2:  # a recipe
-            if t._version != e[1].out_version:
+            r = e[1]
+            if t._version != r.out_version:
                 return t  # changed in place since (the recipe would give the old values): saved as it is
-            return _Remat(e[1], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            if count and r.share:
+                r.saves += 1
+            return _Remat(r, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
 
     @staticmethod
@@ -293,8 +307,15 @@ class RecastScope:
         if isinstance(x, _Deferred):
             x = x.value
         if isinstance(x, _Remat):
+            r = x.recipe
             with torch.no_grad():
-                return _materialize(x)
+                if not r.share:
+                    return _materialize(x)
+                # one recomputation for all the recipe's saves: held until the last of them is unpacked
+                value = r.value if r.value is not None else _recompute(r)
+                r.saves -= 1
+                r.value = value if r.saves > 0 else None
+                return value.as_strided(x.shape, x.stride, x.offset)
         if isinstance(x, _Recast):
             if x.param._version != x.version:
                 raise RuntimeError(
@@ -330,11 +351,14 @@ class _Recast:
 
 
 class _Recipe:
-    __slots__ = ("fn", "args", "kwargs", "versions", "out_version")
+    __slots__ = ("fn", "args", "kwargs", "versions", "out_version", "share", "saves", "value")
 
-    def __init__(self, fn, args, kwargs, versions, out_version):
+    def __init__(self, fn, args, kwargs, versions, out_version, share=False):
         self.fn, self.args, self.kwargs, self.versions = fn, args, kwargs, versions
         self.out_version = out_version  # the output's version when registered
+        self.share = share  # recomputed once for all its saves (see `remat`)
+        self.saves = 0  # shared: saves not unpacked yet
+        self.value = None  # shared: the recomputed output, between the first unpack and the last
 
 
 class _Remat:
@@ -365,14 +389,18 @@ def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
 
 def _materialize(x: _Remat) -> torch.Tensor:
     """Run x's recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
-    r = x.recipe
+    return _recompute(x.recipe).as_strided(x.shape, x.stride, x.offset)
+
+
+def _recompute(r: _Recipe) -> torch.Tensor:
+    """r's output, computed again (nested recipes first)."""
     tensors = [a for a in r.args if isinstance(a, torch.Tensor)]
     if any(a._version != v for a, v in zip(tensors, r.versions)):
         raise RuntimeError(
             f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
     args = tuple(_materialize(a) if isinstance(a, _Remat) else a for a in r.args)
-    return r.fn(*args, **r.kwargs).as_strided(x.shape, x.stride, x.offset)
+    return r.fn(*args, **r.kwargs)
 
 
 class _Enter:
