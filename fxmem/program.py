@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from .nn.recast import op_call
+
 
 @dataclass(frozen=True)
 class SpecializedDim:
@@ -104,7 +106,8 @@ def _is_impure(node: fx.Node) -> bool:
         return True  # guards, checkpoint regions, stateful modules: keep
     if node.op == "call_function":
         t = node.target
-        if getattr(t, "_schema", None) is not None and t._schema.is_mutable:
+        op = op_call(t, node.args)[0]  # (remat_call of an in-place op writes its input too)
+        if getattr(op, "_schema", None) is not None and op._schema.is_mutable:
             return True
         if t is torch.ops.aten._assert_tensor_metadata.default:
             return True

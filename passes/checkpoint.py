@@ -82,7 +82,7 @@ from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smalle
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import install as install_recast, op_named, remat, remat_call
+from fxmem.nn.recast import install as install_recast, op_call, op_named, remat, remat_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -154,10 +154,11 @@ def _is_region_node(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    schema = getattr(t, "_schema", None)
+    op, args = op_call(t, n.args)
+    schema = getattr(op, "_schema", None)
     if schema is not None and schema.is_mutable:
         # in-place ops on values computed in the graph are fine; writes to parameters/buffers/inputs stay outside
-        for a, sa in zip(n.args, schema.arguments):
+        for a, sa in zip(args, schema.arguments):
             if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node) \
                     and a.op in ("get_attr", "placeholder"):
                 return False
@@ -241,10 +242,11 @@ def _writes_input(region: Region) -> bool:
     """True if a node of the region writes in place (relu_, add_, ...) to a value created outside it."""
     members = set(region.nodes)
     for n in region.nodes:
-        schema = getattr(n.target, "_schema", None)
+        op, args = op_call(n.target, n.args)  # (remat_call('aten.relu_.default', x) writes x too)
+        schema = getattr(op, "_schema", None)
         if schema is None or not schema.is_mutable:
             continue
-        for a, sa in zip(n.args, schema.arguments):
+        for a, sa in zip(args, schema.arguments):
             if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node):
                 base = a
                 while base not in members and base.op == "call_function" and base.args \

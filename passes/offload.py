@@ -42,8 +42,9 @@ import torch
 from torch import fx
 
 from fxmem.costmodel import smallest_fitting_prefix, trace_forward
-from fxmem.errors import BudgetError, PolicyError
+from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
+from fxmem.nn.recast import op_call
 from fxmem.nn.regions import region_info
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
@@ -103,7 +104,7 @@ def _is_run_node(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    schema = getattr(t, "_schema", None)
+    schema = getattr(op_call(t, n.args)[0], "_schema", None)  # (remat_call of an in-place op writes too)
     if schema is not None and schema.is_mutable:
         return False
     name = getattr(t, "__name__", "")

@@ -229,6 +229,15 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **
 torch.fx.wrap("remat_call")
 
 
+def op_call(target, args: tuple) -> tuple:
+    """(op, args) a graph call of `target` with `args` runs: `remat_call('aten.relu_.default', x)` runs aten.relu_
+    on (x,), which writes x in place; other targets run themselves. Graph analyses that read an op's schema (does
+    it write an input in place?) look through remat_call with this."""
+    if target is remat_call:
+        return op_named(args[0]), tuple(args[1:])
+    return target, tuple(args)
+
+
 def _run_chain(chain: tuple) -> torch.Tensor:
     """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
     statistics; the last member's output."""
