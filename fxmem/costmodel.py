@@ -233,6 +233,10 @@ class OpRecord:
     saved: list = field(default_factory=list)  # storage keys saved for backward
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
+    grad_shared: bool = False  # backward hands its output's gradient tensor itself to every input (add, alpha 1)
+
+
+_GRAD_SHARED = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
 
 
 class _Recorder(TorchDispatchMode):
@@ -330,6 +334,7 @@ class _Recorder(TorchDispatchMode):
             rec.known = optable.lookup(func) is not None or True
         if optable.lookup(func) is None:
             rec.known = False
+        rec.grad_shared = func in _GRAD_SHARED and kwargs.get("alpha", 1) == 1
         self.records.append(rec)
         return out
 
@@ -745,6 +750,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+    created_at: dict[int, int] = {}
+    for r in R:
+        for k in r.new_keys:
+            created_at.setdefault(k, r.idx)
     free_saved_at: dict[int, list[int]] = defaultdict(list)
     for k, i in saved_until.items():
         free_saved_at[i].append(k)
@@ -816,8 +825,22 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         info = optable.lookup(r.func)
         passthrough = info is not None and info.grad_passthrough
         handed_over = False
-        for k, b, rg in zip(r.in_keys, r.in_bytes, r.in_rg):
-            if not rg or k is None:
+        # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
+        # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
+        same = {k for k, rg in zip(r.in_keys, r.in_rg) if rg and k is not None and k in r.out_keys} \
+            if passthrough else ()
+        ins = list(zip(r.in_keys, r.in_bytes, r.in_rg))
+        # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
+        # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
+        shares = r.grad_shared and r.out_bytes and \
+            sum(1 for k, b, rg in ins if rg and k is not None and b == r.out_bytes[0]) > 1
+        if shares:
+            ins.sort(key=lambda t: created_at.get(t[0], -1) if t[0] is not None else 0)
+        for k, b, rg in ins:
+            if not rg or k is None or k in same:
+                continue
+            if shares and handed_over and b == r.out_bytes[0] and k not in grad_live and k not in param_keys:
+                grad_live[k] = 0  # the same buffer the first input got
                 continue
             if k in grad_live:
                 # accumulation: new grad + old grad -> a transient of the new one's size
@@ -841,7 +864,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             cur -= recast_held[1].get(r.idx, 0)  # a shared recipe's first saver: its last unpack
         # the op's output grads die, and what it saved
         for k in r.out_keys:
-            if k is not None and k in grad_live and k not in param_keys:
+            if k is not None and k in grad_live and k not in param_keys and k not in same:
                 cur -= grad_live.pop(k)
         cur = free_saved(r, cur)
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
