@@ -237,6 +237,7 @@ class OpRecord:
 
 
 _GRAD_SHARED = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+_GRAD_SLICED = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
 
 
 class _Recorder(TorchDispatchMode):
@@ -836,6 +837,24 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             sum(1 for k, b, rg in ins if rg and k is not None and b == r.out_bytes[0]) > 1
         if shares:
             ins.sort(key=lambda t: created_at.get(t[0], -1) if t[0] is not None else 0)
+        if r.func in _GRAD_SLICED and r.list_keys and any(r.in_rg) and r.out_keys and r.out_keys[0] in grad_live \
+                and not any(k in param_keys for k in r.list_keys):
+            # cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
+            # until the last slice is consumed, held by the earliest-created input (whose producer runs last)
+            buf = grad_live.pop(r.out_keys[0])
+            for k in sorted(dict.fromkeys(r.list_keys), key=lambda k: created_at.get(k, -1)):
+                if k in grad_live:  # accumulated into an existing gradient: a transient of its size
+                    bump(r.node, r.module)
+                    cur += sb[k]
+                    bump(r.node, r.module)
+                    cur -= sb[k]
+                elif buf is not None:
+                    grad_live[k], buf = buf, None
+                else:
+                    grad_live[k] = 0
+            if buf is not None:
+                cur -= buf  # every input had a gradient already
+            ins = [t for t in ins if t[0] not in r.list_keys]
         for k, b, rg in ins:
             if not rg or k is None or k in same:
                 continue

@@ -262,3 +262,46 @@ def test_static_backward_follows_gradient_buffers_through_views_and_adds():
     for p in est.timeline:
         if p.phase == "backward" and p.label in ("add", "linear", "linear_1", "linear_2"):
             assert abs(p.peak - node_peak[p.label]) <= 2048, (p.label, p.peak, node_peak[p.label])
+
+
+class _SkipCat(nn.Module):
+    """s = conv(x); out = head(cat([up(body(pool(s))), s])): the skip's gradient is a slice of the cat's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.body = nn.Conv2d(16, 16, 3, padding=1)
+        self.up = nn.ConvTranspose2d(16, 16, 2, stride=2)
+        self.head = nn.Conv2d(32, 4, 1)
+
+    def forward(self, x):
+        s = torch.relu(self.conv(x))
+        y = self.up(torch.relu(self.body(torch.nn.functional.max_pool2d(s, 2))))
+        return self.head(torch.cat([y, s], 1))
+
+
+def test_static_backward_keeps_a_cat_gradient_while_a_slice_of_it_waits():
+    """cat's backward hands each input a slice (a view) of its output's gradient: the whole buffer lives until the
+    skip, the input created first, is consumed at the very end of backward. Before, the static walk gave the
+    cat's first input a new buffer of its own size and the skip none (512 KiB off at the cat). The peak and the
+    cat's and convolutions' backward peaks are the traced ones (max pooling's backward, where the skip's slice
+    meets the pooled gradient, is estimated 128 KiB high: conservative, left as it is)."""
+    torch.manual_seed(0)
+    model = _SkipCat()
+    x = torch.randn(8, 3, 32, 32)
+    program = fxmem.capture(model, (x,))
+    program.refresh()
+    est = fxmem.estimate(program, mode="train")
+    traced = fxmem.estimate(program, mode="train", method="traced")
+    meas = fxmem.measure(copy.deepcopy(program.module), (x,))
+    assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
+    node_peak: dict = {}
+    for p in traced.timeline:
+        if p.phase == "backward":
+            node_peak[p.label] = max(node_peak.get(p.label, 0), p.peak)
+    checked = 0
+    for p in est.timeline:
+        if p.phase == "backward" and p.label in node_peak and p.label.startswith(("conv", "cat")):
+            assert abs(p.peak - node_peak[p.label]) <= 2048, (p.label, p.peak, node_peak[p.label])
+            checked += 1
+    assert checked >= 4
