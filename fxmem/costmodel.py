@@ -233,11 +233,7 @@ class OpRecord:
     saved: list = field(default_factory=list)  # storage keys saved for backward
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
-    grad_shared: bool = False  # backward hands its output's gradient tensor itself to every input (add, alpha 1)
-
-
-_GRAD_SHARED = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
-_GRAD_SLICED = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
+    grad_alias: str = ""  # the op table's grad_alias for this call ("shared" only when add's alpha is 1)
 
 
 class _Recorder(TorchDispatchMode):
@@ -332,10 +328,12 @@ class _Recorder(TorchDispatchMode):
                 rec.saved = [k for k in rec.saved if k not in self.recast_keys]
                 self.hold_recipe_args(rec)
         else:
-            rec.known = optable.lookup(func) is not None or True
-        if optable.lookup(func) is None:
+            rec.known = True
+        info = optable.lookup(func)
+        if info is None:
             rec.known = False
-        rec.grad_shared = func in _GRAD_SHARED and kwargs.get("alpha", 1) == 1
+        elif info.grad_alias and (info.grad_alias != "shared" or kwargs.get("alpha", 1) == 1):
+            rec.grad_alias = info.grad_alias
         self.records.append(rec)
         return out
 
@@ -723,7 +721,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
             regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
-            (held_from, held_until))
+            (held_from, held_until), created_in)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -747,14 +745,11 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
-                     recompute_keys=None, recast_held=None):
+                     recompute_keys=None, recast_held=None, created_in=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
-    created_at: dict[int, int] = {}
-    for r in R:
-        for k in r.new_keys:
-            created_at.setdefault(k, r.idx)
+    created_in = created_in or {}
     free_saved_at: dict[int, list[int]] = defaultdict(list)
     for k, i in saved_until.items():
         free_saved_at[i].append(k)
@@ -833,16 +828,16 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         ins = list(zip(r.in_keys, r.in_bytes, r.in_rg))
         # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
         # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
-        shares = r.grad_shared and r.out_bytes and \
+        shares = r.grad_alias == "shared" and r.out_bytes and \
             sum(1 for k, b, rg in ins if rg and k is not None and b == r.out_bytes[0]) > 1
         if shares:
-            ins.sort(key=lambda t: created_at.get(t[0], -1) if t[0] is not None else 0)
-        if r.func in _GRAD_SLICED and r.list_keys and any(r.in_rg) and r.out_keys and r.out_keys[0] in grad_live \
+            ins.sort(key=lambda t: created_in.get(t[0], -1) if t[0] is not None else 0)
+        if r.grad_alias == "sliced" and r.list_keys and any(r.in_rg) and r.out_keys and r.out_keys[0] in grad_live \
                 and not any(k in param_keys for k in r.list_keys):
             # cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
             # until the last slice is consumed, held by the earliest-created input (whose producer runs last)
             buf = grad_live.pop(r.out_keys[0])
-            for k in sorted(dict.fromkeys(r.list_keys), key=lambda k: created_at.get(k, -1)):
+            for k in sorted(dict.fromkeys(r.list_keys), key=lambda k: created_in.get(k, -1)):
                 if k in grad_live:  # accumulated into an existing gradient: a transient of its size
                     bump(r.node, r.module)
                     cur += sb[k]

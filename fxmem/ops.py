@@ -60,6 +60,9 @@ class OpInfo:
     saves: Callable[[SaveCtx], Saved] = field(default=lambda c: [])
     flops: Callable[[tuple, object], int] | None = None  # (args, out) -> FLOPs
     grad_passthrough: bool = False  # gradient flows as a view of grad_out (no new buffer)
+    # how backward hands grad_out to several tensor inputs without new buffers: "shared" (add: the same tensor to
+    # every input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it)
+    grad_alias: str = ""
 
 
 # ---------------------------------------------------------------------------------------------- save rules
@@ -284,7 +287,8 @@ _reg(["linear"], OpInfo(MATMUL, _mm, _flops_linear))
 _reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution", "conv_transpose2d", "conv_transpose1d"],
      OpInfo(MATMUL, _conv, _flops_conv))
 
-_reg(["add", "sub", "rsub", "neg", "add_", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))
+_reg(["add", "add_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_alias="shared"))
+_reg(["sub", "rsub", "neg", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))
 _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
@@ -329,7 +333,8 @@ _reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "o
       "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "tril", "triu", "eye", "linspace",
       "empty_strided", "fill_", "zero_", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
       "_local_scalar_dense", "lift_fresh_copy", "tensor"], OpInfo(CREATION, _none, _flops_zero))
-_reg(["clone", "_to_copy", "to", "cat", "stack", "repeat", "copy_", "copy", "roll", "flip", "pad",
+_reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))
+_reg(["clone", "_to_copy", "to", "repeat", "copy_", "copy", "roll", "flip", "pad",
       "constant_pad_nd", "repeat_interleave", "type_as", "_unsafe_index", "tile", "masked_select",
       "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d"],
      OpInfo(COPY, _none, _flops_zero, grad_passthrough=False))
