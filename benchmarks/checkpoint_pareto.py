@@ -19,12 +19,12 @@ best of the rounds, the table also gives the median):
 
 Also times the pass alone on a 12-layer decoder (the < 2 s goal; capture excluded).
 
-Columns: measured peak (fxmem.measure: live storage bytes of a real steady-state step, params/grads/optimizer
-state included), activation bytes after forward, step time ratio to eager, transform (fxmem: the pass, capture
-excluded) or compile time. For compiled modules a dispatch-mode tracker cannot see inside the compiled graph, so
-their peak is not measured (n/a) and activation bytes are the bytes of distinct storages autograd saved, counted
-with saved_tensors_hooks (fxmem.measure.saved_bytes: parameters and buffers left out, as in fxmem.measure's activations); fxmem rows state
-which method was used.
+Columns: measured peak (fxmem.measure: live storage bytes of a real steady-state step, params/grads/optimizer state
+included), activation bytes after forward, step time ratio to eager, transform (fxmem: the pass, capture excluded)
+or compile time. For compiled modules a dispatch-mode tracker cannot see inside the compiled graph, so their peak is
+not measured (n/a) and activation bytes are the bytes of distinct storages autograd saved, counted with
+saved_tensors_hooks (fxmem.measure.saved_bytes: parameters and buffers left out, as in fxmem.measure's activations);
+fxmem rows state which method was used.
 
 Writes benchmarks/results/checkpoint_pareto.md, .png and .svg.
 """

@@ -50,12 +50,12 @@ without checkpointing. So with baseline live bytes `live(p)` (the cost model's s
 
     peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
 
-and the pass minimises the sum of recompute costs subject to peak(plan) <= budget. Regions sorted by position
-make the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised,
-always rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a
-chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the
-optimum) is reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget:
-a lower budget never gets a higher planned peak.
+and the pass minimises the sum of recompute costs subject to peak(plan) <= budget. Regions sorted by position make
+the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised, always
+rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a chain (skip
+connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the optimum) is
+reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget: a
+lower budget never gets a higher planned peak.
 
 The plan is then checked with the cost model's static estimate of the rewritten program (`verify`); if that is
 above the budget, the pass plans again against a budget lowered by the overshoot (`refine` times). The stated
@@ -513,15 +513,6 @@ def _remat_op(n: fx.Node) -> bool:
     return cat == optable.POINTWISE or (cat == optable.NORM and optable.packet(t) in REMAT_NORMS)
 
 
-def _functional(t):
-    """relu_ -> relu: the op's out-of-place overload (None if there is none: such an in-place op is no site)."""
-    try:
-        f = getattr(getattr(torch.ops.aten, t._opname[:-1]), t._overloadname)
-    except AttributeError:
-        return None
-    return f if t.namespace == "aten" and not f._schema.is_mutable else None
-
-
 def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
     """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
     that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms or bool-mask dropout, and (2) have
@@ -587,8 +578,6 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             continue
         last = max(own)
         in_place = not dropout and n.target._schema.is_mutable
-        if in_place and _functional(n.target) is None:
-            continue
         chain, ok = [], True
         for i, a in enumerate(tensor_inputs(n)):
             if held(a, k, last) and not (in_place and i == 0):

@@ -27,18 +27,18 @@ tensors autograd keeps anyway: GELU's output (its input is saved by GELU itself)
 a softmax output, is saved by the softmax, and its bool mask by the multiply), a layer norm's output (input,
 weight and bias are saved by the norm). A matmul that consumes such an activation saves it, holding a second
 tensor of the same size from forward to backward. The checkpoint pass rewrites `y = op(*args)` as
-`y = remat(op(*args), 'aten.op.overload', *args)`: the consumer's saved copy of `y` is packed as the recipe
-(op, args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per
-use in backward (once for all uses when the pass marks them as running back to back), with bit-identical values (the op is deterministic; an input changed in place in between is an
-error, as for casts). This is what torch.compile's partitioner does for pointwise ops, without a compiler and
-without the dispatch-mode overhead of selective checkpointing in eager mode. Under torch.compile, `remat` runs the op again
-inside a one-op non-reentrant checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module
-keeps what the pass planned instead of what the compiler's own budget keeps (benchmarks/checkpoint_pareto.py,
-gpt at 0.7: 61.2 vs 77.8 MiB saved, same step time). A `remat_call` chain is recomputed in one checkpoint at its
-last node (one checkpoint per member would not do: the partitioner keeps any value passed from one checkpoint to
-the next); a training-mode batch norm is checkpointed without running statistics, which the graph's own op
-updates once (U-Net at 0.7: 12.0 vs 16.8 MiB saved). `fxmem.nn.dropout` registers its masked outputs the same
-way (`register_recompute`).
+`y = remat(op(*args), 'aten.op.overload', *args)`: the consumer's saved copy of `y` is packed as the recipe (op,
+args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per use in
+backward (once for all uses when the pass marks them as running back to back), with bit-identical values (the op is
+deterministic; an input changed in place in between is an error, as for casts). This is what torch.compile's
+partitioner does for pointwise ops, without a compiler and without the dispatch-mode overhead of selective
+checkpointing in eager mode. Under torch.compile, `remat` runs the op again inside a one-op non-reentrant
+checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module keeps what the pass planned
+instead of what the compiler's own budget keeps (benchmarks/checkpoint_pareto.py, gpt at 0.7: 61.2 vs 77.8 MiB
+saved, same step time). A `remat_call` chain is recomputed in one checkpoint at its last node (one checkpoint per
+member would not do: the partitioner keeps any value passed from one checkpoint to the next); a training-mode batch
+norm is checkpointed without running statistics, which the graph's own op updates once (U-Net at 0.7: 12.0 vs 16.8
+MiB saved). `fxmem.nn.dropout` registers its masked outputs the same way (`register_recompute`).
 
 `remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains:
 it runs the op while the scope defers the op's own saves, registers the recipe, then packs those saves as it.
@@ -234,7 +234,7 @@ def op_call(target, args: tuple) -> tuple:
     on (x,), which writes x in place; other targets run themselves. Graph analyses that read an op's schema (does
     it write an input in place?) look through remat_call with this."""
     if target is remat_call:
-        return op_named(args[0]), tuple(args[1:])
+        return _resolve(args[0]), tuple(args[1:])
     return target, tuple(args)
 
 
