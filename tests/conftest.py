@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -17,6 +18,26 @@ EXAMPLE_NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "__ini
 # one intra-op thread per pytest-xdist worker (the workers share the cores), else up to two
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched aten ops (packet name) and records the row counts of mm/addmm inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+        self.mm_rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).split(".")[-1]
+        self.ops[name] = self.ops.get(name, 0) + 1
+        if name in ("mm", "addmm"):
+            a = args[1] if name == "addmm" else args[0]
+            self.mm_rows.append(int(a.shape[0]))
+        return func(*args, **(kwargs or {}))
+
+    def matmuls(self) -> int:
+        return self.ops.get("mm", 0) + self.ops.get("addmm", 0)
 
 
 @functools.lru_cache(maxsize=None)

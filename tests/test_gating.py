@@ -5,13 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxmem
 from fxmem.errors import FxmemError, PolicyError
 from fxmem.nn.gating import GatedResidual, gates, gating_loss, reset_skip_stats, skip_stats
 from fxmem.pipeline import PassContext, load_passes, run_reference
-from tests.conftest import example, example_module
+from tests.conftest import OpCounter, example, example_module
 
 load_passes()
 from fxmem.passes.gating import GatingOptions, GatingPass, find_branches  # noqa: E402
@@ -34,25 +33,6 @@ class ResMLP(nn.Module):
             x = x + m(x)
         return self.head(x)
 
-
-class OpCounter(TorchDispatchMode):
-    """Counts dispatched aten ops (packet name) and records the row counts of mm/addmm inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: dict[str, int] = {}
-        self.mm_rows: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).split(".")[-1]
-        self.ops[name] = self.ops.get(name, 0) + 1
-        if name in ("mm", "addmm"):
-            a = args[1] if name == "addmm" else args[0]
-            self.mm_rows.append(int(a.shape[0]))
-        return func(*args, **(kwargs or {}))
-
-    def matmuls(self) -> int:
-        return self.ops.get("mm", 0) + self.ops.get("addmm", 0)
 
 
 def _ctx(opts=None, mode="inference", calibration=None):

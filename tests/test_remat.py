@@ -13,7 +13,7 @@ from fxmem.nn.recast import RecastScope, remat, remat_call
 
 from fxmem.pipeline import pass_module
 
-from .conftest import example, grads
+from .conftest import OpCounter, example, grads
 
 
 class _MLP(nn.Module):
@@ -368,20 +368,6 @@ def test_gpt_remat_and_regions_planned_peak_is_the_estimate():
     assert abs(planned - est) <= 0.03 * est, (planned, est)
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts calls of the aten overload packets named in `names`."""
-
-    def __init__(self, *names):
-        super().__init__()
-        self.counts = dict.fromkeys(names, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.counts:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _bn_relu_chain(share: bool, in_place: bool = True, backwards: int = 1):
     """conv -> batch norm -> ReLU(_) -> conv as remat_call chain (or plain ops when share is None): the output,
     parameter grads per backward, and the batch-norm / ReLU calls each backward made."""
@@ -407,9 +393,9 @@ def _bn_relu_chain(share: bool, in_place: bool = True, backwards: int = 1):
     for i in range(backwards):
         for q in params:
             q.grad = None
-        with _CountOps("native_batch_norm", "relu_", "relu", "clamp_min_") as c:
+        with OpCounter() as c:
             loss.backward(retain_graph=i + 1 < backwards)
-        runs.append(([q.grad.clone() for q in params], dict(c.counts)))
+        runs.append(([q.grad.clone() for q in params], {k: c.ops.get(k, 0) for k in ("native_batch_norm", "relu_")}))
     return out.detach(), runs
 
 
