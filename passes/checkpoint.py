@@ -399,19 +399,21 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         saved -= out_keys
         kept -= out_keys
         kept_full -= out_keys
-        held = 0
+        held_keys: set[int] = set()
         for a in ins:
             v = a.meta.get("fxmem_val")
             if isinstance(v, torch.Tensor) and a.op != "get_attr" and a.op != "placeholder":
-                # an input the region must hold; if autograd saves it anyway, nothing extra
-                producer = [r for r in by_node.get(a.name, [])]
-                keys = {k for r in producer for k in r.new_keys}
+                # an input the region must hold; if autograd saves it anyway, nothing extra. Its storage, whoever
+                # created it: an in-place op or a view hands on a storage an earlier op made (new_keys is empty)
+                keys = {k for r in by_node.get(a.name, []) for k in r.out_keys
+                        if k is not None and base_keys.get(k) is None}
                 if keys & recipe_at.keys():
                     # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
                     # another region made it and recomputes, that region counts it: see `lost`)
                     continue
                 if not (keys & saved_anywhere):
-                    held += sum(sb[k] for k in keys)
+                    held_keys |= keys
+        held = sum(sb[k] for k in held_keys)
         # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
         # region): recomputed (any choice but keep), the body runs with the recipe scope aside
         # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward

@@ -462,3 +462,38 @@ def test_remat_chain_recomputed_under_torch_compile():
     _assert_compiled_step_as_eager(p.snapshot().module, compiled, x, loss_fn)
     _train_step(original, x, loss_fn)
     assert saved_bytes(compiled, x) <= saved_bytes(original, x) - 0.9 * freed
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+class _ViewIntoRegion(torch.nn.Module):
+    """`a`'s output reaches `blk` through a view; blk's first op (a scalar multiply) saves nothing, nor does
+    anything else save `a`'s output: a region around blk must hold it from forward to its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.blk = torch.nn.Sequential(_Scale(), torch.nn.Flatten(1), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                       torch.nn.Linear(256, 64))
+
+    def forward(self, x):
+        return self.blk(self.a(x).view(-1, 4, 16))
+
+
+def test_region_holds_an_input_that_is_a_view():
+    """The bytes a region holds of its inputs count the storage an input views (the view op creates none): a view
+    of a tensor nothing else saves costs the region that whole storage."""
+    from fxmem.costmodel import trace_forward
+    torch.manual_seed(0)
+    x = torch.randn(128, 64)
+    program = fxmem.capture(_ViewIntoRegion(), (x,))
+    program.refresh()
+    rec, base_keys = trace_forward(program, (x,), {}, "train")[:2]
+    (reg,) = ck.candidate_regions(program, {}, ["blk"])
+    ins, _ = ck.region_boundary(reg.nodes)
+    assert [a.target for a in ins if a.op == "call_function"] == [torch.ops.aten.view.default]
+    ck.measure_regions(program, [reg], rec, base_keys, frozenset())
+    assert reg.held == 128 * 64 * 4, reg.held
