@@ -117,7 +117,6 @@ def main():
     cap_s = time.perf_counter() - t0
     mods["captured"] = captured
     ref_grads = _grads(captured, x)
-    base_est = _estimate(captured, x)
 
     def add(name, gm, transform_s, note=""):
         meas = fxmem.measure(copy.deepcopy(gm), x, loss_fn=lambda o, i: _loss(o))

@@ -34,6 +34,9 @@ _LAZY = {
     "distribute": ("distributed", "distribute"),
 }
 
+__all__ = ["BudgetError", "CaptureError", "FxmemError", "InputShapeError", "ModelFileError", "PassError",
+           "PolicyError", "Program", "capture", "MemoryProfile", "measure", *_LAZY]
+
 
 def __getattr__(name):
     if name in _LAZY:

@@ -1060,10 +1060,8 @@ def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str
         scaled = []
         for t in flat:
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == b0:
-                reps = [1] * t.dim()
                 idx = torch.arange(n) % b0
                 scaled.append(t.index_select(batch_dim, idx))
-                del reps
             else:
                 scaled.append(t)
         a, k = pytree.tree_unflatten(scaled, spec)

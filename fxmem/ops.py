@@ -213,7 +213,7 @@ def _flops_linear(args, out):
 
 
 def _flops_matmul(args, out):
-    a, b = args[0], args[1]
+    a = args[0]
     o = _first_out(out)
     k = a.shape[-1]
     return 2 * _numel(o) * k

@@ -318,7 +318,6 @@ class Report:
         return out
 
     def _summary_table_md(self) -> list[str]:
-        mb, ma = self.measured_before, self.measured_after
         head = "| category | before (estimated) | after (estimated) | change |"
         sep = "|---|---:|---:|---:|"
         if self.measured:

@@ -963,7 +963,7 @@ class PrecisionPass:
                 reason = "; ".join(x for x in (
                     f"{len(lowd)} matmul-class op(s) in {_SHORT[low]}" if lowd else "",
                     f"{len(accd)} op(s) in {_SHORT[low]} with fp32 accumulation in the kernel" if accd else "",
-                    f"fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
+                    "fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
                                                            if d.cls == FP32})) if f32 else "") if x)
                 changes.append(Change("precision.compute", mod_path, [d.node for d in ds], [d.node for d in ds],
                                       reason, None, {"low": lowd, "acc": accd, "fp32": f32}))

@@ -6,27 +6,20 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxmem
 from fxmem.costmodel import estimate
 from fxmem.nn.dropout import bool_mask_dropout, dropout_scale
 from fxmem.pipeline import PassContext
 
+from tests.conftest import OpCounter
+
 from .test_checkpoint import _assert_same_step, _baseline, _gpt, _run_pass, _train_step, ck
 
 
-class _CountDraws(TorchDispatchMode):
-    """Counts random draws (bernoulli) dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "bernoulli" in str(func):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
+def _draws(counter: OpCounter) -> int:
+    """Random draws (bernoulli, in place or not) the counter saw."""
+    return sum(n for op, n in counter.ops.items() if op.startswith("bernoulli"))
 
 
 def _exact_and_draws_in_backward(ref, mod, x, loss_fn) -> int:
@@ -38,10 +31,10 @@ def _exact_and_draws_in_backward(ref, mod, x, loss_fn) -> int:
     mod.train()
     torch.manual_seed(3)
     loss = loss_fn(mod(*x), x)
-    counter = _CountDraws()
+    counter = OpCounter()
     with counter:
         loss.backward()
-    return counter.n
+    return _draws(counter)
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
@@ -109,10 +102,10 @@ def test_draw_tape_replays_the_forward_masks():
     torch.manual_seed(1)
     first = tape(x)
     state = torch.get_rng_state()
-    counter = _CountDraws()
+    counter = OpCounter()
     with counter:
         again = tape(x)  # the recomputation: no draw, the same masks, the generator untouched
-    assert counter.n == 0 and torch.equal(first, again) and torch.equal(state, torch.get_rng_state())
+    assert _draws(counter) == 0 and torch.equal(first, again) and torch.equal(state, torch.get_rng_state())
     assert len(tape.masks) == 2 and all(m.dtype == torch.bool for m in tape.masks)
     torch.manual_seed(1)
     assert torch.equal(first, body(x))  # and the same as drawing without a tape

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxmem
 from fxmem.errors import FxmemError, PolicyError
-from fxmem.nn.gating import GatedResidual, gates, gating_loss, reset_skip_stats, skip_stats
+from fxmem.nn.gating import gates, gating_loss, reset_skip_stats, skip_stats
 from fxmem.pipeline import PassContext, load_passes, run_reference
 from tests.conftest import OpCounter, example, example_module
 

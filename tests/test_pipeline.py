@@ -13,7 +13,7 @@ import fxmem
 from fxmem import pipeline
 from fxmem.cli import main
 from fxmem.pipeline import Change, PassResult
-from fxmem.policy import register_options, unregister_options
+from fxmem.policy import unregister_options
 
 from .conftest import ROOT, example
 

@@ -176,7 +176,7 @@ def test_markdown_measured_columns():
     md = _report(measured=True).to_markdown()
     assert "before (measured) | after (measured) | change |" in md
     mp_b, mp_a = _profile(1.0).peak, _profile(0.5).peak
-    assert f"peak before (measured): " in md and "at `mm.default`" in md
+    assert "peak before (measured): " in md and "at `mm.default`" in md
     est_b = _estimate(1.0).peak
     assert (f"cost model vs measurement, peak before: estimated 2.29 KiB vs measured {_fb(mp_b)} "
             f"({(est_b - mp_b) / mp_b * 100:+.1f}%)") in md

@@ -56,7 +56,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import recast
