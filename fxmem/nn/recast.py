@@ -45,7 +45,9 @@ it runs the op while the scope defers the op's own saves, registers the recipe, 
 A tensor argument that is itself a recipe's output is held as that recipe (nested), so conv -> batch norm ->
 ReLU keeps neither the norm's nor the ReLU's output: backward recomputes ReLU(batch_norm(conv output)) from the
 conv output, which the norm saves anyway. A training-mode batch norm is recomputed without running statistics
-(updated once, in forward; the output is bit-identical). A registered output changed in place afterwards is
+(updated once, in forward; the output is bit-identical); on CPU, from the batch statistics the forward computed
+(`batch_norm_affine`: x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to
+give the kernel's output bit for bit. A registered output changed in place afterwards is
 saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps
 aside (`aside`): the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of
 a non-reentrant checkpoint region are saved through the hooks outside it, so a region input that is a recipe's
@@ -58,6 +60,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 _state = threading.local()
@@ -186,6 +189,51 @@ def _stats_free(op: str, args: tuple) -> tuple:
     return args
 
 
+def batch_norm_affine(x: torch.Tensor, weight, bias, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """A training-mode batch norm's output from its batch statistics, as the CPU kernel forms it: per channel
+    alpha = invstd * weight and beta = bias - mean * alpha, then x * alpha + beta, each a fused multiply-add
+    (addcmul; weight 1 and bias 0 when absent). One pass over x, where recomputing the norm passes over x twice
+    more for the statistics (mean, then variance). Used only where `_affine_reproduces` has seen it give the
+    kernel's output bit for bit."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    alpha = invstd if weight is None else invstd * weight
+    beta = torch.addcmul(torch.zeros_like(mean) if bias is None else bias, mean, alpha, value=-1)
+    return torch.addcmul(beta.view(shape), x, alpha.view(shape))
+
+
+def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
+    """A training-mode `aten.batch_norm` on plain CPU tensors: its output can be recomputed from the batch
+    statistics (`batch_norm_affine`) instead of by the norm. On CPU `batch_norm` runs `native_batch_norm`, which
+    returns those statistics; elsewhere (cuDNN) the kernels differ, so the norm is recomputed as before."""
+    if op != "aten.batch_norm.default" or kwargs or len(args) != 9 or args[5] is not True:
+        return False
+    x = args[0]
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and \
+        all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
+
+
+# (device, dtypes, shape, strides, affine) -> whether batch_norm_affine gave the kernel's output bit for bit
+_AFFINE_EXACT: dict[tuple, bool] = {}
+
+
+def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
+    """Whether `batch_norm_affine` reproduces `y` exactly for tensors laid out as these: checked once per layout on
+    the real output (the kernel's arithmetic, fused multiply-adds or not, depends on the build and the CPU; a
+    layout it does not cover, e.g. a non-contiguous input, takes another code path). Under a fake-tensor trace
+    (the cost model) nothing can be compared and the recipe's memory is the same either way: taken as reproduced."""
+    if isinstance(y, FakeTensor):
+        return True
+    if type(y) is not torch.Tensor or type(x) is not torch.Tensor:
+        return False
+    key = (x.device.type, x.dtype, mean.dtype, tuple(x.shape), tuple(x.stride()), None if weight is None else
+           weight.dtype, None if bias is None else bias.dtype)
+    ok = _AFFINE_EXACT.get(key)
+    if ok is None:
+        with torch.no_grad():
+            ok = _AFFINE_EXACT[key] = bool(torch.equal(batch_norm_affine(x, weight, bias, mean, invstd), y))
+    return ok
+
+
 def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
@@ -212,14 +260,22 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **
     rargs = scope.as_recipe_args(args)  # before the op: an in-place op's output reuses its input's storage
     pending: list = []
     prev, scope._pending = scope._pending, pending
+    stats = None
     try:
-        y = _resolve(op)(*args, **kwargs)
+        if _affine_recomputable(op, args, kwargs):
+            y, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
+            stats = (mean, invstd)
+        else:
+            y = _resolve(op)(*args, **kwargs)
     finally:
         scope._pending = prev
     if isinstance(y, torch.Tensor) and not any(
             isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
-        fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
+        if stats is not None and _affine_reproduces(y, args[0], args[1], args[2], *stats):
+            fn, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
+        else:
+            fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
         scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
     for d in pending:  # the op's own saves, packed now that its output is a recipe
         d.value = scope._pack_now(d.value, count=True)
