@@ -1073,14 +1073,14 @@ def _restore_args(inputs: list, nodes: list, gm) -> tuple[int, ...]:
     """Indices of region inputs that are buffers the region updates in place (batch-norm running stats)."""
     mutated: set = set()
     for n in nodes:
-        t = n.target
+        t, args = op_call(n.target, n.args)  # (a remat_call batch norm runs inside a region as the norm itself)
         if t in (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default):
-            for a in n.args[3:5]:
+            for a in args[3:5]:
                 if isinstance(a, fx.Node):
                     mutated.add(a)
         schema = getattr(t, "_schema", None)
         if schema is not None:
-            for a, sa in zip(n.args, schema.arguments):
+            for a, sa in zip(args, schema.arguments):
                 if isinstance(a, fx.Node) and sa.alias_info is not None and sa.alias_info.is_write:
                     mutated.add(a)
     return tuple(i for i, a in enumerate(inputs) if a in mutated and a.op == "get_attr")
