@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxmem  # noqa: E402
-from fxmem.costmodel import estimate, trace_forward  # noqa: E402
+from fxmem.costmodel import estimate, node_costs  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
@@ -158,16 +158,10 @@ def recompute_items(program, loss_fn):
     node. A floor for plans on this graph: rewrites that change what autograd saves (the attention pass's SDPA)
     are another pass's, and offload is left out (on a CPU host it copies to disk)."""
     ck = pass_module("checkpoint")
-    rec, base_keys, _, _ = trace_forward(program, program.example_args, program.example_kwargs, "train", loss_fn)
-    saved = {k for r in rec.records if r.out_rg for k in r.saved}
-    made: dict[str, int] = {}
-    for r in rec.records:
-        for k in r.new_keys:
-            if k in saved and base_keys.get(k) is None:
-                made[r.node] = made.get(r.node, 0) + rec.storage_bytes[k]
+    kept = {n: c.kept_bytes for n, c in node_costs(program, "train", loss_fn).items()}
     times = ck.profile_nodes(program, repeats=5)
     overhead = min(times.values())  # the interpreter's own time per node (a getitem's): not the op's
-    items = [(max(0.0, times[n] - overhead), b) for n, b in made.items() if n in times and b > 0]
+    items = [(max(0.0, times[n] - overhead), b) for n, b in kept.items() if n in times and b > 0]
     free = sum(c.bytes_saved for c in ck.compact_dropout(program.snapshot()))
     return items, free
 

@@ -1008,16 +1008,18 @@ class NodeCost:
     name: str
     module: str
     out_bytes: int = 0
-    saved_bytes: int = 0
+    saved_bytes: int = 0  # activations this node's ops save (each storage counted at its first saver)
+    kept_bytes: int = 0  # activations this node creates that some op saves: what recomputing the node could drop
     flops: int = 0
     ops: list = field(default_factory=list)
 
 
-def node_costs(program: Program, mode: str | None = None) -> dict[str, NodeCost]:
-    """Per-node costs from the static forward trace (for passes deciding what to keep or recompute)."""
+def node_costs(program: Program, mode: str | None = None, loss_fn=None) -> dict[str, NodeCost]:
+    """Per-node costs from the static forward trace (for passes deciding what to keep or recompute); with `loss_fn`
+    (train mode) the loss's saves count too (logits a cross-entropy keeps)."""
     mode = mode or program.mode
     rec, base_keys, _, _ = with_data_dependent_fallback(
-        lambda: trace_forward(program, program.example_args, program.example_kwargs, mode))
+        lambda: trace_forward(program, program.example_args, program.example_kwargs, mode, loss_fn))
     out: dict[str, NodeCost] = {}
     saved_seen: set[int] = set()
     for r in rec.records:
@@ -1029,6 +1031,8 @@ def node_costs(program: Program, mode: str | None = None) -> dict[str, NodeCost]
             if k not in saved_seen and base_keys.get(k) is None:
                 saved_seen.add(k)
                 nc.saved_bytes += rec.storage_bytes[k]
+    for r in rec.records:
+        out[r.node].kept_bytes += sum(rec.storage_bytes[k] for k in r.new_keys if k in saved_seen)
     return out
 
 

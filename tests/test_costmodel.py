@@ -112,6 +112,21 @@ def test_node_costs_see_attention_scores():
     assert all(c.flops > 0 for c in mm)
 
 
+def test_node_costs_kept_bytes_by_producer():
+    """kept_bytes: the saved activations a node creates (what recomputing it could drop), saved_bytes: those its
+    ops save. Every saved storage a node made counts once in both (saved_bytes also counts the few saved storages
+    no node makes); a softmax keeps its own output, and with the loss traced the logits the cross-entropy saves are
+    kept by the head."""
+    program, loss_fn = _program("gpt", "train")
+    costs = node_costs(program)
+    assert 0 < sum(c.kept_bytes for c in costs.values()) <= sum(c.saved_bytes for c in costs.values())
+    soft = [c for c in costs.values() if any("_softmax" in o for o in c.ops)]
+    assert soft and all(c.kept_bytes > 0 for c in soft)
+    with_loss = node_costs(program, "train", loss_fn)
+    head = [n for n, c in costs.items() if c.kept_bytes < with_loss[n].kept_bytes]
+    assert head, "the loss saves nothing the graph made"
+
+
 def test_plan_batch_fits_budget():
     program, loss_fn = _program("mlp_digits", "train")
     one = fxmem.estimate(program, loss_fn=loss_fn).peak
