@@ -192,7 +192,8 @@ def run_model(name, full, budgets, rounds, do_compile):
     mods = {"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
             "uniform": (uniform(model, name), 0.0, "")}
     info = {}
-    compiled_acts: dict[float, int] = {}
+    compiled_acts: dict[str, int] = {}  # compiled rows' saved bytes (hooks), counted once
+    offset = None
     for b in budgets:
         mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, b)
         mods[f"fxmem@{b}"] = (mod, dt, note)
@@ -228,8 +229,8 @@ def run_model(name, full, budgets, rounds, do_compile):
         cap = mods["captured"][0]
         offset = fxmem.measure(copy.deepcopy(cap), x, loss_fn=loss_fn).activations - saved_bytes(copy.deepcopy(cap), x)
         for b in budgets:
-            compiled_acts[b] = saved_bytes(mods[f"compile@{b}"][0], x)
-            mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, None, acts=compiled_acts[b] + offset)
+            acts = compiled_acts[f"compile@{b}"] = saved_bytes(mods[f"compile@{b}"][0], x)
+            mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, None, acts=acts + offset)
             mods[f"fxmem=c@{b}"] = (mod, dt, note)
             info[f"fxmem=c@{b}"] = metrics
     graphs_compiled = _unique_graphs()
@@ -238,7 +239,7 @@ def run_model(name, full, budgets, rounds, do_compile):
         if "compile" in k:
             # the compiled graph saves what its partitioner chose (for fxmem+compile: honouring the checkpoint
             # regions' recompute tags); saved-tensor hooks see those saves
-            acts = saved_bytes(mod, x)
+            acts = compiled_acts[k] if k in compiled_acts else saved_bytes(mod, x)
             rows[k] = {"peak": None, "acts": acts, "acts_method": "hooks", "setup_s": dt, "note": note}
         else:
             prof = fxmem.measure(copy.deepcopy(mod), x, loss_fn=loss_fn)
@@ -270,7 +271,7 @@ def run_model(name, full, budgets, rounds, do_compile):
         rows[k]["step_median_s"] = statistics.median(times[k])
         rows[k]["ratio"] = rows[k]["step_s"] / eager_t
     return {"name": name, "rows": rows, "capture_s": capture_s, "base": base, "info": info,
-            "params": sum(p.numel() for p in model.parameters()), "floor_items": floor_items}
+            "params": sum(p.numel() for p in model.parameters()), "floor_items": floor_items, "offset": offset}
 
 
 def transform_time_12_layers() -> str:
@@ -340,15 +341,14 @@ def table(res) -> str:
                      "\"At compile@b's bytes\": fxmem asked for the activation bytes compile@b kept (the two budgets "
                      "mean different things, so the same b asks fxmem for fewer), its bytes given in the hooks' count "
                      "(measured, less what fxmem.measure counts beyond the hooks on the captured graph: "
-                     f"{format_bytes(rows['captured']['acts'] - rows['captured']['hooks'])}).")
+                     f"{format_bytes(res['offset'] or 0)}).")
     for k, r in rows.items():
         if not k.startswith("compile@") or k == "compile@1.0" or c1 is None:
             continue
         b = k.split("@")[1]
         allowed = r["ratio"] / c1["ratio"] - 1 + 0.05
         parts = []
-        # what fxmem.measure counts beyond the saved storages the hooks count (captured graph: outputs, the loss)
-        offset = rows["captured"]["acts"] - rows["captured"]["hooks"]
+        offset = res["offset"] or 0  # what fxmem.measure counts beyond the hooks (captured graph: outputs, the loss)
         for label, f in (("fxmem (eager)", rows.get(f"fxmem@{b}")), ("fxmem+compile", rows.get(f"fxmem@{b}+compile")),
                          ("fxmem (eager) at compile@b's bytes", rows.get(f"fxmem=c@{b}"))):
             if f is None or f["acts"] is None:
