@@ -234,6 +234,7 @@ class OpRecord:
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
     grad_alias: str = ""  # the op table's grad_alias for this call ("shared" only when add's alpha is 1)
+    int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
 
 
 class _Recorder(TorchDispatchMode):
@@ -296,12 +297,14 @@ class _Recorder(TorchDispatchMode):
                 in_bytes.append(0)
                 in_rg.append(False)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        out_keys, out_bytes, new_keys = [], [], []
+        out_keys, out_bytes, new_keys, int_outs = [], [], [], []
         for t in outs:
             if isinstance(t, torch.Tensor):
                 k, new = self.key(t)
                 out_keys.append(k)
                 out_bytes.append(int(t.numel()) * t.element_size())
+                if not (t.is_floating_point() or t.is_complex()):
+                    int_outs.append(k)
                 if new:
                     new_keys.append(k)
                     if self.recast_node:
@@ -313,7 +316,7 @@ class _Recorder(TorchDispatchMode):
         out_rg = self.grad_enabled and torch.is_grad_enabled() and float_out and any(in_rg)
         rec = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
                        out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
-                       list_keys=list_keys)
+                       list_keys=list_keys, int_outs=int_outs)
         if out_rg:
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
@@ -769,6 +772,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         reload_at[at].extend(offloaded[name])
 
     node_high = [0]  # the highest live bytes inside the current op's backward (transients included)
+    grad_slices: set[int] = set()  # keys whose gradient is a slice of a cat's (see "sliced" below)
 
     def bump(label, module):
         nonlocal peak, peak_at, peak_phase, peak_mod
@@ -809,13 +813,14 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             continue
         node_peak_start = cur
         node_high[0] = cur
+        sums: list = []  # (key, bytes): gradients this op adds to a join's gradient slice
         again = (recast_at or {}).get(r.idx, 0)
         cur += again  # parameter copies cast again, recipes recomputed for this op's backward (fxmem.nn.recast)
         if recast_held is not None:
             cur += recast_held[0].get(r.idx, 0)  # a shared recipe, recomputed here for this and earlier savers
         # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
         for k, b in zip(r.out_keys, r.out_bytes):
-            if k is not None and k not in grad_live and b:
+            if k is not None and k not in grad_live and b and k not in r.int_outs:
                 grad_live[k] = sb.get(k, b)
                 cur += grad_live[k]
         info = optable.lookup(r.func)
@@ -843,10 +848,12 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                     cur += sb[k]
                     bump(r.node, r.module)
                     cur -= sb[k]
-                elif buf is not None:
+                    continue
+                if buf is not None:
                     grad_live[k], buf = buf, None
                 else:
                     grad_live[k] = 0
+                grad_slices.add(k)
             if buf is not None:
                 cur -= buf  # every input had a gradient already
             ins = [t for t in ins if t[0] not in r.list_keys]
@@ -862,6 +869,11 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 tmp = b
                 cur += tmp
                 bump(r.node, r.module)
+                if k in grad_slices:
+                    # the old one is a slice of a join's gradient, which autograd does not add into in place: the
+                    # sum is a new buffer, made once this op's backward has released what it held (below)
+                    sums.append((k, tmp))
+                    continue
                 cur -= tmp
                 continue
             if passthrough and not handed_over and r.out_keys and r.out_keys[0] in grad_live \
@@ -881,6 +893,16 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             if k is not None and k in grad_live and k not in param_keys and k not in same:
                 cur -= grad_live.pop(k)
         cur = free_saved(r, cur)
+        for k, b in sums:
+            # old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer
+            # when this input held it: the slices of inputs created later were consumed before, their producers ran
+            # first)
+            cur += b
+            bump(r.node, r.module)
+            node_peak = max(node_peak, cur)
+            cur -= b + grad_live[k]
+            grad_live[k] = b
+            grad_slices.discard(k)
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
             cur -= recomputed_live.pop(r.region)
         _timeline_add(timeline, "backward", r.node, cur, node_peak)
