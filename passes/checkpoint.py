@@ -489,6 +489,11 @@ def _static_numel(v: torch.Tensor) -> int:
 
 REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_norm", "native_group_norm",
                          "batch_norm"})
+# copies that join tensors: a remat site (a U-Net's skip concatenation), its inputs held or chained
+REMAT_JOINS = frozenset({"cat", "stack"})
+# producers a join may recompute as a chain member when nobody else keeps their output (a U-Net's upsampling
+# convolution, whose input it saves anyway): dearer than pointwise ops, so never sites of their own
+REMAT_CHAIN_ONLY = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
 
 @dataclass
@@ -512,16 +517,28 @@ def _remat_op(n: fx.Node) -> bool:
     if t._schema.is_mutable and not optable.packet(t).endswith("_"):
         return False
     cat = optable.category(t)
-    return cat == optable.POINTWISE or (cat == optable.NORM and optable.packet(t) in REMAT_NORMS)
+    return cat == optable.POINTWISE or (cat == optable.NORM and optable.packet(t) in REMAT_NORMS) or \
+        optable.packet(t) in REMAT_JOINS
+
+
+def _chain_op(a: fx.Node, site: fx.Node) -> bool:
+    """`a` may be recomputed as a member of `site`'s chain: a cheap op, or a transposed convolution feeding a join."""
+    if _remat_op(a):
+        return True
+    t = a.target
+    return a.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
+        optable.packet(t) in REMAT_CHAIN_ONLY and isinstance(site.target, torch._ops.OpOverload) and \
+        optable.packet(site.target) in REMAT_JOINS
 
 
 def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
     """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
-    that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms or bool-mask dropout, and (2) have
-    every tensor input held until those saves are unpacked anyway (parameters, inputs, tensors saved by this node
-    or an earlier one), or computed by one such cheap op from held tensors and kept by nobody (a chain: a batch
-    norm feeding an in-place ReLU is recomputed from the norm's input, which the norm saves). Cheapest per byte
-    first."""
+    that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms, bool-mask dropout or joins (cat,
+    stack: a U-Net's skip concatenation), and (2) have every tensor input held until those saves are unpacked
+    anyway (parameters, inputs, tensors saved by this node or an earlier one), or computed by one such cheap op
+    from held tensors and kept by nobody (a chain: a batch norm feeding an in-place ReLU is recomputed from the
+    norm's input, which the norm saves; a join's upsampling transposed convolution from its input). Cheapest per
+    byte first."""
     rec, base_keys, out_keys = traced[0], traced[1], traced[2]
     R = [r for r in rec.records if r.region is None]
     sb = rec.storage_bytes
@@ -586,7 +603,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
                 continue
             # a cheap producer nobody keeps (or the tensor an in-place op overwrites), its inputs held
             ak = key_of(a)
-            if (dropout or not _remat_op(a) or a.target._schema.is_mutable or len(a.users) != 1
+            if (dropout or not _chain_op(a, n) or a.target._schema.is_mutable or len(a.users) != 1
                     or ak is None or ak in out_keys or base_keys.get(ak) is not None
                     or (ak != k and ak in savers) or not by_node.get(a.name)
                     or not all(held(b, k, last) for b in tensor_inputs(a))):
@@ -602,7 +619,8 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
                                            for r in R[span[0]:span[-1] + 1])
         cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * (1 if share else len(consumers))
-        call = bool(chain) or in_place or self_saves
+        # a join's list argument may hold recipes' outputs (a skip connection's ReLU): remat_call keeps them as recipes
+        call = bool(chain) or in_place or self_saves or optable.packet(n.target) in REMAT_JOINS
         sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call,
                                share))
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
@@ -632,10 +650,13 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
             last = by_name[names[-1]]
+            def at(a, pos=pos):  # a chain member's output as "@i", also inside a list argument (cat)
+                if isinstance(a, (list, tuple)):
+                    return type(a)(at(b) for b in a)
+                return f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
             last.kwargs = {**last.kwargs, "_fxmem_chain": tuple(
                 (by_name[m].args[0],
-                 tuple(f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
-                       for a in by_name[m].args[1:]),
+                 tuple(at(a) for a in by_name[m].args[1:]),
                  {k: v for k, v in by_name[m].kwargs.items() if k not in ("_fxmem_chain", "_fxmem_share")})
                 for m in names)}
             what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)

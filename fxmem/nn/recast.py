@@ -298,8 +298,15 @@ def _run_chain(chain: tuple) -> torch.Tensor:
     """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
     statistics; the last member's output."""
     outs: list = []
+
+    def one(a):
+        if isinstance(a, str) and a[:1] == "@":
+            return outs[int(a[1:])]
+        if isinstance(a, (list, tuple)):
+            return type(a)(one(t) for t in a)
+        return a
     for op, args, kwargs in chain:
-        args = tuple(outs[int(a[1:])] if isinstance(a, str) and a[:1] == "@" else a for a in args)
+        args = tuple(one(a) for a in args)
         outs.append(op_named(op)(*_stats_free(op, args), **kwargs))
     return outs[-1]
 
@@ -328,8 +335,8 @@ class RecastScope:
     def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict, share: bool = False) -> None:
         """`out` saved as fn(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
         e.g. relu_ on a batch norm's output) replaces that entry: `args` hold the earlier recipe, nested."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in tensors), out._version, share),))
+        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in _arg_tensors(args)), out._version,
+                                share),))
 
     def recipe_for(self, t: torch.Tensor):
         """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
@@ -337,11 +344,19 @@ class RecastScope:
         return p.recipe if isinstance(p, _Remat) else None
 
     def as_recipe_args(self, args: tuple) -> tuple:
-        """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested)."""
+        """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested), also
+        inside list arguments (cat, stack)."""
         if not self._entries:
             return tuple(args)
-        packed = [self._pack_now(a) if isinstance(a, torch.Tensor) else a for a in args]
-        return tuple(p if isinstance(p, _Remat) else a for a, p in zip(args, packed))
+
+        def one(a):
+            if isinstance(a, torch.Tensor):
+                p = self._pack_now(a)
+                return p if isinstance(p, _Remat) else a
+            if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+                return type(a)(one(t) for t in a)
+            return a
+        return tuple(one(a) for a in args)
 
     def _pack(self, t: torch.Tensor):
         if self._pending is not None:
@@ -444,12 +459,27 @@ class _Deferred:
 def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
     """The tensors a recipe holds: its tensor arguments and, through nested recipes, theirs."""
     out: list[torch.Tensor] = []
-    for a in recipe.args:
+    for a in _flat_args(recipe.args):
         if isinstance(a, _Remat):
             out.extend(recipe_tensors(a.recipe))
         elif isinstance(a, torch.Tensor):
             out.append(a)
     return out
+
+
+def _flat_args(args: tuple) -> list:
+    """Arguments with the elements of list arguments (cat, stack) in their place."""
+    out: list = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def _arg_tensors(args: tuple) -> list[torch.Tensor]:
+    return [a for a in _flat_args(args) if isinstance(a, torch.Tensor)]
 
 
 def _materialize(x: _Remat) -> torch.Tensor:
@@ -459,13 +489,18 @@ def _materialize(x: _Remat) -> torch.Tensor:
 
 def _recompute(r: _Recipe) -> torch.Tensor:
     """r's output, computed again (nested recipes first)."""
-    tensors = [a for a in r.args if isinstance(a, torch.Tensor)]
-    if any(a._version != v for a, v in zip(tensors, r.versions)):
+    if any(a._version != v for a, v in zip(_arg_tensors(r.args), r.versions)):
         raise RuntimeError(
             f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
-    args = tuple(_materialize(a) if isinstance(a, _Remat) else a for a in r.args)
-    return r.fn(*args, **r.kwargs)
+
+    def one(a):
+        if isinstance(a, _Remat):
+            return _materialize(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(t, _Remat) for t in a):
+            return type(a)(one(t) for t in a)
+        return a
+    return r.fn(*(one(a) for a in r.args), **r.kwargs)
 
 
 class _Enter:
