@@ -220,12 +220,18 @@ def _flops_matmul(args, out):
 
 
 def _flops_conv(args, out):
+    if len(args) > 6 and args[6] is True:  # aten.convolution(..., transposed=True, ...)
+        return _flops_conv_transpose(args, out)
+    # each output element meets in_channels / groups x kernel weights (w: out, in / groups, k...)
     w = args[1]
-    o = _first_out(out)
-    groups = args[8] if len(args) > 8 and isinstance(args[8], int) else 1
-    per_out = (w.shape[1]) * math.prod(w.shape[2:])
-    del groups  # w.shape[1] is already in_channels / groups
-    return 2 * _numel(o) * per_out
+    return 2 * _numel(_first_out(out)) * w.shape[1] * math.prod(w.shape[2:])
+
+
+def _flops_conv_transpose(args, out):
+    # each input element meets out_channels / groups x kernel weights (w: in, out / groups, k...); counted per output
+    # element (in_channels x kernel) it would be stride^2 times too many at a 2x2 stride-2 upsampling
+    w = args[1]
+    return 2 * _numel(args[0]) * w.shape[1] * math.prod(w.shape[2:])
 
 
 def _flops_sdpa(args, out):
@@ -284,8 +290,8 @@ _reg(["addmm"], OpInfo(MATMUL, _addmm, _flops_addmm))
 _reg(["baddbmm"], OpInfo(MATMUL, _addmm, _flops_baddbmm))
 _reg(["matmul", "einsum"], OpInfo(MATMUL, _mm, _flops_matmul))
 _reg(["linear"], OpInfo(MATMUL, _mm, _flops_linear))
-_reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution", "conv_transpose2d", "conv_transpose1d"],
-     OpInfo(MATMUL, _conv, _flops_conv))
+_reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution"], OpInfo(MATMUL, _conv, _flops_conv))
+_reg(["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"], OpInfo(MATMUL, _conv, _flops_conv_transpose))
 
 _reg(["add", "add_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_alias="shared"))
 _reg(["sub", "rsub", "neg", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))

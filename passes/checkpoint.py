@@ -308,12 +308,12 @@ DRAW_COST_PER_BYTE_CPU = 1000.0
 
 def op_cost(r, balance: float | None) -> float:
     """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
-    read and written). Views and metadata ops move no data. On CPU (balance below CUDA's) a random draw costs
+    read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random draw costs
     DRAW_COST_PER_BYTE_CPU per byte it writes."""
     if balance is None:
         return float(r.flops)
     cat = optable.category(r.func)
-    if cat == optable.VIEW:
+    if cat == optable.VIEW or optable.ignored(r.func):  # (prim.device and other queries read no data)
         return float(r.flops)
     moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
     if cat == optable.RANDOM and balance < 100:
