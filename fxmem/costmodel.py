@@ -869,7 +869,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 tmp = b
                 cur += tmp
                 bump(r.node, r.module)
-                if k in grad_slices:
+                if k in grad_slices and all(k != s for s, _ in sums):
                     # the old one is a slice of a join's gradient, which autograd does not add into in place: the
                     # sum is a new buffer, made once this op's backward has released what it held (below)
                     sums.append((k, tmp))

@@ -308,8 +308,8 @@ DRAW_COST_PER_BYTE_CPU = 1000.0
 
 def op_cost(r, balance: float | None) -> float:
     """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
-    read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random draw costs
-    DRAW_COST_PER_BYTE_CPU per byte it writes."""
+    read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random
+    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes."""
     if balance is None:
         return float(r.flops)
     cat = optable.category(r.func)
@@ -650,6 +650,7 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
             last = by_name[names[-1]]
+
             def at(a, pos=pos):  # a chain member's output as "@i", also inside a list argument (cat)
                 if isinstance(a, (list, tuple)):
                     return type(a)(at(b) for b in a)
