@@ -313,7 +313,8 @@ class _Recorder(TorchDispatchMode):
                 out_keys.append(None)
                 out_bytes.append(0)
         float_out = any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in outs)
-        out_rg = self.grad_enabled and torch.is_grad_enabled() and float_out and any(in_rg)
+        out_rg = self.grad_enabled and torch.is_grad_enabled() and float_out and any(in_rg) and \
+            not optable.grad_free(func)
         rec = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
                        out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
                        list_keys=list_keys, int_outs=int_outs)

@@ -339,6 +339,18 @@ _reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "o
       "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "tril", "triu", "eye", "linspace",
       "empty_strided", "fill_", "zero_", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
       "_local_scalar_dense", "lift_fresh_copy", "tensor"], OpInfo(CREATION, _none, _flops_zero))
+# creation ops whose output never requires grad, whatever their inputs (x.new_zeros(...), zeros_like(x)): autograd
+# records no backward for them (tril/triu and the in-place fill_/zero_ do pass gradients)
+_GRAD_FREE = frozenset({"arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like",
+                        "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "eye",
+                        "linspace", "empty_strided", "_local_scalar_dense", "lift_fresh_copy", "tensor"})
+
+
+def grad_free(op) -> bool:
+    """The op's output never requires grad (a creation op reading only its input's shape, dtype or device)."""
+    return packet(op) in _GRAD_FREE
+
+
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))
 _reg(["clone", "_to_copy", "to", "repeat", "copy_", "copy", "roll", "flip", "pad",
       "constant_pad_nd", "repeat_interleave", "type_as", "_unsafe_index", "tile", "masked_select",

@@ -36,7 +36,8 @@ def test_estimates_track_measurement(name, mode):
     measured = fxmem.measure(copy.deepcopy(program.module), program.example_args, program.example_kwargs,
                              mode=mode, loss_fn=loss_fn)
     assert static.unknown_ops == [], f"ops missing from the op table: {static.unknown_ops}"
-    assert abs(static.peak / measured.peak - 1) <= 0.10, (static.peak, measured.peak)
+    # (every example within 0.3% since creation ops like x.new_zeros(...) take no gradient: gcn was 3.8% high)
+    assert abs(static.peak / measured.peak - 1) <= 0.005, (static.peak, measured.peak)
     assert abs(traced.peak / measured.peak - 1) <= 0.01, (traced.peak, measured.peak)
     for field in ("params", "buffers", "inputs"):
         assert getattr(static, field) == getattr(measured, field), field
