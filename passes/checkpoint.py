@@ -650,14 +650,9 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
             last = by_name[names[-1]]
-
-            def at(a, pos=pos):  # a chain member's output as "@i", also inside a list argument (cat)
-                if isinstance(a, (list, tuple)):
-                    return type(a)(at(b) for b in a)
-                return f"@{pos[a.name]}" if isinstance(a, fx.Node) and a.name in pos else a
             last.kwargs = {**last.kwargs, "_fxmem_chain": tuple(
-                (by_name[m].args[0],
-                 tuple(at(a) for a in by_name[m].args[1:]),
+                (by_name[m].args[0],  # a member's output as "@i", also inside a list argument (cat)
+                 fx.node.map_arg(by_name[m].args[1:], lambda a: f"@{pos[a.name]}" if a.name in pos else a),
                  {k: v for k, v in by_name[m].kwargs.items() if k not in ("_fxmem_chain", "_fxmem_share")})
                 for m in names)}
             what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)

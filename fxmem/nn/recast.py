@@ -298,15 +298,8 @@ def _run_chain(chain: tuple) -> torch.Tensor:
     """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
     statistics; the last member's output."""
     outs: list = []
-
-    def one(a):
-        if isinstance(a, str) and a[:1] == "@":
-            return outs[int(a[1:])]
-        if isinstance(a, (list, tuple)):
-            return type(a)(one(t) for t in a)
-        return a
     for op, args, kwargs in chain:
-        args = tuple(one(a) for a in args)
+        args = _map_args(args, lambda a: outs[int(a[1:])] if isinstance(a, str) and a[:1] == "@" else a)
         outs.append(op_named(op)(*_stats_free(op, args), **kwargs))
     return outs[-1]
 
@@ -350,13 +343,9 @@ class RecastScope:
             return tuple(args)
 
         def one(a):
-            if isinstance(a, torch.Tensor):
-                p = self._pack_now(a)
-                return p if isinstance(p, _Remat) else a
-            if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
-                return type(a)(one(t) for t in a)
-            return a
-        return tuple(one(a) for a in args)
+            p = self._pack_now(a) if isinstance(a, torch.Tensor) else a
+            return p if isinstance(p, _Remat) else a
+        return _map_args(args, one)
 
     def _pack(self, t: torch.Tensor):
         if self._pending is not None:
@@ -482,6 +471,11 @@ def _arg_tensors(args: tuple) -> list[torch.Tensor]:
     return [a for a in _flat_args(args) if isinstance(a, torch.Tensor)]
 
 
+def _map_args(args: tuple, f) -> tuple:
+    """`args` with `f` applied to each argument, and inside list arguments (cat, stack) to each element."""
+    return tuple(type(a)(f(t) for t in a) if isinstance(a, (list, tuple)) else f(a) for a in args)
+
+
 def _materialize(x: _Remat) -> torch.Tensor:
     """Run x's recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
     return _recompute(x.recipe).as_strided(x.shape, x.stride, x.offset)
@@ -493,14 +487,7 @@ def _recompute(r: _Recipe) -> torch.Tensor:
         raise RuntimeError(
             f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
-
-    def one(a):
-        if isinstance(a, _Remat):
-            return _materialize(a)
-        if isinstance(a, (list, tuple)) and any(isinstance(t, _Remat) for t in a):
-            return type(a)(one(t) for t in a)
-        return a
-    return r.fn(*(one(a) for a in r.args), **r.kwargs)
+    return r.fn(*_map_args(r.args, lambda a: _materialize(a) if isinstance(a, _Remat) else a), **r.kwargs)
 
 
 class _Enter:
