@@ -312,7 +312,7 @@ class _Recorder(TorchDispatchMode):
             else:
                 out_keys.append(None)
                 out_bytes.append(0)
-        float_out = any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in outs)
+        float_out = any(k is not None and k not in int_outs for k in out_keys)
         out_rg = self.grad_enabled and torch.is_grad_enabled() and float_out and any(in_rg) and \
             not optable.grad_free(func)
         rec = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
@@ -870,9 +870,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 tmp = b
                 cur += tmp
                 bump(r.node, r.module)
-                if k in grad_slices and all(k != s for s, _ in sums):
+                if k in grad_slices:
                     # the old one is a slice of a join's gradient, which autograd does not add into in place: the
                     # sum is a new buffer, made once this op's backward has released what it held (below)
+                    grad_slices.discard(k)
                     sums.append((k, tmp))
                     continue
                 cur -= tmp
@@ -903,7 +904,6 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             node_peak = max(node_peak, cur)
             cur -= b + grad_live[k]
             grad_live[k] = b
-            grad_slices.discard(k)
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
             cur -= recomputed_live.pop(r.region)
         _timeline_add(timeline, "backward", r.node, cur, node_peak)

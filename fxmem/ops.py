@@ -63,6 +63,7 @@ class OpInfo:
     # how backward hands grad_out to several tensor inputs without new buffers: "shared" (add: the same tensor to
     # every input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it)
     grad_alias: str = ""
+    no_grad: bool = False  # the output never requires grad, whatever the inputs (x.new_zeros(...), zeros_like(x))
 
 
 # ---------------------------------------------------------------------------------------------- save rules
@@ -335,20 +336,19 @@ _reg(["index"], OpInfo(INDEXING, _index_args(1), _flops_zero))
 _reg(["scatter_add", "scatter_add_", "scatter", "scatter_", "scatter_reduce", "scatter_reduce_", "index_add",
       "index_add_", "index_put", "index_put_", "index_copy"],
      OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+# creation ops: autograd records no backward for them, whatever their inputs (they read only shape, dtype, device)
 _reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like",
-      "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "tril", "triu", "eye", "linspace",
-      "empty_strided", "fill_", "zero_", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
-      "_local_scalar_dense", "lift_fresh_copy", "tensor"], OpInfo(CREATION, _none, _flops_zero))
-# creation ops whose output never requires grad, whatever their inputs (x.new_zeros(...), zeros_like(x)): autograd
-# records no backward for them (tril/triu and the in-place fill_/zero_ do pass gradients)
-_GRAD_FREE = frozenset({"arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like",
-                        "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "eye",
-                        "linspace", "empty_strided", "_local_scalar_dense", "lift_fresh_copy", "tensor"})
+      "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "eye", "linspace",
+      "empty_strided", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
+      "_local_scalar_dense", "lift_fresh_copy", "tensor"], OpInfo(CREATION, _none, _flops_zero, no_grad=True))
+# ... except these, which pass gradients (tril/triu of a tensor that requires grad; in-place fills)
+_reg(["tril", "triu", "fill_", "zero_"], OpInfo(CREATION, _none, _flops_zero))
 
 
 def grad_free(op) -> bool:
     """The op's output never requires grad (a creation op reading only its input's shape, dtype or device)."""
-    return packet(op) in _GRAD_FREE
+    info = lookup(op)
+    return info is not None and info.no_grad
 
 
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))
