@@ -640,23 +640,29 @@ def test_cat_recipe_nests_its_list_elements_recipes_and_checks_their_versions():
         run(True, bump=True)
 
 
-def _unet_remat_only(joins=True):
-    """The U-Net with every remat site the pass finds applied (no regions; `joins`: the cats too), its sites'
-    (name, chain names) taken before the rewrite."""
+def _remat_only(model, args, kwargs, loss_fn, keep=lambda s: True):
+    """`model` captured with the remat sites the pass finds that `keep` accepts applied (no regions); the
+    untouched original, the program and the sites' (name, chain names, remat_call) taken before the rewrite."""
     from fxmem.pipeline import PassContext
     ck = pass_module("checkpoint")
-    torch.manual_seed(0)
-    model, args, kwargs, loss_fn = example("unet")
     ref = copy.deepcopy(model)
     program = fxmem.capture(model, args, kwargs)
     program.refresh()
     base = fxmem.estimate(program, mode="train", loss_fn=loss_fn)
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
                       budget=base.peak, baseline=base, enabled=("checkpoint",), loss_fn=loss_fn)
-    sites = [s for s in ck.remat_sites(program, ck.CheckpointPass._trace(program, ctx), None)
-             if joins or s.node.target is not torch.ops.aten.cat.default]
+    sites = [s for s in ck.remat_sites(program, ck.CheckpointPass._trace(program, ctx), None) if keep(s)]
     names = [(s.node.name, [c.name for c in s.chain], s.call) for s in sites]
     ck.apply_remat(program, sites)
+    return ref, program, names
+
+
+def _unet_remat_only(joins=True):
+    """The U-Net with every remat site the pass finds applied (`joins`: the cats too)."""
+    torch.manual_seed(0)
+    model, args, kwargs, loss_fn = example("unet")
+    ref, program, names = _remat_only(model, args, kwargs, loss_fn,
+                                      lambda s: joins or s.node.target is not torch.ops.aten.cat.default)
     return ref, program, names, args, kwargs, loss_fn
 
 
@@ -707,20 +713,10 @@ class _StackHead(nn.Module):
 def test_stack_join_is_recomputed_from_its_inputs_bit_exact():
     """torch.stack is a join like cat: the linear's save of stack([ya, yb]) is recomputed from ya and yb, which
     their ReLUs save anyway; the step is bit-exact and the estimate is the measured peak."""
-    ck = pass_module("checkpoint")
-    from fxmem.pipeline import PassContext
     torch.manual_seed(0)
     model, x = _StackHead(), torch.randn(64, 16)
-    ref = copy.deepcopy(model)
-    program = fxmem.capture(model, (x,))
-    program.refresh()
-    base = fxmem.estimate(program, mode="train")
-    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
-                      budget=base.peak, baseline=base, enabled=("checkpoint",))
-    sites = ck.remat_sites(program, ck.CheckpointPass._trace(program, ctx), None)
-    joins = [s for s in sites if s.node.target is torch.ops.aten.stack.default]
-    assert len(joins) == 1 and joins[0].call and not joins[0].chain
-    ck.apply_remat(program, joins)
+    ref, program, names = _remat_only(model, (x,), {}, None, lambda s: s.node.target is torch.ops.aten.stack.default)
+    assert len(names) == 1 and names[0][2] and not names[0][1]  # remat_call, no chain
     assert "remat_call('aten.stack.default'" in program.module.code
     est = fxmem.estimate(program, mode="train")
     meas = fxmem.measure(copy.deepcopy(program.module), (x,))
