@@ -1,7 +1,7 @@
 """Checkpoint pass: land the training step under a memory budget with the least extra compute.
 
-Given a budget (bytes, or a fraction of the baseline peak), the pass chooses, for each candidate region of the
-graph, one of four things:
+Given a budget (bytes, or a fraction of the baseline peak; or an activation budget, below), the pass chooses, for
+each candidate region of the graph, one of four things:
 
     keep       the region runs as captured; autograd saves what it saves
     selective  recompute in backward, but save the outputs of matmul-like ops (mm/addmm/bmm/convolution/attention
@@ -61,6 +61,15 @@ The plan is then checked with the cost model's static estimate of the rewritten 
 above the budget, the pass plans again against a budget lowered by the overshoot (`refine` times). The stated
 tolerance is `slack` (default 5%): measured peak <= budget * (1 + slack), tested on the example models.
 
+Activation budget. `activation_budget` ('6MiB', or '30%' of the baseline's) bounds instead, or as well, the
+bytes autograd keeps at the end of forward: what torch.compile's `activation_memory_budget` bounds (a fraction of
+what its partitioner would save), and what decides whether a larger batch fits when the peak is elsewhere. Remat
+takes sites until the estimate meets every limit given; for regions it is one more constraint of the same
+nested form, on the last prefix (every region's forward has run by the end of forward): the bytes all regions
+free together >= the activations above the budget (`Model.act_need`). Planned, verified and refined like the
+peak; when out of reach, the error (or the best effort, as for the peak) gives the lowest activations
+checkpointing reaches.
+
 Emission: each chosen region is outlined (`fxmem.outline`) into a `CheckpointRegion` submodule named
 `ckpt_<module path>` that calls its body through `torch.utils.checkpoint(use_reentrant=False,
 preserve_rng_state=True)` (dropout masks are reproduced exactly), with a selective policy for `selective`.
@@ -70,7 +79,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -82,7 +91,7 @@ from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smalle
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import install as install_recast, op_call, op_named, remat, remat_call
+from fxmem.nn.recast import install as install_recast, nested_recipes, op_call, op_named, remat, remat_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -95,6 +104,9 @@ CHOICES = ("keep", "selective", "full", "redraw")
 class CheckpointOptions:
     """Options of `passes.checkpoint` in a policy."""
     budget: Budget | None = None  # '4GiB', '40%' (of the baseline peak); None: the policy's budget
+    # activation bytes left saved at the end of forward: '6MiB', or '30%' of the baseline's (what torch.compile's
+    # activation_memory_budget bounds); None: no such bound. With a peak budget too, the plan meets both
+    activation_budget: Budget | None = None
     solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
     selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
     # recompute cost: roofline (max of FLOPs and `balance` x bytes moved: pointwise and normalization ops are
@@ -349,6 +361,13 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         for k in r.recast:
             if k in recipe_at:
                 recast_savers.setdefault(k, []).append(r.idx)
+    # recipe output -> the recipe outputs whose recipes hold it as a nested recipe (a cat holding its upsampling)
+    key_of = {id(rp): k for k, rp in rec.recipe_of.items()}
+    holders: dict[int, list[int]] = {}
+    for k, rp in rec.recipe_of.items():
+        for inner in nested_recipes(rp):
+            if id(inner) in key_of:
+                holders.setdefault(key_of[id(inner)], []).append(k)
     for reg in regions:
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
@@ -418,9 +437,16 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         # region): recomputed (any choice but keep), the body runs with the recipe scope aside
         # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward
         # to their backward: the region frees that much less
+        # The same for a recipe output made inside that a recipe made outside holds nested (a cat's upsampling
+        # convolution): the outer recipe holds it as a plain tensor then
+
+        def kept_outside(k: int) -> bool:
+            return any(i not in idxs for i in recast_savers.get(k, ())) or any(
+                recipe_at.get(j) not in names and (recast_savers.get(j) or holders.get(j))
+                for j in holders.get(k, ()))
         lost = 0
         for k, at in recipe_at.items():
-            if at in names and base_keys.get(k) is None and any(i not in idxs for i in recast_savers.get(k, ())):
+            if at in names and base_keys.get(k) is None and kept_outside(k):
                 lost += sb[k]
         reg.lost = lost
         reg.saved = sum(sb[k] for k in saved)
@@ -692,9 +718,23 @@ class Model:
     floor: int  # peak of points no region can help (optimizer step, ...)
     floor_at: str
     choices: list[tuple[str, ...]]  # allowed choices per region
+    # bytes all regions together must free: the activations left at the end of forward (after every region's
+    # forward, so the last prefix) above an activation budget
+    act_need: int = 0
 
     def needs(self, budget: int) -> list[int]:
-        return [max(0, lv - budget) for lv in self.live_by_prefix]
+        out = [max(0, lv - budget) for lv in self.live_by_prefix]
+        out[-1] = max(out[-1], self.act_need)
+        return out
+
+    def freed(self, plan: list[str]) -> int:
+        return sum(r.freed(c) for r, c in zip(self.regions, plan))
+
+    def max_freed(self) -> int:
+        return sum(max(r.freed(c) for c in ch) for r, ch in zip(self.regions, self.choices))
+
+    def fits(self, plan: list[str], budget: int) -> bool:
+        return self.peak(plan) <= budget and self.freed(plan) >= self.act_need
 
     def peak(self, plan: list[str]) -> int:
         freed = 0
@@ -733,6 +773,11 @@ def build_model(est, regions: list[Region], program: Program, choices) -> Model:
         k = int(np.searchsorted(lasts, at, side="left"))  # regions whose last node is before `at`
         live[k] = max(live[k], p.peak)
     return Model(regions, live, floor, floor_at, choices)
+
+
+def _with_need(model: Model, act_need: int) -> Model:
+    """`model` with the regions' total freed bytes bounded below by `act_need` (an activation budget)."""
+    return model if model.act_need == act_need else replace(model, act_need=act_need)
 
 
 # ============================================================================================ solvers
@@ -903,14 +948,16 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
     cscale = max(1.0, lay.cost.max())
     bscale = float(max(1, p0))
     # columns: the plan's variables, then P; rows: one choice per region, no costlier (a relative tolerance: the
-    # solver's own is about 1e-6), then P + freed(regions[:k]) >= live[k] for every prefix k
-    A = np.zeros((n + 1 + n + 1, m + 1))
+    # solver's own is about 1e-6), then P + freed(regions[:k]) >= live[k] for every prefix k, then the bytes all
+    # regions free >= the activation need
+    A = np.zeros((n + 1 + n + 1 + 1, m + 1))
     A[:n, :m] = lay.one
     A[n, :m] = lay.cost / cscale
-    A[n + 1:, :m] = lay.freed / bscale
-    A[n + 1:, m] = 1.0
-    lo = np.r_[np.ones(n), -np.inf, np.array(model.live_by_prefix, dtype=float) / bscale]
-    hi = np.r_[np.ones(n), c0 / cscale * (1 + 1e-7) + 1e-9, np.full(n + 1, np.inf)]
+    A[n + 1:2 * n + 2, :m] = lay.freed / bscale
+    A[n + 1:2 * n + 2, m] = 1.0
+    A[2 * n + 2, :m] = lay.freed[n] / bscale
+    lo = np.r_[np.ones(n), -np.inf, np.array(model.live_by_prefix, dtype=float) / bscale, model.act_need / bscale]
+    hi = np.r_[np.ones(n), c0 / cscale * (1 + 1e-7) + 1e-9, np.full(n + 2, np.inf)]
     obj = np.zeros(m + 1)
     obj[m] = 1.0
     x, _, _ = _highs(obj, A, lo, hi, np.r_[np.zeros(m), model.floor / bscale], np.r_[np.ones(m), np.inf],
@@ -918,8 +965,8 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
     if x is None:
         return plan
     out = lay.plan(x)
-    # the solver's tolerances must not make the plan costlier or its peak higher
-    if model.cost(out) <= c0 * (1 + 1e-9) + 1e-9 and model.peak(out) <= p0:
+    # the solver's tolerances must not make the plan costlier, its peak higher or its freed bytes short
+    if model.cost(out) <= c0 * (1 + 1e-9) + 1e-9 and model.peak(out) <= p0 and model.freed(out) >= model.act_need:
         return out
     return plan
 
@@ -929,7 +976,7 @@ def solve_greedy(model: Model, budget: int) -> list[str] | None:
     n = len(model.regions)
     plan = ["keep"] * n
     rank = {c: i for i, c in enumerate(CHOICES)}
-    while model.peak(plan) > budget:
+    while not model.fits(plan, budget):
         best, best_ratio = None, -1.0
         for i, (reg, ch) in enumerate(zip(model.regions, model.choices)):
             for c in ch:
@@ -1050,12 +1097,54 @@ def resolve_budget(options: CheckpointOptions, ctx, baseline_peak: int) -> int |
     b = options.budget
     if b is None:
         return ctx.budget
+    return _resolve(b, "budget", baseline_peak)
+
+
+def resolve_activation_budget(options: CheckpointOptions, baseline_activations: int) -> int | None:
+    b = options.activation_budget
+    return None if b is None else _resolve(b, "activation_budget", baseline_activations)
+
+
+def _resolve(b, key: str, baseline: int) -> int:
     if not isinstance(b, Budget):
         try:
             b = parse_budget(b)
         except ValueError as e:
-            raise PolicyError(f"passes.checkpoint.budget: {e}") from None
-    return int(b.resolve(baseline_peak))
+            raise PolicyError(f"passes.checkpoint.{key}: {e}") from None
+    return int(b.resolve(baseline))
+
+
+NO_PEAK = 1 << 62  # the planning budget of a peak nobody bounds (only activations are)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the plan must meet: the estimated peak <= `peak` and the activations saved at the end of forward <=
+    `activations` (either may be None: unbounded)."""
+    peak: int | None
+    activations: int | None
+
+    def over(self, peak: int, activations: int) -> int:
+        """By how many bytes an estimate misses (0 when it meets both)."""
+        return max(0, peak - self.peak if self.peak is not None else 0,
+                   activations - self.activations if self.activations is not None else 0)
+
+    def fits(self, est) -> bool:
+        return self.over(est.peak, est.activations) == 0
+
+    def fits_metrics(self, m: dict) -> bool:
+        """A pass result's estimate (unchecked, verify=False: assumed to fit)."""
+        peak, acts = m.get("estimated_peak"), m.get("estimated_activations")
+        return (peak is None or self.peak is None or peak <= self.peak) and \
+            (acts is None or self.activations is None or acts <= self.activations)
+
+    def miss_metrics(self, m: dict) -> int:
+        return self.over(m.get("estimated_peak") or 0, m.get("estimated_activations") or 0)
+
+    def describe(self) -> str:
+        parts = ([f"the budget {format_bytes(self.peak)}"] if self.peak is not None else []) + \
+            ([f"the activation budget {format_bytes(self.activations)}"] if self.activations is not None else [])
+        return " and ".join(parts)
 
 
 def profile_nodes(program: Program, repeats: int = 3) -> dict[str, float]:
@@ -1116,11 +1205,14 @@ class CheckpointPass:
         if ctx.mode != "train":
             return PassResult(program, False, notes=["checkpoint: inference mode saves nothing for backward; "
                                                      "nothing to do"])
-        base_peak = ctx.baseline.peak if ctx.baseline is not None else ctx.estimate(program).peak
-        budget = resolve_budget(opts, ctx, base_peak)
-        if budget is None:
-            return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget or the "
-                                                     "policy's budget); nothing to do"])
+        base = ctx.baseline if ctx.baseline is not None else ctx.estimate(program)
+        budget = resolve_budget(opts, ctx, base.peak)
+        act_budget = resolve_activation_budget(opts, base.activations)
+        if budget is None and act_budget is None:
+            return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget, "
+                                                     "passes.checkpoint.activation_budget or the policy's budget); "
+                                                     "nothing to do"])
+        lim = Limits(budget, act_budget)
         keep_ops = frozenset(opts.keep_ops)
         est0 = _current_estimate(program, ctx)  # the baseline itself when it was made for this program
         traced = None
@@ -1128,9 +1220,11 @@ class CheckpointPass:
             traced = self._trace(program, ctx)
             est0 = estimate_from_trace(program, traced, mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
         metrics = {"budget": budget, "peak_before": est0.peak, "slack": opts.slack}
-        if est0.peak <= budget:
-            notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
-                         f"{format_bytes(budget)}; nothing recomputed")
+        if act_budget is not None:
+            metrics.update({"activation_budget": act_budget, "activations_before": est0.activations})
+        if lim.fits(est0):
+            notes.append(f"checkpoint: the estimate (peak {format_bytes(est0.peak)}, activations "
+                         f"{format_bytes(est0.activations)}) already fits {lim.describe()}; nothing recomputed")
             return PassResult(program, False, notes=notes, metrics=metrics)
         # over budget: first the free, exact saving (bool dropout masks), then recomputation for the rest
         pre: list[Change] = []
@@ -1151,11 +1245,11 @@ class CheckpointPass:
                         f"{format_bytes(before.peak)} -> {format_bytes(est0.peak)}")
         if traced is None:
             traced = self._trace(program, ctx)
-        if est0.peak <= budget:
-            notes.append(f"checkpoint: the estimated peak {format_bytes(est0.peak)} already fits the budget "
-                         f"{format_bytes(budget)}; nothing recomputed")
+        if lim.fits(est0):
+            notes.append(f"checkpoint: the estimate (peak {format_bytes(est0.peak)}, activations "
+                         f"{format_bytes(est0.activations)}) already fits {lim.describe()}; nothing recomputed")
             if pre:
-                metrics["estimated_peak"] = est0.peak
+                metrics.update({"estimated_peak": est0.peak, "estimated_activations": est0.activations})
             return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
 
         if opts.regions:
@@ -1166,27 +1260,30 @@ class CheckpointPass:
             sites = remat_sites(program, traced, opts.balance if opts.balance is not None
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
-                def planned(k: int):
-                    return estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]},
-                                                                   {s.key for s in sites[:k] if s.share}),
-                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
-                k = smallest_fitting_prefix(len(sites), planned, budget)
+                def planned(k: int):  # bytes the estimate with the first k sites misses the limits by
+                    est = estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]},
+                                                                  {s.key for s in sites[:k] if s.share}),
+                                              mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
+                    return lim.over(est.peak, est.activations)
+                k = smallest_fitting_prefix(len(sites), planned, 0)
                 rematted = program.snapshot()
                 rm = apply_remat(rematted, sites[:k])
                 rematted.graph.lint()
                 traced2 = self._trace(rematted, ctx)
                 est2 = estimate_from_trace(rematted, traced2, mode=ctx.mode, optimizer=ctx.optimizer,
                                            loss_fn=ctx.loss_fn)
-                if est2.peak < est0.peak or (est2.peak == est0.peak and est2.activations < est0.activations):
+                if est2.peak < est0.peak or (est2.peak == est0.peak or budget is None) and \
+                        est2.activations < est0.activations:
                     metrics["remat"] = {"sites": len(rm), "candidates": len(sites), "peak_after": est2.peak,
                                         "activations_saved": est0.activations - est2.activations}
                     ctx.log(f"[checkpoint] {len(rm)} of {len(sites)} cheap activations recomputed in backward: "
                             f"estimated peak {format_bytes(est0.peak)} -> {format_bytes(est2.peak)}")
-                    if est2.peak <= budget:
+                    if lim.fits(est2):
                         notes.append(f"checkpoint: {len(rm)} cheap activations recomputed in backward bring the "
-                                     f"estimated peak to {format_bytes(est2.peak)}, within the budget "
-                                     f"{format_bytes(budget)}; no region recomputed")
-                        metrics["estimated_peak"] = est2.peak
+                                     f"estimate to peak {format_bytes(est2.peak)}, activations "
+                                     f"{format_bytes(est2.activations)}, within {lim.describe()}; no region "
+                                     f"recomputed")
+                        metrics.update({"estimated_peak": est2.peak, "estimated_activations": est2.activations})
                         return PassResult(rematted, True, changes=pre + rm, notes=notes, metrics=metrics)
                     # regions for the rest, planned on the rewritten program and on the program without remat
                     # (recipes and regions interact: a region input that is a recipe is recomputed too, and a
@@ -1199,25 +1296,25 @@ class CheckpointPass:
                             if "sets" not in memo:
                                 memo["sets"] = self._candidate_sets(prog, tr, est, opts, keep_ops)
                             return self._plan_regions(prog, tr, est, changes, list(notes), dict(mets), opts, ctx,
-                                                      budget, keep_ops, t0, only, memo["sets"])
+                                                      lim, keep_ops, t0, only, memo["sets"])
                         return run
 
                     return self._remat_or_not(
                         planner(rematted, traced2, est2, pre + rm, metrics),
                         planner(program, traced, est0, pre, {m: v for m, v in metrics.items() if m != "remat"}),
-                        remat_cost, budget)
-        return self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, budget, keep_ops, t0)
+                        remat_cost, lim)
+        return self._plan_regions(program, traced, est0, pre, notes, metrics, opts, ctx, lim, keep_ops, t0)
 
     @staticmethod
-    def _remat_or_not(with_remat, without, remat_cost: float, budget: int) -> PassResult:
+    def _remat_or_not(with_remat, without, remat_cost: float, lim: Limits) -> PassResult:
         """Regions with remat or regions alone. Both are planned (the memory model and the solver, no tracing);
         the cheaper reachable plan (remat's own recompute counted) is emitted and verified. The other is emitted
         too only if it may be cheaper after all (the verify-and-refine loop made the first costlier) or the first
-        misses the budget by its estimate: the cheaper one that fits wins, else the lower estimate. A budget
-        neither plan reaches (one by its planner, the other by its estimate) is a BudgetError. `run(True)` plans
-        only: (cost, planned peak, reachable); `run(False)` emits and verifies (a PassResult)."""
+        misses the limits by its estimate: the cheaper one that fits wins, else the lower estimate. Limits
+        neither plan reaches (one by its planner, the other by its estimate) are a BudgetError. `run(True)` plans
+        only: (cost, planned shortfall, reachable); `run(False)` emits and verifies (a PassResult)."""
         def fits(r) -> bool:
-            return r.metrics.get("estimated_peak") is None or r.metrics["estimated_peak"] <= budget
+            return lim.fits_metrics(r.metrics)
 
         def cost(r, extra) -> float:
             return extra + next((r.metrics[m] for m in ("recompute_roofline_flops", "recompute_flops",
@@ -1226,12 +1323,12 @@ class CheckpointPass:
         plans, err = [], None
         for run, extra in ((with_remat, remat_cost), (without, 0.0)):
             try:
-                planned_cost, peak, reachable = run(True)
+                planned_cost, miss, reachable = run(True)
             except BudgetError as e:
                 err = err or e
                 continue
-            # reachable plans first, cheapest first; best-effort plans (unreachable budget) by planned peak
-            plans.append(((not reachable, planned_cost + extra if reachable else peak), run, extra))
+            # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
+            plans.append(((not reachable, planned_cost + extra if reachable else miss), run, extra))
         if not plans:
             raise err
         plans.sort(key=lambda t: t[0])
@@ -1249,7 +1346,7 @@ class CheckpointPass:
                 best, best_run = second, run2
                 why = "the cheaper plan that fits" if fits(first) else "the plan that fits"
             elif second is not None and not fits(first) and not fits(second) and \
-                    second.metrics.get("estimated_peak", 0) < first.metrics.get("estimated_peak", 0):
+                    lim.miss_metrics(second.metrics) < lim.miss_metrics(first.metrics):
                 best, best_run, why = second, run2, "the lower estimate"
         if err is not None and not fits(best):
             # the other plan cannot reach the budget and this one misses it by its estimate: unreachable (a plan
@@ -1311,92 +1408,124 @@ class CheckpointPass:
         return sets
 
     def _plan_regions(self, program: Program, traced, est0, pre: list, notes: list, metrics: dict, opts, ctx,
-                      budget: int, keep_ops: frozenset, t0: float, plan_only: bool = False, sets=None):
-        """Recompute regions on `program` (already rewritten by `pre`) for the rest of the way to the budget;
-        `plan_only`: the first plan's (cost, planned peak, budget reachable) without emitting it. `sets`: the
+                      lim: Limits, keep_ops: frozenset, t0: float, plan_only: bool = False, sets=None):
+        """Recompute regions on `program` (already rewritten by `pre`) for the rest of the way to the limits;
+        `plan_only`: the first plan's (cost, planned shortfall, limits reachable) without emitting it. `sets`: the
         candidate sets, if already built for this program."""
         if sets is None:
             sets = self._candidate_sets(program, traced, est0, opts, keep_ops)
         if not sets:
             if plan_only:
-                return 0.0, est0.peak, False
+                return 0.0, lim.over(est0.peak, est0.activations), False
             notes.append("checkpoint: no candidate region saves activations; nothing to do")
             if pre:
-                metrics["estimated_peak"] = est0.peak
+                metrics.update({"estimated_peak": est0.peak, "estimated_activations": est0.activations})
             return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
         metrics["candidates"] = {cs.level: len(cs.regions) for cs in sets}
+        budget = lim.peak if lim.peak is not None else NO_PEAK  # the planning budget of the peak
+        act_need = max(0, est0.activations - lim.activations) if lim.activations is not None else 0
+
+        def planned_miss(cs, plan) -> int:
+            return lim.over(cs.model.peak(plan), est0.activations - cs.model.freed(plan))
 
         min_set = min(sets, key=lambda cs: max(cs.model.min_peak(), cs.model.floor))
         min_peak = max(min_set.model.min_peak(), min_set.model.floor)
-        offload_rest = False
-        if min_peak > budget:
-            msg = self._budget_message(budget, min_peak, est0, min_set.model)
+        act_set = max(sets, key=lambda cs: cs.model.max_freed())
+        before_acts = metrics.get("activations_before", est0.activations)  # before this pass (and remat)
+        min_acts = est0.activations - act_set.model.max_freed()
+        offload_rest = None  # the limit planned as low as it goes: "peak" or "activations"
+        msg = None
+        if lim.peak is not None and min_peak > lim.peak:
+            msg, offload_rest = self._budget_message(lim.peak, min_peak, est0, min_set.model), "peak"
+        elif lim.activations is not None and min_acts > lim.activations:
+            msg, offload_rest = self._activation_message(lim.activations, min_acts, before_acts), "activations"
+        if msg is not None:
             if "offload" in ctx.enabled:
-                notes.append(msg + " The offload pass is enabled and takes the rest: every candidate region is "
-                                   "recomputed (the lowest peak checkpointing reaches).")
+                notes.append(msg + " The offload pass is enabled and takes the rest: checkpointing goes as low as "
+                                   "it reaches.")
             elif not getattr(ctx, "budget_strict", True):
                 # a preset's budget is a target: go as low as checkpointing can and say so
-                notes.append(msg + " The policy's budget is a target (budget_strict: false): every candidate "
-                                   "region is recomputed, the lowest peak checkpointing reaches.")
+                notes.append(msg + " The policy's budget is a target (budget_strict: false): checkpointing goes "
+                                   "as low as it reaches.")
             else:
                 raise BudgetError(msg)
-            offload_rest = True
 
-        # plan against the memory model, emit on a copy, check with the cost model; if the estimate is above the
-        # budget, plan again against a budget lowered by the overshoot (at most `refine` times)
-        target = budget
+        # plan against the memory model, emit on a copy, check with the cost model; if the estimate misses the
+        # limits, plan again against a peak budget lowered, or an activation need raised, by the overshoot (at
+        # most `refine` times)
+        target, need = budget, act_need
         best = None
         for attempt in range(1 + max(0, opts.refine)):
-            if offload_rest:
-                # best effort: the cheapest plan reaching the lowest planned peak (not simply everything recomputed)
-                cs = min_set
-                sol = solve(cs.model, max(cs.model.min_peak(), cs.model.floor), opts.solver, opts.time_limit,
-                            cs.chain)
+            if offload_rest is not None:
+                # best effort: the cheapest plan reaching the lowest planned peak (or activations) rather than
+                # simply everything recomputed
+                cs = min_set if offload_rest == "peak" else act_set
+                model = cs.model if offload_rest == "peak" else _with_need(cs.model, cs.model.max_freed())
+                at = max(cs.model.min_peak(), cs.model.floor) if offload_rest == "peak" else budget
+                sol = solve(model, at, opts.solver, opts.time_limit, cs.chain)
                 if sol is None:
                     plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
                     sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan), "max", True)
             else:
                 found = []
+                key = (target, need)
                 for cs in sets:
-                    if target not in cs.solved:  # planning, then emitting, solve the same budget
-                        cs.solved[target] = [solve(cs.model, target, opts.solver, opts.time_limit, cs.chain,
-                                                   tiebreak=False), None]
-                    sl = cs.solved[target][0]
+                    if key not in cs.solved:  # planning, then emitting, solve the same limits
+                        cs.solved[key] = [solve(_with_need(cs.model, need), target, opts.solver, opts.time_limit,
+                                                cs.chain, tiebreak=False), None]
+                    sl = cs.solved[key][0]
                     if sl is not None:
                         found.append((sl.cost, sl.peak, len(found), sl, cs))
                 if not found:
                     if best is not None:
                         break
-                    raise BudgetError(self._budget_message(budget, min_peak, est0, min_set.model))
+                    raise BudgetError(self._budget_message(lim.peak, min_peak, est0, min_set.model)
+                                      if lim.peak is not None and (lim.activations is None or act_need == 0)
+                                      else self._activation_message(lim.activations, min_acts, before_acts)
+                                      + (f" With the budget {format_bytes(lim.peak)} as well, no plan meets "
+                                         f"both." if lim.peak is not None else ""))
                 # cheapest, then lowest planned peak: only the sets at the lowest cost can win, so only their
                 # plans go through the (costly) lowest-peak tie-break
                 c_min = min(t[0] for t in found)
                 for c, _, _, sl, cs2 in found:
-                    if c <= c_min * (1 + 1e-9) + 1e-9 and cs2.solved[target][1] is None:
-                        cs2.solved[target][1] = tie_break(sl, cs2.model, target, opts.time_limit)
-                found = [(c, cs2.solved[target][1].peak, i, cs2.solved[target][1], cs2)
+                    if c <= c_min * (1 + 1e-9) + 1e-9 and cs2.solved[key][1] is None:
+                        cs2.solved[key][1] = tie_break(sl, _with_need(cs2.model, need), target, opts.time_limit)
+                found = [(c, cs2.solved[key][1].peak, i, cs2.solved[key][1], cs2)
                          for c, _, i, _, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9]
                 _, _, _, sol, cs = min(found, key=lambda t: t[:3])
             if plan_only:
-                return sol.cost, sol.peak, not offload_rest
+                return sol.cost, planned_miss(cs, sol.plan), offload_rest is None
             trial = program.snapshot()
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
             est1 = ctx.estimate(trial) if opts.verify else None
-            if best is None or best[3] is None or est1 is None or est1.peak < best[3].peak:
-                best = (sol, trial, changes, est1, target, cs)
-            if offload_rest or est1 is None or est1.peak <= budget:
+            miss = lim.over(est1.peak, est1.activations) if est1 is not None else 0
+            if best is None or best[3] is None or est1 is None or (miss, est1.peak) < best[6]:
+                best = (sol, trial, changes, est1, target, cs, (miss, est1.peak if est1 is not None else 0))
+            if offload_rest is not None or est1 is None or miss == 0:
                 break
-            target = target - (est1.peak - budget) - max(1, budget // 1000)
+            if lim.peak is not None and est1.peak > lim.peak:
+                target = target - (est1.peak - lim.peak) - max(1, lim.peak // 1000)
+            if lim.activations is not None and est1.activations > lim.activations:
+                if need >= act_set.model.max_freed():
+                    break
+                # at most everything the regions can free: the plan freeing the most is the last one to try
+                need = min(need + (est1.activations - lim.activations) + max(1, lim.activations // 1000),
+                           act_set.model.max_freed())
             if target < min_peak:
                 break
-        sol, trial, changes, est1, target, cs = best
-        if est1 is not None and (est1.peak > est0.peak
-                                 or (est1.peak == est0.peak and est1.activations >= est0.activations)):
+        sol, trial, changes, est1, target, cs, _ = best
+        lowered = est1 is None or (est1.activations < est0.activations and (lim.peak is None or est1.peak <= est0.peak)
+                                   if lim.activations is not None else
+                                   est1.peak < est0.peak or (est1.peak == est0.peak
+                                                             and est1.activations < est0.activations))
+        if not lowered:
             notes.append(f"checkpoint: the best plan would not lower the estimated memory (peak "
-                         f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}: the peak is where recomputation "
-                         f"cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
+                         f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}, activations "
+                         f"{format_bytes(est1.activations)} vs {format_bytes(est0.activations)}: the peak is where "
+                         f"recomputation cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
             metrics.update({"estimated_peak": est0.peak if pre else est1.peak,
+                            "estimated_activations": est0.activations if pre else est1.activations,
                             "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})
             return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
         program = trial
@@ -1406,22 +1535,29 @@ class CheckpointPass:
             notes.append("checkpoint: " + sol.note)
         metrics.update({
             "solver": sol.solver, "optimal": sol.optimal, "gap": sol.gap, "solve_seconds": round(sol.seconds, 4),
-            "planned_peak": sol.peak, "planning_budget": target,
+            "planned_peak": sol.peak, "planning_budget": target if lim.peak is not None else None,
+            "planned_activations": est0.activations - cs.model.freed(sol.plan),
             "estimated_peak": est1.peak if est1 is not None else None,
+            "estimated_activations": est1.activations if est1 is not None else None,
             "recompute_flops": sol.cost if opts.cost == "flops" else None,
             "recompute_roofline_flops": sol.cost if opts.cost == "roofline" else None,
             "recompute_seconds": sol.cost if opts.cost == "profile" else None,
             "forward_flops": est0.flops_forward, "plan": {r.path: c for r, c in zip(regions, sol.plan)},
             "transform_seconds": round(time.perf_counter() - t0, 3),
         })
-        if est1 is not None and est1.peak > budget * (1 + opts.slack):
+        if est1 is not None and lim.peak is not None and est1.peak > lim.peak * (1 + opts.slack):
             notes.append(f"checkpoint: estimated peak after the pass {format_bytes(est1.peak)} is above the "
-                         f"budget {format_bytes(budget)} + {opts.slack:.0%} slack (planned "
+                         f"budget {format_bytes(lim.peak)} + {opts.slack:.0%} slack (planned "
                          f"{format_bytes(sol.peak)})")
+        if est1 is not None and lim.activations is not None and est1.activations > lim.activations * (1 + opts.slack):
+            notes.append(f"checkpoint: estimated activations after the pass {format_bytes(est1.activations)} are "
+                         f"above the activation budget {format_bytes(lim.activations)} + {opts.slack:.0%} slack "
+                         f"(planned {format_bytes(metrics['planned_activations'])})")
         ctx.log(f"[checkpoint] {sum(c != 'keep' for c in sol.plan)}/{len(regions)} regions recomputed "
                 f"({sol.solver}); planned peak {format_bytes(sol.peak)}, estimated "
-                f"{format_bytes(est1.peak) if est1 is not None else 'not checked'}, "
-                f"budget {format_bytes(budget)}")
+                f"{format_bytes(est1.peak) if est1 is not None else 'not checked'}"
+                + (f", activations {format_bytes(est1.activations)}" if est1 is not None else "")
+                + f"; {lim.describe()}")
         return PassResult(program, bool(changes) or bool(pre), changes=pre + changes, notes=notes, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -1438,6 +1574,13 @@ class CheckpointPass:
                 f"{format_bytes(est.optimizer_state)}, buffers {format_bytes(est.buffers)}, inputs "
                 f"{format_bytes(est.inputs)} (together {format_bytes(fixed)}), plus the inputs each recomputed "
                 f"region keeps and the last region's activations. Raise the budget, or enable the offload pass.")
+
+    @staticmethod
+    def _activation_message(act_budget, min_acts, before) -> str:
+        return (f"checkpoint: activation budget {format_bytes(act_budget)} is below the lowest activations at the "
+                f"end of forward that checkpointing reaches, about {format_bytes(max(0, min_acts))} (before the "
+                f"pass {format_bytes(before)}): every recomputed region keeps its inputs, and the model's output and "
+                f"what the last region needs stay. Raise the activation budget, or enable the offload pass.")
 
     @staticmethod
     def _emit(program: Program, regions: list[Region], plan: list[str], keep_ops: frozenset) -> list[Change]:

@@ -456,6 +456,11 @@ def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
     return out
 
 
+def nested_recipes(recipe: _Recipe) -> list[_Recipe]:
+    """The recipes `recipe` holds as arguments (its arguments that are recipes' outputs), not through them."""
+    return [a.recipe for a in _flat_args(recipe.args) if isinstance(a, _Remat)]
+
+
 def _flat_args(args: tuple) -> list:
     """Arguments with the elements of list arguments (cat, stack) in their place."""
     out: list = []
