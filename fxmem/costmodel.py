@@ -359,21 +359,31 @@ class _RecordingInterpreter(fx.Interpreter):
             # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout),
             # or an in-place op re-registered a recipe's storage (relu_ after a batch norm): saved as the recipe,
             # which holds its arguments, and recomputed in backward (a view of a recipe's output is not new)
-            k = self.rec.key(out)[0]
-            self.rec.recast_keys.add(k)
-            self.rec.recipe_holds[k] = list(dict.fromkeys(self.rec.key(t)[0] for t in recipe_tensors(recipe)))
-            self.rec.recipe_at[k] = n.name
-            self.rec.recipe_of[k] = recipe
-            if recipe.share:
-                self.rec.recipe_shared.add(k)
-            else:
-                self.rec.recipe_shared.discard(k)
-            for r in self.rec.records[first:]:  # the op's own saves of its output (ReLU's result) too
-                if r.region is None and k in r.saved:
-                    r.saved = [s for s in r.saved if s != k]
-                    r.recast = list(r.recast) + [k]
-                    self.rec.hold_recipe_args(r)
+            self._as_recipe(self.rec.key(out)[0], recipe, n, first)
+            # a tensor of the op's own making it saves besides its output (max pooling's indices), a recipe too
+            for r in self.rec.records[first:]:
+                for s in list(r.saved):
+                    other = scope.recipe_of_storage(s)
+                    if other is not None and other is not recipe and self.rec.recipe_of.get(s) is not other:
+                        self._as_recipe(s, other, n, first)
         return out
+
+    def _as_recipe(self, k: int, recipe, n, first: int) -> None:
+        """Storage `k`, made by node `n` (its records from `first` on), saved as `recipe`."""
+        rec = self.rec
+        rec.recast_keys.add(k)
+        rec.recipe_holds[k] = list(dict.fromkeys(rec.key(t)[0] for t in recipe_tensors(recipe)))
+        rec.recipe_at[k] = n.name
+        rec.recipe_of[k] = recipe
+        if recipe.share:
+            rec.recipe_shared.add(k)
+        else:
+            rec.recipe_shared.discard(k)
+        for r in rec.records[first:]:  # the op's own saves of it (ReLU's result, max pooling's indices) too
+            if r.region is None and k in r.saved:
+                r.saved = [s for s in r.saved if s != k]
+                r.recast = list(r.recast) + [k]
+                rec.hold_recipe_args(r)
 
     def call_module(self, target, args, kwargs):
         mod = self.fetch_attr(target)

@@ -19,21 +19,23 @@ every draw in the region is such a mask (recomputation replays other draws in or
 so keeping only some would shift the others); the memory model counts the kept masks and the cost leaves their
 draw out.
 
-Before any region, `remat` (on by default) looks for activations that are cheap functions of tensors autograd
-keeps anyway: a GELU, dropout or layer-norm output that the next matmul saves, while the GELU's input, the
-dropout's input and mask, or the norm's input and statistics are saved too. Such an output is saved twice over
-in effect; the pass rewrites the node as `fxmem.nn.recast.remat(y, "aten.op.overload", *args)`, which hands the
-consumers' saved-tensor hooks a recipe instead of the tensor and runs the op again (under no_grad, with a
-version check) when backward unpacks it. Outputs and gradients are bit-identical (same op, same inputs), there
-is no region, no dispatch mode and no RNG state, and it is what torch.compile's min-cut partitioner does inside
-its joint graph, in eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs
-(all of them when it needs more, and then regions plan on the rewritten program; if that plan misses the
-budget, regions plan on the program without remat). Ops that save their own output (ReLU) and short chains
-whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are rewritten as
-`remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe
-ReLU(batch_norm(conv output)), the conv output being saved by the norm anyway. When the ops saving an output run
-their backward back to back (ReLU's own save and the next conv's), backward recomputes it once for all of them
-(`_fxmem_share`; the cost model holds it from the first unpack to the last) instead of once per save.
+Before any region, `remat` (on by default) looks for activations that are cheap functions of tensors autograd keeps
+anyway: a GELU, dropout or layer-norm output that the next matmul saves, while the GELU's input, the dropout's
+input and mask, or the norm's input and statistics are saved too. Such an output is saved twice over in effect; the
+pass rewrites the node as `fxmem.nn.recast.remat(y, "aten.op.overload", *args)`, which hands the consumers'
+saved-tensor hooks a recipe instead of the tensor and runs the op again (under no_grad, with a version check) when
+backward unpacks it. Outputs and gradients are bit-identical (same op, same inputs), there is no region, no
+dispatch mode and no RNG state, and it is what torch.compile's min-cut partitioner does inside its joint graph, in
+eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs (all of them when it
+needs more, and then regions plan on the rewritten program; if that plan misses the budget, regions plan on the
+program without remat). Max pooling is a site too (its recipe covers the int64 argmax indices it keeps for its own
+backward), and so is a convolution or linear fed by the input alone when it costs no more than a few pointwise
+passes per byte (a CNN's first convolution over one to three channels). Ops that save their own output (ReLU) and
+short chains whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are rewritten as
+`remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe ReLU(batch_norm(conv
+output)), the conv output being saved by the norm anyway. When the ops saving an output run their backward back to
+back (ReLU's own save and the next conv's), backward recomputes it once for all of them (`_fxmem_share`; the cost
+model holds it from the first unpack to the last) instead of once per save.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -91,7 +93,8 @@ from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smalle
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import install as install_recast, nested_recipes, op_call, op_named, remat, remat_call
+from fxmem.nn.recast import INTERNAL_SAVES, install as install_recast, nested_recipes, op_call, op_named, remat, \
+    remat_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -517,6 +520,9 @@ REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_n
                          "batch_norm"})
 # copies that join tensors: a remat site (a U-Net's skip concatenation), its inputs held or chained
 REMAT_JOINS = frozenset({"cat", "stack"})
+# pooling (a CNN's down-sampling): max pooling also keeps its int64 argmax indices, recomputed with it
+# (fxmem.nn.recast.INTERNAL_SAVES)
+REMAT_POOLS = frozenset({"max_pool2d", "max_pool3d", "avg_pool2d"})
 # producers a join may recompute as a chain member when nobody else keeps their output (a U-Net's upsampling
 # convolution, whose input it saves anyway): dearer than pointwise ops, so never sites of their own
 REMAT_CHAIN_ONLY = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
@@ -533,6 +539,11 @@ class RematSite:
     chain: tuple = ()  # cheap producers recomputed with it (their outputs are not kept either): batch norm -> ReLU
     call: bool = False  # emitted as remat_call: the op saves its own output, runs in place, or has a chain
     share: bool = False  # its savers run their backward back to back: recomputed once, for all of them
+    internal: tuple = ()  # storage keys of what else the op saves of its own making (max pooling's indices)
+
+    @property
+    def keys(self) -> set:
+        return {self.key, *self.internal}
 
 
 def _remat_op(n: fx.Node) -> bool:
@@ -544,7 +555,21 @@ def _remat_op(n: fx.Node) -> bool:
         return False
     cat = optable.category(t)
     return cat == optable.POINTWISE or (cat == optable.NORM and optable.packet(t) in REMAT_NORMS) or \
-        optable.packet(t) in REMAT_JOINS
+        optable.packet(t) in REMAT_JOINS or optable.packet(t) in REMAT_POOLS
+
+
+# an input-fed matmul or convolution (a CNN's first convolution, on few input channels) is a site when its
+# recompute costs at most this many pointwise passes over its output (roofline cost per byte / balance; with
+# FLOPs alone, per byte / 10)
+REMAT_INPUT_MATMUL_PASSES = 4.0
+
+
+def _input_fed_matmul(n: fx.Node) -> bool:
+    """A matmul-like op (convolution, linear) whose tensor inputs are all graph inputs or parameters."""
+    t = n.target
+    return n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
+        optable.category(t) == optable.MATMUL and not t._schema.is_mutable and \
+        all(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes)
 
 
 def _chain_op(a: fx.Node, site: fx.Node) -> bool:
@@ -559,12 +584,15 @@ def _chain_op(a: fx.Node, site: fx.Node) -> bool:
 
 def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
     """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
-    that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms, bool-mask dropout or joins (cat,
-    stack: a U-Net's skip concatenation), and (2) have every tensor input held until those saves are unpacked
+    that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms, bool-mask dropout, joins (cat,
+    stack: a U-Net's skip concatenation), pooling (max pooling's indices recomputed with it), or a convolution or
+    linear fed only by graph inputs and parameters at most REMAT_INPUT_MATMUL_PASSES pointwise passes dear per
+    byte (a CNN's first convolution), and (2) have every tensor input held until those saves are unpacked
     anyway (parameters, inputs, tensors saved by this node or an earlier one), or computed by one such cheap op
     from held tensors and kept by nobody (a chain: a batch norm feeding an in-place ReLU is recomputed from the
     norm's input, which the norm saves; a join's upsampling transposed convolution from its input). Cheapest per
-    byte first."""
+    byte first; a site's cost counts an input that is another site's output once per unpack (a nested recipe is
+    recomputed with it)."""
     rec, base_keys, out_keys = traced[0], traced[1], traced[2]
     R = [r for r in rec.records if r.region is None]
     sb = rec.storage_bytes
@@ -601,11 +629,13 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         return sum(op_cost(r, balance) for r in rs)
 
     sites = []
+    per_unpack: dict[str, tuple] = {}  # site -> (recompute cost once, times backward recomputes it)
     for n in program.graph.nodes:
         if n.op != "call_function":
             continue
         dropout = n.target is bool_mask_dropout
-        if not (dropout or _remat_op(n)):
+        fed = not dropout and _input_fed_matmul(n)
+        if not (dropout or fed or _remat_op(n)):
             continue
         v = n.meta.get("fxmem_val", n.meta.get("val"))
         recs = by_node.get(n.name)
@@ -644,11 +674,28 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         span = sorted({pos[r.idx] for r in consumers})
         share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
                                            for r in R[span[0]:span[-1] + 1])
-        cost = (cost_of(n) + sum(cost_of(c) for c in chain)) * (1 if share else len(consumers))
+        once = cost_of(n) + sum(cost_of(c) for c in chain)
+        unpacks = 1 if share else len(consumers)
+        # what else the op saves of its own making (max pooling's indices): a recipe too, run again on its own
+        if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or 10.0) * sb[k]:
+            continue  # dearer than a few pointwise passes: regions decide instead
+        internal = [s for r in recs for s in r.saved if s != k and s in r.new_keys] \
+            if not dropout and optable.op_name(n.target) in INTERNAL_SAVES else []
+        unpacks += bool(internal)
         # a join's list argument may hold recipes' outputs (a skip connection's ReLU): remat_call keeps them as recipes
-        call = bool(chain) or in_place or self_saves or optable.packet(n.target) in REMAT_JOINS
-        sites.append(RematSite(n, k, int(sb[k]), float(cost), (_paths(n) or ["<root>"])[-1], tuple(chain), call,
-                               share))
+        call = bool(chain) or in_place or self_saves or bool(internal) or optable.packet(n.target) in REMAT_JOINS
+        sites.append(RematSite(n, k, int(sb[k] + sum(sb[s] for s in internal)), float(once * unpacks),
+                               (_paths(n) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal)))
+        per_unpack[n.name] = (once, unpacks)
+    # an input that is another site's output is a nested recipe: each unpack recomputes it too (a max pool of a
+    # batch norm -> ReLU chain runs the chain again for its output and for its indices)
+    site_at = {s.node.name: s for s in sites}
+    for s in sites:
+        members = {c.name for c in s.chain}
+        for m in (*s.chain, s.node):
+            for a in tensor_inputs(m):
+                if a.name in site_at and a.name not in members and a.name != s.node.name:
+                    s.cost += per_unpack[s.node.name][1] * per_unpack[a.name][0]
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
 
@@ -1261,7 +1308,7 @@ class CheckpointPass:
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
                 def planned(k: int):  # bytes the estimate with the first k sites misses the limits by
-                    est = estimate_from_trace(program, as_recipes(traced, {s.key for s in sites[:k]},
+                    est = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites[:k])),
                                                                   {s.key for s in sites[:k] if s.share}),
                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
                     return lim.over(est.peak, est.activations)

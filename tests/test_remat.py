@@ -723,3 +723,29 @@ def test_stack_join_is_recomputed_from_its_inputs_bit_exact():
     assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
     assert meas.activations < fxmem.measure(copy.deepcopy(ref), (x,)).activations
     _same_step(ref, program.module, (x,), {}, None, exact=True)
+
+
+def test_unet_max_pooling_and_first_convolution_recomputed_bit_exact_and_estimate_is_measured():
+    """Max pooling is a remat site whose recipe covers its int64 argmax indices too (its own save, twice the
+    float output's bytes), and the first convolution, fed by the input alone through one channel, is a site of its
+    own (cheaper per byte than a pointwise pass); deeper convolutions are not. Bit-exact step, estimate = measured,
+    and the activations drop by exactly the pooled outputs, their indices and the first convolution's output."""
+    ref, program, names, args, kwargs, loss_fn = _unet_remat_only()
+    pools = [(n, chain, call) for n, chain, call in names if n.startswith("max_pool2d")]
+    assert sorted(pools) == [("max_pool2d", [], True), ("max_pool2d_1", [], True)], names
+    convs = [(n, chain, call) for n, chain, call in names if n.startswith("conv2d")]
+    assert convs == [("conv2d", [], False)], names
+    est = fxmem.estimate(program, mode="train", loss_fn=loss_fn)
+    meas = fxmem.measure(copy.deepcopy(program.module), args, kwargs, loss_fn=loss_fn)
+    assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
+    assert est.activations == meas.activations
+    _same_step(ref, program.module, args, kwargs, loss_fn, exact=True)
+    torch.manual_seed(0)
+    model, *_ = example("unet")
+    _, without, _ = _remat_only(model, args, kwargs, loss_fn, lambda s: not s.node.name.startswith(("max_pool",
+                                                                                                   "conv2d")))
+    meas_without = fxmem.measure(copy.deepcopy(without.module), args, kwargs, loss_fn=loss_fn)
+    b, _, h, w = args[0].shape
+    c = ref.enc1[0].out_channels
+    pooled = b * c * (h // 2) * (w // 2) + b * 2 * c * (h // 4) * (w // 4)  # elements of both pools' outputs
+    assert meas_without.activations - meas.activations == pooled * (4 + 8) + b * c * h * w * 4

@@ -47,7 +47,8 @@ ReLU keeps neither the norm's nor the ReLU's output: backward recomputes ReLU(ba
 conv output, which the norm saves anyway. A training-mode batch norm is recomputed without running statistics
 (updated once, in forward; the output is bit-identical); on CPU, from the batch statistics the forward computed
 (`batch_norm_affine`: x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to
-give the kernel's output bit for bit. A registered output changed in place afterwards is
+give the kernel's output bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe
+too, the full op run again for that output. A registered output changed in place afterwards is
 saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps
 aside (`aside`): the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of
 a non-reentrant checkpoint region are saved through the hooks outside it, so a region input that is a recipe's
@@ -277,9 +278,39 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **
         else:
             fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
         scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
+        internal = INTERNAL_SAVES.get(op)
+        if internal is not None:
+            # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
+            # too, the op's full form run again for that output
+            for d in pending:
+                t = d.value
+                if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and \
+                        t.untyped_storage()._cdata not in {a.untyped_storage()._cdata for a in
+                                                           (y, *_arg_tensors(args))} \
+                        and scope.recipe_for(t) is None:
+                    scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     for d in pending:  # the op's own saves, packed now that its output is a recipe
         d.value = scope._pack_now(d.value, count=True)
     return y
+
+
+# ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
+# its dtype); max pooling keeps its argmax indices (int64: twice a float32 output's bytes)
+INTERNAL_SAVES = {
+    "aten.max_pool2d.default": ("aten.max_pool2d_with_indices.default", 1, torch.int64),
+    "aten.max_pool3d.default": ("aten.max_pool3d_with_indices.default", 1, torch.int64),
+}
+
+
+class _output_of:
+    """Output `i` of the op named `op` (a recipe's function: the indices of max_pool2d_with_indices)."""
+    __slots__ = ("op", "i", "__name__")
+
+    def __init__(self, op: str, i: int):
+        self.op, self.i, self.__name__ = op, i, f"{op}[{i}]"
+
+    def __call__(self, *args, **kwargs):
+        return _resolve(self.op)(*args, **kwargs)[self.i]
 
 
 torch.fx.wrap("remat_call")
@@ -335,6 +366,11 @@ class RecastScope:
         """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
         p = self._pack_now(t)
         return p.recipe if isinstance(p, _Remat) else None
+
+    def recipe_of_storage(self, key: int):
+        """The recipe registered for the storage with this `_cdata` (None: none)."""
+        e = self._entries.get(key)
+        return e[1] if e is not None and len(e) == 2 and e[0]() is not None else None
 
     def as_recipe_args(self, args: tuple) -> tuple:
         """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested), also
