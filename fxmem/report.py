@@ -155,6 +155,26 @@ class Report:
                      + ("fits" if mp <= self.budget else f"OVER by {format_bytes(mp - self.budget)}"))
         return line
 
+    def activation_budget(self) -> int | None:
+        """The checkpoint pass's activation budget in bytes (passes.checkpoint.activation_budget), if it had one."""
+        for r in self.passes:
+            if r.name == "checkpoint" and (r.metrics or {}).get("activation_budget") is not None:
+                return int(r.metrics["activation_budget"])
+        return None
+
+    def activation_budget_line(self) -> str | None:
+        ab = self.activation_budget()
+        if ab is None:
+            return None
+        acts = self.after.activations
+        line = (f"activation budget {format_bytes(ab)}: estimated activations after forward "
+                f"{format_bytes(acts)}, " + (f"fits ({format_bytes(ab - acts)} to spare)" if acts <= ab
+                                             else f"OVER the activation budget by {format_bytes(acts - ab)}"))
+        if self.measured_after is not None:
+            ma = self.measured_after.activations
+            line += (f"; measured {format_bytes(ma)}, " + ("fits" if ma <= ab else f"OVER by {format_bytes(ma - ab)}"))
+        return line
+
     # ------------------------------------------------------------------------------------------ JSON
     def to_dict(self, deterministic: bool = False) -> dict:
         d = {
@@ -310,6 +330,9 @@ class Report:
                        f"for backward): {', '.join(unk)}")
         if self.budget is not None and self.after.peak > self.budget:
             out.append(self.budget_line())
+        ab = self.activation_budget()
+        if ab is not None and self.after.activations > ab:
+            out.append(self.activation_budget_line())
         for tag, e, m in (("before", self.before, self.measured_before), ("after", self.after, self.measured_after)):
             if m is not None and m.peak and abs(e.peak - m.peak) > ESTIMATE_WARN_FRACTION * m.peak:
                 out.append(f"the cost model's peak {tag} ({format_bytes(e.peak)}, estimated) is "
@@ -355,9 +378,9 @@ class Report:
         for tag, e in (("before", self.before), ("after", self.after)):
             out.append(f"FLOPs {tag} (estimated): forward {_flops(e.flops_forward)}, "
                        f"backward {_flops(e.flops_backward)}")
-        bl = self.budget_line()
-        if bl:
-            out.append(bl)
+        for bl in (self.budget_line(), self.activation_budget_line()):
+            if bl:
+                out.append(bl)
         for tag, e in (("before", self.before), ("after", self.after)):
             if e.by_module:
                 top = ", ".join(f"`{m or '(root)'}` {format_bytes(b)}" for m, b in list(e.by_module)[:5])

@@ -132,6 +132,10 @@ def test_policy_key_and_transform(unet_prog):
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec
     assert rec.metrics["estimated_activations"] <= int(0.45 * base.activations)
+    # the report states the activation budget and whether the result fits it
+    line = res.report.activation_budget_line()
+    assert line.startswith("activation budget ") and "fits" in line and "OVER" not in line
+    assert res.report.activation_budget() == rec.metrics["activation_budget"]
     with pytest.raises(PolicyError) as ei:
         fxmem.transform(model, x, policy={"version": 1, "passes": {"checkpoint": {"activation_budget": "150%"}}},
                         loss_fn=loss_fn)
