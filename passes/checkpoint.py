@@ -1487,7 +1487,8 @@ class CheckpointPass:
         elif lim.activations is not None and min_acts > lim.activations:
             msg, offload_rest = self._activation_message(lim.activations, min_acts, before_acts), "activations"
         if msg is not None:
-            if "offload" in ctx.enabled:
+            if "offload" in ctx.enabled and offload_rest == "peak":
+                # (the offload pass plans against the peak budget: it does not take over an activation budget)
                 notes.append(msg + " The offload pass is enabled and takes the rest: checkpointing goes as low as "
                                    "it reaches.")
             elif not getattr(ctx, "budget_strict", True):
@@ -1627,7 +1628,8 @@ class CheckpointPass:
         return (f"checkpoint: activation budget {format_bytes(act_budget)} is below the lowest activations at the "
                 f"end of forward that checkpointing reaches, about {format_bytes(max(0, min_acts))} (before the "
                 f"pass {format_bytes(before)}): every recomputed region keeps its inputs, and the model's output and "
-                f"what the last region needs stay. Raise the activation budget, or enable the offload pass.")
+                f"what the last region needs stay. Raise the activation budget (the offload pass plans against the "
+                f"peak budget, not this one).")
 
     @staticmethod
     def _emit(program: Program, regions: list[Region], plan: list[str], keep_ops: frozenset) -> list[Change]:
