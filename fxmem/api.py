@@ -44,12 +44,14 @@ class TransformResult:
 
 
 def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any = "high", budget: Any = None,
-              calibration=None, loss_fn=None, measure: bool = False, strict: bool = False, overrides=(),
-              log=None, model_file=None, **option_overrides) -> TransformResult:
+              activation_budget: Any = None, calibration=None, loss_fn=None, measure: bool = False,
+              strict: bool = False, overrides=(), log=None, model_file=None, **option_overrides) -> TransformResult:
     """Capture `model`, run the policy's passes, return the transformed module and a report.
 
     policy: a preset name ("low", "medium", "high", "inference"), a YAML path, a dict with the policy schema, or
-    a Policy. budget: bytes, or a size/fraction string ("4GiB", "40%"), overriding the policy's. Extra keyword
+    a Policy. budget: bytes, or a size/fraction string ("4GiB", "40%"), overriding the policy's. activation_budget:
+    the same for the activations kept at the end of forward (`passes.checkpoint.activation_budget`; the checkpoint
+    pass is enabled for it; out of reach, it is an error unless the policy's budgets are targets). Extra keyword
     arguments override policy keys with dots written as double underscores, e.g.
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
     """
@@ -65,6 +67,10 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     if budget is not None:
         ov.append(f"budget={budget if isinstance(budget, str) else int(budget)}")
         ov.append("budget_strict=true")  # a budget the user asked for is a requirement, not a target
+    if activation_budget is not None:
+        ov.append("passes.checkpoint.enabled=true")
+        ov.append("passes.checkpoint.activation_budget="
+                  f"{activation_budget if isinstance(activation_budget, str) else int(activation_budget)}")
     pol = load_policy(policy, overrides=ov)
     if not isinstance(args, tuple):
         args = (args,) if not isinstance(args, list) else tuple(args)

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("model", help=MODEL_FILE_HELP)
     o.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
     o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak")
+    o.add_argument("--activation-budget", help="activations kept at the end of forward: a size like 1GiB or a "
+                   "fraction like 30%% of the baseline's (what torch.compile's activation_memory_budget bounds)")
     o.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")
     o.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --out atomically")
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
@@ -172,7 +174,8 @@ def cmd_optimize(a) -> int:
     check_inputs(mf)
     log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
     calibration = mf.calibration(limit=64)
-    res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=a.budget, calibration=calibration,
+    res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=a.budget,
+                    activation_budget=a.activation_budget, calibration=calibration,
                     loss_fn=mf.loss_fn, measure=a.measure, strict=a.strict, overrides=a.set, log=log,
                     model_file=mf.module)
     save_result(res, out, overwrite=a.overwrite)

@@ -671,17 +671,16 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         self_saves = any(k in r.saved for r in recs)
         # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
         # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
+        if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or 10.0) * sb[k]:
+            continue  # dearer than a few pointwise passes: regions decide instead
         span = sorted({pos[r.idx] for r in consumers})
         share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
                                            for r in R[span[0]:span[-1] + 1])
-        once = cost_of(n) + sum(cost_of(c) for c in chain)
-        unpacks = 1 if share else len(consumers)
-        # what else the op saves of its own making (max pooling's indices): a recipe too, run again on its own
-        if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or 10.0) * sb[k]:
-            continue  # dearer than a few pointwise passes: regions decide instead
+        # what else the op saves of its own making (max pooling's indices): a recipe too, the op run again for it
         internal = [s for r in recs for s in r.saved if s != k and s in r.new_keys] \
             if not dropout and optable.op_name(n.target) in INTERNAL_SAVES else []
-        unpacks += bool(internal)
+        once = cost_of(n) + sum(cost_of(c) for c in chain)
+        unpacks = (1 if share else len(consumers)) + bool(internal)
         # a join's list argument may hold recipes' outputs (a skip connection's ReLU): remat_call keeps them as recipes
         call = bool(chain) or in_place or self_saves or bool(internal) or optable.packet(n.target) in REMAT_JOINS
         sites.append(RematSite(n, k, int(sb[k] + sum(sb[s] for s in internal)), float(once * unpacks),

@@ -105,3 +105,21 @@ def test_model_file_runs_as_user_code_without_side_effects_on_import(tmp_path, c
     code, out, err = run(capsys, "estimate", str(path))
     assert code == 0, err
     assert marker.read_text() == "yes"  # a model file is user code and runs as such
+
+
+def test_optimize_activation_budget_flag(tmp_path, capsys):
+    """`--activation-budget` bounds the activations kept at the end of forward (the checkpoint pass's
+    activation_budget); a bad value exits 2 naming the key and writes nothing."""
+    unet = str(ROOT / "examples" / "unet.py")
+    out = tmp_path / "o"
+    code, _, err = run(capsys, "optimize", unet, "--policy", "low", "--activation-budget", "40%", "--out", str(out),
+                       "--quiet", "--json")
+    assert code == 0, err
+    d = json.loads((out / "report.json").read_text())
+    ck = next(p for p in d["passes"] if p["name"] == "checkpoint")
+    assert ck["status"] == "applied"
+    limit = ck["metrics"]["activation_budget"]
+    assert d["estimated"]["after"]["activations"] <= limit < d["estimated"]["before"]["activations"]
+    bad = tmp_path / "bad"
+    code, _, err = run(capsys, "optimize", unet, "--activation-budget", "lots", "--out", str(bad))
+    assert code == 2 and "passes.checkpoint.activation_budget" in err and not bad.exists()
