@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
-    installed as recast_installed, recipe_tensors, scope_for as recast_scope
+    installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -268,6 +268,17 @@ class _Recorder(TorchDispatchMode):
             self.keep_alive.append(st)
             return k, True
         return k, False
+
+    def recipe_holders(self) -> dict[int, list[int]]:
+        """Recipe output storage -> the recipe outputs whose recipes hold it as a nested recipe (a U-Net cat's
+        recipe holds its upsampling convolution's)."""
+        key_of = {id(rp): k for k, rp in self.recipe_of.items()}
+        out: dict[int, list[int]] = {}
+        for k, rp in self.recipe_of.items():
+            for inner in nested_recipes(rp):
+                if id(inner) in key_of:
+                    out.setdefault(key_of[id(inner)], []).append(k)
+        return out
 
     def hold_recipe_args(self, rec) -> None:
         for k in rec.recast:

@@ -93,8 +93,7 @@ from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smalle
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import INTERNAL_SAVES, install as install_recast, nested_recipes, op_call, op_named, remat, \
-    remat_call
+from fxmem.nn.recast import INTERNAL_SAVES, install as install_recast, op_call, op_named, remat, remat_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -364,13 +363,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         for k in r.recast:
             if k in recipe_at:
                 recast_savers.setdefault(k, []).append(r.idx)
-    # recipe output -> the recipe outputs whose recipes hold it as a nested recipe (a cat holding its upsampling)
-    key_of = {id(rp): k for k, rp in rec.recipe_of.items()}
-    holders: dict[int, list[int]] = {}
-    for k, rp in rec.recipe_of.items():
-        for inner in nested_recipes(rp):
-            if id(inner) in key_of:
-                holders.setdefault(key_of[id(inner)], []).append(k)
+    holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
     for reg in regions:
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
@@ -439,10 +432,8 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
         # region): recomputed (any choice but keep), the body runs with the recipe scope aside
         # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward
-        # to their backward: the region frees that much less
-        # The same for a recipe output made inside that a recipe made outside holds nested (a cat's upsampling
-        # convolution): the outer recipe holds it as a plain tensor then
-
+        # to their backward: the region frees that much less. The same for a recipe output made inside that a
+        # recipe made outside holds nested (a cat's upsampling convolution): that recipe holds it as a plain tensor
         def kept_outside(k: int) -> bool:
             return any(i not in idxs for i in recast_savers.get(k, ())) or any(
                 recipe_at.get(j) not in names and (recast_savers.get(j) or holders.get(j))
@@ -669,10 +660,10 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         if not ok:
             continue
         self_saves = any(k in r.saved for r in recs)
-        # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
-        # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
         if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or 10.0) * sb[k]:
             continue  # dearer than a few pointwise passes: regions decide instead
+        # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
+        # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
         span = sorted({pos[r.idx] for r in consumers})
         share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
                                            for r in R[span[0]:span[-1] + 1])
@@ -688,12 +679,11 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         per_unpack[n.name] = (once, unpacks)
     # an input that is another site's output is a nested recipe: each unpack recomputes it too (a max pool of a
     # batch norm -> ReLU chain runs the chain again for its output and for its indices)
-    site_at = {s.node.name: s for s in sites}
     for s in sites:
         members = {c.name for c in s.chain}
         for m in (*s.chain, s.node):
             for a in tensor_inputs(m):
-                if a.name in site_at and a.name not in members and a.name != s.node.name:
+                if a.name in per_unpack and a.name not in members and a.name != s.node.name:
                     s.cost += per_unpack[s.node.name][1] * per_unpack[a.name][0]
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
@@ -1178,14 +1168,13 @@ class Limits:
     def fits(self, est) -> bool:
         return self.over(est.peak, est.activations) == 0
 
-    def fits_metrics(self, m: dict) -> bool:
-        """A pass result's estimate (unchecked, verify=False: assumed to fit)."""
-        peak, acts = m.get("estimated_peak"), m.get("estimated_activations")
-        return (peak is None or self.peak is None or peak <= self.peak) and \
-            (acts is None or self.activations is None or acts <= self.activations)
-
     def miss_metrics(self, m: dict) -> int:
+        """By how many bytes a pass result's estimate misses (an unchecked one, verify=False, counts as fitting)."""
         return self.over(m.get("estimated_peak") or 0, m.get("estimated_activations") or 0)
+
+    def fits_note(self, est) -> str:
+        return (f"checkpoint: the estimate (peak {format_bytes(est.peak)}, activations "
+                f"{format_bytes(est.activations)}) already fits {self.describe()}; nothing recomputed")
 
     def describe(self) -> str:
         parts = ([f"the budget {format_bytes(self.peak)}"] if self.peak is not None else []) + \
@@ -1269,8 +1258,7 @@ class CheckpointPass:
         if act_budget is not None:
             metrics.update({"activation_budget": act_budget, "activations_before": est0.activations})
         if lim.fits(est0):
-            notes.append(f"checkpoint: the estimate (peak {format_bytes(est0.peak)}, activations "
-                         f"{format_bytes(est0.activations)}) already fits {lim.describe()}; nothing recomputed")
+            notes.append(lim.fits_note(est0))
             return PassResult(program, False, notes=notes, metrics=metrics)
         # over budget: first the free, exact saving (bool dropout masks), then recomputation for the rest
         pre: list[Change] = []
@@ -1292,8 +1280,7 @@ class CheckpointPass:
         if traced is None:
             traced = self._trace(program, ctx)
         if lim.fits(est0):
-            notes.append(f"checkpoint: the estimate (peak {format_bytes(est0.peak)}, activations "
-                         f"{format_bytes(est0.activations)}) already fits {lim.describe()}; nothing recomputed")
+            notes.append(lim.fits_note(est0))
             if pre:
                 metrics.update({"estimated_peak": est0.peak, "estimated_activations": est0.activations})
             return PassResult(program, bool(pre), changes=pre, notes=notes, metrics=metrics)
@@ -1318,8 +1305,8 @@ class CheckpointPass:
                 traced2 = self._trace(rematted, ctx)
                 est2 = estimate_from_trace(rematted, traced2, mode=ctx.mode, optimizer=ctx.optimizer,
                                            loss_fn=ctx.loss_fn)
-                if est2.peak < est0.peak or (est2.peak == est0.peak or budget is None) and \
-                        est2.activations < est0.activations:
+                if est2.peak < est0.peak or ((est2.peak == est0.peak or budget is None)
+                                             and est2.activations < est0.activations):
                     metrics["remat"] = {"sites": len(rm), "candidates": len(sites), "peak_after": est2.peak,
                                         "activations_saved": est0.activations - est2.activations}
                     ctx.log(f"[checkpoint] {len(rm)} of {len(sites)} cheap activations recomputed in backward: "
@@ -1360,7 +1347,7 @@ class CheckpointPass:
         neither plan reaches (one by its planner, the other by its estimate) are a BudgetError. `run(True)` plans
         only: (cost, planned shortfall, reachable); `run(False)` emits and verifies (a PassResult)."""
         def fits(r) -> bool:
-            return lim.fits_metrics(r.metrics)
+            return lim.miss_metrics(r.metrics) == 0
 
         def cost(r, extra) -> float:
             return extra + next((r.metrics[m] for m in ("recompute_roofline_flops", "recompute_flops",
@@ -1479,14 +1466,14 @@ class CheckpointPass:
         act_set = max(sets, key=lambda cs: cs.model.max_freed())
         before_acts = metrics.get("activations_before", est0.activations)  # before this pass (and remat)
         min_acts = est0.activations - act_set.model.max_freed()
-        offload_rest = None  # the limit planned as low as it goes: "peak" or "activations"
+        best_effort = None  # out of reach, the limit planned as low as it goes: "peak" or "activations"
         msg = None
         if lim.peak is not None and min_peak > lim.peak:
-            msg, offload_rest = self._budget_message(lim.peak, min_peak, est0, min_set.model), "peak"
+            msg, best_effort = self._budget_message(lim.peak, min_peak, est0, min_set.model), "peak"
         elif lim.activations is not None and min_acts > lim.activations:
-            msg, offload_rest = self._activation_message(lim.activations, min_acts, before_acts), "activations"
+            msg, best_effort = self._activation_message(lim.activations, min_acts, before_acts), "activations"
         if msg is not None:
-            if "offload" in ctx.enabled and offload_rest == "peak":
+            if "offload" in ctx.enabled and best_effort == "peak":
                 # (the offload pass plans against the peak budget: it does not take over an activation budget)
                 notes.append(msg + " The offload pass is enabled and takes the rest: checkpointing goes as low as "
                                    "it reaches.")
@@ -1503,12 +1490,12 @@ class CheckpointPass:
         target, need = budget, act_need
         best = None
         for attempt in range(1 + max(0, opts.refine)):
-            if offload_rest is not None:
+            if best_effort is not None:
                 # best effort: the cheapest plan reaching the lowest planned peak (or activations) rather than
                 # simply everything recomputed
-                cs = min_set if offload_rest == "peak" else act_set
-                model = cs.model if offload_rest == "peak" else _with_need(cs.model, cs.model.max_freed())
-                at = max(cs.model.min_peak(), cs.model.floor) if offload_rest == "peak" else budget
+                cs = min_set if best_effort == "peak" else act_set
+                model = cs.model if best_effort == "peak" else _with_need(cs.model, cs.model.max_freed())
+                at = max(cs.model.min_peak(), cs.model.floor) if best_effort == "peak" else budget
                 sol = solve(model, at, opts.solver, opts.time_limit, cs.chain)
                 if sol is None:
                     plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
@@ -1541,7 +1528,7 @@ class CheckpointPass:
                          for c, _, i, _, cs2 in found if c <= c_min * (1 + 1e-9) + 1e-9]
                 _, _, _, sol, cs = min(found, key=lambda t: t[:3])
             if plan_only:
-                return sol.cost, planned_miss(cs, sol.plan), offload_rest is None
+                return sol.cost, planned_miss(cs, sol.plan), best_effort is None
             trial = program.snapshot()
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
             trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
@@ -1549,7 +1536,7 @@ class CheckpointPass:
             miss = lim.over(est1.peak, est1.activations) if est1 is not None else 0
             if best is None or best[3] is None or est1 is None or (miss, est1.peak) < best[6]:
                 best = (sol, trial, changes, est1, target, cs, (miss, est1.peak if est1 is not None else 0))
-            if offload_rest is not None or est1 is None or miss == 0:
+            if best_effort is not None or est1 is None or miss == 0:
                 break
             if lim.peak is not None and est1.peak > lim.peak:
                 target = target - (est1.peak - lim.peak) - max(1, lim.peak // 1000)
@@ -1562,10 +1549,12 @@ class CheckpointPass:
             if target < min_peak:
                 break
         sol, trial, changes, est1, target, cs, _ = best
-        lowered = est1 is None or (est1.activations < est0.activations and (lim.peak is None or est1.peak <= est0.peak)
-                                   if lim.activations is not None else
-                                   est1.peak < est0.peak or (est1.peak == est0.peak
-                                                             and est1.activations < est0.activations))
+        if est1 is None:
+            lowered = True  # (not checked: verify=False)
+        elif lim.activations is not None:  # fewer activations, the peak no higher
+            lowered = est1.activations < est0.activations and (lim.peak is None or est1.peak <= est0.peak)
+        else:  # a lower peak, or the same with fewer activations
+            lowered = (est1.peak, est1.activations) < (est0.peak, est0.activations)
         if not lowered:
             notes.append(f"checkpoint: the best plan would not lower the estimated memory (peak "
                          f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}, activations "
