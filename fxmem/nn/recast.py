@@ -40,19 +40,18 @@ member would not do: the partitioner keeps any value passed from one checkpoint 
 norm is checkpointed without running statistics, which the graph's own op updates once (U-Net at 0.7: 12.0 vs 16.8
 MiB saved). `fxmem.nn.dropout` registers its masked outputs the same way (`register_recompute`).
 
-`remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains:
-it runs the op while the scope defers the op's own saves, registers the recipe, then packs those saves as it.
-A tensor argument that is itself a recipe's output is held as that recipe (nested), so conv -> batch norm ->
-ReLU keeps neither the norm's nor the ReLU's output: backward recomputes ReLU(batch_norm(conv output)) from the
-conv output, which the norm saves anyway. A training-mode batch norm is recomputed without running statistics
-(updated once, in forward; the output is bit-identical); on CPU, from the batch statistics the forward computed
-(`batch_norm_affine`: x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to
-give the kernel's output bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe
-too, the full op run again for that output. A registered output changed in place afterwards is
-saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps
-aside (`aside`): the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of
-a non-reentrant checkpoint region are saved through the hooks outside it, so a region input that is a recipe's
-output is kept as the recipe.
+`remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains: it
+runs the op while the scope defers the op's own saves, registers the recipe, then packs those saves as it. A tensor
+argument that is itself a recipe's output is held as that recipe (nested), so conv -> batch norm -> ReLU keeps
+neither the norm's nor the ReLU's output: backward recomputes ReLU(batch_norm(conv output)) from the conv output,
+which the norm saves anyway. A training-mode batch norm is recomputed without running statistics (updated once, in
+forward; the output is bit-identical); on CPU, from the batch statistics the forward computed (`batch_norm_affine`:
+x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to give the kernel's output
+bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe too, the full op run
+again for that output. A registered output changed in place afterwards is saved as it is (the recipe would give the
+old values). Inside checkpoint and offload regions the scope steps aside (`aside`): the region's hooks decide
+there, and a recipe would hold arguments the region frees. Inputs of a non-reentrant checkpoint region are saved
+through the hooks outside it, so a region input that is a recipe's output is kept as the recipe.
 """
 from __future__ import annotations
 
@@ -282,12 +281,10 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **
         if internal is not None:
             # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
             # too, the op's full form run again for that output
-            for d in pending:
-                t = d.value
+            known = {a.untyped_storage()._cdata for a in (y, *_arg_tensors(args))}
+            for t in (d.value for d in pending):
                 if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and \
-                        t.untyped_storage()._cdata not in {a.untyped_storage()._cdata for a in
-                                                           (y, *_arg_tensors(args))} \
-                        and scope.recipe_for(t) is None:
+                        t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None:
                     scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     for d in pending:  # the op's own saves, packed now that its output is a recipe
         d.value = scope._pack_now(d.value, count=True)
