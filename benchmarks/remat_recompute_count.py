@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxmem  # noqa: E402
+from fxmem import ops as optable  # noqa: E402
 from fxmem.costmodel import trace_forward  # noqa: E402
 from fxmem.pipeline import pass_module  # noqa: E402
 from checkpoint_pareto import setup  # noqa: E402
@@ -34,7 +35,7 @@ class _Count(TorchDispatchMode):
         self.calls = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
+        self.calls[optable.packet(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -64,8 +65,7 @@ def main():
     per_op = collections.Counter()
     for s in sites:
         for n in (*s.chain, s.node):
-            per_op[str(n.target).split(".")[1] if isinstance(n.target, torch._ops.OpOverload) else
-                   getattr(n.target, "__name__", str(n.target))] += 1
+            per_op[optable.packet(n.target)] += 1
     print(f"{args.model}: {len(sites)} remat sites; backward ops {sum(base.values())} captured, "
           f"{sum(mine.values())} remat'd")
     print("| op | sites (members included) | extra calls in backward |")
