@@ -14,6 +14,8 @@ from fxmem.errors import BudgetError, PolicyError
 from fxmem.pipeline import PassContext, pass_module
 from fxmem.units import Budget, parse_budget
 
+from .conftest import grads
+
 ck = pass_module("checkpoint")
 
 import examples.gpt as gpt  # noqa: E402
@@ -49,12 +51,9 @@ def _run(prog, act_budget, budget=None, enabled=("checkpoint",), strict=True, **
 
 def _step(mod, x, loss_fn):
     mod.train()
-    for q in mod.parameters():
-        q.grad = None
-    torch.manual_seed(3)
-    out = mod(*x)
-    loss_fn(out, x).backward()
-    return out.detach(), {n: q.grad.detach().clone() for n, q in mod.named_parameters()}
+    torch.manual_seed(3)  # the same dropout masks in both steps
+    out, g = grads(mod, x, {}, loss_fn)
+    return out.detach(), g
 
 
 @pytest.mark.parametrize("name", ["unet", "gpt"])
