@@ -749,3 +749,31 @@ def test_unet_max_pooling_and_first_convolution_recomputed_bit_exact_and_estimat
     c = ref.enc1[0].out_channels
     pooled = b * c * (h // 2) * (w // 2) + b * 2 * c * (h // 4) * (w // 4)  # elements of both pools' outputs
     assert meas_without.activations - meas.activations == pooled * (4 + 8) + b * c * h * w * 4
+
+
+class _AvgPoolNet(nn.Module):
+    """conv -> ReLU (saves its output) -> average pooling -> conv (saves the pooled map): the pooling is a site."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(nn.functional.avg_pool2d(torch.relu(self.a(x)), 2)).mean((2, 3))
+
+
+def test_average_pooling_is_recomputed_from_its_saved_input_bit_exact():
+    """Average pooling, like max pooling, is a remat site: the next convolution's save of the pooled map is
+    recomputed from the ReLU's output (which the ReLU saves anyway); bit-exact step, estimate = measured, and the
+    activations drop by the pooled map's bytes."""
+    torch.manual_seed(0)
+    model, x = _AvgPoolNet(), torch.randn(4, 8, 16, 16)
+    ref, program, names = _remat_only(model, (x,), {}, None,
+                                      lambda s: s.node.target is torch.ops.aten.avg_pool2d.default)
+    assert len(names) == 1 and not names[0][1], names
+    est = fxmem.estimate(program, mode="train")
+    meas = fxmem.measure(copy.deepcopy(program.module), (x,))
+    assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
+    before = fxmem.measure(copy.deepcopy(ref), (x,)).activations
+    assert before - meas.activations == 4 * 16 * 8 * 8 * 4  # the pooled map, float32
+    _same_step(ref, program.module, (x,), {}, None, exact=True)
