@@ -259,6 +259,9 @@ class _Recorder(TorchDispatchMode):
         self.recipe_of: dict[int, object] = {}  # recipe output storage -> the recipe (an in-place op replaces it)
         # recipe output storages recomputed once for all their saves (held from the first unpack to the last)
         self.recipe_shared: set[int] = set()
+        # nesting a pass plans without tracing it (`as_recipes`): recipe output -> {holder's output: whether the
+        # holder uses it through its shared value}
+        self.planned_nesting: dict[int, dict[int, bool]] = {}
 
     def key(self, t):
         st = t.untyped_storage()
@@ -272,12 +275,21 @@ class _Recorder(TorchDispatchMode):
     def recipe_holders(self) -> dict[int, list[int]]:
         """Recipe output storage -> the recipe outputs whose recipes hold it as a nested recipe (a U-Net cat's
         recipe holds its upsampling convolution's)."""
+        return {k: list(hs) for k, hs in self.nesting().items()}
+
+    def nesting(self) -> dict[int, dict[int, bool]]:
+        """Recipe output storage -> {output of a recipe holding it nested: whether that recipe uses it through its
+        shared value (a max pooling's recipes, recomputed right next to its input's own saves)}: as traced, with
+        what a pass planned (`planned_nesting`)."""
         key_of = {id(rp): k for k, rp in self.recipe_of.items()}
-        out: dict[int, list[int]] = {}
+        out: dict[int, dict[int, bool]] = {}
         for k, rp in self.recipe_of.items():
-            for inner in nested_recipes(rp):
-                if id(inner) in key_of:
-                    out.setdefault(key_of[id(inner)], []).append(k)
+            for shared in (False, True):
+                for inner in nested_recipes(rp, shared):
+                    if id(inner) in key_of:
+                        out.setdefault(key_of[id(inner)], {})[k] = shared
+        for k, hs in self.planned_nesting.items():
+            out.setdefault(k, {}).update(hs)
         return out
 
     def hold_recipe_args(self, rec) -> None:
@@ -532,14 +544,16 @@ def program_key(program: Program) -> str:
     return h.hexdigest()
 
 
-def as_recipes(traced, keys: set, shared: set = frozenset()):
+def as_recipes(traced, keys: set, shared: set = frozenset(), nesting: dict | None = None):
     """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes (fxmem.nn.recast),
     without tracing the rewritten program: their savers save the recipe instead (those under `shared` recomputed
-    once for all their saves). What a recipe holds is not recorded (`recipe_holds` stays as traced): this is for
+    once for all their saves; `nesting`, as `_Recorder.nesting`: which recipes hold which nested, and use them
+    through their shared value). What a recipe holds is not recorded (`recipe_holds` stays as traced): this is for
     outputs whose recipe arguments are kept anyway (remat sites), where holding them adds nothing; a pass that
     emits the rewrite traces it for the real record."""
     rec = copy.copy(traced[0])
     rec.recipe_shared = set(rec.recipe_shared) | (set(shared) & set(keys))
+    rec.planned_nesting = {**rec.planned_nesting, **(nesting or {})}
     records = []
     for r in rec.records:
         if r.region is None and r.saved and any(k in keys for k in r.saved):
@@ -615,20 +629,16 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
         for k in r.new_keys:
             created_in[k] = r.idx
     # parameter casts and recipes under fxmem.nn.recast are not saved: backward casts the parameter again or
-    # recomputes the recipe, a transient of the op's backward; a shared recipe is made once, at the backward of its
-    # last saver, and held until its first saver's backward has run
+    # recomputes the recipe, a transient of the op's backward; a shared recipe is made once, at its first use in
+    # backward, and held until its last (uses: its saves, and recomputations of recipes using it nested)
     recast_at: dict[int, int] = defaultdict(int)
-    spans: dict[int, list[int]] = {}
     for r in R:
         for k in r.recast:
-            if k in rec.recipe_shared:
-                sp = spans.setdefault(k, [r.idx, r.idx])
-                sp[0], sp[1] = min(sp[0], r.idx), max(sp[1], r.idx)
-            else:
+            if k not in rec.recipe_shared:
                 recast_at[r.idx] += sb[k]
     held_from: dict[int, int] = defaultdict(int)
     held_until: dict[int, int] = defaultdict(int)
-    for k, (lo, hi) in spans.items():
+    for k, (lo, hi) in _shared_spans(R, rec.recipe_shared, rec.nesting(), created_in).items():
         held_from[hi] += sb[k]
         held_until[lo] += sb[k]
     last_use: dict[int, int] = {}
@@ -639,6 +649,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     saved_until: dict[int, int] = {}  # key -> record index whose backward frees it (the earliest saver)
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
     recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
+    recompute_transient: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: bytes} live while it reruns
     offloaded: dict[str, set] = defaultdict(set)
     recipe_holds = {k: h for k, h in rec.recipe_holds.items() if base_keys.get(k) is None}
     for r in R:
@@ -690,10 +701,15 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                 if k in recipe_holds and created_in.get(k, -1) < lo and k not in out_keys:
                     # non-reentrant checkpoint saves its inputs through the saved-tensor hooks outside it: an
                     # input that is a recipe's output is kept as the recipe (its arguments) and made again for
-                    # the recomputation
-                    if k not in recompute_keys[name]:
-                        recompute_keys[name][k] = lo
-                        recompute_bytes[name] += sb[k]
+                    # the recomputation, held until the backward of the region's first op that saves it, or only
+                    # while the recomputation runs when none does
+                    if k not in recompute_keys[name] and k not in recompute_transient[name]:
+                        inner = [q.idx for q in R[lo:hi + 1] if q.out_rg and k in q.saved]
+                        if inner:
+                            recompute_keys[name][k] = min(inner)
+                            recompute_bytes[name] += sb[k]
+                        else:
+                            recompute_transient[name][k] = sb[k]
                     for h in recipe_holds[k]:
                         if h != k and created_in.get(h, -1) < lo and base_keys.get(h) is None:
                             saved_until[h] = min(saved_until.get(h, lo), lo)
@@ -746,7 +762,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
             regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
-            (held_from, held_until), created_in)
+            (held_from, held_until), created_in, recompute_transient)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -760,6 +776,33 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     return est
 
 
+def _shared_spans(R, shared: set, nesting: dict, created_in: dict) -> dict[int, tuple[int, int]]:
+    """Shared recipe output -> (lowest, highest) record index of its uses in backward, which runs from high to
+    low: made at the highest, held until the lowest. A use is a save of it outside regions (an unpack), or a
+    recomputation of a recipe holding it nested through its shared value. A recipe is recomputed at each of its
+    unpacks and at each recomputation of a recipe holding it otherwise (nested, made again with it); a shared one
+    once for its uses, at the first. A region's input saved as a recipe is made again for the region alone."""
+    unpacks: dict[int, list[int]] = defaultdict(list)
+    for r in R:
+        for k in r.recast:
+            unpacks[k].append(r.idx)
+    holders: dict[int, dict[int, bool]] = nesting
+    made: dict[int, list[int]] = {}  # recipe output -> record indices where backward recomputes it
+    spans: dict[int, tuple[int, int]] = {}
+    # holders were created after what they hold: latest first, a holder's recomputations are known before
+    for k in sorted(set(unpacks) | set(holders), key=lambda k: -created_in.get(k, -1)):
+        uses = list(unpacks.get(k, ()))
+        private: list[int] = []
+        for h, through_shared in holders.get(k, {}).items():
+            (uses if through_shared and k in shared else private).extend(made.get(h, ()))
+        if k in shared and uses:
+            spans[k] = (min(uses), max(uses))
+            made[k] = [max(uses)] + private
+        else:
+            made[k] = uses + private
+    return spans
+
+
 def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> None:
     if tl and tl[-1].phase == phase and tl[-1].label == label:
         tl[-1].live = live
@@ -770,7 +813,7 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
-                     recompute_keys=None, recast_held=None, created_in=None):
+                     recompute_keys=None, recast_held=None, created_in=None, recompute_transient=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -825,6 +868,11 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 and r.idx == region_last[r.region] and r.region not in recomputed_live:
             recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
             cur += recomputed_live[r.region]
+            during = sum((recompute_transient or {}).get(r.region, {}).values())
+            if during:  # inputs the recomputation makes again and no op in it saves: live only while it runs
+                cur += during
+                bump(r.node, r.module)
+                cur -= during
         if not r.out_rg:
             # an op without a backward still frees what is held until its position (a region input held until
             # the region's first op, e.g. a mask built there), and a region whose first op needs no grad (e.g.

@@ -35,7 +35,10 @@ short chains whose middle output nobody keeps (batch norm -> in-place ReLU, whic
 `remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe ReLU(batch_norm(conv
 output)), the conv output being saved by the norm anyway. When the ops saving an output run their backward back to
 back (ReLU's own save and the next conv's), backward recomputes it once for all of them (`_fxmem_share`; the cost
-model holds it from the first unpack to the last) instead of once per save.
+model holds it from the first unpack to the last) instead of once per save. A site whose input is another site's
+output holds that one nested and recomputes it at each of its own recomputations, unless its unpacks and the inner
+site's saves run back to back (a max pooling of a ReLU: the pooled output's unpack, then the pooling's, then the
+ReLU's): then the inner value is shared by all of them (`remat_plan`, `_fxmem_nest`), one chain instead of four.
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -93,7 +96,8 @@ from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smalle
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import INTERNAL_SAVES, install as install_recast, op_call, op_named, remat, remat_call
+from fxmem.nn.recast import (INTERNAL_SAVES, flat_args, install as install_recast, op_call, op_named, remat,
+                              remat_call)
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_stack
@@ -531,6 +535,11 @@ class RematSite:
     call: bool = False  # emitted as remat_call: the op saves its own output, runs in place, or has a chain
     share: bool = False  # its savers run their backward back to back: recomputed once, for all of them
     internal: tuple = ()  # storage keys of what else the op saves of its own making (max pooling's indices)
+    holds: tuple = ()  # names of the sites whose outputs it holds nested (its inputs, its chain's)
+    # names of the sites holding it nested that backward recomputes right next to its own saves (a max pooling of
+    # this ReLU): their recomputations can take its value shared with its saves (`remat_plan`)
+    adjacent: tuple = ()
+    contiguous: bool = True  # its own saves are unpacked back to back (or there is one)
 
     @property
     def keys(self) -> set:
@@ -619,8 +628,17 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         rs = [r for r in by_node.get(n.name, []) if optable.category(r.func) not in (optable.RANDOM, optable.CREATION)]
         return sum(op_cost(r, balance) for r in rs)
 
+    def back_to_back(at: set, between: set = frozenset()) -> bool:
+        """Records at these positions (in R) run their backwards one after another: nothing between them but ops
+        without a backward or views (no saves, no new tensors), or the records at `between`."""
+        if not at:
+            return True
+        return all(i in at or i in between or not R[i].out_rg or (not R[i].saved and not R[i].new_keys)
+                   for i in range(min(at), max(at) + 1))
+
     sites = []
     per_unpack: dict[str, tuple] = {}  # site -> (recompute cost once, times backward recomputes it)
+    unpacked_at: dict[str, set] = {}  # site -> positions (in R) of the records saving its outputs
     for n in program.graph.nodes:
         if n.op != "call_function":
             continue
@@ -664,38 +682,76 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             continue  # dearer than a few pointwise passes: regions decide instead
         # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
         # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
-        span = sorted({pos[r.idx] for r in consumers})
-        share = len(consumers) > 1 and all(pos[r.idx] in span or not r.out_rg or (not r.saved and not r.new_keys)
-                                           for r in R[span[0]:span[-1] + 1])
+        contiguous = back_to_back({pos[r.idx] for r in consumers})
+        share = len(consumers) > 1 and contiguous
         # what else the op saves of its own making (max pooling's indices): a recipe too, the op run again for it
         internal = [s for r in recs for s in r.saved if s != k and s in r.new_keys] \
             if not dropout and optable.op_name(n.target) in INTERNAL_SAVES else []
+        unpacked_at[n.name] = {pos[r.idx] for kk in (k, *internal) for r in savers.get(kk, [])}
         once = cost_of(n) + sum(cost_of(c) for c in chain)
         unpacks = (1 if share else len(consumers)) + bool(internal)
         # a join's list argument may hold recipes' outputs (a skip connection's ReLU): remat_call keeps them as recipes
         call = bool(chain) or in_place or self_saves or bool(internal) or optable.packet(n.target) in REMAT_JOINS
         sites.append(RematSite(n, k, int(sb[k] + sum(sb[s] for s in internal)), float(once * unpacks),
-                               (_paths(n) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal)))
+                               (_paths(n) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal),
+                               contiguous=contiguous))
         per_unpack[n.name] = (once, unpacks)
-    # an input that is another site's output is a nested recipe: each unpack recomputes it too (a max pool of a
-    # batch norm -> ReLU chain runs the chain again for its output and for its indices)
+    # an input that is another site's output is a nested recipe (remat_call holds it as a recipe): each unpack
+    # recomputes it too (a max pool of a batch norm -> ReLU chain runs the chain again for its output and for its
+    # indices), unless the holder's unpacks and the input's own saves are back to back: then one recomputation,
+    # shared, serves them all (the pool's output, its indices, its input and the ReLU's result: one chain)
+    by_name = {s.node.name: s for s in sites}
     for s in sites:
         members = {c.name for c in s.chain}
-        for m in (*s.chain, s.node):
-            for a in tensor_inputs(m):
-                if a.name in per_unpack and a.name not in members and a.name != s.node.name:
-                    s.cost += per_unpack[s.node.name][1] * per_unpack[a.name][0]
+        held_names = list(dict.fromkeys(a.name for m in (*s.chain, s.node) for a in tensor_inputs(m)
+                                        if a.name in per_unpack and a.name not in members and a.name != s.node.name))
+        s.holds = tuple(held_names) if s.call else ()
+        # (the holder's own ops run their backward between its saves' and the inner one's)
+        own = {pos[r.idx] for m in (*s.chain, s.node) for r in by_node.get(m.name, [])}
+        for a in held_names:
+            inner = by_name[a]
+            if s.call and inner.contiguous and back_to_back(unpacked_at[a] | unpacked_at[s.node.name], own):
+                inner.adjacent += (s.node.name,)
+            else:
+                s.cost += per_unpack[s.node.name][1] * per_unpack[a][0]
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
+
+
+def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict]:
+    """For the sites applied together: the outputs recomputed once for all their uses (shared), which recipes hold
+    which nested and whether through the shared value (as `_Recorder.nesting`, by storage key), and per holder the
+    names of the sites it uses that way. A nested site is used through its shared value by the holders adjacent to
+    it that are applied too; a site is shared when it has more than one use that way or of its own."""
+    chosen = {s.node.name: s for s in sites}
+    through: dict[str, list[str]] = {}  # holder -> nested sites it uses through their shared value
+    uses: dict[str, int] = {s.node.name: (2 if s.share else 1) for s in sites}
+    for s in sites:
+        for a in s.holds:
+            if a in chosen and s.node.name in chosen[a].adjacent:
+                through.setdefault(s.node.name, []).append(a)
+                uses[a] += 1
+    shared = {s.node.name for s in sites if uses[s.node.name] > 1 and s.contiguous}
+    nesting: dict[int, dict[int, bool]] = {}
+    for s in sites:
+        for a in s.holds:
+            if a in chosen:
+                for hk in s.keys:
+                    nesting.setdefault(chosen[a].key, {})[hk] = a in shared and a in through.get(s.node.name, ())
+    return ({chosen[n].key for n in shared}, nesting,
+            {h: [a for a in ns if a in shared] for h, ns in through.items()})
 
 
 def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
     """Rewrite each site as `remat(op(*args), 'aten.op', *args)` (bool-mask dropout: its remat variant)."""
     g = program.graph
     by_name = {n.name: n for n in g.nodes}
+    shared, _, through = remat_plan(sites)
+    site_of: dict[str, str] = {}  # a remat node emitted below -> the site's node
     changes = []
     for s in sites:
         n = by_name[s.node.name]
+        share = s.key in shared
         if s.call:
             # remat_call: the op's own saves of its output become the recipe too, and a chained producer's
             # output is held as its recipe (nested), not as a tensor
@@ -704,10 +760,14 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                 c = by_name[c.name]
                 if c.target is not remat_call:
                     # (in place on a chained output nobody else reads, relu_ after a batch norm, stays in place)
+                    nest = tuple(i for i, a in enumerate(flat_args(c.args)) if isinstance(a, fx.Node)
+                                 and site_of.get(a.name, a.name) in through.get(s.node.name, ()))
                     c.args = (optable.op_name(c.target),) + tuple(c.args)
                     c.target = remat_call
+                    if nest:  # nested sites used through their shared value
+                        c.kwargs = {**c.kwargs, "_fxmem_nest": nest}
                 names.append(c.name)
-            if s.share:
+            if share:
                 n.kwargs = {**n.kwargs, "_fxmem_share": True}
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
@@ -715,7 +775,8 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             last.kwargs = {**last.kwargs, "_fxmem_chain": tuple(
                 (by_name[m].args[0],  # a member's output as "@i", also inside a list argument (cat)
                  fx.node.map_arg(by_name[m].args[1:], lambda a: f"@{pos[a.name]}" if a.name in pos else a),
-                 {k: v for k, v in by_name[m].kwargs.items() if k not in ("_fxmem_chain", "_fxmem_share")})
+                 {k: v for k, v in by_name[m].kwargs.items()
+                  if k not in ("_fxmem_chain", "_fxmem_share", "_fxmem_nest")})
                 for m in names)}
             what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)
             changes.append(Change(
@@ -731,8 +792,9 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
             op = optable.op_name(t)
             with g.inserting_after(n):
                 m = g.create_node("call_function", remat, (n, op) + tuple(n.args),
-                                  {**n.kwargs, **({"_fxmem_share": True} if s.share else {})}, name=n.name + "_remat")
+                                  {**n.kwargs, **({"_fxmem_share": True} if share else {})}, name=n.name + "_remat")
             m.meta.update(n.meta)
+            site_of[m.name] = n.name
             n.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
             after, what = m.name, f"{optable.packet(t)} output (its inputs are saved anyway)"
         changes.append(Change(
@@ -1294,8 +1356,9 @@ class CheckpointPass:
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
                 def planned(k: int):  # bytes the estimate with the first k sites misses the limits by
+                    shared, nesting, _ = remat_plan(sites[:k])
                     est = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites[:k])),
-                                                                  {s.key for s in sites[:k] if s.share}),
+                                                                  shared, nesting),
                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
                     return lim.over(est.peak, est.activations)
                 k = smallest_fitting_prefix(len(sites), planned, 0)

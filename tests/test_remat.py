@@ -640,9 +640,8 @@ def test_cat_recipe_nests_its_list_elements_recipes_and_checks_their_versions():
         run(True, bump=True)
 
 
-def _remat_only(model, args, kwargs, loss_fn, keep=lambda s: True):
-    """`model` captured with the remat sites the pass finds that `keep` accepts applied (no regions); the
-    untouched original, the program and the sites' (name, chain names, remat_call) taken before the rewrite."""
+def _captured_sites(model, args, kwargs, loss_fn):
+    """The untouched original, `model` captured, its trace and the remat sites the pass finds in it."""
     from fxmem.pipeline import PassContext
     ck = pass_module("checkpoint")
     ref = copy.deepcopy(model)
@@ -651,7 +650,16 @@ def _remat_only(model, args, kwargs, loss_fn, keep=lambda s: True):
     base = fxmem.estimate(program, mode="train", loss_fn=loss_fn)
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
                       budget=base.peak, baseline=base, enabled=("checkpoint",), loss_fn=loss_fn)
-    sites = [s for s in ck.remat_sites(program, ck.CheckpointPass._trace(program, ctx), None) if keep(s)]
+    traced = ck.CheckpointPass._trace(program, ctx)
+    return ref, program, traced, ck.remat_sites(program, traced, None)
+
+
+def _remat_only(model, args, kwargs, loss_fn, keep=lambda s: True):
+    """`model` captured with the remat sites the pass finds that `keep` accepts applied (no regions); the
+    untouched original, the program and the sites' (name, chain names, remat_call) taken before the rewrite."""
+    ck = pass_module("checkpoint")
+    ref, program, _, sites = _captured_sites(model, args, kwargs, loss_fn)
+    sites = [s for s in sites if keep(s)]
     names = [(s.node.name, [c.name for c in s.chain], s.call) for s in sites]
     ck.apply_remat(program, sites)
     return ref, program, names
@@ -776,4 +784,100 @@ def test_average_pooling_is_recomputed_from_its_saved_input_bit_exact():
     assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
     before = fxmem.measure(copy.deepcopy(ref), (x,)).activations
     assert before - meas.activations == 4 * 16 * 8 * 8 * 4  # the pooled map, float32
+    _same_step(ref, program.module, (x,), {}, None, exact=True)
+
+
+def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
+    """A recipe nested in another (the ReLU chain a max pooling reads) is recomputed with the outer one at each of
+    its unpacks, unless the outer one's unpacks and the inner one's own saves are back to back: then the inner
+    value is shared by all of them. Each encoder chain before a pooling runs once for the pooling's output, its
+    indices, its own saves (not three times more); the first convolution once for its batch norm's save and the
+    chain reading it; the chain an upsampling reads once for its own saves and the concatenation holding it. The
+    skip concatenations, unpacked far from the encoder, still recompute the skip chains. The plan's estimate is the
+    traced one and the measured peak, and the step is bit-exact."""
+    from fxmem.costmodel import as_recipes, estimate_from_trace, trace_forward
+    ck = pass_module("checkpoint")
+    torch.manual_seed(0)
+    model, args, kwargs, loss_fn = example("unet")
+    ref, program, traced, sites = _captured_sites(model, args, kwargs, loss_fn)
+    by = {s.node.name: s for s in sites}
+    assert by["relu__1"].adjacent == ("max_pool2d",) and by["relu__3"].adjacent == ("max_pool2d_1",)
+    assert by["conv2d"].adjacent == ("relu_",)
+    assert set(by["cat_1"].holds) == {"relu__1", "relu__7"} and "cat_1" not in by["relu__1"].adjacent
+    shared, nesting, through = ck.remat_plan(sites)
+    assert through == {"max_pool2d": ["relu__1"], "max_pool2d_1": ["relu__3"], "relu_": ["conv2d"],
+                       "cat": ["relu__5"], "cat_1": ["relu__7"]}
+    planned = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites)), shared, nesting),
+                                  mode="train", loss_fn=loss_fn)
+    ck.apply_remat(program, sites)
+    assert "_fxmem_nest = (0,)" in program.module.code
+    est = estimate_from_trace(program, trace_forward(program, args, kwargs, "train", loss_fn), mode="train",
+                              loss_fn=loss_fn)
+    assert (est.peak, est.activations) == (planned.peak, planned.activations)
+    meas = fxmem.measure(copy.deepcopy(program.module), args, kwargs, loss_fn=loss_fn)
+    assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (est.peak, meas.peak)
+
+    def backward_ops(mod):
+        torch.manual_seed(1)
+        loss = loss_fn(mod(*args), args)
+        with OpCounter() as c:
+            loss.backward()
+        return c.ops
+    plain, mine = backward_ops(copy.deepcopy(ref)), backward_ops(copy.deepcopy(program.module))
+    extra = {op: mine.get(op, 0) - plain.get(op, 0) for op in ("relu_", "max_pool2d_with_indices", "convolution")}
+    # 10 chains once each, the 2 skip chains again inside their cats; each pooling for its output and its indices;
+    # the first convolution and the 2 upsamplings once each
+    assert extra == {"relu_": 12, "max_pool2d_with_indices": 4, "convolution": 3}, extra
+    _same_step(ref, program.module, args, kwargs, loss_fn, exact=True)
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x * 2  # (saves nothing of x)
+
+
+class _SharedIntoRegion(nn.Module):
+    """A layer norm's output read by two matmuls back to back (a shared recipe) and by a region whose ops do not
+    save it (the region saves it as its input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.a, self.b, self.mid = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.tail = nn.Sequential(_Double(), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.mid(self.a(h) + self.b(h)) + self.tail(h)
+
+
+def test_shared_recipe_as_a_region_input_is_made_again_for_the_region_alone():
+    """A checkpoint region saves its inputs through the hooks outside it; a shared recipe among them is made again
+    by and for the region's recomputation, not taken from (and held in) the shared value, which would hold it from
+    the region's backward to the two matmuls' across the matmul between. Two layer norms in backward (the region's,
+    the matmuls' shared one), estimate = measured, bit-exact."""
+    from fxmem.costmodel import trace_forward
+    ck = pass_module("checkpoint")
+    torch.manual_seed(0)
+    model, x = _SharedIntoRegion(), torch.randn(64, 32, 16)
+    ref = copy.deepcopy(model)
+    program = fxmem.capture(model, (x,))
+    program.refresh()
+    sites = [s for s in ck.remat_sites(program, trace_forward(program, (x,), {}, "train"), None)
+             if s.node.target is torch.ops.aten.layer_norm.default]
+    assert len(sites) == 1 and sites[0].share
+    ck.apply_remat(program, sites)
+    rec, base_keys = trace_forward(program, (x,), {}, "train")[:2]
+    (reg,) = ck.candidate_regions(program, {}, ["tail"])
+    ck.measure_regions(program, [reg], rec, base_keys, frozenset())
+    (change,) = ck.CheckpointPass._emit(program, [reg], ["full"], frozenset())
+    assert change.kind == "checkpoint_full"
+    est = fxmem.estimate(program, mode="train")
+    meas = fxmem.measure(copy.deepcopy(program.module), (x,))
+    assert abs(est.peak - meas.peak) <= 0.002 * meas.peak, (est.peak, meas.peak)
+    torch.manual_seed(1)
+    loss = program.module(x).square().sum()
+    with OpCounter() as c:
+        loss.backward()
+    assert c.ops.get("native_layer_norm", 0) + c.ops.get("layer_norm", 0) == 2, c.ops
     _same_step(ref, program.module, (x,), {}, None, exact=True)

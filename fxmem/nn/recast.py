@@ -48,10 +48,14 @@ which the norm saves anyway. A training-mode batch norm is recomputed without ru
 forward; the output is bit-identical); on CPU, from the batch statistics the forward computed (`batch_norm_affine`:
 x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to give the kernel's output
 bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe too, the full op run
-again for that output. A registered output changed in place afterwards is saved as it is (the recipe would give the
-old values). Inside checkpoint and offload regions the scope steps aside (`aside`): the region's hooks decide
+again for that output. A nested recipe that is shared can be used through its shared value (`_fxmem_nest`, where
+the pass saw the holder's unpacks next to the nested recipe's saves): each recomputation of the holder counts as one
+more use, so a max pooling's output, its indices, its input and the ReLU's result make the ReLU once. A registered
+output changed in place afterwards is saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps aside (`aside`): the region's hooks decide
 there, and a recipe would hold arguments the region frees. Inputs of a non-reentrant checkpoint region are saved
-through the hooks outside it, so a region input that is a recipe's output is kept as the recipe.
+through the hooks outside it, so a region input that is a recipe's output is kept as the recipe, made again by and
+for the region's recomputation alone (never through a shared value, which it would hold from the region's backward
+to some other save's).
 """
 from __future__ import annotations
 
@@ -234,14 +238,17 @@ def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
     return ok
 
 
-def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
+def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _fxmem_nest: tuple = (),
+               **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
     themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
     batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
     form for ops that save only their inputs. An in-place op (relu_) on a chained output stays in place, in
     forward and in the recomputation, which writes into the member's freshly recomputed output. `_fxmem_share`:
-    as for `remat`.
+    as for `remat`. `_fxmem_nest`: positions among the flattened `args` (list elements in their place) of nested
+    recipes this one uses through their shared value (the pass sets it where this recipe is recomputed right next to
+    the nested one's own saves, so the nested one runs once for all of them; see `RecastScope.as_recipe_args`).
 
     Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
     arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
@@ -257,7 +264,7 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, **
     scope = active_scope()
     if scope is None:
         return _resolve(op)(*args, **kwargs)
-    rargs = scope.as_recipe_args(args)  # before the op: an in-place op's output reuses its input's storage
+    rargs = scope.as_recipe_args(args, _fxmem_nest)  # before the op: an in-place op's output reuses its input's storage
     pending: list = []
     prev, scope._pending = scope._pending, pending
     stats = None
@@ -369,15 +376,22 @@ class RecastScope:
         e = self._entries.get(key)
         return e[1] if e is not None and len(e) == 2 and e[0]() is not None else None
 
-    def as_recipe_args(self, args: tuple) -> tuple:
+    def as_recipe_args(self, args: tuple, nest: tuple = ()) -> tuple:
         """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested), also
-        inside list arguments (cat, stack)."""
+        inside list arguments (cat, stack). A nested shared recipe at a flat position in `nest` is used through its
+        shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         if not self._entries:
             return tuple(args)
+        at = iter(range(1 << 30))
 
         def one(a):
+            i = next(at)
             p = self._pack_now(a) if isinstance(a, torch.Tensor) else a
-            return p if isinstance(p, _Remat) else a
+            if not isinstance(p, _Remat):
+                return a
+            if i in nest and p.recipe.share:
+                p.how = "shared"
+            return p
         return _map_args(args, one)
 
     def _pack(self, t: torch.Tensor):
@@ -385,10 +399,18 @@ class RecastScope:
             d = _Deferred(t)
             self._pending.append(d)
             return d
+        if active_scope() is None:
+            # inside a checkpoint or offload region (`aside`): non-reentrant checkpoint saving the region's inputs.
+            # A recipe there is made again by and for the region's recomputation alone, not through a shared value
+            # (held from the region's recomputation to some other save's unpack, far from both)
+            p = self._pack_now(t)
+            if isinstance(p, _Remat):
+                p.how = "private"
+            return p
         return self._pack_now(t, count=True)
 
     def _pack_now(self, t: torch.Tensor, count: bool = False):
-        """What `t` is saved as; `count`: a save autograd will unpack (a shared recipe counts its saves)."""
+        """What `t` is saved as; `count`: a save autograd will unpack (shared recipes count their uses)."""
         if not self._entries:
             return t
         st = t.untyped_storage()
@@ -399,8 +421,8 @@ class RecastScope:
             r = e[1]
             if t._version != r.out_version:
                 return t  # changed in place since (the recipe would give the old values): saved as it is
-            if count and r.share:
-                r.saves += 1
+            if count:
+                _count_use(r)
             return _Remat(r, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
 
@@ -411,13 +433,11 @@ class RecastScope:
         if isinstance(x, _Remat):
             r = x.recipe
             with torch.no_grad():
+                if x.how == "private":
+                    return _recompute(r, private=True).as_strided(x.shape, x.stride, x.offset)
                 if not r.share:
                     return _materialize(x)
-                # one recomputation for all the recipe's saves: held until the last of them is unpacked
-                value = r.value if r.value is not None else _recompute(r)
-                r.saves -= 1
-                r.value = value if r.saves > 0 else None
-                return value.as_strided(x.shape, x.stride, x.offset)
+                return _shared_value(r).as_strided(x.shape, x.stride, x.offset)
         if isinstance(x, _Recast):
             if x.param._version != x.version:
                 raise RuntimeError(
@@ -464,10 +484,14 @@ class _Recipe:
 
 
 class _Remat:
-    __slots__ = ("recipe", "shape", "stride", "offset")
+    """A saved (or nested) recipe's output, viewed as the tensor was. `how`: "" recomputed (through the shared value
+    when the recipe is shared), "shared" a nested use of a shared recipe's value, "private" made again for a
+    region's recomputation alone (nested recipes too)."""
+    __slots__ = ("recipe", "shape", "stride", "offset", "how")
 
     def __init__(self, recipe, shape, stride, offset):
         self.recipe, self.shape, self.stride, self.offset = recipe, shape, stride, offset
+        self.how = ""
 
 
 class _Deferred:
@@ -481,7 +505,7 @@ class _Deferred:
 def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
     """The tensors a recipe holds: its tensor arguments and, through nested recipes, theirs."""
     out: list[torch.Tensor] = []
-    for a in _flat_args(recipe.args):
+    for a in flat_args(recipe.args):
         if isinstance(a, _Remat):
             out.extend(recipe_tensors(a.recipe))
         elif isinstance(a, torch.Tensor):
@@ -489,12 +513,42 @@ def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
     return out
 
 
-def nested_recipes(recipe: _Recipe) -> list[_Recipe]:
-    """The recipes `recipe` holds as arguments (its arguments that are recipes' outputs), not through them."""
-    return [a.recipe for a in _flat_args(recipe.args) if isinstance(a, _Remat)]
+def nested_recipes(recipe: _Recipe, shared: bool | None = None) -> list[_Recipe]:
+    """The recipes `recipe` holds as arguments (its arguments that are recipes' outputs), not through them; `shared`
+    True: only those it uses through their shared value, False: only the others."""
+    return [a.recipe for a in flat_args(recipe.args) if isinstance(a, _Remat)
+            and (shared is None or (a.how == "shared") == shared)]
 
 
-def _flat_args(args: tuple) -> list:
+def _count_use(r: _Recipe) -> None:
+    """Backward will use r's output once more: a shared recipe counts the use (made once, held until its last);
+    a recomputation of r uses its nested recipes, so theirs are counted with r's first."""
+    if r.share:
+        r.saves += 1
+        if r.saves > 1:
+            return
+    _count_nested(r)
+
+
+def _count_nested(r: _Recipe) -> None:
+    """One recomputation of r: its nested shared uses count, its other nested recipes are recomputed with it."""
+    for a in flat_args(r.args):
+        if isinstance(a, _Remat):
+            if a.how == "shared":
+                _count_use(a.recipe)
+            else:
+                _count_nested(a.recipe)
+
+
+def _shared_value(r: _Recipe) -> torch.Tensor:
+    """A shared recipe's output: recomputed at its first use, held until its last (`saves` counts them down)."""
+    value = r.value if r.value is not None else _recompute(r)
+    r.saves -= 1
+    r.value = value if r.saves > 0 else None
+    return value
+
+
+def flat_args(args: tuple) -> list:
     """Arguments with the elements of list arguments (cat, stack) in their place."""
     out: list = []
     for a in args:
@@ -506,7 +560,7 @@ def _flat_args(args: tuple) -> list:
 
 
 def _arg_tensors(args: tuple) -> list[torch.Tensor]:
-    return [a for a in _flat_args(args) if isinstance(a, torch.Tensor)]
+    return [a for a in flat_args(args) if isinstance(a, torch.Tensor)]
 
 
 def _map_args(args: tuple, f) -> tuple:
@@ -519,13 +573,20 @@ def _materialize(x: _Remat) -> torch.Tensor:
     return _recompute(x.recipe).as_strided(x.shape, x.stride, x.offset)
 
 
-def _recompute(r: _Recipe) -> torch.Tensor:
-    """r's output, computed again (nested recipes first)."""
+def _recompute(r: _Recipe, private: bool = False) -> torch.Tensor:
+    """r's output, computed again (nested recipes first: those used through a shared value take it, unless
+    `private`, a region's recomputation, which makes every nested recipe again for itself)."""
     if any(a._version != v for a, v in zip(_arg_tensors(r.args), r.versions)):
         raise RuntimeError(
             f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
-    return r.fn(*_map_args(r.args, lambda a: _materialize(a) if isinstance(a, _Remat) else a), **r.kwargs)
+
+    def arg(a):
+        if not isinstance(a, _Remat):
+            return a
+        value = _shared_value(a.recipe) if a.how == "shared" and not private else _recompute(a.recipe, private)
+        return value.as_strided(a.shape, a.stride, a.offset)
+    return r.fn(*_map_args(r.args, arg), **r.kwargs)
 
 
 class _Enter:
