@@ -4,9 +4,10 @@
     python benchmarks/remat_recompute_count.py --model gpt
 
 Counts the ops of one backward (a dispatch mode) of the remat'd module and of the captured one. The difference is
-what remat recomputes. A recipe nested in another (a batch norm -> ReLU chain that a max pooling or a skip
-concatenation reads) is recomputed at each of the outer recipe's unpacks, so an op can run more often than it has
-sites. The table lists the sites per op and the extra calls of that op in backward.
+what remat recomputes. A recipe nested in another (a batch norm -> ReLU chain that a skip concatenation reads) is
+recomputed at each of the outer recipe's unpacks, unless they run right next to its own saves (a max pooling's:
+then its value is shared), so an op can run more often than it has sites. The table lists the sites per op and the
+extra calls of that op in backward.
 """
 from __future__ import annotations
 
