@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
-    installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
+    group_of, installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from .nn.regions import region_info
 from .program import Program, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
@@ -262,6 +262,9 @@ class _Recorder(TorchDispatchMode):
         # nesting a pass plans without tracing it (`as_recipes`): recipe output -> {holder's output: whether the
         # holder uses it through its shared value}
         self.planned_nesting: dict[int, dict[int, bool]] = {}
+        # recipe outputs made by one shared run of a multi-output op (a max pooling's output and indices) -> a
+        # group id: held together from the group's first unpack to its last
+        self.recipe_group: dict[int, int] = {}
 
     def key(self, t):
         st = t.untyped_storage()
@@ -283,11 +286,16 @@ class _Recorder(TorchDispatchMode):
         what a pass planned (`planned_nesting`)."""
         key_of = {id(rp): k for k, rp in self.recipe_of.items()}
         out: dict[int, dict[int, bool]] = {}
-        for k, rp in self.recipe_of.items():
+
+        def walk(rp, k: int) -> None:
             for shared in (False, True):
                 for inner in nested_recipes(rp, shared):
                     if id(inner) in key_of:
                         out.setdefault(key_of[id(inner)], {})[k] = shared
+                    else:  # no output of its own (a chain member an in-place op replaced, a group's shared run):
+                        walk(inner, k)  # recomputed with k, what it holds is used by k's recomputations
+        for k, rp in self.recipe_of.items():
+            walk(rp, k)
         for k, hs in self.planned_nesting.items():
             out.setdefault(k, {}).update(hs)
         return out
@@ -398,10 +406,13 @@ class _RecordingInterpreter(fx.Interpreter):
         rec.recipe_holds[k] = list(dict.fromkeys(rec.key(t)[0] for t in recipe_tensors(recipe)))
         rec.recipe_at[k] = n.name
         rec.recipe_of[k] = recipe
-        if recipe.share:
+        group = group_of(recipe)
+        if recipe.share or group is not None:
             rec.recipe_shared.add(k)
         else:
             rec.recipe_shared.discard(k)
+        if group is not None:
+            rec.recipe_group[k] = id(group)
         for r in rec.records[first:]:  # the op's own saves of it (ReLU's result, max pooling's indices) too
             if r.region is None and k in r.saved:
                 r.saved = [s for s in r.saved if s != k]
@@ -544,16 +555,19 @@ def program_key(program: Program) -> str:
     return h.hexdigest()
 
 
-def as_recipes(traced, keys: set, shared: set = frozenset(), nesting: dict | None = None):
+def as_recipes(traced, keys: set, shared: set = frozenset(), nesting: dict | None = None,
+               groups: dict | None = None):
     """`traced` (what trace_forward returned) as if the outputs under `keys` were saved as recipes (fxmem.nn.recast),
     without tracing the rewritten program: their savers save the recipe instead (those under `shared` recomputed
     once for all their saves; `nesting`, as `_Recorder.nesting`: which recipes hold which nested, and use them
-    through their shared value). What a recipe holds is not recorded (`recipe_holds` stays as traced): this is for
+    through their shared value; `groups`, as `_Recorder.recipe_group`, outputs of one shared run). What a recipe
+    holds is not recorded (`recipe_holds` stays as traced): this is for
     outputs whose recipe arguments are kept anyway (remat sites), where holding them adds nothing; a pass that
     emits the rewrite traces it for the real record."""
     rec = copy.copy(traced[0])
     rec.recipe_shared = set(rec.recipe_shared) | (set(shared) & set(keys))
     rec.planned_nesting = {**rec.planned_nesting, **(nesting or {})}
+    rec.recipe_group = {**rec.recipe_group, **(groups or {})}
     records = []
     for r in rec.records:
         if r.region is None and r.saved and any(k in keys for k in r.saved):
@@ -638,7 +652,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                 recast_at[r.idx] += sb[k]
     held_from: dict[int, int] = defaultdict(int)
     held_until: dict[int, int] = defaultdict(int)
-    for k, (lo, hi) in _shared_spans(R, rec.recipe_shared, rec.nesting(), created_in).items():
+    for k, (lo, hi) in _shared_spans(R, rec.recipe_shared, rec.nesting(), created_in, rec.recipe_group).items():
         held_from[hi] += sb[k]
         held_until[lo] += sb[k]
     last_use: dict[int, int] = {}
@@ -650,6 +664,9 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
     recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
     recompute_transient: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: bytes} live while it reruns
+    group_members: dict[int, list[int]] = defaultdict(list)
+    for k, g in rec.recipe_group.items():
+        group_members[g].append(k)
     offloaded: dict[str, set] = defaultdict(set)
     recipe_holds = {k: h for k, h in rec.recipe_holds.items() if base_keys.get(k) is None}
     for r in R:
@@ -710,6 +727,9 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                             recompute_bytes[name] += sb[k]
                         else:
                             recompute_transient[name][k] = sb[k]
+                        for m in group_members.get(rec.recipe_group.get(k), ()):
+                            if m != k:  # made with it by the group's run, dropped at once
+                                recompute_transient[name][m] = sb[m]
                     for h in recipe_holds[k]:
                         if h != k and created_in.get(h, -1) < lo and base_keys.get(h) is None:
                             saved_until[h] = min(saved_until.get(h, lo), lo)
@@ -776,30 +796,44 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     return est
 
 
-def _shared_spans(R, shared: set, nesting: dict, created_in: dict) -> dict[int, tuple[int, int]]:
+def _shared_spans(R, shared: set, nesting: dict, created_in: dict, groups: dict) -> dict[int, tuple[int, int]]:
     """Shared recipe output -> (lowest, highest) record index of its uses in backward, which runs from high to
     low: made at the highest, held until the lowest. A use is a save of it outside regions (an unpack), or a
     recomputation of a recipe holding it nested through its shared value. A recipe is recomputed at each of its
     unpacks and at each recomputation of a recipe holding it otherwise (nested, made again with it); a shared one
-    once for its uses, at the first. A region's input saved as a recipe is made again for the region alone."""
+    once for its uses, at the first. Outputs of one shared run (`groups`) are made together and held together,
+    from the first use of any to the last. A region's input saved as a recipe is made again for the region
+    alone."""
     unpacks: dict[int, list[int]] = defaultdict(list)
     for r in R:
         for k in r.recast:
             unpacks[k].append(r.idx)
     holders: dict[int, dict[int, bool]] = nesting
+    members: dict[int, list[int]] = defaultdict(list)
+    for k, g in groups.items():
+        members[g].append(k)
     made: dict[int, list[int]] = {}  # recipe output -> record indices where backward recomputes it
     spans: dict[int, tuple[int, int]] = {}
-    # holders were created after what they hold: latest first, a holder's recomputations are known before
-    for k in sorted(set(unpacks) | set(holders), key=lambda k: -created_in.get(k, -1)):
+
+    def uses_of(k: int) -> tuple[list[int], list[int]]:
         uses = list(unpacks.get(k, ()))
         private: list[int] = []
         for h, through_shared in holders.get(k, {}).items():
             (uses if through_shared and k in shared else private).extend(made.get(h, ()))
-        if k in shared and uses:
-            spans[k] = (min(uses), max(uses))
-            made[k] = [max(uses)] + private
-        else:
-            made[k] = uses + private
+        return uses, private
+    # holders were created after what they hold: latest first, a holder's recomputations are known before
+    for k in sorted(set(unpacks) | set(holders) | set(groups), key=lambda k: -created_in.get(k, -1)):
+        if k in made:
+            continue  # (a group member, done with the group)
+        group = members[groups[k]] if k in groups else [k]
+        both = [uses_of(m) for m in group]
+        uses = [i for u, _ in both for i in u]
+        for m, (_, private) in zip(group, both):
+            if m in shared and uses:
+                spans[m] = (min(uses), max(uses))
+                made[m] = [max(uses)] + private
+            else:
+                made[m] = uses + private
     return spans
 
 

@@ -39,6 +39,7 @@ model holds it from the first unpack to the last) instead of once per save. A si
 output holds that one nested and recomputes it at each of its own recomputations, unless its unpacks and the inner
 site's saves run back to back (a max pooling of a ReLU: the pooled output's unpack, then the pooling's, then the
 ReLU's): then the inner value is shared by all of them (`remat_plan`, `_fxmem_nest`), one chain instead of four.
+Likewise a max pooling whose output and indices are unpacked back to back runs once for both (`_fxmem_group`).
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -540,6 +541,8 @@ class RematSite:
     # this ReLU): their recomputations can take its value shared with its saves (`remat_plan`)
     adjacent: tuple = ()
     contiguous: bool = True  # its own saves are unpacked back to back (or there is one)
+    # its output's and internal saves are unpacked back to back: one run of the full op makes both (`_fxmem_group`)
+    group: bool = False
 
     @property
     def keys(self) -> set:
@@ -688,13 +691,14 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         internal = [s for r in recs for s in r.saved if s != k and s in r.new_keys] \
             if not dropout and optable.op_name(n.target) in INTERNAL_SAVES else []
         unpacked_at[n.name] = {pos[r.idx] for kk in (k, *internal) for r in savers.get(kk, [])}
+        group = bool(internal) and back_to_back(unpacked_at[n.name])
         once = cost_of(n) + sum(cost_of(c) for c in chain)
-        unpacks = (1 if share else len(consumers)) + bool(internal)
+        unpacks = 1 if group else (1 if share else len(consumers)) + bool(internal)
         # a join's list argument may hold recipes' outputs (a skip connection's ReLU): remat_call keeps them as recipes
         call = bool(chain) or in_place or self_saves or bool(internal) or optable.packet(n.target) in REMAT_JOINS
         sites.append(RematSite(n, k, int(sb[k] + sum(sb[s] for s in internal)), float(once * unpacks),
                                (_paths(n) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal),
-                               contiguous=contiguous))
+                               contiguous=contiguous, group=group))
         per_unpack[n.name] = (once, unpacks)
     # an input that is another site's output is a nested recipe (remat_call holds it as a recipe): each unpack
     # recomputes it too (a max pool of a batch norm -> ReLU chain runs the chain again for its output and for its
@@ -718,11 +722,13 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
     return sites
 
 
-def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict]:
+def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict, dict]:
     """For the sites applied together: the outputs recomputed once for all their uses (shared), which recipes hold
-    which nested and whether through the shared value (as `_Recorder.nesting`, by storage key), and per holder the
-    names of the sites it uses that way. A nested site is used through its shared value by the holders adjacent to
-    it that are applied too; a site is shared when it has more than one use that way or of its own."""
+    which nested and whether through the shared value (as `_Recorder.nesting`, by storage key), per holder the
+    names of the sites it uses that way, and the outputs one shared run makes together (a grouped max pooling's
+    output and indices: output key -> group, as `_Recorder.recipe_group`). A nested site is used through its
+    shared value by the holders adjacent to it that are applied too; a site is shared when it has more than one use
+    that way or of its own."""
     chosen = {s.node.name: s for s in sites}
     through: dict[str, list[str]] = {}  # holder -> nested sites it uses through their shared value
     uses: dict[str, int] = {s.node.name: (2 if s.share else 1) for s in sites}
@@ -738,15 +744,16 @@ def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict]:
             if a in chosen:
                 for hk in s.keys:
                     nesting.setdefault(chosen[a].key, {})[hk] = a in shared and a in through.get(s.node.name, ())
-    return ({chosen[n].key for n in shared}, nesting,
-            {h: [a for a in ns if a in shared] for h, ns in through.items()})
+    groups = {k: s.key for s in sites if s.group for k in s.keys}
+    return ({chosen[n].key for n in shared} | set(groups), nesting,
+            {h: [a for a in ns if a in shared] for h, ns in through.items()}, groups)
 
 
 def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
     """Rewrite each site as `remat(op(*args), 'aten.op', *args)` (bool-mask dropout: its remat variant)."""
     g = program.graph
     by_name = {n.name: n for n in g.nodes}
-    shared, _, through = remat_plan(sites)
+    shared, _, through, _ = remat_plan(sites)
     site_of: dict[str, str] = {}  # a remat node emitted below -> the site's node
     changes = []
     for s in sites:
@@ -767,7 +774,9 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                     if nest:  # nested sites used through their shared value
                         c.kwargs = {**c.kwargs, "_fxmem_nest": nest}
                 names.append(c.name)
-            if share:
+            if s.group:
+                n.kwargs = {**n.kwargs, "_fxmem_group": True}
+            elif share:
                 n.kwargs = {**n.kwargs, "_fxmem_share": True}
             # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
             pos = {m: i for i, m in enumerate(names)}
@@ -776,7 +785,7 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
                 (by_name[m].args[0],  # a member's output as "@i", also inside a list argument (cat)
                  fx.node.map_arg(by_name[m].args[1:], lambda a: f"@{pos[a.name]}" if a.name in pos else a),
                  {k: v for k, v in by_name[m].kwargs.items()
-                  if k not in ("_fxmem_chain", "_fxmem_share", "_fxmem_nest")})
+                  if k not in ("_fxmem_chain", "_fxmem_share", "_fxmem_nest", "_fxmem_group")})
                 for m in names)}
             what = " -> ".join(optable.packet(op_named(by_name[m].args[0])) for m in names)
             changes.append(Change(
@@ -1356,9 +1365,9 @@ class CheckpointPass:
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
                 def planned(k: int):  # bytes the estimate with the first k sites misses the limits by
-                    shared, nesting, _ = remat_plan(sites[:k])
+                    shared, nesting, _, groups = remat_plan(sites[:k])
                     est = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites[:k])),
-                                                                  shared, nesting),
+                                                                  shared, nesting, groups),
                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
                     return lim.over(est.peak, est.activations)
                 k = smallest_fitting_prefix(len(sites), planned, 0)

@@ -791,7 +791,8 @@ def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
     """A recipe nested in another (the ReLU chain a max pooling reads) is recomputed with the outer one at each of
     its unpacks, unless the outer one's unpacks and the inner one's own saves are back to back: then the inner
     value is shared by all of them. Each encoder chain before a pooling runs once for the pooling's output, its
-    indices, its own saves (not three times more); the first convolution once for its batch norm's save and the
+    indices, its own saves (not three times more), and the pooling once for its output and indices (one run,
+    both held from the first unpack to the last); the first convolution once for its batch norm's save and the
     chain reading it; the chain an upsampling reads once for its own saves and the concatenation holding it. The
     skip concatenations, unpacked far from the encoder, still recompute the skip chains. The plan's estimate is the
     traced one and the measured peak, and the step is bit-exact."""
@@ -803,14 +804,16 @@ def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
     by = {s.node.name: s for s in sites}
     assert by["relu__1"].adjacent == ("max_pool2d",) and by["relu__3"].adjacent == ("max_pool2d_1",)
     assert by["conv2d"].adjacent == ("relu_",)
+    assert by["max_pool2d"].group and by["max_pool2d_1"].group  # output and indices unpacked back to back
     assert set(by["cat_1"].holds) == {"relu__1", "relu__7"} and "cat_1" not in by["relu__1"].adjacent
-    shared, nesting, through = ck.remat_plan(sites)
+    shared, nesting, through, groups = ck.remat_plan(sites)
     assert through == {"max_pool2d": ["relu__1"], "max_pool2d_1": ["relu__3"], "relu_": ["conv2d"],
                        "cat": ["relu__5"], "cat_1": ["relu__7"]}
-    planned = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites)), shared, nesting),
-                                  mode="train", loss_fn=loss_fn)
+    planned = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites)), shared, nesting,
+                                                      groups), mode="train", loss_fn=loss_fn)
     ck.apply_remat(program, sites)
-    assert "_fxmem_nest = (0,)" in program.module.code
+    assert "_fxmem_nest = (0,)" in program.module.code and "_fxmem_group = True" in program.module.code
+    assert groups == {k: by[p].key for p in ("max_pool2d", "max_pool2d_1") for k in by[p].keys}
     est = estimate_from_trace(program, trace_forward(program, args, kwargs, "train", loss_fn), mode="train",
                               loss_fn=loss_fn)
     assert (est.peak, est.activations) == (planned.peak, planned.activations)
@@ -825,9 +828,9 @@ def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
         return c.ops
     plain, mine = backward_ops(copy.deepcopy(ref)), backward_ops(copy.deepcopy(program.module))
     extra = {op: mine.get(op, 0) - plain.get(op, 0) for op in ("relu_", "max_pool2d_with_indices", "convolution")}
-    # 10 chains once each, the 2 skip chains again inside their cats; each pooling for its output and its indices;
-    # the first convolution and the 2 upsamplings once each
-    assert extra == {"relu_": 12, "max_pool2d_with_indices": 4, "convolution": 3}, extra
+    # 10 chains once each, the 2 skip chains again inside their cats; each pooling once for its output and its
+    # indices; the first convolution and the 2 upsamplings once each
+    assert extra == {"relu_": 12, "max_pool2d_with_indices": 2, "convolution": 3}, extra
     _same_step(ref, program.module, args, kwargs, loss_fn, exact=True)
 
 

@@ -48,7 +48,8 @@ which the norm saves anyway. A training-mode batch norm is recomputed without ru
 forward; the output is bit-identical); on CPU, from the batch statistics the forward computed (`batch_norm_affine`:
 x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to give the kernel's output
 bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe too, the full op run
-again for that output. A nested recipe that is shared can be used through its shared value (`_fxmem_nest`, where
+again for that output; where the pooled output's unpack and the pooling's own run back to back (`_fxmem_group`),
+one shared run of the full op makes both, held from the first unpack to the last. A nested recipe that is shared can be used through its shared value (`_fxmem_nest`, where
 the pass saw the holder's unpacks next to the nested recipe's saves): each recomputation of the holder counts as one
 more use, so a max pooling's output, its indices, its input and the ReLU's result make the ReLU once. A registered
 output changed in place afterwards is saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps aside (`aside`): the region's hooks decide
@@ -239,7 +240,7 @@ def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
 
 
 def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _fxmem_nest: tuple = (),
-               **kwargs) -> torch.Tensor:
+               _fxmem_group: bool = False, **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
     themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
@@ -249,6 +250,8 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
     as for `remat`. `_fxmem_nest`: positions among the flattened `args` (list elements in their place) of nested
     recipes this one uses through their shared value (the pass sets it where this recipe is recomputed right next to
     the nested one's own saves, so the nested one runs once for all of them; see `RecastScope.as_recipe_args`).
+    `_fxmem_group` (an op with INTERNAL_SAVES whose output's and own saves are unpacked back to back): the full op
+    runs once for both, its outputs held from the first unpack to the last (`_Pick` of a shared recipe).
 
     Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
     arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
@@ -283,16 +286,27 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
             fn, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
         else:
             fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
-        scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
         internal = INTERNAL_SAVES.get(op)
+        own = []
         if internal is not None:
             # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
             # too, the op's full form run again for that output
             known = {a.untyped_storage()._cdata for a in (y, *_arg_tensors(args))}
-            for t in (d.value for d in pending):
-                if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and \
-                        t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None:
-                    scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
+            own = [t for t in (d.value for d in pending)
+                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and
+                   t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
+        if own and _fxmem_group:
+            # one run of the full op for both, shared: each output a pick of it
+            whole = _Recipe(_resolve(internal[0]), rargs, dict(kwargs),
+                            tuple(a._version for a in _arg_tensors(rargs)), None, share=True)
+            for i, t in ((0, y), (internal[1], own[0])):
+                part = _Remat(whole, None, None, None)
+                part.how = "shared"
+                scope.register_recipe(t, _Pick(i), (part,), {})
+        else:
+            scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
+            for t in own:
+                scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     for d in pending:  # the op's own saves, packed now that its output is a recipe
         d.value = scope._pack_now(d.value, count=True)
     return y
@@ -315,6 +329,24 @@ class _output_of:
 
     def __call__(self, *args, **kwargs):
         return _resolve(self.op)(*args, **kwargs)[self.i]
+
+
+class _Pick:
+    """Output `i` of a tuple (a recipe's function: one output of a shared run of a multi-output op)."""
+    __slots__ = ("i", "__name__")
+
+    def __init__(self, i: int):
+        self.i, self.__name__ = i, f"output {i}"
+
+    def __call__(self, outputs):
+        return outputs[self.i]
+
+
+def group_of(recipe: "_Recipe"):
+    """The shared recipe whose outputs `recipe` picks one of (a grouped max pooling's), None if none."""
+    if isinstance(recipe.fn, _Pick) and isinstance(recipe.args[0], _Remat) and recipe.args[0].how == "shared":
+        return recipe.args[0].recipe
+    return None
 
 
 torch.fx.wrap("remat_call")
@@ -484,9 +516,10 @@ class _Recipe:
 
 
 class _Remat:
-    """A saved (or nested) recipe's output, viewed as the tensor was. `how`: "" recomputed (through the shared value
-    when the recipe is shared), "shared" a nested use of a shared recipe's value, "private" made again for a
-    region's recomputation alone (nested recipes too)."""
+    """A saved (or nested) recipe's output, viewed as the tensor was (shape None: every output of a multi-output
+    recipe, as they are). `how`: "" recomputed (through the shared value when the recipe is shared), "shared" a
+    nested use of a shared recipe's value, "private" made again for a region's recomputation alone (nested recipes
+    too)."""
     __slots__ = ("recipe", "shape", "stride", "offset", "how")
 
     def __init__(self, recipe, shape, stride, offset):
@@ -585,7 +618,7 @@ def _recompute(r: _Recipe, private: bool = False) -> torch.Tensor:
         if not isinstance(a, _Remat):
             return a
         value = _shared_value(a.recipe) if a.how == "shared" and not private else _recompute(a.recipe, private)
-        return value.as_strided(a.shape, a.stride, a.offset)
+        return value if a.shape is None else value.as_strided(a.shape, a.stride, a.offset)  # (None: all outputs)
     return r.fn(*_map_args(r.args, arg), **r.kwargs)
 
 
