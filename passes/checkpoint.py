@@ -29,8 +29,9 @@ dispatch mode and no RNG state, and it is what torch.compile's min-cut partition
 eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs (all of them when it
 needs more, and then regions plan on the rewritten program; if that plan misses the budget, regions plan on the
 program without remat). Max pooling is a site too (its recipe covers the int64 argmax indices it keeps for its own
-backward), and so is a convolution or linear fed by the input alone when it costs no more than a few pointwise
-passes per byte (a CNN's first convolution over one to three channels). Ops that save their own output (ReLU) and
+backward), and so is a convolution or linear fed by the input alone when its recompute is cheap enough per byte
+(a CNN's first convolution over one to three channels; on CPU such short convolutions and poolings are costed at
+their measured speed, several times a pointwise pass, so they are taken after the chains). Ops that save their own output (ReLU) and
 short chains whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are rewritten as
 `remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe ReLU(batch_norm(conv
 output)), the conv output being saved by the norm anyway. When the ops saving an output run their backward back to
@@ -323,12 +324,21 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
 # CPU random draws cost far more than their bytes: Bernoulli ~7 ns per element on the 2-core host the benchmarks
 # run on, against ~200 GFLOP/s matmuls, i.e. ~1500 FLOP-equivalents; 1000 per byte drawn (a bool mask: per element)
 DRAW_COST_PER_BYTE_CPU = 1000.0
+# CPU kernels slower per byte written than the roofline says (FLOP-equivalents as above, measured on the
+# benchmarks' 2-core host, torch 2.13, against ~20 per byte for a pointwise op): max pooling with its indices ~10 ns
+# per output element (12 bytes written), average pooling ~3.7 ns per 4 bytes: ~180; convolutions with a short
+# reduction (a first convolution over 1 channel, 3x3: ~90; 2x2 stride-2 transposed convolutions: ~190) write no
+# faster than ~100 (larger convolutions are above that by their FLOPs anyway)
+SLOW_KERNELS_CPU = {**dict.fromkeys(("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                                     "max_pool2d", "avg_pool2d", "avg_pool3d"), 180.0),
+                    **dict.fromkeys(("convolution", "conv2d", "conv1d", "conv3d", "conv_transpose1d",
+                                     "conv_transpose2d", "conv_transpose3d"), 100.0)}
 
 
 def op_cost(r, balance: float | None) -> float:
     """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
     read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random
-    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes."""
+    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes, a pooling or convolution at least SLOW_KERNELS_CPU's."""
     if balance is None:
         return float(r.flops)
     cat = optable.category(r.func)
@@ -337,6 +347,9 @@ def op_cost(r, balance: float | None) -> float:
     moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
     if cat == optable.RANDOM and balance < 100:
         return max(float(r.flops), DRAW_COST_PER_BYTE_CPU * sum(b for b in r.out_bytes if b))
+    slow = SLOW_KERNELS_CPU.get(optable.packet(r.func)) if balance < 100 else None
+    if slow is not None:
+        return max(float(r.flops), balance * moved, slow * sum(b for b in r.out_bytes if b))
     return max(float(r.flops), balance * moved)
 
 
@@ -562,9 +575,10 @@ def _remat_op(n: fx.Node) -> bool:
 
 
 # an input-fed matmul or convolution (a CNN's first convolution, on few input channels) is a site when its
-# recompute costs at most this many pointwise passes over its output (roofline cost per byte / balance; with
-# FLOPs alone, per byte / 10)
-REMAT_INPUT_MATMUL_PASSES = 4.0
+# recompute costs at most this many times balance per byte of its output (roofline cost per byte / balance; with
+# FLOPs alone, per byte / 10): 12 admits a short-reduction convolution at SLOW_KERNELS_CPU's 100 per byte (a
+# pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap sites
+REMAT_INPUT_MATMUL_PASSES = 12.0
 
 
 def _input_fed_matmul(n: fx.Node) -> bool:

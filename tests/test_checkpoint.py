@@ -526,3 +526,27 @@ def test_recompute_cost_of_transposed_convolutions_and_queries():
     rec = trace_forward(p, args, {}, "train")[0]
     queries = [r for r in rec.records if str(r.func) == "prim.device.default"]
     assert queries and all(r.in_bytes[0] > 0 and ck.op_cost(r, 10.0) == 0.0 for r in queries)
+
+
+def test_cpu_pooling_and_short_convolutions_cost_their_measured_speed():
+    """On CPU a max pooling (with its indices) and a short-reduction convolution are several times dearer per byte
+    than a pointwise pass (SLOW_KERNELS_CPU, measured): costed so, the U-Net's remat sites rank every batch norm ->
+    ReLU chain before the first convolution and the poolings; with FLOPs alone (no balance) or on a GPU balance the
+    roofline stands."""
+    from fxmem.costmodel import trace_forward
+    model = unet.build_model()
+    args = unet.example_inputs()
+    p = fxmem.capture(model, args)
+    p.refresh()
+    traced = trace_forward(p, args, {}, "train", unet.loss_fn)
+    recs = traced[0].records
+    pool = next(r for r in recs if str(r.func) == "aten.max_pool2d_with_indices.default")
+    first = next(r for r in recs if "convolution" in str(r.func))
+    written = sum(pool.out_bytes)
+    assert ck.op_cost(pool, 10.0) == 180.0 * written and ck.op_cost(pool, None) == float(pool.flops)
+    assert ck.op_cost(first, 10.0) == 100.0 * sum(first.out_bytes) > 10.0 * first.flops
+    assert ck.op_cost(pool, 100.0) == 100.0 * (sum(pool.in_bytes) + written)  # (a GPU balance: the roofline)
+    order = [s.node.name for s in ck.remat_sites(p, traced, 10.0)]
+    chains = [i for i, n in enumerate(order) if n.startswith("relu")]
+    late = [order.index(n) for n in ("conv2d", "max_pool2d", "max_pool2d_1")]
+    assert len(chains) == 10 and max(chains) < min(late), order
