@@ -579,6 +579,8 @@ def _remat_op(n: fx.Node) -> bool:
 # FLOPs alone, per byte / 10): 12 admits a short-reduction convolution at SLOW_KERNELS_CPU's 100 per byte (a
 # pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap sites
 REMAT_INPUT_MATMUL_PASSES = 12.0
+# cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
+REMAT_LAST_SITE_TRIES = 8
 
 
 def _input_fed_matmul(n: fx.Node) -> bool:
@@ -1378,15 +1380,24 @@ class CheckpointPass:
             sites = remat_sites(program, traced, opts.balance if opts.balance is not None
                                 else default_balance(program) if opts.cost == "roofline" else None)
             if sites:
-                def planned(k: int):  # bytes the estimate with the first k sites misses the limits by
-                    shared, nesting, _, groups = remat_plan(sites[:k])
-                    est = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites[:k])),
+                def missed(chosen: list) -> int:  # bytes the estimate with these sites misses the limits by
+                    shared, nesting, _, groups = remat_plan(chosen)
+                    est = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in chosen)),
                                                                   shared, nesting, groups),
                                               mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
                     return lim.over(est.peak, est.activations)
-                k = smallest_fitting_prefix(len(sites), planned, 0)
+                k = smallest_fitting_prefix(len(sites), lambda k: missed(sites[:k]), 0)
+                chosen = sites[:k]
+                if k < len(sites) or missed(chosen) <= 0:
+                    # the site completing the prefix need not be the next by cost per byte: a cheaper one further
+                    # down may free enough (a 1 MiB chain where the next in line is a 2 MiB concatenation)
+                    cheaper = sorted((s for s in sites[k:] if s.cost < sites[k - 1].cost), key=lambda s: s.cost)
+                    for s in cheaper[:REMAT_LAST_SITE_TRIES]:
+                        if missed(sites[:k - 1] + [s]) <= 0:
+                            chosen = sites[:k - 1] + [s]
+                            break
                 rematted = program.snapshot()
-                rm = apply_remat(rematted, sites[:k])
+                rm = apply_remat(rematted, chosen)
                 rematted.graph.lint()
                 traced2 = self._trace(rematted, ctx)
                 est2 = estimate_from_trace(rematted, traced2, mode=ctx.mode, optimizer=ctx.optimizer,
@@ -1407,7 +1418,7 @@ class CheckpointPass:
                     # regions for the rest, planned on the rewritten program and on the program without remat
                     # (recipes and regions interact: a region input that is a recipe is recomputed too, and a
                     # region can make remat's recomputation redundant); the cheaper plan that fits wins
-                    remat_cost = sum(s.cost for s in sites[:k]) if opts.cost != "profile" else 0.0
+                    remat_cost = sum(s.cost for s in chosen) if opts.cost != "profile" else 0.0
                     def planner(prog, tr, est, changes, mets):
                         memo: dict = {}
 
