@@ -2,18 +2,24 @@
 
     python benchmarks/remat_recompute_count.py            # the U-Net at the checkpoint benchmark's full size
     python benchmarks/remat_recompute_count.py --model gpt
+    python benchmarks/remat_recompute_count.py --overhead # also: the fixed cost per site, on a tiny input
 
 Counts the ops of one backward (a dispatch mode) of the remat'd module and of the captured one. The difference is
 what remat recomputes. A recipe nested in another (a batch norm -> ReLU chain that a skip concatenation reads) is
 recomputed at each of the outer recipe's unpacks, unless they run right next to its own saves (a max pooling's:
 then its value is shared), so an op can run more often than it has sites. The table lists the sites per op and the
 extra calls of that op in backward.
+
+`--overhead` times a training step with every site applied and with none, on an input so small (batch 1, 8 pixels
+or tokens a side) that kernels cost next to nothing: the difference per site is what a site costs beyond its
+kernels (saved-tensor hooks, recipe bookkeeping, dispatch), paid at any size.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,18 +55,50 @@ def backward_calls(module, x, loss_fn) -> collections.Counter:
     return c.calls
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="unet", choices=["unet", "gpt"])
-    args = ap.parse_args()
+def remat_all(ex, model, x):
+    """`model` captured at `x`: (the captured program, a copy with every remat site applied, the sites)."""
     ck = pass_module("checkpoint")
-    ex, model, x = setup(args.model, True)
     program = fxmem.capture(model, x)
     program.refresh()
     traced = trace_forward(program, program.example_args, program.example_kwargs, "train", ex.loss_fn)
     sites = ck.remat_sites(program, traced, ck.default_balance(program))
     remat = program.snapshot()
     ck.apply_remat(remat, sites)
+    return program, remat, sites
+
+
+def site_overhead(name: str, rounds: int = 300) -> None:
+    """Step time with every site against none on a tiny input (10th percentile of interleaved rounds)."""
+    ex, model, _ = setup(name, True)
+    x = ex.example_inputs(batch=1, size=8) if name == "unet" else ex.example_inputs(batch=1, seq_len=8)
+    program, remat, sites = remat_all(ex, model, x)
+    mods = {"none": program.snapshot().module, "all": remat.module}
+
+    def step(m):
+        ex.loss_fn(m(*x), x).backward()
+    times = {k: [] for k in mods}
+    for _ in range(10):
+        for m in mods.values():
+            step(m)
+    for _ in range(rounds):
+        for k, m in mods.items():
+            t0 = time.perf_counter()
+            step(m)
+            times[k].append(time.perf_counter() - t0)
+    p10 = {k: sorted(v)[len(v) // 10] for k, v in times.items()}
+    extra = p10["all"] - p10["none"]
+    print(f"{name}, input {tuple(x[0].shape)}: step {p10['none'] * 1e3:.2f} ms without remat, "
+          f"{p10['all'] * 1e3:.2f} ms with its {len(sites)} sites: {extra / max(1, len(sites)) * 1e6:.0f} us per site "
+          f"(10th percentile of {rounds} interleaved rounds)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="unet", choices=["unet", "gpt"])
+    ap.add_argument("--overhead", action="store_true", help="also time the fixed cost per site (tiny input)")
+    args = ap.parse_args()
+    ex, model, x = setup(args.model, True)
+    program, remat, sites = remat_all(ex, model, x)
     base = backward_calls(program.snapshot().module, x, ex.loss_fn)
     mine = backward_calls(remat.module, x, ex.loss_fn)
     per_op = collections.Counter()
@@ -75,6 +113,8 @@ def main():
         extra = mine.get(op, 0) - base.get(op, 0)
         if per_op.get(op) or extra > 0:
             print(f"| {op} | {per_op.get(op, 0)} | {extra} |")
+    if args.overhead:
+        site_overhead(args.model)
 
 
 if __name__ == "__main__":

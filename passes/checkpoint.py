@@ -29,18 +29,19 @@ dispatch mode and no RNG state, and it is what torch.compile's min-cut partition
 eager. Sites are taken cheapest recompute per byte first, only as many as the budget needs (all of them when it
 needs more, and then regions plan on the rewritten program; if that plan misses the budget, regions plan on the
 program without remat). Max pooling is a site too (its recipe covers the int64 argmax indices it keeps for its own
-backward), and so is a convolution or linear fed by the input alone when its recompute is cheap enough per byte
-(a CNN's first convolution over one to three channels; on CPU such short convolutions and poolings are costed at
-their measured speed, several times a pointwise pass, so they are taken after the chains). Ops that save their own output (ReLU) and
-short chains whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are rewritten as
-`remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe ReLU(batch_norm(conv
-output)), the conv output being saved by the norm anyway. When the ops saving an output run their backward back to
-back (ReLU's own save and the next conv's), backward recomputes it once for all of them (`_fxmem_share`; the cost
-model holds it from the first unpack to the last) instead of once per save. A site whose input is another site's
-output holds that one nested and recomputes it at each of its own recomputations, unless its unpacks and the inner
-site's saves run back to back (a max pooling of a ReLU: the pooled output's unpack, then the pooling's, then the
-ReLU's): then the inner value is shared by all of them (`remat_plan`, `_fxmem_nest`), one chain instead of four.
-Likewise a max pooling whose output and indices are unpacked back to back runs once for both (`_fxmem_group`).
+backward), and so is a convolution or linear fed by the input alone when its recompute is cheap enough per byte (a
+CNN's first convolution over one to three channels; on CPU such short convolutions and poolings are costed at their
+measured speed, several times a pointwise pass, so they are taken after the chains). Ops that save their own output
+(ReLU) and short chains whose middle output nobody keeps (batch norm -> in-place ReLU, which stays in place) are
+rewritten as `remat_call('aten.op', *args)`: the ReLU's own save and the next conv's both become the recipe
+ReLU(batch_norm(conv output)), the conv output being saved by the norm anyway. When the ops saving an output run
+their backward back to back (ReLU's own save and the next conv's), backward recomputes it once for all of them
+(`_fxmem_share`; the cost model holds it from the first unpack to the last) instead of once per save. A site whose
+input is another site's output holds that one nested and recomputes it at each of its own recomputations, unless
+its unpacks and the inner site's saves run back to back (a max pooling of a ReLU: the pooled output's unpack, then
+the pooling's, then the ReLU's): then the inner value is shared by all of them (`remat_plan`, `_fxmem_nest`), one
+chain instead of four. Likewise a max pooling whose output and indices are unpacked back to back runs once for both
+(`_fxmem_group`).
 
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
@@ -759,7 +760,7 @@ def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict, dict]:
         for a in s.holds:
             if a in chosen:
                 for hk in s.keys:
-                    nesting.setdefault(chosen[a].key, {})[hk] = a in shared and a in through.get(s.node.name, ())
+                    nesting.setdefault(chosen[a].key, {})[hk] = a in through.get(s.node.name, ())
     groups = {k: s.key for s in sites if s.group for k in s.keys}
     return ({chosen[n].key for n in shared} | set(groups), nesting,
             {h: [a for a in ns if a in shared] for h, ns in through.items()}, groups)
@@ -1388,7 +1389,7 @@ class CheckpointPass:
                     return lim.over(est.peak, est.activations)
                 k = smallest_fitting_prefix(len(sites), lambda k: missed(sites[:k]), 0)
                 chosen = sites[:k]
-                if k < len(sites) or missed(chosen) <= 0:
+                if k < len(sites):  # (the prefix fits: smallest_fitting_prefix gives all sites when none does)
                     # the site completing the prefix need not be the next by cost per byte: a cheaper one further
                     # down may free enough (a 1 MiB chain where the next in line is a 2 MiB concatenation)
                     cheaper = sorted((s for s in sites[k:] if s.cost < sites[k - 1].cost), key=lambda s: s.cost)

@@ -49,17 +49,19 @@ forward; the output is bit-identical); on CPU, from the batch statistics the for
 x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to give the kernel's output
 bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe too, the full op run
 again for that output; where the pooled output's unpack and the pooling's own run back to back (`_fxmem_group`),
-one shared run of the full op makes both, held from the first unpack to the last. A nested recipe that is shared can be used through its shared value (`_fxmem_nest`, where
-the pass saw the holder's unpacks next to the nested recipe's saves): each recomputation of the holder counts as one
-more use, so a max pooling's output, its indices, its input and the ReLU's result make the ReLU once. A registered
-output changed in place afterwards is saved as it is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps aside (`aside`): the region's hooks decide
-there, and a recipe would hold arguments the region frees. Inputs of a non-reentrant checkpoint region are saved
-through the hooks outside it, so a region input that is a recipe's output is kept as the recipe, made again by and
-for the region's recomputation alone (never through a shared value, which it would hold from the region's backward
-to some other save's).
+one shared run of the full op makes both, held from the first unpack to the last. A nested recipe that is shared
+can be used through its shared value (`_fxmem_nest`, where the pass saw the holder's unpacks next to the nested
+recipe's saves): each recomputation of the holder counts as one more use, so a max pooling's output, its indices,
+its input and the ReLU's result make the ReLU once. A registered output changed in place afterwards is saved as it
+is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps aside (`aside`):
+the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of a non-reentrant
+checkpoint region are saved through the hooks outside it, so a region input that is a recipe's output is kept as
+the recipe, made again by and for the region's recomputation alone (never through a shared value, which it would
+hold from the region's backward to some other save's).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 
@@ -267,7 +269,8 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
     scope = active_scope()
     if scope is None:
         return _resolve(op)(*args, **kwargs)
-    rargs = scope.as_recipe_args(args, _fxmem_nest)  # before the op: an in-place op's output reuses its input's storage
+    # before the op: an in-place op's output reuses its input's storage
+    rargs = scope.as_recipe_args(args, _fxmem_nest)
     pending: list = []
     prev, scope._pending = scope._pending, pending
     stats = None
@@ -414,7 +417,7 @@ class RecastScope:
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         if not self._entries:
             return tuple(args)
-        at = iter(range(1 << 30))
+        at = itertools.count()  # flat positions, in `_map_args`'s order
 
         def one(a):
             i = next(at)
