@@ -652,7 +652,11 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                 recast_at[r.idx] += sb[k]
     held_from: dict[int, int] = defaultdict(int)
     held_until: dict[int, int] = defaultdict(int)
-    for k, (lo, hi) in _shared_spans(R, rec.recipe_shared, rec.nesting(), created_in, rec.recipe_group).items():
+    group_members: dict[int, list[int]] = defaultdict(list)  # a group of one shared run -> its outputs
+    for k, g in rec.recipe_group.items():
+        group_members[g].append(k)
+    for k, (lo, hi) in _shared_spans(R, rec.recipe_shared, rec.nesting(), created_in, rec.recipe_group,
+                                     group_members).items():
         held_from[hi] += sb[k]
         held_until[lo] += sb[k]
     last_use: dict[int, int] = {}
@@ -664,9 +668,6 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
     recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}
     recompute_transient: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: bytes} live while it reruns
-    group_members: dict[int, list[int]] = defaultdict(list)
-    for k, g in rec.recipe_group.items():
-        group_members[g].append(k)
     offloaded: dict[str, set] = defaultdict(set)
     recipe_holds = {k: h for k, h in rec.recipe_holds.items() if base_keys.get(k) is None}
     for r in R:
@@ -796,33 +797,30 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     return est
 
 
-def _shared_spans(R, shared: set, nesting: dict, created_in: dict, groups: dict) -> dict[int, tuple[int, int]]:
+def _shared_spans(R, shared: set, nesting: dict, created_in: dict, groups: dict,
+                  members: dict) -> dict[int, tuple[int, int]]:
     """Shared recipe output -> (lowest, highest) record index of its uses in backward, which runs from high to
     low: made at the highest, held until the lowest. A use is a save of it outside regions (an unpack), or a
     recomputation of a recipe holding it nested through its shared value. A recipe is recomputed at each of its
     unpacks and at each recomputation of a recipe holding it otherwise (nested, made again with it); a shared one
     once for its uses, at the first. Outputs of one shared run (`groups`) are made together and held together,
-    from the first use of any to the last. A region's input saved as a recipe is made again for the region
-    alone."""
+    from the first use of any to the last (`members`: group -> its outputs). A region's input saved as a recipe is
+    made again for the region alone."""
     unpacks: dict[int, list[int]] = defaultdict(list)
     for r in R:
         for k in r.recast:
             unpacks[k].append(r.idx)
-    holders: dict[int, dict[int, bool]] = nesting
-    members: dict[int, list[int]] = defaultdict(list)
-    for k, g in groups.items():
-        members[g].append(k)
     made: dict[int, list[int]] = {}  # recipe output -> record indices where backward recomputes it
     spans: dict[int, tuple[int, int]] = {}
 
     def uses_of(k: int) -> tuple[list[int], list[int]]:
         uses = list(unpacks.get(k, ()))
         private: list[int] = []
-        for h, through_shared in holders.get(k, {}).items():
+        for h, through_shared in nesting.get(k, {}).items():
             (uses if through_shared and k in shared else private).extend(made.get(h, ()))
         return uses, private
     # holders were created after what they hold: latest first, a holder's recomputations are known before
-    for k in sorted(set(unpacks) | set(holders) | set(groups), key=lambda k: -created_in.get(k, -1)):
+    for k in sorted(set(unpacks) | set(nesting) | set(groups), key=lambda k: -created_in.get(k, -1)):
         if k in made:
             continue  # (a group member, done with the group)
         group = members[groups[k]] if k in groups else [k]
@@ -1124,6 +1122,49 @@ def tag_grad_fns(out, label: str) -> None:
             continue
         md["fxmem_label"] = label
         todo.extend(f for f, _ in fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
+
+
+# ============================================================================================ recompute costs
+
+# CPU machine balance (FLOPs per byte at which an op stops being memory-bound)
+CPU_BALANCE = 10.0
+# CPU random draws cost far more than their bytes: Bernoulli ~7 ns per element on the 2-core host the benchmarks
+# run on, against ~200 GFLOP/s matmuls, i.e. ~1500 FLOP-equivalents; 1000 per byte drawn (a bool mask: per element)
+DRAW_COST_PER_BYTE_CPU = 1000.0
+# CPU kernels slower per byte written than the roofline says (FLOP-equivalents as above, measured on the
+# benchmarks' 2-core host, torch 2.13, against ~20 per byte for a pointwise op): max pooling with its indices ~10 ns
+# per output element (12 bytes written), average pooling ~3.7 ns per 4 bytes: ~180; convolutions with a short
+# reduction (a first convolution over 1 channel, 3x3: ~90; 2x2 stride-2 transposed convolutions: ~190) write no
+# faster than ~100 (larger convolutions are above that by their FLOPs anyway)
+# (dispatch-level names, as the recorder sees them: conv2d and conv_transpose2d run aten.convolution, max_pool2d runs
+# max_pool2d_with_indices)
+SLOW_KERNELS_CPU = {**dict.fromkeys(("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                                     "avg_pool2d", "avg_pool3d"), 180.0),
+                    "convolution": 100.0}
+
+
+def op_cost(r, balance: float | None) -> float:
+    """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
+    read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random
+    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes, a pooling or convolution at least SLOW_KERNELS_CPU's."""
+    if balance is None:
+        return float(r.flops)
+    cat = optable.category(r.func)
+    if cat == optable.VIEW or optable.ignored(r.func):  # (prim.device and other queries read no data)
+        return float(r.flops)
+    moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
+    if cat == optable.RANDOM and balance < 100:
+        return max(float(r.flops), DRAW_COST_PER_BYTE_CPU * sum(b for b in r.out_bytes if b))
+    slow = SLOW_KERNELS_CPU.get(optable.packet(r.func)) if balance < 100 else None
+    if slow is not None:
+        return max(float(r.flops), balance * moved, slow * sum(b for b in r.out_bytes if b))
+    return max(float(r.flops), balance * moved)
+
+
+def default_balance(program: Program) -> float:
+    """FLOPs per byte at which an op stops being memory-bound: ~10 for CPUs, ~100 for datacenter GPUs."""
+    p = next(program.module.parameters(), None)
+    return 100.0 if p is not None and p.device.type == "cuda" else CPU_BALANCE
 
 
 # ============================================================================================ node costs

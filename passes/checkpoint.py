@@ -95,7 +95,8 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import as_recipes, estimate_from_trace, program_key, smallest_fitting_prefix, trace_forward
+from fxmem.costmodel import (CPU_BALANCE, as_recipes, default_balance, estimate_from_trace, op_cost, program_key,
+                             smallest_fitting_prefix, trace_forward)
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
@@ -322,44 +323,6 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
-# CPU random draws cost far more than their bytes: Bernoulli ~7 ns per element on the 2-core host the benchmarks
-# run on, against ~200 GFLOP/s matmuls, i.e. ~1500 FLOP-equivalents; 1000 per byte drawn (a bool mask: per element)
-DRAW_COST_PER_BYTE_CPU = 1000.0
-# CPU kernels slower per byte written than the roofline says (FLOP-equivalents as above, measured on the
-# benchmarks' 2-core host, torch 2.13, against ~20 per byte for a pointwise op): max pooling with its indices ~10 ns
-# per output element (12 bytes written), average pooling ~3.7 ns per 4 bytes: ~180; convolutions with a short
-# reduction (a first convolution over 1 channel, 3x3: ~90; 2x2 stride-2 transposed convolutions: ~190) write no
-# faster than ~100 (larger convolutions are above that by their FLOPs anyway)
-SLOW_KERNELS_CPU = {**dict.fromkeys(("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
-                                     "max_pool2d", "avg_pool2d", "avg_pool3d"), 180.0),
-                    **dict.fromkeys(("convolution", "conv2d", "conv1d", "conv3d", "conv_transpose1d",
-                                     "conv_transpose2d", "conv_transpose3d"), 100.0)}
-
-
-def op_cost(r, balance: float | None) -> float:
-    """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
-    read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random
-    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes, a pooling or convolution at least SLOW_KERNELS_CPU's."""
-    if balance is None:
-        return float(r.flops)
-    cat = optable.category(r.func)
-    if cat == optable.VIEW or optable.ignored(r.func):  # (prim.device and other queries read no data)
-        return float(r.flops)
-    moved = sum(b for b in r.in_bytes if b) + sum(b for b in r.out_bytes if b)
-    if cat == optable.RANDOM and balance < 100:
-        return max(float(r.flops), DRAW_COST_PER_BYTE_CPU * sum(b for b in r.out_bytes if b))
-    slow = SLOW_KERNELS_CPU.get(optable.packet(r.func)) if balance < 100 else None
-    if slow is not None:
-        return max(float(r.flops), balance * moved, slow * sum(b for b in r.out_bytes if b))
-    return max(float(r.flops), balance * moved)
-
-
-def default_balance(program: Program) -> float:
-    """FLOPs per byte at which an op stops being memory-bound: ~10 for CPUs, ~100 for datacenter GPUs."""
-    p = next(program.module.parameters(), None)
-    return 100.0 if p is not None and p.device.type == "cuda" else 10.0
-
-
 def measure_regions(program: Program, regions: list[Region], rec, base_keys, keep_ops: frozenset,
                     node_time: dict[str, float] | None = None, balance: float | None = None) -> None:
     """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
@@ -577,8 +540,9 @@ def _remat_op(n: fx.Node) -> bool:
 
 # an input-fed matmul or convolution (a CNN's first convolution, on few input channels) is a site when its
 # recompute costs at most this many times balance per byte of its output (roofline cost per byte / balance; with
-# FLOPs alone, per byte / 10): 12 admits a short-reduction convolution at SLOW_KERNELS_CPU's 100 per byte (a
-# pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap sites
+# FLOPs alone, per byte / CPU_BALANCE): 12 admits a short-reduction convolution at the cost model's
+# SLOW_KERNELS_CPU 100 per byte (a pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap
+# sites
 REMAT_INPUT_MATMUL_PASSES = 12.0
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
@@ -698,7 +662,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
         if not ok:
             continue
         self_saves = any(k in r.saved for r in recs)
-        if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or 10.0) * sb[k]:
+        if fed and cost_of(n) > REMAT_INPUT_MATMUL_PASSES * (balance or CPU_BALANCE) * sb[k]:
             continue  # dearer than a few pointwise passes: regions decide instead
         # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
         # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
