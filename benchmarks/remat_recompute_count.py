@@ -3,12 +3,17 @@
     python benchmarks/remat_recompute_count.py            # the U-Net at the checkpoint benchmark's full size
     python benchmarks/remat_recompute_count.py --model gpt
     python benchmarks/remat_recompute_count.py --overhead # also: the fixed cost per site, on a tiny input
+    python benchmarks/remat_recompute_count.py --kernels  # the CPU kernels the cost model prices per byte
 
 Counts the ops of one backward (a dispatch mode) of the remat'd module and of the captured one. The difference is
 what remat recomputes. A recipe nested in another (a batch norm -> ReLU chain that a skip concatenation reads) is
 recomputed at each of the outer recipe's unpacks, unless they run right next to its own saves (a max pooling's:
 then its value is shared), so an op can run more often than it has sites. The table lists the sites per op and the
 extra calls of that op in backward.
+
+`--kernels` times, at the U-Net benchmark's shapes, the CPU kernels the cost model charges per byte written
+(fxmem.costmodel.SLOW_KERNELS_CPU) against an addcmul pass, in FLOP-equivalents at 200 per ns (the convention of
+DRAW_COST_PER_BYTE_CPU).
 
 `--overhead` times a training step with every site applied and with none, on an input so small (batch 1, 8 pixels
 or tokens a side) that kernels cost next to nothing: the difference per site is what a site costs beyond its
@@ -92,11 +97,48 @@ def site_overhead(name: str, rounds: int = 300) -> None:
           f"{extra / max(1, len(sites)) * 1e6:.0f} us per site (10th percentile of {rounds} interleaved rounds)")
 
 
+def _best_us(f, n: int = 100) -> float:
+    for _ in range(5):
+        f()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def kernel_costs() -> None:
+    """CPU time per byte written of the kernels SLOW_KERNELS_CPU prices, at the U-Net benchmark's shapes."""
+    aten = torch.ops.aten
+    x, a = torch.randn(8, 32, 32, 32), torch.randn(1, 32, 1, 1)
+    img, w1 = torch.randn(8, 1, 32, 32), torch.randn(32, 1, 3, 3)
+    d, wt = torch.randn(8, 64, 16, 16), torch.randn(64, 32, 2, 2)
+    cases = [("addcmul (a pointwise pass)", lambda: torch.addcmul(a, x, a), x.nbytes),
+             ("max_pool2d_with_indices 2x2", lambda: aten.max_pool2d_with_indices(x, [2, 2], [2, 2]),
+              x.nbytes // 4 * 3),  # output (4 bytes per element) and indices (8), a quarter of the elements
+             ("avg_pool2d 2x2", lambda: aten.avg_pool2d(x, [2, 2], [2, 2]), x.nbytes // 4),
+             ("first convolution 1->32, 3x3", lambda: aten.convolution(img, w1, None, [1, 1], [1, 1], [1, 1], False,
+                                                                       [0, 0], 1), x.nbytes),
+             ("transposed convolution 64->32, 2x2 stride 2",
+              lambda: aten.convolution(d, wt, None, [2, 2], [0, 0], [1, 1], True, [0, 0], 1), x.nbytes)]
+    print(f"| kernel ({torch.get_num_threads()} threads) | us | bytes written | FLOP-equivalents per byte written |")
+    print("|---|---|---|---|")
+    for name, f, written in cases:
+        us = _best_us(f)
+        print(f"| {name} | {us:.0f} | {written} | {us * 1e3 * 200 / written:.0f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="unet", choices=["unet", "gpt"])
     ap.add_argument("--overhead", action="store_true", help="also time the fixed cost per site (tiny input)")
+    ap.add_argument("--kernels", action="store_true", help="only time the CPU kernels priced per byte written")
     args = ap.parse_args()
+    if args.kernels:
+        kernel_costs()
+        return
     ex, model, x = setup(args.model, True)
     program, remat, sites = remat_all(ex, model, x)
     base = backward_calls(program.snapshot().module, x, ex.loss_fn)
