@@ -235,6 +235,7 @@ class OpRecord:
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
     grad_alias: str = ""  # the op table's grad_alias for this call ("shared" only when add's alpha is 1)
     int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
+    step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
 
 
 class _Recorder(TorchDispatchMode):
@@ -244,6 +245,10 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.records: list[OpRecord] = []
         self.node = "<input>"
+        # counts graph nodes run: a node's values stay referenced until it returns (a composite like matmul
+        # holds its inputs over all the ops it dispatches), then the graph drops those it no longer needs
+        self.step = 0
+        self.step_each = False  # outside a graph (the loss function): each op a step of its own
         self.module = ""
         self.region: str | None = None
         self.storage_bytes: dict[int, int] = {}
@@ -328,6 +333,8 @@ class _Recorder(TorchDispatchMode):
                 in_bytes.append(0)
                 in_rg.append(False)
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if self.step_each:
+            self.step += 1
         out_keys, out_bytes, new_keys, int_outs = [], [], [], []
         for t in outs:
             if isinstance(t, torch.Tensor):
@@ -348,7 +355,7 @@ class _Recorder(TorchDispatchMode):
             not optable.grad_free(func)
         rec = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
                        out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
-                       list_keys=list_keys, int_outs=int_outs)
+                       list_keys=list_keys, int_outs=int_outs, step=self.step)
         if out_rg:
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
@@ -380,6 +387,7 @@ class _RecordingInterpreter(fx.Interpreter):
 
     def run_node(self, n):
         self.rec.node = n.name
+        self.rec.step += 1
         self.rec.module = module_path(n)
         self.rec.recast_node = n.op == "call_function" and n.target is cast_param
         first = len(self.rec.records)
@@ -428,9 +436,23 @@ class _RecordingInterpreter(fx.Interpreter):
         self.rec.region = target
         try:
             with recast_aside():  # as the region's forward does: its own hooks decide inside
+                if isinstance(info.body, fx.GraphModule) and not kwargs:  # its nodes counted, as the program's
+                    return _StepInterpreter(info.body, self.rec).run(*args)
                 return info.body(*args, **kwargs)  # the region's computation, recorded op by op
         finally:
             self.rec.region = prev
+
+
+class _StepInterpreter(fx.Interpreter):
+    """Runs a region's body node by node, counting its nodes as steps (labels stay the region's)."""
+
+    def __init__(self, gm, recorder: _Recorder):
+        super().__init__(gm)
+        self.rec = recorder
+
+    def run_node(self, n):
+        self.rec.step += 1
+        return super().run_node(n)
 
 
 def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
@@ -535,7 +557,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, args, kwargs, mode: str
                 output = gm.graph.process_outputs(out_flat)
                 out_keys = {rec.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
                 if mode == "train":
-                    rec.node, rec.module = "loss", ""
+                    rec.node, rec.module, rec.step_each = "loss", "", True
                     fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
                     loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
                     out_keys.add(rec.key(loss)[0])
@@ -688,11 +710,15 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                     recompute_bytes[r.region] += sb[k]  # once per tensor, however many ops save it
                 rk[k] = min(rk.get(k, r.idx), r.idx)
                 continue
+            if info is not None and info.kind == "recompute" and inside and info.holds(producer):
+                saved_until[k] = region_first[r.region]  # the region holds it until its backward is done
+                continue
             if info is not None and info.kind == "offload" and inside:
                 offloaded[r.region].add(k)
             first = saved_until.get(k)
             saved_until[k] = r.idx if first is None else min(first, r.idx)
-    # selective regions cache every output of their keep ops until the region's backward, saved or not
+    # selective regions cache every output of their keep ops until the region's backward, saved or not; outputs
+    # the region holds (a draw tape's masks), until its backward is done
     for name, info in regions.items():
         if info is None or info.kind != "recompute" or not info.keep_ops:
             continue
@@ -701,7 +727,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
             if info.keeps(r.func):
                 for k in r.new_keys:
                     if base_keys.get(k) is None and k not in saved_until and k not in out_keys:
-                        saved_until[k] = hi
+                        saved_until[k] = lo if info.holds(r.func) else hi
     # inputs of a recompute region are held by the region until its backward
     savers: dict[int, list[int]] = defaultdict(list)  # key -> records saving it (for offloaded region inputs)
     if any(getattr(i, "offload_inputs", False) for i in regions.values()):
@@ -742,6 +768,14 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                         # an activation nobody else saves: off the device from the region's end until its backward
                         offloaded[name].add(k)
 
+    # what each recompute region's recomputation holds at its highest, above what it leaves for the backward
+    recompute_over: dict[str, int] = {}
+    for name, info in regions.items():
+        if info is not None and info.kind == "recompute":
+            high = _recompute_high(R, region_first[name], region_last[name], info, recompute_keys[name],
+                                   recompute_transient[name], sb, base_keys)
+            recompute_over[name] = max(0, high - recompute_bytes[name])
+
     # ---------------------------------------------------------------------------- forward walk
     baseline = est.params + est.buffers + est.inputs + est.optimizer_state
     cur = baseline
@@ -749,10 +783,11 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     timeline: list[TimelinePoint] = []
     live: set[int] = set()
     frees_at: dict[int, list[int]] = defaultdict(list)
+    step_end = _step_ends(R)
     for k, i in last_use.items():
         if k in base_keys or k in out_keys or k in saved_until:
             continue
-        frees_at[max(i, created_in.get(k, i))].append(k)
+        frees_at[_dies_at(R, step_end, max(i, created_in.get(k, i)), created_in.get(k, i))].append(k)
     offload_free_at: dict[int, list[int]] = defaultdict(list)
     for name, keys in offloaded.items():
         for k in keys:
@@ -783,7 +818,7 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
             regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
-            (held_from, held_until), created_in, recompute_transient)
+            (held_from, held_until), created_in, recompute_over)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -795,6 +830,52 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     est.timeline = timeline
     est.by_module = sorted(saved_by_module.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
     return est
+
+
+def _step_ends(R) -> dict[int, int]:
+    """Graph node (step) -> index of the last op record it issued."""
+    return {r.step: r.idx for r in R}
+
+
+def _dies_at(R, step_end: dict, last: int, made: int) -> int:
+    """The record after which a storage made at record `made` and last used at record `last` is freed: a value an
+    earlier node made is referenced by the graph until the node using it last returns (a composite like matmul
+    holds its inputs over all the ops it dispatches); a temporary a node makes itself dies at its last use."""
+    if R[made].step == R[last].step:
+        return last
+    return step_end.get(R[last].step, last)
+
+
+def _recompute_high(R, lo: int, hi: int, info, saved: dict, made_again: dict, sb: dict, base_keys: dict) -> int:
+    """The most bytes a recompute region's recomputation (records lo..hi run again in backward) holds at once.
+
+    It makes each op's new storages again, except the outputs of ops the region keeps (cached or held since the
+    forward); what no op in it saves is dropped after its last use there, what one saves (`saved`) stays for the
+    backward. Region inputs made again (`made_again`, recipes) are held while it runs. Non-reentrant checkpoint
+    stops the recomputation once the last saving op has run (early stop), so ops after it do not run. The body
+    runs as graph code: a value is dropped as `_dies_at` says."""
+    stop = max((r.idx for r in R[lo:hi + 1] if r.out_rg and r.saved), default=hi)
+    step_end = _step_ends(R[lo:stop + 1])
+    last_in: dict[int, int] = {}
+    for r in R[lo:stop + 1]:
+        for k in r.in_keys + r.out_keys + r.list_keys:
+            if k is not None:
+                last_in[k] = r.idx
+    drop_at: dict[int, list[int]] = defaultdict(list)
+    made_here = {k for r in R[lo:stop + 1] for k in r.new_keys}
+    live = sum(made_again.values()) + sum(sb[k] for k in saved if k not in made_here)  # inputs made again
+    high = live
+    for r in R[lo:stop + 1]:
+        if not info.keeps(r.func):
+            for k in r.new_keys:
+                if base_keys.get(k) is None:
+                    live += sb[k]
+                    if k not in saved:
+                        drop_at[min(stop, _dies_at(R, step_end, last_in.get(k, r.idx), r.idx))].append(k)
+        high = max(high, live)
+        for k in drop_at.pop(r.idx, ()):
+            live -= sb[k]
+    return high
 
 
 def _shared_spans(R, shared: set, nesting: dict, created_in: dict, groups: dict,
@@ -845,7 +926,7 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
 
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
-                     recompute_keys=None, recast_held=None, created_in=None, recompute_transient=None):
+                     recompute_keys=None, recast_held=None, created_in=None, recompute_over=None):
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -900,9 +981,9 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 and r.idx == region_last[r.region] and r.region not in recomputed_live:
             recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
             cur += recomputed_live[r.region]
-            during = sum((recompute_transient or {}).get(r.region, {}).values())
-            if during:  # inputs the recomputation makes again and no op in it saves: live only while it runs
-                cur += during
+            during = (recompute_over or {}).get(r.region, 0)
+            if during:  # what the recomputation holds while it runs and drops: its own temporaries, inputs it
+                cur += during  # makes again that no op in it saves
                 bump(r.node, r.module)
                 cur -= during
         if not r.out_rg:
@@ -1007,7 +1088,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             grad_live[k] = b
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
             cur -= recomputed_live.pop(r.region)
-        _timeline_add(timeline, "backward", r.node, cur, node_peak)
+        _timeline_add(timeline, "backward", (r.node + "|" + str(r.func) + f"|{r.idx}") if globals().get("_DBG") else r.node, cur, node_peak)
     # end of backward: only parameter grads stay (plus the step's outputs, still referenced by the caller)
     for k in list(grad_live):
         if k not in param_keys:

@@ -77,3 +77,34 @@ def test_checkpoint_exact_on_example(name):
     # its estimate of the checkpointed step is close to the measured one
     meas = fxmem.measure(copy.deepcopy(q.module), args, kwargs, loss_fn=loss_fn)
     assert abs(after.peak - meas.peak) <= 0.05 * meas.peak, (name, after.peak, meas.peak)
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_static_estimate_of_the_lowest_plan_is_the_measured_peak(name):
+    """At the lowest budget every block is a region: the static estimate must find the step's peak where the real
+    step has it. gpt's peak is inside an attention region's recomputation, where a temporary it drops (the
+    attention output, v's copy for the matmul) is live at once with what it keeps; vit's regions replay their
+    dropout masks from a draw tape, which holds them until the region's whole backward is done, not only until
+    the backward of the op saving each. Both were under-estimated before (0.40% and 0.27%)."""
+    model, args, kwargs, loss_fn = example(name, **SMALL.get(name, {}))
+    p = fxmem.capture(model, args, kwargs)
+    p.refresh()
+    base = estimate(p, mode="train", loss_fn=loss_fn)
+    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw",
+                      budget=int(base.peak - 0.9 * base.activations), baseline=base,
+                      enabled=("checkpoint", "offload"), loss_fn=loss_fn)
+    ctx.budget_strict = False  # as low as checkpointing goes
+    res = ck.CheckpointPass().run(p.snapshot(), ctx)
+    assert res.modified
+    q = res.program
+    q.refresh()
+    regions = [m for m in q.module.modules() if getattr(m, "fxmem_region", None) is not None]
+    assert len(regions) >= 2
+    if name == "vit":
+        assert any(m.fxmem_region.held_ops for m in regions)  # the taped masks are what this case checks
+    static = estimate(q, mode="train", loss_fn=loss_fn)
+    traced = estimate(q, mode="train", loss_fn=loss_fn, method="traced")
+    meas = fxmem.measure(copy.deepcopy(q.module), args, kwargs, loss_fn=loss_fn)
+    assert traced.peak == meas.peak
+    # within a parameter gradient's worth of bytes (a bias gradient's accumulation: 256 bytes here)
+    assert abs(static.peak - meas.peak) <= 1024, (name, static.peak, meas.peak, static.peak_at, meas.peak_at)

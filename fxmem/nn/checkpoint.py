@@ -61,7 +61,10 @@ class CheckpointRegion(nn.Module):
         self.keep_ops = frozenset(keep_ops)
         self.label = label  # the module path the region came from, for reports
         self.restore_args = tuple(restore_args)  # inputs (buffers) the body mutates: restored after recompute
-        self.fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=self.keep_ops)
+        # the draw tape (forward below) holds the masks until the checkpoint lets go of the body: the end of the
+        # region's backward
+        self.fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=self.keep_ops,
+                                       held_ops=self.keep_ops & DRAW_OPS)
 
     def _context_fn(self):
         # a partial of module-level functions (not a bound method): torch.compile traces it as context_fn

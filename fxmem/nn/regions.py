@@ -20,6 +20,9 @@ class RegionInfo:
     kind: str  # "recompute" | "offload"
     body: Callable[..., Any]  # the computation, called with the region's inputs
     keep_ops: frozenset = field(default_factory=frozenset)  # op packet names whose outputs are saved anyway
+    # recompute: kept ops whose outputs the region itself holds until its whole backward is done (dropout masks a
+    # draw tape replays), not only until the backward of the op that saves them
+    held_ops: frozenset = field(default_factory=frozenset)
     tier: str = "cpu"  # offload: "cpu" | "disk"
     offload_inputs: bool = False  # recompute: the region's saved inputs are offloaded too (offload around checkpoint)
 
@@ -27,6 +30,9 @@ class RegionInfo:
         if not self.keep_ops:
             return False
         return packet(func) in self.keep_ops or str(func) in self.keep_ops
+
+    def holds(self, func) -> bool:
+        return bool(self.held_ops) and (packet(func) in self.held_ops or str(func) in self.held_ops)
 
 
 def region_info(mod: nn.Module) -> RegionInfo | None:
