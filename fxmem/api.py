@@ -1,7 +1,6 @@
 """The Python API: `fxmem.transform(...)`, `TransformResult`, `fxmem.load(...)`."""
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ from torch import fx, nn
 
 from .capture import capture
 from .errors import BudgetError, FxmemError
-from .program import Program
+from .program import Program, deep_copy
 
 SAVE_FORMAT = 1
 
@@ -127,7 +126,7 @@ def _version() -> str:
 def _measure(program: Program, pol, loss_fn):
     """Measure a copy (measuring trains the module: the user's parameters must not change)."""
     from .measure import measure
-    snap = copy.deepcopy(program.module)
+    snap = deep_copy(program.module)
     return measure(snap, program.example_args, program.example_kwargs, mode=pol.mode, optimizer=pol.optimizer,
                    loss_fn=loss_fn)
 

@@ -109,10 +109,9 @@ def cmd_estimate(a) -> int:
         raise ModelFileError(str(e)) from None
     measured = None
     if a.measure:
-        import copy
-
         from .measure import measure
-        measured = measure(copy.deepcopy(program.module), mf.args, mf.kwargs, mode=a.mode, optimizer=a.optimizer,
+        from .program import deep_copy
+        measured = measure(deep_copy(program.module), mf.args, mf.kwargs, mode=a.mode, optimizer=a.optimizer,
                            loss_fn=mf.loss_fn)
     plan = None
     if budget is not None:

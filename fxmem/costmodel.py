@@ -33,7 +33,7 @@ from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
     group_of, installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from .nn.regions import region_info
-from .program import Program, module_path
+from .program import Program, deep_copy, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
 
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (bnb's min_8bit_size)
@@ -1102,7 +1102,7 @@ def _traced(program: Program, args, kwargs, mode, optimizer, loss_fn) -> MemoryE
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
     gm = program.module
     with FakeCopyMode(fake_mode):
-        fgm = copy.deepcopy(gm)
+        fgm = deep_copy(gm)
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     with fake_mode:
         fflat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]

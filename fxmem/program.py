@@ -8,6 +8,7 @@ reads. Passes must not mutate existing parameters in place (they create new ones
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,16 @@ class SpecializedDim:
 
     def __str__(self):
         return f"{self.input} dim {self.dim} = {self.size}"
+
+
+
+def deep_copy(obj):
+    """copy.deepcopy of a graph or graph module, without torch's warning about it: copying a graph's pytree specs
+    makes new LeafSpecs, which torch 2.13's pytree reports as a deprecated isinstance check (a FutureWarning per
+    copy, raised inside torch, nothing for the caller to act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated", category=FutureWarning)
+        return copy.deepcopy(obj)
 
 
 @dataclass
@@ -70,7 +81,7 @@ class Program:
     def snapshot(self) -> "Program":
         """A copy for rollback: a new graph and GraphModule; submodules and parameters are shared."""
         gm = self.module
-        new_graph = copy.deepcopy(gm.graph)
+        new_graph = deep_copy(gm.graph)
         new_gm = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
         for attr in ("_in_spec", "_out_spec"):
             if hasattr(gm, attr):

@@ -971,7 +971,9 @@ def _highs(cost, A, lo, hi, col_lo, col_hi, integer, time_limit: float):
     proven optimal, dual bound): x is the best feasible point found, the dual bound a lower bound on the optimum
     (the optimum itself when proven; at least the LP relaxation's bound otherwise), None when unknown."""
     import highspy
-    h = highspy.Highs()
+    # the binding itself: the Python wrapper's constructor enables callbacks, which prints HiGHS's banner to the
+    # process's stdout before output_flag can be set (highspy 1.16)
+    h = getattr(highspy, "_Highs", highspy.Highs)()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     A = np.asarray(A, dtype=float)

@@ -61,7 +61,7 @@ from fxmem.compare import deviation
 from fxmem.errors import PolicyError
 from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.pipeline import Change, PassResult, register
-from fxmem.program import Program, module_path
+from fxmem.program import Program, deep_copy, module_path
 
 aten = torch.ops.aten
 
@@ -787,7 +787,7 @@ def losses_after_steps(gm: fx.GraphModule, args, kwargs, loss_fn, steps: int, se
     """Losses of `steps` training steps (AdamW, lr 1e-3) on a deep copy (the module is not changed)."""
     from fxmem.optim import make_optimizer
     from fxmem.step import compute_loss
-    m = copy.deepcopy(gm)
+    m = deep_copy(gm)
     m.train()
     opt = make_optimizer(m, "adamw", lr=1e-3)
     out = []

@@ -294,6 +294,19 @@ def test_milp_time_limit_falls_back_to_greedy_with_a_bounded_gap():
     assert quick.cost / (1 + quick.gap) <= best.cost * (1 + 1e-6)  # the bound is below the optimum
 
 
+def test_milp_prints_nothing():
+    # HiGHS logs a banner to the process's stdout (not Python's sys.stdout) from the first solver object made,
+    # unless output is off before anything else runs: a fresh process, so the banner is not already printed
+    import subprocess
+    import sys
+    code = ("from fxmem.passes import checkpoint as ck\n"
+            "x, optimal, bound = ck._highs([1.0, 2.0], [[1.0, 1.0]], [1.0], [2.0], [0, 0], [1, 1], [True, True], 5.0)\n"
+            "assert optimal and list(x) == [1.0, 0.0], (x, optimal)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "", run.stdout
+
+
 def test_tie_break_lowest_peak_at_optimal_cost_brute_force():
     # equal-cost regions that free different bytes: among the cheapest plans under each budget, the solvers
     # return one with the lowest planned peak (MILP: one minimise-the-peak MILP; DP: bisection on the budget)

@@ -123,3 +123,17 @@ def test_optimize_activation_budget_flag(tmp_path, capsys):
     bad = tmp_path / "bad"
     code, _, err = run(capsys, "optimize", unet, "--activation-budget", "lots", "--out", str(bad))
     assert code == 2 and "passes.checkpoint.activation_budget" in err and not bad.exists()
+
+
+def test_optimize_prints_only_its_own_output(tmp_path):
+    """A fresh process, as a user runs it: no solver banner (HiGHS writes one to the process's stdout unless told
+    not to before anything else) and no warning from inside torch about copying graphs (copying a graph's pytree
+    specs trips a deprecation in torch 2.13's pytree), only fxmem's progress lines and summary."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "fxmem.cli", "optimize", GPT, "--policy", "high", "--budget", "40%",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "milp" in r.stderr + r.stdout  # the MILP solver ran (the banner's source)
+    assert "HiGHS" not in r.stdout + r.stderr
+    assert "Warning" not in r.stderr, r.stderr
+    assert (out / "report.md").exists()
