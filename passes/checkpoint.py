@@ -295,6 +295,36 @@ def chunk_regions(program: Program, regions: list[Region], k: int) -> list[Regio
     return out
 
 
+def glue_regions(program: Program, regions: list[Region], measure) -> list[Region]:
+    """The measured `regions` with each one that saves bytes of its own making merged with the regions right after
+    it that save none (a U-Net's pooling, up-convolution or output convolution, once remat made what they save
+    a recipe), where that frees more: the glue saves its input, the region's output (a 1x1 output convolution
+    saves the last block's whole output), which inside the merged region is recomputed instead. `measure` fills
+    the merged regions' bytes and costs. Empty when no merge frees more."""
+    groups: list[list[Region]] = []
+    for r in regions:
+        if groups and r.saved == 0 and groups[-1][0].saved > 0:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    merged = {}
+    for i, g in enumerate(groups):
+        if len(g) > 1:
+            lo, hi = pos[g[0].nodes[0]], pos[g[-1].nodes[-1]]
+            nodes = [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)]
+            r = Region(f"{g[0].path}+{g[-1].path}", nodes)
+            r.first, r.last = lo, hi
+            merged[i] = r
+    if not merged:
+        return []
+    measure(list(merged.values()))
+    better = {i for i, r in merged.items() if r.freed("full") > groups[i][0].freed("full")}
+    if not better:
+        return []
+    return [r for i, g in enumerate(groups) for r in ([merged[i]] if i in better else g)]
+
+
 def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: bool = False) -> list[str]:
     """Top-level module paths; a module holding over half the saved bytes is replaced by its children.
     finer: then every chosen module with two or more children is replaced by its children."""
@@ -1491,6 +1521,11 @@ class CheckpointPass:
             seen_paths.add(key)
             regions = [r for r in regions if not _writes_input(r)]  # recomputation would see the written value
             measure_regions(program, regions, rec, base_keys, keep_ops, node_time, balance)
+            if level == "block" and not opts.regions:
+                glued = glue_regions(program, regions, lambda rs: measure_regions(
+                    program, rs, rec, base_keys, keep_ops, node_time, balance))
+                if glued:
+                    candidate_lists.append(("block+glue", glued))
             total_saved = sum(r.saved for r in regions) or 1
             if not opts.regions:
                 regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]

@@ -202,3 +202,27 @@ def test_last_remat_site_is_the_cheapest_that_completes_the_prefix(unet_prog):
             prof = fxmem.measure(copy.deepcopy(res.program.module), x, loss_fn=loss_fn)
             assert prof.activations == pytest.approx(m["estimated_activations"], rel=0.005), pct
     assert swapped >= 2
+
+
+def test_a_block_takes_the_glue_after_it_where_that_frees_more(unet_prog, monkeypatch):
+    """The U-Net's 1x1 output convolution saves the last decoder block's whole output; once remat made the poolings
+    and up-convolutions recipes, those regions save nothing of their own. `dec1+out` (the block with its glue)
+    recomputes that output instead: it frees more than `dec1`, and the lowest activations the pass reaches are
+    lower than with block regions alone. Exact, and measured = estimated."""
+    p, x, loss_fn, base = unet_prog
+    lowest = _run(unet_prog, "1%", strict=False)
+    m = lowest.metrics
+    assert m["granularity"] == "block+glue"
+    assert "dec1+out" in m["plan"] and m["plan"]["dec1+out"] != "keep", m["plan"]
+    prof = fxmem.measure(copy.deepcopy(lowest.program.module), x, loss_fn=loss_fn)
+    assert prof.activations == m["estimated_activations"]
+    o1, g1 = _step(copy.deepcopy(p.module), x, loss_fn)
+    o2, g2 = _step(copy.deepcopy(lowest.program.module), x, loss_fn)
+    torch.testing.assert_close(o2, o1, rtol=0, atol=0)
+    for k in g1:
+        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-6, msg=lambda s: f"{k}: {s}")
+    # without merges the pass reaches less
+    monkeypatch.setattr(ck, "glue_regions", lambda program, regions, measure: [])
+    without = _run(unet_prog, "1%", strict=False).metrics
+    assert without["granularity"] != "block+glue"
+    assert m["estimated_activations"] < without["estimated_activations"], (m, without)
