@@ -570,10 +570,10 @@ def _remat_op(n: fx.Node) -> bool:
 
 # an input-fed matmul or convolution (a CNN's first convolution, on few input channels) is a site when its
 # recompute costs at most this many times balance per byte of its output (roofline cost per byte / balance; with
-# FLOPs alone, per byte / CPU_BALANCE): 12 admits a short-reduction convolution at the cost model's
-# SLOW_KERNELS_CPU 100 per byte (a pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap
+# FLOPs alone, per byte / CPU_BALANCE): 20 admits a short-reduction convolution at the cost model's
+# SLOW_KERNELS_CPU 170 per byte (a pointwise op is ~2 by this measure); it is ranked by that cost, after the cheap
 # sites
-REMAT_INPUT_MATMUL_PASSES = 12.0
+REMAT_INPUT_MATMUL_PASSES = 20.0
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 

@@ -546,7 +546,7 @@ def test_cpu_pooling_and_short_convolutions_cost_their_measured_speed():
     than a pointwise pass (SLOW_KERNELS_CPU, measured): costed so, the U-Net's remat sites rank every batch norm ->
     ReLU chain before the first convolution and the poolings; with FLOPs alone (no balance) or on a GPU balance the
     roofline stands."""
-    from fxmem.costmodel import trace_forward
+    from fxmem.costmodel import SLOW_KERNELS_CPU, trace_forward
     model = unet.build_model()
     args = unet.example_inputs()
     p = fxmem.capture(model, args)
@@ -556,8 +556,11 @@ def test_cpu_pooling_and_short_convolutions_cost_their_measured_speed():
     pool = next(r for r in recs if str(r.func) == "aten.max_pool2d_with_indices.default")
     first = next(r for r in recs if "convolution" in str(r.func))
     written = sum(pool.out_bytes)
-    assert ck.op_cost(pool, 10.0) == 180.0 * written and ck.op_cost(pool, None) == float(pool.flops)
-    assert ck.op_cost(first, 10.0) == 100.0 * sum(first.out_bytes) > 10.0 * first.flops
+    slow = SLOW_KERNELS_CPU
+    assert slow["max_pool2d_with_indices"] >= 150 and slow["convolution"] >= 150  # measured: 170-410 (see there)
+    assert ck.op_cost(pool, 10.0) == slow["max_pool2d_with_indices"] * written
+    assert ck.op_cost(pool, None) == float(pool.flops)
+    assert ck.op_cost(first, 10.0) == slow["convolution"] * sum(first.out_bytes) > 10.0 * first.flops
     assert ck.op_cost(pool, 100.0) == 100.0 * (sum(pool.in_bytes) + written)  # (a GPU balance: the roofline)
     order = [s.node.name for s in ck.remat_sites(p, traced, 10.0)]
     chains = [i for i, n in enumerate(order) if n.startswith("relu")]
