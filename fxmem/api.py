@@ -53,6 +53,8 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     pass is enabled for it; out of reach, it is an error unless the policy's budgets are targets). Extra keyword
     arguments override policy keys with dots written as double underscores, e.g.
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
+    strict=True: a pass that fails or is rolled back, or a result over its budget (the estimate, and the measurement
+    when measured, beyond the checkpoint pass's stated slack), raises instead of being reported.
     """
     from .costmodel import estimate
     from .pipeline import PassManager, load_passes
@@ -105,9 +107,34 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         versions={"fxmem": _version(), "torch": torch.__version__},
         timing={"capture_s": round(t_capture, 3), "passes_s": round(t_passes, 3),
                 "total_s": round(time.perf_counter() - t0, 3)})
+    if strict:
+        _require_budgets(report, pm.records)
     return TransformResult(module=result_program.module, report=report, before=before, after=after,
                            program=result_program, original=original, policy=pol,
                            measured_before=measured_before, measured_after=measured_after, records=pm.records)
+
+
+def _require_budgets(report, records) -> None:
+    """strict: a result over its budget is an error, as a failed pass is. The checkpoint pass states its tolerance
+    (`slack`, measured peak <= budget * (1 + slack)); the estimate, and the measurement when there is one, must be
+    within it. (Without strict the report says OVER and the run succeeds: a policy's budget can be a target.)"""
+    slack = next((float(r.metrics["slack"]) for r in records
+                  if r.name == "checkpoint" and (r.metrics or {}).get("slack") is not None), 0.0)
+    misses = []
+    if report.budget is not None:
+        peaks = [report.after.peak] + ([report.measured_after.peak] if report.measured_after is not None else [])
+        if max(peaks) > report.budget * (1 + slack):
+            misses.append(report.budget_line())
+    ab = report.activation_budget()
+    if ab is not None:
+        acts = [report.after.activations] + (
+            [report.measured_after.activations] if report.measured_after is not None else [])
+        if max(acts) > ab * (1 + slack):
+            misses.append(report.activation_budget_line())
+    if misses:
+        raise BudgetError("strict: the result is over its budget (" + "; ".join(misses)
+                          + f"; tolerance {slack:.0%}). The report's notes say what each pass reached: run without "
+                            "--strict to write it, raise the budget, or enable a pass that can take the rest")
 
 
 def _yaml_scalar(v) -> str:

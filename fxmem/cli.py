@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
-    o.add_argument("--strict", action="store_true", help="a pass that fails or is rolled back is an error")
+    o.add_argument("--strict", action="store_true", help="a pass that fails or is rolled back, or a result over its budget, is an error (nothing is written)")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=cmd_optimize)
@@ -192,6 +192,9 @@ def cmd_optimize(a) -> int:
     for rec in res.records:
         extra = f" — {rec.reason}" if rec.reason else ""
         print(f"  pass {rec.name:11s} {rec.status:12s} {len(rec.changes)} change(s){extra}")
+    for line in (res.report.budget_line(), res.report.activation_budget_line()):
+        if line:
+            print(line)
     print(f"wrote {out}/ (report.md, report.html, report.json, transformed.py, module)")
     return 0
 

@@ -137,3 +137,29 @@ def test_optimize_prints_only_its_own_output(tmp_path):
     assert "HiGHS" not in r.stdout + r.stderr
     assert "Warning" not in r.stderr, r.stderr
     assert (out / "report.md").exists()
+
+
+def test_optimize_over_budget_is_said_and_strict_makes_it_an_error(tmp_path, capsys):
+    """The U-Net at 30% of its peak is out of reach on CPU (checkpointing's lowest is above it, and offloading to the
+    CPU frees no CPU memory): the run succeeds and its summary says OVER the budget; with --strict the miss is an
+    error (exit 2, the budget named) and nothing is written."""
+    unet = str(ROOT / "examples" / "unet.py")
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "30%", "--out", str(out))
+    assert code == 0, err
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("budget "))
+    assert "OVER the budget by" in line
+    assert (out / "report.md").exists()
+    strict = tmp_path / "strict"
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "30%", "--out", str(strict),
+                            "--strict")
+    assert code == 2
+    assert "strict: the result is over its budget" in err and "OVER the budget by" in err
+    assert not strict.exists()
+    # a budget that is met passes --strict
+    ok = tmp_path / "ok"
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "90%", "--out", str(ok),
+                            "--strict")
+    assert code == 0, err
+    assert "fits" in next(ln for ln in stdout.splitlines() if ln.startswith("budget "))
+    assert (ok / "report.md").exists()
