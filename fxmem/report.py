@@ -148,7 +148,9 @@ class Report:
             verdict = f"fits ({format_bytes(self.budget - peak)} to spare)"
         else:
             verdict = f"OVER the budget by {format_bytes(peak - self.budget)}"
-        line = f"budget {format_bytes(self.budget)}: estimated peak after {format_bytes(peak)}, {verdict}"
+        target = " (the policy's target, budget_strict: false)" if (self.policy or {}).get("budget_strict") is False \
+            else ""
+        line = f"budget {format_bytes(self.budget)}{target}: estimated peak after {format_bytes(peak)}, {verdict}"
         if self.measured_after is not None:
             mp = self.measured_after.peak
             line += (f"; measured peak after {format_bytes(mp)}, "

@@ -457,3 +457,11 @@ def test_estimate_far_from_measurement_is_a_warning():
     warn = md[md.index("## ⚠ Warnings"):md.index("## Summary")]
     assert "the cost model's peak after" in warn and "+60.0% off the measured" in warn
     assert "peak before" not in warn
+
+
+def test_budget_line_says_when_the_budget_is_a_target():
+    # a preset's budget is a target (budget_strict: false): the line says so, a required budget's line does not
+    required = _report()
+    assert required.budget_line().startswith("budget ") and "target" not in required.budget_line()
+    target = _report(policy={"name": "high", "budget_strict": False})
+    assert "(the policy's target, budget_strict: false)" in target.budget_line()
