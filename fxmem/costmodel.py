@@ -769,10 +769,11 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                         offloaded[name].add(k)
 
     # what each recompute region's recomputation holds at its highest, above what it leaves for the backward
+    step_end = _step_ends(R)
     recompute_over: dict[str, int] = {}
     for name, info in regions.items():
         if info is not None and info.kind == "recompute":
-            high = _recompute_high(R, region_first[name], region_last[name], info, recompute_keys[name],
+            high = _recompute_high(R, step_end, region_first[name], region_last[name], info, recompute_keys[name],
                                    recompute_transient[name], sb, base_keys)
             recompute_over[name] = max(0, high - recompute_bytes[name])
 
@@ -783,7 +784,6 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     timeline: list[TimelinePoint] = []
     live: set[int] = set()
     frees_at: dict[int, list[int]] = defaultdict(list)
-    step_end = _step_ends(R)
     for k, i in last_use.items():
         if k in base_keys or k in out_keys or k in saved_until:
             continue
@@ -846,16 +846,16 @@ def _dies_at(R, step_end: dict, last: int, made: int) -> int:
     return step_end.get(R[last].step, last)
 
 
-def _recompute_high(R, lo: int, hi: int, info, saved: dict, made_again: dict, sb: dict, base_keys: dict) -> int:
+def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made_again: dict, sb: dict,
+                    base_keys: dict) -> int:
     """The most bytes a recompute region's recomputation (records lo..hi run again in backward) holds at once.
 
     It makes each op's new storages again, except the outputs of ops the region keeps (cached or held since the
     forward); what no op in it saves is dropped after its last use there, what one saves (`saved`) stays for the
     backward. Region inputs made again (`made_again`, recipes) are held while it runs. Non-reentrant checkpoint
     stops the recomputation once the last saving op has run (early stop), so ops after it do not run. The body
-    runs as graph code: a value is dropped as `_dies_at` says."""
+    runs as graph code: a value is dropped as `_dies_at` says (`step_end`: the whole trace's, capped at the stop)."""
     stop = max((r.idx for r in R[lo:hi + 1] if r.out_rg and r.saved), default=hi)
-    step_end = _step_ends(R[lo:stop + 1])
     last_in: dict[int, int] = {}
     for r in R[lo:stop + 1]:
         for k in r.in_keys + r.out_keys + r.list_keys:
@@ -1088,7 +1088,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             grad_live[k] = b
         if r.region and r.idx == region_first.get(r.region) and r.region in recomputed_live:
             cur -= recomputed_live.pop(r.region)
-        _timeline_add(timeline, "backward", (r.node + "|" + str(r.func) + f"|{r.idx}") if globals().get("_DBG") else r.node, cur, node_peak)
+        _timeline_add(timeline, "backward", r.node, cur, node_peak)
     # end of backward: only parameter grads stay (plus the step's outputs, still referenced by the caller)
     for k in list(grad_live):
         if k not in param_keys:
