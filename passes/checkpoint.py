@@ -286,13 +286,18 @@ def chunk_regions(program: Program, regions: list[Region], k: int) -> list[Regio
     out = []
     for i in range(0, len(regions), k):
         grp = regions[i:i + k]
-        lo, hi = pos[grp[0].nodes[0]], pos[grp[-1].nodes[-1]]
-        nodes = [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)]
         name = grp[0].path if len(grp) == 1 else f"{grp[0].path}+{grp[-1].path.split('.')[-1]}"
-        r = Region(name, nodes)
-        r.first, r.last = lo, hi
-        out.append(r)
+        out.append(_spanning(program, pos, grp, name))
     return out
+
+
+def _spanning(program: Program, pos: dict, grp: list[Region], name: str) -> Region:
+    """One region from the first node of `grp`'s first region to the last of its last, with every region node in
+    between (the glue too, so it stays convex)."""
+    lo, hi = pos[grp[0].nodes[0]], pos[grp[-1].nodes[-1]]
+    r = Region(name, [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)])
+    r.first, r.last = lo, hi
+    return r
 
 
 def glue_regions(program: Program, regions: list[Region], measure) -> list[Region]:
@@ -308,14 +313,7 @@ def glue_regions(program: Program, regions: list[Region], measure) -> list[Regio
         else:
             groups.append([r])
     pos = {n: i for i, n in enumerate(program.graph.nodes)}
-    merged = {}
-    for i, g in enumerate(groups):
-        if len(g) > 1:
-            lo, hi = pos[g[0].nodes[0]], pos[g[-1].nodes[-1]]
-            nodes = [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)]
-            r = Region(f"{g[0].path}+{g[-1].path}", nodes)
-            r.first, r.last = lo, hi
-            merged[i] = r
+    merged = {i: _spanning(program, pos, g, f"{g[0].path}+{g[-1].path}") for i, g in enumerate(groups) if len(g) > 1}
     if not merged:
         return []
     measure(list(merged.values()))

@@ -27,12 +27,15 @@ class RegionInfo:
     offload_inputs: bool = False  # recompute: the region's saved inputs are offloaded too (offload around checkpoint)
 
     def keeps(self, func) -> bool:
-        if not self.keep_ops:
-            return False
-        return packet(func) in self.keep_ops or str(func) in self.keep_ops
+        return _names(func, self.keep_ops)
 
     def holds(self, func) -> bool:
-        return bool(self.held_ops) and (packet(func) in self.held_ops or str(func) in self.held_ops)
+        return _names(func, self.held_ops)
+
+
+def _names(func, ops: frozenset) -> bool:
+    """`func` is one of `ops`, by its packet name or its full overload name."""
+    return bool(ops) and (packet(func) in ops or str(func) in ops)
 
 
 def region_info(mod: nn.Module) -> RegionInfo | None:
