@@ -24,31 +24,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from checkpoint_pareto import own_code, setup  # noqa: E402
+from fxmem.measure import saved_tensors  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
 
 def breakdown(model, x) -> tuple[int, int]:
     """(saved bytes as saved_bytes counts them, of which channels-last copies of convolution weights), one forward."""
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 4}  # convolution weights
-    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, tuple[int, bool]] = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if st.data_ptr() not in own:
-            copy_ = tuple(t.shape) in shapes and not t.is_contiguous() and \
-                t.is_contiguous(memory_format=torch.channels_last)
-            seen[st.data_ptr()] = (st.nbytes(), copy_)
-        return t
-
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*x)
-    del out
-    return sum(b for b, _ in seen.values()), sum(b for b, w in seen.values() if w)
+    saved = saved_tensors(model, x)
+    copies = [t for t in saved if tuple(t.shape) in shapes and not t.is_contiguous()
+              and t.is_contiguous(memory_format=torch.channels_last)]
+    return (sum(t.untyped_storage().nbytes() for t in saved), sum(t.untyped_storage().nbytes() for t in copies))
 
 
 def main(argv=None) -> int:
@@ -58,8 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the table, with how to reproduce it, to this file")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    lines = ["| model | compile budget | saved (as checkpoint_pareto counts) | of which weight-layout copies | the rest |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | compile budget | saved (as checkpoint_pareto counts) | of which weight-layout copies "
+             "| the rest |", "|---|---|---|---|---|"]
     print("\n".join(lines))
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg

@@ -346,8 +346,14 @@ def saved_bytes(model, args=(), kwargs=None) -> int:
     and buffers left out (they live anyway; `measure`'s activation bytes do not count them either). Unlike
     `measure`, this works on compiled modules (torch.compile), whose insides a dispatch mode cannot see: it counts
     what the compiled graph hands autograd."""
+    return sum(t.untyped_storage().nbytes() for t in saved_tensors(model, args, kwargs))
+
+
+def saved_tensors(model, args=(), kwargs=None) -> list:
+    """One saved tensor per storage `saved_bytes` counts (the first saved view of it), for callers that tell them
+    apart (benchmarks/compile_saved_breakdown.py: inductor's weight-layout copies)."""
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.Tensor] = {}
 
     def pack(t):
         try:
@@ -355,11 +361,11 @@ def saved_bytes(model, args=(), kwargs=None) -> int:
         except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, wrapper subclasses)
             return t
         if st.data_ptr() not in own:
-            seen[st.data_ptr()] = st.nbytes()
+            seen.setdefault(st.data_ptr(), t.detach())
         return t
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(*args, **(kwargs or {}))
     del out
-    return sum(seen.values())
+    return list(seen.values())
