@@ -66,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
-    o.add_argument("--strict", action="store_true", help="a pass that fails or is rolled back, or a result over its budget, is an error (nothing is written)")
+    o.add_argument("--strict", action="store_true",
+                   help="a pass that fails or is rolled back, or a result over its budget, is an error (nothing is "
+                        "written)")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=cmd_optimize)
