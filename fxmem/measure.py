@@ -351,7 +351,13 @@ def saved_bytes(model, args=(), kwargs=None) -> int:
 
 def saved_tensors(model, args=(), kwargs=None) -> list:
     """One saved tensor per storage `saved_bytes` counts (the first saved view of it), for callers that tell them
-    apart (benchmarks/compile_saved_breakdown.py: inductor's weight-layout copies)."""
+    apart (benchmarks/compile_saved_breakdown.py: inductor's weight-layout copies).
+
+    A module fxmem rewrote with recipes (`fxmem.nn.recast`: remat, parameter casts) packs its saves in its own
+    hooks, innermost; what those keep (the tensor, or a recipe's arguments instead of its output) is counted
+    through `recast.observing`, and so is what a checkpoint region keeps outside any saved-tensor hook (the
+    outputs a selective policy caches, the dropout masks its draw tape holds)."""
+    from .nn.recast import observing
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, torch.Tensor] = {}
 
@@ -365,7 +371,8 @@ def saved_tensors(model, args=(), kwargs=None) -> list:
         return t
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            observing(lambda ts: [pack(t) for t in ts]):
         out = model(*args, **(kwargs or {}))
     del out
     return list(seen.values())

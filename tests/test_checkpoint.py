@@ -143,6 +143,22 @@ def test_region_eval_and_no_grad_call_body_directly():
     assert reg.to(torch.float64).fxmem_region.body is reg.body
 
 
+def _mlp(x, w1, w2):
+    return torch.relu(x @ w1) @ w2
+
+
+@pytest.mark.parametrize("keep", [frozenset({"mm"}), frozenset()])
+def test_saved_bytes_counts_a_regions_inputs_and_selective_cache(keep):
+    """saved_bytes sees a checkpoint region's inputs (saved through hooks) and, under a selective policy, the
+    matmul outputs the policy caches outside any hook (both mm outputs here); full recompute caches nothing."""
+    reg = CheckpointRegion(torch.fx.symbolic_trace(_mlp), keep).train()
+    x, w1, w2 = (torch.randn(*s, requires_grad=True) for s in ((64, 32), (32, 48), (48, 16)))
+    inputs = sum(t.numel() * 4 for t in (x, w1, w2))
+    cached = (64 * 48 + 64 * 16) * 4 if keep else 0
+    assert saved_bytes(reg, (x, w1, w2)) == inputs + cached
+    assert saved_bytes(reg, (x, w1, w2)) == saved_bytes(reg, (x, w1, w2))  # nothing left behind between calls
+
+
 # ============================================================================================ pass
 
 def test_gpt_pass_exact_under_budget_and_readable(gpt_prog):

@@ -226,3 +226,26 @@ def test_a_block_takes_the_glue_after_it_where_that_frees_more(unet_prog, monkey
     without = _run(unet_prog, "1%", strict=False).metrics
     assert without["granularity"] != "block+glue"
     assert m["estimated_activations"] < without["estimated_activations"], (m, without)
+
+
+@pytest.mark.parametrize("name", ["unet", "gpt"])
+def test_saved_bytes_sees_what_an_fxmem_module_keeps(name, unet_prog, gpt_prog):
+    """fxmem.measure.saved_bytes (saved-tensor hooks) on a transformed eager module counts what its recipes,
+    regions, selective caches and dropout tapes keep: the measured activations less what the measurement counts
+    beyond the hooks on the captured program (the loss's tensors), exactly. Before, the module's own hooks (the
+    innermost) hid every save from the counting hook: 0 bytes."""
+    from fxmem.measure import saved_bytes
+    prog = unet_prog if name == "unet" else gpt_prog
+    p, x, loss_fn, base = prog
+    cap = p.snapshot().module
+    beyond = fxmem.measure(copy.deepcopy(cap), x, loss_fn=loss_fn).activations - saved_bytes(copy.deepcopy(cap), x)
+    kinds = set()
+    for act in ("70%", "40%", "15%"):
+        res = _run(prog, act, strict=False)
+        mod = res.program.module
+        kinds |= set(res.metrics.get("plan", {}).values()) | ({"remat"} if res.metrics.get("remat") else set())
+        torch.manual_seed(0)
+        measured = fxmem.measure(copy.deepcopy(mod), x, loss_fn=loss_fn).activations
+        torch.manual_seed(0)
+        assert saved_bytes(copy.deepcopy(mod), x) == measured - beyond, (act, res.metrics.get("plan"))
+    assert {"remat", "full"} <= kinds

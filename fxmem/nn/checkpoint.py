@@ -86,13 +86,34 @@ class CheckpointRegion(nn.Module):
             fn = DrawTape(fn)  # the recomputation replays the forward's dropout masks instead of drawing them
         if compiling:
             return self._checkpoint(fn, args)
+        if recast.observed():
+            return self._observed_checkpoint(fn, args)
         with recast.aside():  # no recipes inside: the region decides what it keeps
             return self._checkpoint(fn, args)
 
-    def _checkpoint(self, fn, args):
+    def _checkpoint(self, fn, args, context_fn=None):
         if not self.sac_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._context_fn())
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=context_fn or self._context_fn())
+
+    def _observed_checkpoint(self, fn, args):
+        """`_checkpoint` for `fxmem.measure.saved_tensors`: also reports what the region keeps outside saved-tensor
+        hooks (the selective policy's cached outputs, the draw tape's masks)."""
+        made = []
+
+        def context_fn():
+            made.append(self._context_fn()())
+            return made[-1]
+        with recast.aside():
+            out = self._checkpoint(fn, args, context_fn)
+        for fwd_ctx, _ in made:  # the caching mode's store: op -> (call index ->) outputs (checkpoint's internals)
+            for outs in getattr(fwd_ctx, "storage", {}).values():
+                for o in (outs.values() if isinstance(outs, dict) else outs):
+                    recast.observe_held(getattr(v, "val", v) for v in torch.utils._pytree.tree_leaves(o))
+        if isinstance(fn, DrawTape):
+            recast.observe_held(fn.masks)
+        return out
 
     def extra_repr(self) -> str:
         keep = ", ".join(sorted(self.keep_ops)) if self.keep_ops else "nothing (full recompute)"

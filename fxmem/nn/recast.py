@@ -107,6 +107,50 @@ class aside:
         return False
 
 
+class observing:
+    """While active (this thread), `callback(tensors)` is called with what each save a RecastScope packs keeps: the
+    tensor itself, a parameter cast's parameter, or a recipe's tensor arguments (nested recipes' too). A scope's
+    hooks are the innermost saved-tensor hooks in its forward, so hooks outside never see those saves;
+    `fxmem.measure.saved_tensors` counts them through this."""
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def __enter__(self):
+        self._prev = getattr(_state, "observer", None)
+        _state.observer = self.callback
+        return self
+
+    def __exit__(self, *exc):
+        _state.observer = self._prev
+        return False
+
+
+def observe_held(tensors) -> None:
+    """For modules that keep tensors for backward outside saved-tensor hooks (a checkpoint region's cached
+    selective outputs and dropout masks): report them to the observer, if one is active."""
+    cb = getattr(_state, "observer", None)
+    if cb is not None:
+        cb([t for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def observed() -> bool:
+    return getattr(_state, "observer", None) is not None
+
+
+def _observe(packed) -> None:
+    """Tell the observer (if any) what a finished pack keeps."""
+    cb = getattr(_state, "observer", None)
+    if cb is None or isinstance(packed, _Deferred):
+        return
+    if isinstance(packed, _Remat):
+        cb(recipe_tensors(packed.recipe))
+    elif isinstance(packed, _Recast):
+        cb([packed.param])
+    elif isinstance(packed, torch.Tensor):
+        cb([packed])
+
+
 def _calls() -> list:
     """Scopes entered by forward pre-hooks on this thread, innermost last (nested fxmem modules)."""
     c = getattr(_state, "calls", None)
@@ -312,6 +356,7 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
                 scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     for d in pending:  # the op's own saves, packed now that its output is a recipe
         d.value = scope._pack_now(d.value, count=True)
+        _observe(d.value)
     return y
 
 
@@ -433,7 +478,7 @@ class RecastScope:
         if self._pending is not None:
             d = _Deferred(t)
             self._pending.append(d)
-            return d
+            return d  # (observed once remat_call packs it)
         if active_scope() is None:
             # inside a checkpoint or offload region (`aside`): non-reentrant checkpoint saving the region's inputs.
             # A recipe there is made again by and for the region's recomputation alone, not through a shared value
@@ -441,8 +486,10 @@ class RecastScope:
             p = self._pack_now(t)
             if isinstance(p, _Remat):
                 p.how = "private"
-            return p
-        return self._pack_now(t, count=True)
+        else:
+            p = self._pack_now(t, count=True)
+        _observe(p)
+        return p
 
     def _pack_now(self, t: torch.Tensor, count: bool = False):
         """What `t` is saved as; `count`: a save autograd will unpack (shared recipes count their uses)."""
