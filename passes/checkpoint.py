@@ -351,29 +351,48 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
+class _TraceIndex:
+    """What `measure_regions` looks up in a forward trace, built once per trace (the pass measures a dozen candidate
+    sets against one trace) and kept on the recorder."""
+
+    def __init__(self, rec):
+        R = self.records = rec.records
+        self.created_in: dict[int, int] = {k: r.idx for r in R for k in r.new_keys}
+        self.saved_anywhere: set[int] = {k for r in R if r.out_rg for k in r.saved}
+        self.by_node: dict[str, list] = {}
+        for r in R:
+            self.by_node.setdefault(r.node, []).append(r)
+        self.recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
+        for r in R:
+            for k in r.recast:
+                if k in rec.recipe_at:
+                    self.recast_savers.setdefault(k, []).append(r.idx)
+        self.holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
+        self._costs: dict[tuple, float] = {}
+
+    @classmethod
+    def of(cls, rec) -> "_TraceIndex":
+        ix = rec.__dict__.get("_fxmem_region_index")
+        if ix is None or ix.records is not rec.records:  # (a copy of the recorder with other records: as_recipes)
+            ix = rec.__dict__["_fxmem_region_index"] = cls(rec)
+        return ix
+
+    def cost(self, r, balance: float | None) -> float:
+        key = (r.idx, balance)
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = op_cost(r, balance)
+        return c
+
+
 def measure_regions(program: Program, regions: list[Region], rec, base_keys, keep_ops: frozenset,
                     node_time: dict[str, float] | None = None, balance: float | None = None) -> None:
     """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
-    R = rec.records
+    ix = _TraceIndex.of(rec)
     sb = rec.storage_bytes
-    created_in: dict[int, int] = {}
-    for r in R:
-        for k in r.new_keys:
-            created_in[k] = r.idx
+    created_in, saved_anywhere, by_node = ix.created_in, ix.saved_anywhere, ix.by_node
     recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
-    saved_anywhere: set[int] = set()
-    for r in R:
-        if r.out_rg:
-            saved_anywhere.update(r.saved)
-    by_node: dict[str, list] = {}
-    for r in R:
-        by_node.setdefault(r.node, []).append(r)
-    recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
-    for r in R:
-        for k in r.recast:
-            if k in recipe_at:
-                recast_savers.setdefault(k, []).append(r.idx)
-    holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
+    recast_savers, holders = ix.recast_savers, ix.holders
     for reg in regions:
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
@@ -393,7 +412,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
             is_keep = optable.packet(r.func) in keep_sel or str(r.func) in keep_sel
             is_keep_full = optable.packet(r.func) in keep_rng
             if node_time is None:
-                c = op_cost(r, balance)
+                c = ix.cost(r, balance)
                 if not is_keep_full:
                     flops += c
                 else:
@@ -1628,7 +1647,7 @@ class CheckpointPass:
                 return sol.cost, planned_miss(cs, sol.plan), best_effort is None
             trial = program.snapshot()
             changes = self._emit(trial, cs.regions, sol.plan, keep_ops)
-            trial.graph.lint()  # outline() recompiled; the manager refreshes meta after the pass
+            # (_emit linted and recompiled; the manager refreshes meta after the pass)
             est1 = ctx.estimate(trial) if opts.verify else None
             miss = lim.over(est1.peak, est1.activations) if est1 is not None else 0
             if best is None or best[3] is None or est1 is None or (miss, est1.peak) < best[6]:
@@ -1732,7 +1751,7 @@ class CheckpointPass:
             try:
                 call = outline(program, nodes, "ckpt_" + reg.path.replace("#", "_"),
                                wrap=lambda body, keep=keep, label=label, restore=restore:
-                               CheckpointRegion(body, keep, label=label, restore_args=restore))
+                               CheckpointRegion(body, keep, label=label, restore_args=restore), recompile=False)
             except OutlineError as e:
                 changes.append(Change("checkpoint_skipped", label, before, [], f"not outlined: {e}", 0))
                 continue
@@ -1746,4 +1765,6 @@ class CheckpointPass:
                 details={"choice": choice, "saved_bytes": reg.saved,
                          "kept_bytes": reg.kept if choice == "selective" else reg.kept_full,
                          "recompute_cost": reg.cost(choice), "submodule": call.target}))
+        program.graph.lint()
+        program.module.recompile()  # once for all the regions (outline(recompile=False))
         return changes

@@ -443,13 +443,15 @@ def emit(program: Program, chosen: list[Candidate], o: OffloadOptions, tier: str
         try:
             call = outline(program, c.nodes, "offload_" + c.path.replace("#", "_"),
                            wrap=lambda body, i=i, params=params, c=c: OffloadRegion(
-                               body, runtime, index=i, last=(i == n - 1), param_args=params, label=c.path))
+                               body, runtime, index=i, last=(i == n - 1), param_args=params, label=c.path),
+                           recompile=False)
         except OutlineError as e:
             raise OutlineError(f"offload region {c.path}: {e}") from None
         changes.append(Change("offload", c.path, before, [call.target],
                               f"saved activations to {tier}, prefetch {o.prefetch}", c.saved,
                               {"kind": "run", "index": i, "transfer_s": c.transfer_s, "exposed_s": c.exposed_s}))
-    gm.recompile()
+    gm.graph.lint()
+    gm.recompile()  # once for all the regions (outline(recompile=False))
     return changes
 
 
