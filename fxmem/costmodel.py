@@ -878,6 +878,67 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
     return high
 
 
+class RecomputeWalk:
+    """What recomputing a span of a forward trace would hold, for a planner choosing regions before it emits any:
+    `over(lo, hi, keeps)` gives (the most the recomputation of records lo..hi holds at once above what it leaves for
+    the backward, the bytes it leaves: what the span's ops save of its own making), the span run as a recompute
+    region that keeps the outputs of the ops `keeps(func)` is true for. The same walk as the estimate of an emitted
+    region (`_recompute_high`), without the inputs a region over recipes makes again."""
+
+    def __init__(self, traced):
+        self.rec, self.base_keys = traced[0], traced[1]
+        self.R = self.rec.records
+        self.step_end = _step_ends(self.R)
+        self._memo: dict = {}
+
+    @classmethod
+    def of(cls, traced) -> "RecomputeWalk":
+        """One walk per trace, kept on its recorder (a planner asks about the same spans for several candidate
+        sets)."""
+        w = traced[0].__dict__.get("_fxmem_recompute_walk")
+        if w is None or w.R is not traced[0].records:
+            w = traced[0].__dict__["_fxmem_recompute_walk"] = cls(traced)
+        return w
+
+    def over(self, lo: int, hi: int, keeps, key=None) -> tuple[int, int]:
+        """`key`: names `keeps` for reuse (the same span and key give the same answer)."""
+        if key is not None and (lo, hi, key) in self._memo:
+            return self._memo[(lo, hi, key)]
+        out = self._over(lo, hi, keeps)
+        if key is not None:
+            self._memo[(lo, hi, key)] = out
+        return out
+
+    def _over(self, lo: int, hi: int, keeps) -> tuple[int, int]:
+        R, sb, base = self.R, self.rec.storage_bytes, self.base_keys
+        info = _Keeps(keeps)
+        made = {k for r in R[lo:hi + 1] for k in r.new_keys}
+        kept = {k for r in R[lo:hi + 1] if info.keeps(r.func) for k in r.new_keys}
+        saved: dict[int, int] = {}
+        for r in R[lo:hi + 1]:
+            if r.out_rg:
+                for k in r.saved:
+                    if k in made and k not in kept and base.get(k) is None:
+                        saved[k] = min(saved.get(k, r.idx), r.idx)
+        leaves = sum(sb[k] for k in saved)
+        high = _recompute_high(R, self.step_end, lo, hi, info, saved, {}, sb, base)
+        return max(0, high - leaves), leaves
+
+
+class _Keeps:
+    """The one thing `_recompute_high` asks of a region's RegionInfo, answered once per op overload."""
+    __slots__ = ("_keeps", "_seen")
+
+    def __init__(self, keeps):
+        self._keeps, self._seen = keeps, {}
+
+    def keeps(self, func) -> bool:
+        v = self._seen.get(id(func))  # (overloads live as long as torch; hashing one by id is much cheaper)
+        if v is None:
+            v = self._seen[id(func)] = bool(self._keeps(func))
+        return v
+
+
 def _shared_spans(R, shared: set, nesting: dict, created_in: dict, groups: dict,
                   members: dict) -> dict[int, tuple[int, int]]:
     """Shared recipe output -> (lowest, highest) record index of its uses in backward, which runs from high to

@@ -58,7 +58,13 @@ without checkpointing. So with baseline live bytes `live(p)` (the cost model's s
 
     peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
 
-and the pass minimises the sum of recompute costs subject to peak(plan) <= budget. Regions sorted by position make
+and, for each recomputed region i, its recomputation's spike: the baseline's live bytes where i's backward starts,
+plus spike_i(choice_i), less what the regions before i free. spike_i is what the recomputation holds at its highest
+above what it leaves (its own temporaries: attention scores a block drops in forward are live again at once with
+what it keeps), plus what it leaves beyond what it frees (inputs it held, outputs made again), walked on the trace
+as the cost model walks an emitted region (`fxmem.costmodel.RecomputeWalk`); for the solvers it is one more
+nested constraint, on the regions before i, that applies when i is recomputed. The pass minimises the sum of
+recompute costs subject to peak(plan) <= budget. Regions sorted by position make
 the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised, always
 rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a chain (skip
 connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the optimum) is
@@ -85,6 +91,7 @@ Parameters stay owned by the outer module (state_dict keys unchanged) and are pa
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -95,8 +102,8 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import (CPU_BALANCE, as_recipes, default_balance, estimate_from_trace, op_cost, program_key,
-                             smallest_fitting_prefix, trace_forward)
+from fxmem.costmodel import (CPU_BALANCE, RecomputeWalk, as_recipes, default_balance, estimate_from_trace, op_cost,
+                             program_key, smallest_fitting_prefix, trace_forward)
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
@@ -158,6 +165,12 @@ class Region:
     kept_full: int = 0  # bytes of their outputs
     flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
     lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
+    span: tuple = ()  # (first, last) index of its op records in the trace it was measured on
+    keep_sel: frozenset = frozenset()  # ops `selective` keeps (the keep ops, and the draws `full` keeps)
+    # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
+    # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
+    # outputs made again); filled by `build_model` for the region's choices
+    spike: dict = field(default_factory=dict)
 
     def freed(self, choice: str) -> int:
         if choice == "full":
@@ -480,6 +493,8 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         reg.flops, reg.flops_sel = float(flops), float(flops_sel)
         reg.flops_redraw = float(flops + draws_cost)
         reg.inputs = ins
+        reg.keep_sel = keep_sel
+        reg.span = (min(idxs), max(idxs)) if idxs else ()
 
 
 # ============================================================================================ compact dropout masks
@@ -856,10 +871,24 @@ class Model:
     # bytes all regions together must free: the activations left at the end of forward (after every region's
     # forward, so the last prefix) above an activation budget
     act_need: int = 0
+    # per region: baseline live bytes in backward just before the region's recomputation would run; a recomputed
+    # region adds its `spike` there, less what the regions before it free (empty: not modelled)
+    spike_base: list = field(default_factory=list)
 
     def needs(self, budget: int) -> list[int]:
         out = [max(0, lv - budget) for lv in self.live_by_prefix]
         out[-1] = max(out[-1], self.act_need)
+        return out
+
+    def spike_needs(self, budget: int) -> list[dict]:
+        """Per region: choice -> bytes the regions before it must free for that choice's recomputation to stay
+        within `budget` (choices whose recomputation stays within it anyway are left out)."""
+        out: list[dict] = [{} for _ in self.regions]
+        for k, base in enumerate(self.spike_base):
+            for c, extra in self.regions[k].spike.items():
+                need = base + extra - budget
+                if c != "keep" and extra > 0 and need > 0:
+                    out[k][c] = need
         return out
 
     def freed(self, plan: list[str]) -> int:
@@ -878,6 +907,8 @@ class Model:
             if k:
                 freed += self.regions[k - 1].freed(plan[k - 1])
             best = max(best, lv - freed)
+            if k < len(self.spike_base) and plan[k] != "keep":  # region k's recomputation, regions[:k] freed
+                best = max(best, self.spike_base[k] + self.regions[k].spike.get(plan[k], 0) - freed)
         return best
 
     def cost(self, plan: list[str]) -> float:
@@ -887,8 +918,10 @@ class Model:
         return self.peak([max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)])
 
 
-def build_model(est, regions: list[Region], program: Program, choices) -> Model:
-    """Map the baseline timeline onto prefixes of the region chain."""
+def build_model(est, regions: list[Region], program: Program, choices, traced=None) -> Model:
+    """Map the baseline timeline onto prefixes of the region chain. With `traced` (the trace the regions were
+    measured on), also each recomputation's spike: the baseline's live bytes in backward just before it runs, and
+    per choice what it adds there (`RecomputeWalk`)."""
     pos = {n.name: i for i, n in enumerate(program.graph.nodes)}
     lasts = [r.last for r in regions]
     n = len(regions)
@@ -905,9 +938,35 @@ def build_model(est, regions: list[Region], program: Program, choices) -> Model:
             if p.peak > floor:
                 floor, floor_at = p.peak, p.label
             continue
-        k = int(np.searchsorted(lasts, at, side="left"))  # regions whose last node is before `at`
+        k = bisect.bisect_left(lasts, at)  # regions whose last node is before `at`
         live[k] = max(live[k], p.peak)
-    return Model(regions, live, floor, floor_at, choices)
+    if traced is None or not all(r.span for r in regions):
+        return Model(regions, live, floor, floor_at, choices)
+    # backward runs from the last node to the first: region k recomputes when it reaches the region's last node,
+    # with what the backward of the nodes after it left live
+    spike_base = [0] * n
+    prev, k = 0, n - 1
+    for p in est.timeline:
+        if p.phase == "backward":
+            at = pos.get(p.label, end if p.label == "loss" else None)
+            while at is not None and k >= 0 and at <= lasts[k]:
+                spike_base[k] = prev
+                k -= 1
+        if p.phase != "optimizer":
+            prev = p.live
+    for j in range(k + 1):
+        spike_base[j] = prev
+    walk = RecomputeWalk.of(traced)
+    for reg, ch in zip(regions, choices):
+        keep = {"selective": reg.keep_sel, "full": reg.keep_full, "redraw": frozenset()}
+        reg.spike = {}
+        for c in ch:
+            if c != "keep":
+                ks = keep[c]
+                over, leaves = walk.over(*reg.span, lambda f, ks=ks: bool(ks) and (optable.packet(f) in ks
+                                                                                  or str(f) in ks), key=ks)
+                reg.spike[c] = max(0, over + leaves - reg.freed(c))
+    return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
 
 
 def _with_need(model: Model, act_need: int) -> Model:
@@ -941,7 +1000,8 @@ class Solution:
 def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
     """Exact DP over the chain of regions; bytes quantised to need/q units (freed rounded down, needs up)."""
     needs = model.needs(budget)
-    top = max(needs)
+    spikes = model.spike_needs(budget)
+    top = max(needs + [v for d in spikes for v in d.values()])
     n = len(model.regions)
     if top == 0:
         return ["keep"] * n
@@ -961,6 +1021,8 @@ def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
         for ci, c in enumerate(ch):
             f = int(reg.freed(c) // unit)
             cand = dp + reg.cost(c)
+            if c in spikes[k]:  # its recomputation: the regions before it must free this much
+                cand[:int(math.ceil(spikes[k][c] / unit))] = INF
             tmp = np.full(cap + 1, INF)
             tsrc = np.full(cap + 1, -1, dtype=np.int64)
             lo = max(0, cap - f)  # states s < lo move to s + f < cap; the rest saturate at cap
@@ -1058,14 +1120,25 @@ def solve_milp(model: Model, budget: int, time_limit: float):
     stopped it, the LP relaxation's optimum when it stopped before having one (what a greedy plan's optimality
     gap is measured against)."""
     needs = model.needs(budget)
+    if needs[0] > 0:  # above the budget before any region: nothing can help (as solve_dp)
+        return None, True, None
+    spikes = model.spike_needs(budget)
     lay = _MilpLayout(model)
     m = len(lay.var)
     scale = max(1.0, lay.cost.max())
-    bscale = max(1.0, max(needs))
+    bscale = max(1.0, max(needs + [v for d in spikes for v in d.values()]))
     binding = [k for k in range(1, lay.n + 1) if needs[k] > 0]  # prefix k: freed(regions[:k]) >= need[k]
-    A = np.vstack([lay.one, lay.freed[binding] / bscale])
-    lo = np.r_[np.ones(lay.n), np.array([needs[k] for k in binding], dtype=float) / bscale]
-    hi = np.r_[np.ones(lay.n), np.full(len(binding), np.inf)]
+    # region k recomputed with choice c: freed(regions[:k]) >= its spike's need, i.e. freed - need * x[k, c] >= 0
+    col = {v: j for j, v in enumerate(lay.var)}
+    spike_rows = []
+    for k, d in enumerate(spikes):
+        for c, need in d.items():
+            row = lay.freed[k].copy()
+            row[col[(k, c)]] -= need
+            spike_rows.append(row)
+    A = np.vstack([lay.one, lay.freed[binding] / bscale] + [np.array(spike_rows) / bscale] * bool(spike_rows))
+    lo = np.r_[np.ones(lay.n), np.array([needs[k] for k in binding], dtype=float) / bscale, np.zeros(len(spike_rows))]
+    hi = np.r_[np.ones(lay.n), np.full(len(binding) + len(spike_rows), np.inf)]
     x, optimal, bound = _highs(lay.cost / scale, A, lo, hi, np.zeros(m), np.ones(m), [True] * m, time_limit)
     if bound is None:  # stopped before HiGHS had a bound: the LP relaxation's optimum is one (an LP solves fast)
         _, lp_optimal, lp = _highs(lay.cost / scale, A, lo, hi, np.zeros(m), np.ones(m), [False] * m, math.inf)
@@ -1095,6 +1168,20 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
     A[2 * n + 2, :m] = lay.freed[n] / bscale
     lo = np.r_[np.ones(n), -np.inf, np.array(model.live_by_prefix, dtype=float) / bscale, model.act_need / bscale]
     hi = np.r_[np.ones(n), c0 / cscale * (1 + 1e-7) + 1e-9, np.full(n + 2, np.inf)]
+    # region k recomputed with choice c: P + freed(regions[:k]) - (spike base + spike) * x[k, c] >= 0
+    rows = []
+    for j, (k, c) in enumerate(lay.var):
+        extra = model.regions[k].spike.get(c, 0) if c != "keep" and k < len(model.spike_base) else 0
+        if extra > 0:
+            row = np.zeros(m + 1)
+            row[:m] = lay.freed[k] / bscale
+            row[j] -= (model.spike_base[k] + extra) / bscale
+            row[m] = 1.0
+            rows.append(row)
+    if rows:
+        A = np.vstack([A, np.array(rows)])
+        lo = np.r_[lo, np.zeros(len(rows))]
+        hi = np.r_[hi, np.full(len(rows), np.inf)]
     obj = np.zeros(m + 1)
     obj[m] = 1.0
     x, _, _ = _highs(obj, A, lo, hi, np.r_[np.zeros(m), model.floor / bscale], np.r_[np.ones(m), np.inf],
@@ -1552,7 +1639,7 @@ class CheckpointPass:
                         and r.flops_sel < r.flops else ("keep", "full"))
                        + (("redraw",) if r.keep_full and r.freed("redraw") > r.freed("full") else ())
                        for r in regions]
-            model = build_model(est0, regions, program, choices)
+            model = build_model(est0, regions, program, choices, traced)
             sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
         return sets
 

@@ -289,6 +289,50 @@ def test_dp_plan_model_peak_monotone_in_budget():
     assert ck.solve(model, 900, "dp", 1.0, True) is None  # below what checkpointing reaches
 
 
+def test_recomputation_spikes_bind_and_every_solver_honours_them():
+    """A recomputed region's recomputation adds its `spike` (temporaries above what it leaves, plus what it leaves
+    beyond what it frees) to the baseline's live bytes where its backward starts, less what the regions before it
+    free. Against brute force over all plans: every solver's plan is the cheapest whose modelled peak (spikes
+    included) is within the budget, the tie-break keeps that, and the spikes do bind (some budgets' cheapest plan
+    without them peaks above the budget once they are counted)."""
+    import itertools
+    import random
+    rnd = random.Random(1)
+    bound = 0
+    for trial in range(6):
+        regs = []
+        for i in range(5):
+            r = ck.Region(f"b{i}", [])
+            r.saved, r.kept, r.held = rnd.randint(100, 300), rnd.randint(20, 80), 0
+            r.flops, r.flops_sel = rnd.uniform(20, 100), rnd.uniform(2, 20)
+            r.spike = {"selective": rnd.randint(0, 150), "full": rnd.randint(0, 250)}
+            regs.append(r)
+        live = [1000 + rnd.randint(0, 400) for _ in range(6)]
+        spike_base = [900 + rnd.randint(0, 400) for _ in range(5)]
+        choices = [("keep", "selective", "full")] * 5
+        model = ck.Model(regs, live, 900, "opt", choices, spike_base=spike_base)
+        flat = ck.Model(regs, live, 900, "opt", choices)  # the same without spikes
+        plans = [list(p) for p in itertools.product(*choices)]
+        for b in range(1500, 950, -25):
+            fit = [p for p in plans if model.peak(p) <= b]
+            flat_best = ck.solve(flat, b, "milp", 5.0, False, tiebreak=False)
+            if flat_best is not None and model.peak(flat_best.plan) > b:
+                bound += 1
+            for solver in ("dp", "milp"):
+                sol = ck.solve(model, b, solver, 5.0, True)
+                if not fit:
+                    assert sol is None, (trial, b, solver)
+                    continue
+                c_min = min(model.cost(p) for p in fit)
+                assert sol is not None and sol.peak <= b, (trial, b, solver)
+                assert sol.cost == pytest.approx(c_min, rel=1e-9), (trial, b, solver)
+                assert sol.peak == min(model.peak(p) for p in fit if model.cost(p) <= c_min * (1 + 1e-9)), \
+                    (trial, b, solver)
+            g = ck.solve(model, b, "greedy", 5.0, True)
+            assert g is None or g.peak <= b
+    assert bound >= 5  # the spikes change the plans, not only the bookkeeping
+
+
 def test_milp_time_limit_falls_back_to_greedy_with_a_bounded_gap():
     # HiGHS stopped by the time limit before it had a bound: the greedy plan is used and its gap is measured
     # against the LP relaxation's optimum, a lower bound on the true optimum (found here without a limit)
