@@ -883,12 +883,16 @@ class RecomputeWalk:
     `over(lo, hi, keeps)` gives (the most the recomputation of records lo..hi holds at once above what it leaves for
     the backward, the bytes it leaves: what the span's ops save of its own making), the span run as a recompute
     region that keeps the outputs of the ops `keeps(func)` is true for. The same walk as the estimate of an emitted
-    region (`_recompute_high`), without the inputs a region over recipes makes again."""
+    region (`_recompute_high`). On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe
+    scope steps aside: what the span's ops save as recipes they save as tensors there, recomputed and left for the
+    backward, and a region input that is a recipe's output is made again for the recomputation (left too if an op
+    in the span saves it, else held while it runs)."""
 
     def __init__(self, traced):
-        self.rec, self.base_keys = traced[0], traced[1]
+        self.rec, self.base_keys, self.out_keys = traced[0], traced[1], traced[2]
         self.R = self.rec.records
         self.step_end = _step_ends(self.R)
+        self.created_in = {k: r.idx for r in self.R for k in r.new_keys}
         self._memo: dict = {}
 
     @classmethod
@@ -911,17 +915,24 @@ class RecomputeWalk:
 
     def _over(self, lo: int, hi: int, keeps) -> tuple[int, int]:
         R, sb, base = self.R, self.rec.storage_bytes, self.base_keys
+        holds = self.rec.recipe_holds
         info = _Keeps(keeps)
         made = {k for r in R[lo:hi + 1] for k in r.new_keys}
         kept = {k for r in R[lo:hi + 1] if info.keeps(r.func) for k in r.new_keys}
+
+        def made_again(k) -> bool:  # a region input that is a recipe's output
+            return k in holds and self.created_in.get(k, -1) < lo and k not in self.out_keys
+
         saved: dict[int, int] = {}
         for r in R[lo:hi + 1]:
             if r.out_rg:
-                for k in r.saved:
-                    if k in made and k not in kept and base.get(k) is None:
+                for k in r.saved + r.recast:  # (recipe saves are plain inside a region)
+                    if base.get(k) is None and k not in kept and (k in made or made_again(k)):
                         saved[k] = min(saved.get(k, r.idx), r.idx)
+        again = {k: sb[k] for r in R[lo:hi + 1] for k in r.in_keys + r.list_keys
+                 if k is not None and base.get(k) is None and k not in saved and made_again(k)}
         leaves = sum(sb[k] for k in saved)
-        high = _recompute_high(R, self.step_end, lo, hi, info, saved, {}, sb, base)
+        high = _recompute_high(R, self.step_end, lo, hi, info, saved, again, sb, base)
         return max(0, high - leaves), leaves
 
 

@@ -874,6 +874,7 @@ class Model:
     # per region: baseline live bytes in backward just before the region's recomputation would run; a recomputed
     # region adds its `spike` there, less what the regions before it free (empty: not modelled)
     spike_base: list = field(default_factory=list)
+    _lowest: list = field(default_factory=list, repr=False, compare=False)  # `lowest`'s answer, once found
 
     def needs(self, budget: int) -> list[int]:
         out = [max(0, lv - budget) for lv in self.live_by_prefix]
@@ -914,8 +915,35 @@ class Model:
     def cost(self, plan: list[str]) -> float:
         return sum(r.cost(c) for r, c in zip(self.regions, plan))
 
+    def max_plan(self) -> list[str]:
+        return [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)]
+
     def min_peak(self) -> int:
-        return self.peak([max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)])
+        """The planned peak of the plan freeing the most in every region: the lowest of any plan when no
+        recomputation spikes (then `lowest` finds the lowest)."""
+        return self.peak(self.max_plan())
+
+    def lowest(self) -> tuple[int, list[str]]:
+        """(the lowest planned peak of any plan, a plan with it). With recomputation spikes, recomputing a region
+        can raise the peak at its backward, so it is the lowest budget some plan fits: the DP's feasibility,
+        bisected (its bytes rounded in the safe direction). Found once."""
+        if not self._lowest:
+            top_plan = self.max_plan()
+            best = (self.peak(top_plan), top_plan)
+            # (when no spike raises that plan's peak it is the lowest: no plan peaks below it without spikes)
+            if best[0] > replace(self, spike_base=[], _lowest=[]).peak(top_plan):
+                peak_only = replace(self, act_need=0, _lowest=[])
+                lo, hi = max(self.floor, self.live_by_prefix[0]), best[0]
+                while hi - lo > max(1, hi // 2048):
+                    mid = (lo + hi) // 2
+                    plan = solve_dp(peak_only, mid, q=1024)
+                    if plan is not None:
+                        best = min(best, (self.peak(plan), plan))
+                        hi = min(mid, best[0])
+                    else:
+                        lo = mid + 1
+            self._lowest.append(best)
+        return self._lowest[0]
 
 
 def build_model(est, regions: list[Region], program: Program, choices, traced=None) -> Model:
@@ -956,16 +984,19 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
             prev = p.live
     for j in range(k + 1):
         spike_base[j] = prev
+    # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
+    # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
+    # plain tensors savers after it keep, are gone by then: their backward ran first.)
     walk = RecomputeWalk.of(traced)
     for reg, ch in zip(regions, choices):
-        keep = {"selective": reg.keep_sel, "full": reg.keep_full, "redraw": frozenset()}
+        keep = {"selective": (reg.keep_sel, reg.kept), "full": (reg.keep_full, reg.kept_full), "redraw": ((), 0)}
         reg.spike = {}
         for c in ch:
             if c != "keep":
-                ks = keep[c]
+                ks, kept = keep[c]
                 over, leaves = walk.over(*reg.span, lambda f, ks=ks: bool(ks) and (optable.packet(f) in ks
-                                                                                  or str(f) in ks), key=ks)
-                reg.spike[c] = max(0, over + leaves - reg.freed(c))
+                                                                                  or str(f) in ks), key=frozenset(ks))
+                reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held))
     return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
 
 
@@ -1666,6 +1697,10 @@ class CheckpointPass:
 
         min_set = min(sets, key=lambda cs: max(cs.model.min_peak(), cs.model.floor))
         min_peak = max(min_set.model.min_peak(), min_set.model.floor)
+        if lim.peak is not None and min_peak > lim.peak:
+            # recomputation spikes can put the plan freeing the most above a lower one: look harder before giving up
+            min_set = min(sets, key=lambda cs: max(cs.model.lowest()[0], cs.model.floor))
+            min_peak = max(min_set.model.lowest()[0], min_set.model.floor)
         act_set = max(sets, key=lambda cs: cs.model.max_freed())
         before_acts = metrics.get("activations_before", est0.activations)  # before this pass (and remat)
         min_acts = est0.activations - act_set.model.max_freed()
@@ -1698,11 +1733,14 @@ class CheckpointPass:
                 # simply everything recomputed
                 cs = min_set if best_effort == "peak" else act_set
                 model = cs.model if best_effort == "peak" else _with_need(cs.model, cs.model.max_freed())
-                at = max(cs.model.min_peak(), cs.model.floor) if best_effort == "peak" else budget
+                # (the lowest peak within `lowest`'s resolution: a solver asked for exactly it may miss it)
+                low = cs.model.lowest()[0]
+                at = max(low + max(1, low // 2048), cs.model.floor) if best_effort == "peak" else budget
                 sol = solve(model, at, opts.solver, opts.time_limit, cs.chain)
                 if sol is None:
-                    plan = [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(cs.regions, cs.choices)]
-                    sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan), "max", True)
+                    plan = cs.model.lowest()[1] if best_effort == "peak" else cs.model.max_plan()
+                    sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan),
+                                   "lowest" if best_effort == "peak" else "max", True)
             else:
                 found = []
                 key = (target, need)

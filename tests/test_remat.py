@@ -369,7 +369,9 @@ def test_gpt_remat_and_regions_planned_peak_is_the_estimate():
     by the next block) stays outside the recomputed region, so the recipe is registered and the next region's
     checkpoint keeps its input as the recipe. The planner's peak is within 3% of the cost model's estimate of the
     emitted program, which is the measured peak (before: the wrapper sat inside the region, the planner was 13%
-    under the estimate and the plan peaked 13% higher)."""
+    under the estimate and the plan peaked 13% higher). Every region is recomputed but the last: its
+    recomputation would run right after forward, on top of everything then live (the planner models each
+    recomputation's spike); keeping it peaks lower (24.16 MB measured, against 24.41 with it recomputed)."""
     from torch import fx
 
     from fxmem.nn.recast import remat as remat_fn
@@ -386,10 +388,11 @@ def test_gpt_remat_and_regions_planned_peak_is_the_estimate():
     ctx = PassContext(policy=None, options=ck.CheckpointOptions(refine=0), mode="train", optimizer="adamw",
                       budget=budget, baseline=base, enabled=("checkpoint", "offload"), loss_fn=loss_fn)
     res = ck.CheckpointPass().run(p.snapshot(), ctx)
-    assert "remat" in res.metrics and all(c != "keep" for c in res.metrics["plan"].values()), res.notes
+    choices = list(res.metrics["plan"].values())
+    assert "remat" in res.metrics and all(c != "keep" for c in choices[:-1]) and choices[-1] == "keep", res.notes
     gm = res.program.module
     bodies = [info.body for m in gm.modules() if (info := region_info(m)) is not None]
-    assert len(bodies) == len(res.metrics["plan"])
+    assert len(bodies) == len(choices) - 1
     for body in bodies:
         out = next(n for n in body.graph.nodes if n.op == "output") if isinstance(body, fx.GraphModule) else None
         assert out is not None and not [n.name for n in out.all_input_nodes if n.target is remat_fn]
