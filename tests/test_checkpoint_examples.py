@@ -108,3 +108,36 @@ def test_static_estimate_of_the_lowest_plan_is_the_measured_peak(name):
     assert traced.peak == meas.peak
     # within a parameter gradient's worth of bytes (a bias gradient's accumulation: 256 bytes here)
     assert abs(static.peak - meas.peak) <= 1024, (name, static.peak, meas.peak, static.peak_at, meas.peak_at)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: the static estimate is 37,892 bytes (0.39%) under the measured peak for this plan over the remat "
+    "program; the traced estimate finds the peak at the start of h.0.attn's backward (redraw), 64 KiB above the "
+    "static model's there. Without remat the same plan is exact"))
+def test_static_estimate_of_a_redraw_region_over_the_remat_program(monkeypatch):
+    """A plan the planner chose at a0ce527 for the gpt example's lowest budget, forced here (the planner's own
+    choice moves with its model): remat, then h.0.attn redrawn, h.0.mlp and h.1.attn recomputed in full."""
+    want = {"h.0.attn": "redraw", "h.0.mlp": "full", "h.1.attn": "full", "h.1.mlp": "keep"}
+
+    def forced(model, budget, solver, time_limit, chain, tiebreak=True):
+        plan = [want.get(r.path) for r in model.regions]
+        if None in plan or not all(c in ch for c, ch in zip(plan, model.choices)):
+            return None
+        return ck.Solution(plan, model.cost(plan), model.peak(plan), "forced", True)
+    monkeypatch.setattr(ck, "solve", forced)
+    monkeypatch.setattr(ck.CheckpointPass, "_remat_or_not",
+                        staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
+    model, args, kwargs, loss_fn = example("gpt", **SMALL["gpt"])
+    p = fxmem.capture(model, args, kwargs)
+    p.refresh()
+    base = estimate(p, mode="train", loss_fn=loss_fn)
+    ctx = PassContext(policy=None, options=ck.CheckpointOptions(granularity="sub-block", refine=0), mode="train",
+                      optimizer="adamw", budget=int(base.peak - 0.5 * base.activations), baseline=base,
+                      enabled=("checkpoint",), loss_fn=loss_fn)
+    res = ck.CheckpointPass().run(p.snapshot(), ctx)
+    assert "remat" in res.metrics and res.metrics["plan"] == want
+    q = res.program
+    q.refresh()
+    static = estimate(q, mode="train", loss_fn=loss_fn)
+    meas = fxmem.measure(copy.deepcopy(q.module), args, kwargs, loss_fn=loss_fn)
+    assert abs(static.peak - meas.peak) <= 1024, (static.peak, meas.peak, static.peak_at, meas.peak_at)
