@@ -32,7 +32,7 @@ from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
     group_of, installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
-from .nn.regions import region_info
+from .nn.regions import names_op, region_info
 from .program import Program, deep_copy, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
 
@@ -880,9 +880,9 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
 
 class RecomputeWalk:
     """What recomputing a span of a forward trace would hold, for a planner choosing regions before it emits any:
-    `over(lo, hi, keeps)` gives (the most the recomputation of records lo..hi holds at once above what it leaves for
-    the backward, the bytes it leaves: what the span's ops save of its own making), the span run as a recompute
-    region that keeps the outputs of the ops `keeps(func)` is true for. The same walk as the estimate of an emitted
+    `over(lo, hi, keep_ops)` gives (the most the recomputation of records lo..hi holds at once above what it leaves
+    for the backward, the bytes it leaves: what the span's ops save of its own making), the span run as a recompute
+    region that keeps the outputs of the ops `keep_ops` names (as RegionInfo.keep_ops). The same walk as the estimate of an emitted
     region (`_recompute_high`). On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe
     scope steps aside: what the span's ops save as recipes they save as tensors there, recomputed and left for the
     backward, and a region input that is a recipe's output is made again for the recomputation (left too if an op
@@ -904,19 +904,16 @@ class RecomputeWalk:
             w = traced[0].__dict__["_fxmem_recompute_walk"] = cls(traced)
         return w
 
-    def over(self, lo: int, hi: int, keeps, key=None) -> tuple[int, int]:
-        """`key`: names `keeps` for reuse (the same span and key give the same answer)."""
-        if key is not None and (lo, hi, key) in self._memo:
-            return self._memo[(lo, hi, key)]
-        out = self._over(lo, hi, keeps)
-        if key is not None:
-            self._memo[(lo, hi, key)] = out
-        return out
+    def over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int]:
+        key = (lo, hi, frozenset(keep_ops))
+        if key not in self._memo:
+            self._memo[key] = self._over(lo, hi, key[2])
+        return self._memo[key]
 
-    def _over(self, lo: int, hi: int, keeps) -> tuple[int, int]:
+    def _over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int]:
         R, sb, base = self.R, self.rec.storage_bytes, self.base_keys
         holds = self.rec.recipe_holds
-        info = _Keeps(keeps)
+        info = _Keeps(keep_ops)
         made = {k for r in R[lo:hi + 1] for k in r.new_keys}
         kept = {k for r in R[lo:hi + 1] if info.keeps(r.func) for k in r.new_keys}
 
@@ -938,15 +935,15 @@ class RecomputeWalk:
 
 class _Keeps:
     """The one thing `_recompute_high` asks of a region's RegionInfo, answered once per op overload."""
-    __slots__ = ("_keeps", "_seen")
+    __slots__ = ("_ops", "_seen")
 
-    def __init__(self, keeps):
-        self._keeps, self._seen = keeps, {}
+    def __init__(self, keep_ops: frozenset):
+        self._ops, self._seen = keep_ops, {}
 
     def keeps(self, func) -> bool:
         v = self._seen.get(id(func))  # (overloads live as long as torch; hashing one by id is much cheaper)
         if v is None:
-            v = self._seen[id(func)] = bool(self._keeps(func))
+            v = self._seen[id(func)] = names_op(func, self._ops)
         return v
 
 

@@ -107,6 +107,7 @@ from fxmem.costmodel import (CPU_BALANCE, RecomputeWalk, as_recipes, default_bal
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
+from fxmem.nn.regions import names_op
 from fxmem.nn.recast import (INTERNAL_SAVES, flat_args, install as install_recast, op_call, op_named, remat,
                               remat_call)
 from fxmem.outline import OutlineError, outline, region_boundary
@@ -422,7 +423,7 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                                              for r in draws) else frozenset()
         keep_sel = keep_ops | keep_rng
         for r in recs:
-            is_keep = optable.packet(r.func) in keep_sel or str(r.func) in keep_sel
+            is_keep = names_op(r.func, keep_sel)
             is_keep_full = optable.packet(r.func) in keep_rng
             if node_time is None:
                 c = ix.cost(r, balance)
@@ -994,8 +995,7 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
         for c in ch:
             if c != "keep":
                 ks, kept = keep[c]
-                over, leaves = walk.over(*reg.span, lambda f, ks=ks: bool(ks) and (optable.packet(f) in ks
-                                                                                  or str(f) in ks), key=frozenset(ks))
+                over, leaves = walk.over(*reg.span, frozenset(ks))
                 reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held))
     return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
 

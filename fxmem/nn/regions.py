@@ -27,14 +27,14 @@ class RegionInfo:
     offload_inputs: bool = False  # recompute: the region's saved inputs are offloaded too (offload around checkpoint)
 
     def keeps(self, func) -> bool:
-        return _names(func, self.keep_ops)
+        return names_op(func, self.keep_ops)
 
     def holds(self, func) -> bool:
-        return _names(func, self.held_ops)
+        return names_op(func, self.held_ops)
 
 
-def _names(func, ops: frozenset) -> bool:
-    """`func` is one of `ops`, by its packet name or its full overload name."""
+def names_op(func, ops) -> bool:
+    """`func` is one of `ops`, by its packet name or its full overload name (how keep_ops name ops)."""
     return bool(ops) and (packet(func) in ops or str(func) in ops)
 
 
