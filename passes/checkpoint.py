@@ -1473,7 +1473,9 @@ class CheckpointPass:
         if est0 is None:
             traced = self._trace(program, ctx)
             est0 = estimate_from_trace(program, traced, mode=ctx.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn)
-        metrics = {"budget": budget, "peak_before": est0.peak, "slack": opts.slack}
+        # best_effort: the limit out of reach that the pass planned as low as it goes instead ("peak",
+        # "activations"); None when the limits are reachable
+        metrics = {"budget": budget, "peak_before": est0.peak, "slack": opts.slack, "best_effort": None}
         if act_budget is not None:
             metrics.update({"activation_budget": act_budget, "activations_before": est0.activations})
         if lim.fits(est0):
@@ -1721,6 +1723,7 @@ class CheckpointPass:
                                    "as low as it reaches.")
             else:
                 raise BudgetError(msg)
+        metrics["best_effort"] = best_effort
 
         # plan against the memory model, emit on a copy, check with the cost model; if the estimate misses the
         # limits, plan again against a peak budget lowered, or an activation need raised, by the overshoot (at

@@ -238,6 +238,7 @@ def test_budget_error_names_what_cannot_be_checkpointed(gpt_prog):
                       budget_strict=False)
     res = ck.CheckpointPass().run(p.snapshot(), ctx)
     assert res.modified and any("budget_strict: false" in n for n in res.notes)
+    assert res.metrics["best_effort"] == "peak"
 
 
 def test_no_change_when_budget_fits_or_missing(gpt_prog):
