@@ -1082,6 +1082,21 @@ def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
     return plan[::-1]
 
 
+def _solve_dp_fine(model: Model, budget: int) -> list[str] | None:
+    """`solve_dp`; when it finds nothing although a plan fits (the plan freeing the most, or `lowest`'s when
+    recomputation spikes bind), again on units fine enough that rounding cannot hide a plan: each region's freed
+    bytes round down by up to a unit, so n regions can lose n units (12 decoder layers as 24 segments at 1/4096
+    of the need: the whole margin between the lowest peak and a budget a little above it). Else that plan."""
+    plan = solve_dp(model, budget)
+    if plan is not None or not model.regions:
+        return plan
+    fits = next((p for p in (model.max_plan(), model.lowest()[1] if model.spike_base else None)
+                 if p is not None and model.fits(p, budget)), None)
+    if fits is None:
+        return None
+    return solve_dp(model, budget, q=4096 * len(model.regions)) or fits
+
+
 class _MilpLayout:
     """The 0/1 variables of a plan (one per region and allowed choice) and the matrices both MILPs use."""
 
@@ -1287,7 +1302,7 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
     note = ""
     optimal, gap = True, None
     if kind == "dp":
-        plan = solve_dp(model, budget)
+        plan = _solve_dp_fine(model, budget)
         if plan is not None and tiebreak:
             # lexicographic tie-break: the lowest budget with the same cost gives the lowest peak
             plan = _lowest_peak_same_cost(model, plan, budget, lambda b: solve_dp(model, b))

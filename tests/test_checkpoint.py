@@ -341,6 +341,31 @@ def test_recomputation_spikes_bind_and_every_solver_honours_them():
     assert lower_than_max >= 1  # and the plan freeing the most is not always the lowest
 
 
+def test_dp_rounding_does_not_hide_the_plans_near_the_lowest_peak():
+    """The DP counts bytes in units of 1/4096 of the largest need, each region's freed bytes rounded down: with
+    many regions the losses add up to more than the margin between the lowest peak and a budget just above it, and
+    the coarse DP finds no plan although some fit. `solve` then plans again on finer units and finds the cheapest
+    (the exact MILP's): here selective recompute wherever a region keeps nothing by it (no matmul), which frees as
+    much as full recompute for less."""
+    import random
+    rnd = random.Random(3)
+    regs = []
+    for i in range(24):
+        r = ck.Region(f"b{i}", [])
+        r.saved, r.kept, r.held = rnd.randint(2_000_000, 4_000_000), rnd.choice([0, 300_000]), 0
+        r.flops, r.flops_sel = rnd.uniform(20, 100), rnd.uniform(2, 20)
+        regs.append(r)
+    choices = [("keep", "selective", "full")] * 24
+    live = [30_000_000] * 24 + [40_000_000 + sum(r.saved for r in regs)]  # the end of forward binds
+    model = ck.Model(regs, live, 1_000_000, "opt", choices)
+    b = model.min_peak() + 100  # just above the lowest peak
+    assert ck.solve_dp(model, b) is None  # the rounding hides every plan
+    exact = ck.solve(model, b, "milp", 10.0, True)
+    sol = ck.solve(model, b, "dp", 10.0, True)
+    assert exact is not None and sol is not None and sol.peak <= b
+    assert sol.cost == pytest.approx(exact.cost, rel=1e-9) and sol.cost < model.cost(["full"] * 24)
+
+
 def test_milp_time_limit_falls_back_to_greedy_with_a_bounded_gap():
     # HiGHS stopped by the time limit before it had a bound: the greedy plan is used and its gap is measured
     # against the LP relaxation's optimum, a lower bound on the true optimum (found here without a limit)
