@@ -846,6 +846,13 @@ def _dies_at(R, step_end: dict, last: int, made: int) -> int:
     return step_end.get(R[last].step, last)
 
 
+def _first_unpack(R, lo: int, hi: int) -> int:
+    """The record among lo..hi (a recompute region) whose backward runs the recomputation: non-reentrant checkpoint
+    recomputes at the first unpack of anything the region saved (parameters too), in the backward of its last op
+    that saves; the ops after it save nothing, their backward runs before (hi when none saves)."""
+    return max((r.idx for r in R[lo:hi + 1] if r.out_rg and r.saved), default=hi)
+
+
 def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made_again: dict, sb: dict,
                     base_keys: dict) -> int:
     """The most bytes a recompute region's recomputation (records lo..hi run again in backward) holds at once.
@@ -855,7 +862,7 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
     backward. Region inputs made again (`made_again`, recipes) are held while it runs. Non-reentrant checkpoint
     stops the recomputation once the last saving op has run (early stop), so ops after it do not run. The body
     runs as graph code: a value is dropped as `_dies_at` says (`step_end`: the whole trace's, capped at the stop)."""
-    stop = max((r.idx for r in R[lo:hi + 1] if r.out_rg and r.saved), default=hi)
+    stop = _first_unpack(R, lo, hi)
     last_in: dict[int, int] = {}
     for r in R[lo:stop + 1]:
         for k in r.in_keys + r.out_keys + r.list_keys:
@@ -1005,6 +1012,9 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         free_saved_at[i].append(k)
     # the loss gradient seeds backward
     recomputed_live: dict[str, int] = {}
+    # region -> the record in whose backward it recomputes
+    recompute_at = {name: _first_unpack(R, region_first[name], region_last[name]) for name, info in regions.items()
+                    if info is not None and info.kind == "recompute"}
     # a recomputed tensor is freed once the last op (in backward order) that saved it has run its backward
     recomputed_free_at: dict[int, list] = defaultdict(list)  # record index -> [(region, bytes)]
     for name, rk in (recompute_keys or {}).items():
@@ -1043,11 +1053,11 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 cur -= b
         return cur
 
-    for r in reversed(R):
-        for k in reload_at.get(r.idx, ()):
-            cur += sb[k]
-        if r.region and regions.get(r.region) is not None and regions[r.region].kind == "recompute" \
-                and r.idx == region_last[r.region] and r.region not in recomputed_live:
+    def recompute(r):
+        """Region r.region's recomputation, if it runs in r's backward (`recompute_at`): what it leaves for the
+        backward stays, what it holds above that while it runs goes again."""
+        nonlocal cur
+        if r.region and r.idx == recompute_at.get(r.region) and r.region not in recomputed_live:
             recomputed_live[r.region] = recompute_bytes.get(r.region, 0)
             cur += recomputed_live[r.region]
             during = (recompute_over or {}).get(r.region, 0)
@@ -1055,7 +1065,12 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 cur += during  # makes again that no op in it saves
                 bump(r.node, r.module)
                 cur -= during
+
+    for r in reversed(R):
+        for k in reload_at.get(r.idx, ()):
+            cur += sb[k]
         if not r.out_rg:
+            recompute(r)
             # an op without a backward still frees what is held until its position (a region input held until
             # the region's first op, e.g. a mask built there), and a region whose first op needs no grad (e.g.
             # prim.device) still ends its recomputation here
@@ -1075,6 +1090,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             if k is not None and k not in grad_live and b and k not in r.int_outs:
                 grad_live[k] = sb.get(k, b)
                 cur += grad_live[k]
+        # the region's recomputation runs in the backward of its last op that saves a tensor (its first unpack),
+        # once the gradients of that op's outputs are made: with them live (a dropout's scaling after its mask
+        # multiply saves nothing, so its gradient is made before)
+        recompute(r)
         info = optable.lookup(r.func)
         passthrough = info is not None and info.grad_passthrough
         handed_over = False
