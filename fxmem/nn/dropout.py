@@ -95,8 +95,11 @@ def _apply_mask(x: torch.Tensor, keep: torch.Tensor, s) -> torch.Tensor:
     # The mask goes in as uint8, a view of the same bytes: CPU kernels convert a bool operand to x's dtype
     # element by element, which took longer than the multiply (and much longer than uint8's conversion on a fp32
     # tensor). Autograd saves the uint8 view (1 byte per element); the backward's grad * mask converts it the
-    # same fast way. Scaling in place spares a temporary: the product is not saved, only the mask is.
-    return torch.mul(x, keep.view(torch.uint8)).mul_(s)
+    # same fast way. Masking in place spares a temporary: the product is not saved, only the mask is. Scaling first,
+    # masking last (the same values: a product with 0 or 1 is exact): the mask's multiply is the first op of the
+    # backward, so a checkpoint region ending in a dropout recomputes there, before the scaling's gradient (a
+    # tensor of x's size) is made, not while it is live.
+    return torch.mul(x, s).mul_(keep.view(torch.uint8))
 
 
 def bool_mask_dropout_remat(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
