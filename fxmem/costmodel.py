@@ -911,6 +911,11 @@ class RecomputeWalk:
             w = traced[0].__dict__["_fxmem_recompute_walk"] = cls(traced)
         return w
 
+    def runs_in(self, lo: int, hi: int) -> str:
+        """The node in whose backward the recomputation of records lo..hi runs: its last op that saves a tensor
+        (the ops after it save nothing; their backward runs first)."""
+        return self.R[_first_unpack(self.R, lo, hi)].node
+
     def over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int]:
         key = (lo, hi, frozenset(keep_ops))
         if key not in self._memo:

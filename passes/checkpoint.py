@@ -170,7 +170,8 @@ class Region:
     keep_sel: frozenset = frozenset()  # ops `selective` keeps (the keep ops, and the draws `full` keeps)
     # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
     # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
-    # outputs made again); filled by `build_model` for the region's choices
+    # outputs made again), or, if higher, the baseline's highest in the region's own backward after it with the
+    # held inputs on top; filled by `build_model` for the region's choices
     spike: dict = field(default_factory=dict)
 
     def freed(self, choice: str) -> int:
@@ -372,7 +373,12 @@ class _TraceIndex:
     def __init__(self, rec):
         R = self.records = rec.records
         self.created_in: dict[int, int] = {k: r.idx for r in R for k in r.new_keys}
-        self.saved_anywhere: set[int] = {k for r in R if r.out_rg for k in r.saved}
+        self.savers: dict[int, list[int]] = {}  # storage key -> records saving it for backward
+        for r in R:
+            if r.out_rg:
+                for k in r.saved:
+                    self.savers.setdefault(k, []).append(r.idx)
+        self.saved_anywhere = self.savers.keys()
         self.by_node: dict[str, list] = {}
         for r in R:
             self.by_node.setdefault(r.node, []).append(r)
@@ -407,10 +413,29 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     created_in, saved_anywhere, by_node = ix.created_in, ix.saved_anywhere, ix.by_node
     recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
     recast_savers, holders = ix.recast_savers, ix.holders
-    for reg in regions:
+    savers = ix.savers
+
+    def keys_of(n: fx.Node) -> set[int]:  # every storage its ops made or handed on (a norm's statistics too)
+        return {k for r in by_node.get(n.name, []) for k in r.out_keys if k is not None}
+
+    def value_key(n: fx.Node) -> int | None:  # the storage of the value the node hands on
+        return next((r.out_keys[0] for r in reversed(by_node.get(n.name, [])) if r.out_keys
+                     and r.out_keys[0] is not None), None)
+
+    # the region's outputs that nothing outside it keeps: no saver outside, not the graph's output (a residual
+    # stream that the next add only reads and a norm inside saves). Recomputing the region frees them with its
+    # other saves; a region reading one as an input holds it instead (`held`: when its maker is kept, that
+    # counts bytes its saver keeps anyway, the one place this model is conservative)
+    bounds = [region_boundary(reg.nodes) for reg in regions]
+    spans = [{r.idx for n in reg.nodes for r in by_node.get(n.name, [])} for reg in regions]
+    loose: list[set[int]] = []
+    for (_, outs), idxs in zip(bounds, spans):
+        pinned = {k for o in outs if any(u.op == "output" for u in o.users) for k in keys_of(o)}
+        loose.append({k for o in outs for k in keys_of(o) - pinned
+                      if base_keys.get(k) is None and all(i in idxs for i in savers.get(k, ()))})
+    for reg, (ins, outs), idxs, own_loose in zip(regions, bounds, spans, loose):
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
-        idxs = {r.idx for r in recs}
         saved: set[int] = set()
         kept: set[int] = set()
         kept_full: set[int] = set()
@@ -451,26 +476,28 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                     draws_cost += t
                 if not any(optable.packet(r.func) in keep_sel for r in node_recs):
                     flops_sel += t
-        ins, outs = region_boundary(reg.nodes)
-        # the region's outputs live on outside it (consumers save or hold them): checkpointing cannot free them
-        out_keys = {k for o in outs for r in by_node.get(o.name, []) for k in r.out_keys if k is not None}
+        # the other outputs live on outside it (consumers save them): checkpointing cannot free them
+        out_keys = {k for o in outs for k in keys_of(o)} - own_loose
         saved -= out_keys
         kept -= out_keys
         kept_full -= out_keys
+        others_loose = set().union(*(lo for lo, reg2 in zip(loose, regions) if reg2 is not reg))
         held_keys: set[int] = set()
         for a in ins:
             v = a.meta.get("fxmem_val")
             if isinstance(v, torch.Tensor) and a.op != "get_attr" and a.op != "placeholder":
-                # an input the region must hold; if autograd saves it anyway, nothing extra. Its storage, whoever
-                # created it: an in-place op or a view hands on a storage an earlier op made (new_keys is empty)
-                keys = {k for r in by_node.get(a.name, []) for k in r.out_keys
-                        if k is not None and base_keys.get(k) is None}
+                # an input the region must hold; if autograd saves it anyway, nothing extra (unless only the
+                # region making it saves it: see `loose`). Its storage, whoever created it: an in-place op or a
+                # view hands on a storage an earlier op made (new_keys is empty)
+                keys = {k for k in keys_of(a) if base_keys.get(k) is None}
                 if keys & recipe_at.keys():
                     # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
                     # another region made it and recomputes, that region counts it: see `lost`)
                     continue
                 if not (keys & saved_anywhere):
                     held_keys |= keys
+                elif value_key(a) in others_loose:
+                    held_keys.add(value_key(a))
         held = sum(sb[k] for k in held_keys)
         # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
         # region): recomputed (any choice but keep), the body runs with the recipe scope aside
@@ -971,32 +998,45 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
         live[k] = max(live[k], p.peak)
     if traced is None or not all(r.span for r in regions):
         return Model(regions, live, floor, floor_at, choices)
-    # backward runs from the last node to the first: region k recomputes when it reaches the region's last node,
-    # with what the backward of the nodes after it left live
+    # backward runs from the last node to the first: region k recomputes when it reaches its last node that saves
+    # a tensor (the first unpack), with what the backward of the nodes after it left live (gradients made in the
+    # region's own nodes after that one too)
+    walk = RecomputeWalk.of(traced)
+    runs = [pos[walk.runs_in(*r.span)] for r in regions]
     spike_base = [0] * n
     prev, k = 0, n - 1
     for p in est.timeline:
         if p.phase == "backward":
             at = pos.get(p.label, end if p.label == "loss" else None)
-            while at is not None and k >= 0 and at <= lasts[k]:
+            while at is not None and k >= 0 and at <= runs[k]:
                 spike_base[k] = prev
                 k -= 1
         if p.phase != "optimizer":
             prev = p.live
     for j in range(k + 1):
         spike_base[j] = prev
+    # and the region's own backward after it: the baseline's highest there, with the inputs the region holds on top
+    # (its saves are back as they were, its inputs are held until its backward is done)
+    firsts = [r.first for r in regions]
+    inner = [0] * n
+    for p in est.timeline:
+        at = pos.get(p.label) if p.phase == "backward" else None
+        if at is not None:
+            j = bisect.bisect_right(firsts, at) - 1
+            if j >= 0 and at <= lasts[j]:
+                inner[j] = max(inner[j], p.peak)
     # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
     # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
     # plain tensors savers after it keep, are gone by then: their backward ran first.)
-    walk = RecomputeWalk.of(traced)
-    for reg, ch in zip(regions, choices):
+    for k, (reg, ch) in enumerate(zip(regions, choices)):
         keep = {"selective": (reg.keep_sel, reg.kept), "full": (reg.keep_full, reg.kept_full), "redraw": ((), 0)}
         reg.spike = {}
         for c in ch:
             if c != "keep":
                 ks, kept = keep[c]
                 over, leaves = walk.over(*reg.span, frozenset(ks))
-                reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held))
+                reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held),
+                                   inner[k] + reg.held - spike_base[k])
     return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
 
 
