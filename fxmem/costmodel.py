@@ -888,7 +888,9 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
 class RecomputeWalk:
     """What recomputing a span of a forward trace would hold, for a planner choosing regions before it emits any:
     `over(lo, hi, keep_ops)` gives (the most the recomputation of records lo..hi holds at once above what it leaves
-    for the backward, the bytes it leaves: what the span's ops save of its own making), the span run as a recompute
+    for the backward, the bytes it leaves: what the span's ops save of its own making, and of those the ones an
+    un-recomputed step would not hold: recipe saves and region inputs made again, as (node of the first op saving
+    it, bytes), live in backward until that node's backward), the span run as a recompute
     region that keeps the outputs of the ops `keep_ops` names (as RegionInfo.keep_ops). The same walk as the estimate of an emitted
     region (`_recompute_high`). On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe
     scope steps aside: what the span's ops save as recipes they save as tensors there, recomputed and left for the
@@ -916,13 +918,13 @@ class RecomputeWalk:
         (the ops after it save nothing; their backward runs first)."""
         return self.R[_first_unpack(self.R, lo, hi)].node
 
-    def over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int]:
+    def over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int, list]:
         key = (lo, hi, frozenset(keep_ops))
         if key not in self._memo:
             self._memo[key] = self._over(lo, hi, key[2])
         return self._memo[key]
 
-    def _over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int]:
+    def _over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int, list]:
         R, sb, base = self.R, self.rec.storage_bytes, self.base_keys
         holds = self.rec.recipe_holds
         info = _Keeps(keep_ops)
@@ -933,8 +935,10 @@ class RecomputeWalk:
             return k in holds and self.created_in.get(k, -1) < lo and k not in self.out_keys
 
         saved: dict[int, int] = {}
+        plain: set[int] = set()  # saved as tensors outside a region too
         for r in R[lo:hi + 1]:
             if r.out_rg:
+                plain.update(r.saved)
                 for k in r.saved + r.recast:  # (recipe saves are plain inside a region)
                     if base.get(k) is None and k not in kept and (k in made or made_again(k)):
                         saved[k] = min(saved.get(k, r.idx), r.idx)
@@ -942,7 +946,8 @@ class RecomputeWalk:
                  if k is not None and base.get(k) is None and k not in saved and made_again(k)}
         leaves = sum(sb[k] for k in saved)
         high = _recompute_high(R, self.step_end, lo, hi, info, saved, again, sb, base)
-        return max(0, high - leaves), leaves
+        extra = [(R[i].node, sb[k]) for k, i in saved.items() if k not in plain or made_again(k)]
+        return max(0, high - leaves), leaves, extra
 
 
 class _Keeps:

@@ -171,7 +171,8 @@ class Region:
     # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
     # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
     # outputs made again), or, if higher, the baseline's highest in the region's own backward after it with the
-    # held inputs on top; filled by `build_model` for the region's choices
+    # held inputs and what the recomputation left that the baseline does not hold on top (recipe saves made plain,
+    # inputs made again); filled by `build_model` for the region's choices
     spike: dict = field(default_factory=dict)
 
     def freed(self, choice: str) -> int:
@@ -1015,16 +1016,17 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
             prev = p.live
     for j in range(k + 1):
         spike_base[j] = prev
-    # and the region's own backward after it: the baseline's highest there, with the inputs the region holds on top
-    # (its saves are back as they were, its inputs are held until its backward is done)
+    # and the region's own backward after it: the baseline there, with what the recomputation left that the baseline
+    # does not hold on top (recipe saves made plain, inputs made again: each until the backward of the first node
+    # saving it) and the inputs the region holds until its backward is done
     firsts = [r.first for r in regions]
-    inner = [0] * n
+    inner: list[list] = [[] for _ in range(n)]  # region -> [(position, the baseline's peak there)]
     for p in est.timeline:
         at = pos.get(p.label) if p.phase == "backward" else None
         if at is not None:
             j = bisect.bisect_right(firsts, at) - 1
-            if j >= 0 and at <= lasts[j]:
-                inner[j] = max(inner[j], p.peak)
+            if j >= 0 and at <= runs[j]:
+                inner[j].append((at, p.peak))
     # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
     # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
     # plain tensors savers after it keep, are gone by then: their backward ran first.)
@@ -1034,9 +1036,11 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
         for c in ch:
             if c != "keep":
                 ks, kept = keep[c]
-                over, leaves = walk.over(*reg.span, frozenset(ks))
+                over, leaves, extra = walk.over(*reg.span, frozenset(ks))
+                after = max((peak + sum(b for node, b in extra if pos[node] < at) for at, peak in inner[k]),
+                            default=0)
                 reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held),
-                                   inner[k] + reg.held - spike_base[k])
+                                   after + reg.held - spike_base[k])
     return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
 
 
