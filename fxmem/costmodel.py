@@ -887,15 +887,20 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
 
 class RecomputeWalk:
     """What recomputing a span of a forward trace would hold, for a planner choosing regions before it emits any:
-    `over(lo, hi, keep_ops)` gives (the most the recomputation of records lo..hi holds at once above what it leaves
-    for the backward, the bytes it leaves: what the span's ops save of its own making, and of those the ones an
-    un-recomputed step would not hold: recipe saves and region inputs made again, as (node of the first op saving
-    it, bytes), live in backward until that node's backward), the span run as a recompute
-    region that keeps the outputs of the ops `keep_ops` names (as RegionInfo.keep_ops). The same walk as the estimate of an emitted
-    region (`_recompute_high`). On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe
-    scope steps aside: what the span's ops save as recipes they save as tensors there, recomputed and left for the
-    backward, and a region input that is a recipe's output is made again for the recomputation (left too if an op
-    in the span saves it, else held while it runs)."""
+    the same walk as the estimate of an emitted region (`_recompute_high`), with the span run as a recompute region
+    that keeps the outputs of the ops `keep_ops` names (as RegionInfo.keep_ops).
+
+    `over(lo, hi, keep_ops)` gives, for records lo..hi:
+    - the most the recomputation holds at once above what it leaves for the backward;
+    - the bytes it leaves: what the span's ops save of its own making;
+    - of those, the ones a step without the region would not hold (recipe saves, region inputs made again), as
+      (node of the first op saving it, bytes): each is live in backward until that node's backward.
+    `runs_in(lo, hi)` names the node in whose backward the recomputation runs.
+
+    On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe scope steps aside: what the
+    span's ops save as recipes they save as tensors there, recomputed and left for the backward, and a region input
+    that is a recipe's output is made again for the recomputation (left too if an op in the span saves it, else
+    held while it runs)."""
 
     def __init__(self, traced):
         self.rec, self.base_keys, self.out_keys = traced[0], traced[1], traced[2]

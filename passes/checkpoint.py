@@ -51,19 +51,24 @@ is a run of consecutive nodes of one module call; nodes that write parameters/bu
 outside regions, and batch-norm running statistics are restored after a recomputation (updated once per step).
 
 The memory model (Chen et al. 2016 / Rotor style, on the cost model's timeline). Checkpointing region i frees
-`freed_i(choice)` bytes (what autograd would save inside the region, minus what selective keeps) for every point
-of the step after region i's forward and before its backward, i.e. every forward or backward point at a node
-later in the graph than region i. Inside a region's own backward the recomputation brings its tensors back, as
+`freed_i(choice)` bytes (what autograd would save inside the region, minus what selective keeps; outputs of the
+region count when only its own ops save them, such as a residual stream a segment's norm saves that the next add
+only reads, and another region's such output it reads counts against it, held) for every point of the step after
+region i's forward and before its backward, i.e. every forward or backward point at a node later in the graph
+than region i. Inside a region's own backward the recomputation brings its tensors back, as
 without checkpointing. So with baseline live bytes `live(p)` (the cost model's static timeline) the plan's peak is
 
     peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
 
-and, for each recomputed region i, its recomputation's spike: the baseline's live bytes where i's backward starts,
-plus spike_i(choice_i), less what the regions before i free. spike_i is what the recomputation holds at its highest
-above what it leaves (its own temporaries: attention scores a block drops in forward are live again at once with
-what it keeps), plus what it leaves beyond what it frees (inputs it held, outputs made again), walked on the trace
-as the cost model walks an emitted region (`fxmem.costmodel.RecomputeWalk`); for the solvers it is one more
-nested constraint, on the regions before i, that applies when i is recomputed. The pass minimises the sum of
+and, for each recomputed region i, its recomputation's spike: the baseline's live bytes where i recomputes (the
+backward of its last op that saves a tensor), plus spike_i(choice_i), less what the regions before i free. spike_i
+is what the recomputation holds at its highest above what it leaves (its own temporaries: attention scores a block
+drops in forward are live again at once with what it keeps), plus what it leaves beyond what it frees (inputs it
+held, outputs made again), walked on the trace as the cost model walks an emitted region
+(`fxmem.costmodel.RecomputeWalk`); or, if higher, the baseline's points in i's own backward after that, with its
+held inputs and what the recomputation left that the baseline does not hold (recipe saves, plain inside a region;
+inputs made again) on top. For the solvers it is one more nested constraint, on the regions before i, that applies
+when i is recomputed. The pass minimises the sum of
 recompute costs subject to peak(plan) <= budget. Regions sorted by position make
 the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised, always
 rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a chain (skip
@@ -175,14 +180,19 @@ class Region:
     # inputs made again); filled by `build_model` for the region's choices
     spike: dict = field(default_factory=dict)
 
-    def freed(self, choice: str) -> int:
-        if choice == "full":
-            return max(0, self.saved - self.kept_full - self.held - self.lost)
-        if choice == "redraw":
-            return max(0, self.saved - self.held - self.lost)
+    def keeps(self, choice: str) -> tuple[frozenset, int]:
+        """(the ops whose outputs a recomputation with `choice` keeps, their bytes): selective the keep ops and
+        the draws, full the draws, redraw nothing."""
         if choice == "selective":
-            return max(0, self.saved - self.kept - self.held - self.lost)
-        return 0
+            return self.keep_sel, self.kept
+        if choice == "full":
+            return self.keep_full, self.kept_full
+        return frozenset(), 0
+
+    def freed(self, choice: str) -> int:
+        if choice == "keep":
+            return 0
+        return max(0, self.saved - self.keeps(choice)[1] - self.held - self.lost)
 
     def cost(self, choice: str) -> float:
         return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops, "redraw": self.flops_redraw}[choice]
@@ -367,6 +377,13 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
+def _value_key(by_node: dict, n: fx.Node) -> int | None:
+    """The storage of the value node `n` hands on: its last op record's first output (`by_node`: node name ->
+    its op records in a trace)."""
+    return next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
+                 if r.out_keys and r.out_keys[0] is not None), None)
+
+
 class _TraceIndex:
     """What `measure_regions` looks up in a forward trace, built once per trace (the pass measures a dozen candidate
     sets against one trace) and kept on the recorder."""
@@ -379,7 +396,6 @@ class _TraceIndex:
             if r.out_rg:
                 for k in r.saved:
                     self.savers.setdefault(k, []).append(r.idx)
-        self.saved_anywhere = self.savers.keys()
         self.by_node: dict[str, list] = {}
         for r in R:
             self.by_node.setdefault(r.node, []).append(r)
@@ -411,17 +427,12 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
     ix = _TraceIndex.of(rec)
     sb = rec.storage_bytes
-    created_in, saved_anywhere, by_node = ix.created_in, ix.saved_anywhere, ix.by_node
+    created_in, savers, by_node = ix.created_in, ix.savers, ix.by_node
     recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
     recast_savers, holders = ix.recast_savers, ix.holders
-    savers = ix.savers
 
     def keys_of(n: fx.Node) -> set[int]:  # every storage its ops made or handed on (a norm's statistics too)
         return {k for r in by_node.get(n.name, []) for k in r.out_keys if k is not None}
-
-    def value_key(n: fx.Node) -> int | None:  # the storage of the value the node hands on
-        return next((r.out_keys[0] for r in reversed(by_node.get(n.name, [])) if r.out_keys
-                     and r.out_keys[0] is not None), None)
 
     # the region's outputs that nothing outside it keeps: no saver outside, not the graph's output (a residual
     # stream that the next add only reads and a norm inside saves). Recomputing the region frees them with its
@@ -430,11 +441,13 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
     bounds = [region_boundary(reg.nodes) for reg in regions]
     spans = [{r.idx for n in reg.nodes for r in by_node.get(n.name, [])} for reg in regions]
     loose: list[set[int]] = []
-    for (_, outs), idxs in zip(bounds, spans):
+    loose_in: dict[int, int] = {}  # loose output -> the region it is loose in
+    for ri, ((_, outs), idxs) in enumerate(zip(bounds, spans)):
         pinned = {k for o in outs if any(u.op == "output" for u in o.users) for k in keys_of(o)}
         loose.append({k for o in outs for k in keys_of(o) - pinned
                       if base_keys.get(k) is None and all(i in idxs for i in savers.get(k, ()))})
-    for reg, (ins, outs), idxs, own_loose in zip(regions, bounds, spans, loose):
+        loose_in.update(dict.fromkeys(loose[ri], ri))
+    for ri, (reg, (ins, outs), idxs, own_loose) in enumerate(zip(regions, bounds, spans, loose)):
         names = {n.name for n in reg.nodes}
         recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
         saved: set[int] = set()
@@ -482,7 +495,6 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
         saved -= out_keys
         kept -= out_keys
         kept_full -= out_keys
-        others_loose = set().union(*(lo for lo, reg2 in zip(loose, regions) if reg2 is not reg))
         held_keys: set[int] = set()
         for a in ins:
             v = a.meta.get("fxmem_val")
@@ -495,10 +507,10 @@ def measure_regions(program: Program, regions: list[Region], rec, base_keys, kee
                     # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
                     # another region made it and recomputes, that region counts it: see `lost`)
                     continue
-                if not (keys & saved_anywhere):
+                if not (keys & savers.keys()):
                     held_keys |= keys
-                elif value_key(a) in others_loose:
-                    held_keys.add(value_key(a))
+                elif loose_in.get(vk := _value_key(by_node, a), ri) != ri:  # another region's loose output
+                    held_keys.add(vk)
         held = sum(sb[k] for k in held_keys)
         # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
         # region): recomputed (any choice but keep), the body runs with the recipe scope aside
@@ -683,10 +695,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             savers.setdefault(k, []).append(r)
 
     def key_of(a) -> int | None:
-        for r in reversed(by_node.get(a.name, []) if isinstance(a, fx.Node) else []):
-            if r.out_keys and r.out_keys[0] is not None:
-                return r.out_keys[0]
-        return None
+        return _value_key(by_node, a) if isinstance(a, fx.Node) else None
 
     def tensor_inputs(n: fx.Node) -> list:
         ins = n.args[:1] if n.target is bool_mask_dropout else n.all_input_nodes
@@ -1031,11 +1040,10 @@ def build_model(est, regions: list[Region], program: Program, choices, traced=No
     # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
     # plain tensors savers after it keep, are gone by then: their backward ran first.)
     for k, (reg, ch) in enumerate(zip(regions, choices)):
-        keep = {"selective": (reg.keep_sel, reg.kept), "full": (reg.keep_full, reg.kept_full), "redraw": ((), 0)}
         reg.spike = {}
         for c in ch:
             if c != "keep":
-                ks, kept = keep[c]
+                ks, kept = reg.keeps(c)
                 over, leaves, extra = walk.over(*reg.span, frozenset(ks))
                 after = max((peak + sum(b for node, b in extra if pos[node] < at) for at, peak in inner[k]),
                             default=0)
