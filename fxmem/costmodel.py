@@ -10,9 +10,14 @@ Two methods, same result type (`MemoryEstimate`):
 
 Regions that passes insert (checkpoint, offload) declare themselves through `fxmem.nn.regions.RegionInfo`; the
 static walk models them (recompute in backward, off-device while offloaded).
+
+Before any region exists, the checkpoint pass plans with this model too ("checkpoint plans" below): what recomputing
+each candidate region would free and cost, each recomputation's spike, and a plan's peak, from the same forward
+trace and static timeline (`measure_regions`, `build_region_model`, `RegionModel`).
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import math
@@ -30,9 +35,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops as optable
 from .measure import StorageTracker, TimelinePoint, backward_label
+from .nn.checkpoint import DRAW_OPS
+from .nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from .nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, \
     group_of, installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from .nn.regions import names_op, region_info
+from .outline import region_boundary
 from .program import Program, deep_copy, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
 
@@ -885,6 +893,15 @@ def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made
     return high
 
 
+def _per_trace(rec, name: str, make):
+    """`make()` once per trace, kept on its recorder under `name` (a copy of the recorder with other records, as
+    `as_recipes` makes, gets its own)."""
+    hit = rec.__dict__.get(name)
+    if hit is None or hit[0] is not rec.records:
+        hit = rec.__dict__[name] = (rec.records, make())
+    return hit[1]
+
+
 class RecomputeWalk:
     """What recomputing a span of a forward trace would hold, for a planner choosing regions before it emits any:
     the same walk as the estimate of an emitted region (`_recompute_high`), with the span run as a recompute region
@@ -913,10 +930,7 @@ class RecomputeWalk:
     def of(cls, traced) -> "RecomputeWalk":
         """One walk per trace, kept on its recorder (a planner asks about the same spans for several candidate
         sets)."""
-        w = traced[0].__dict__.get("_fxmem_recompute_walk")
-        if w is None or w.R is not traced[0].records:
-            w = traced[0].__dict__["_fxmem_recompute_walk"] = cls(traced)
-        return w
+        return _per_trace(traced[0], "_fxmem_recompute_walk", lambda: cls(traced))
 
     def runs_in(self, lo: int, hi: int) -> str:
         """The node in whose backward the recomputation of records lo..hi runs: its last op that saves a tensor
@@ -1385,6 +1399,373 @@ def node_costs(program: Program, mode: str | None = None, loss_fn=None) -> dict[
     for r in rec.records:
         out[r.node].kept_bytes += sum(rec.storage_bytes[k] for k in r.new_keys if k in saved_seen)
     return out
+
+
+# ============================================================================================ checkpoint plans
+#
+# What checkpointing candidate regions does to memory, for the checkpoint pass's planner (Chen et al. 2016 /
+# Rotor style, on the static timeline). The pass picks the candidates (module boundaries) and solves; this part says
+# what each choice frees and costs and what a plan's peak is.
+#
+# Recomputing region i frees `freed_i(choice)` bytes: what autograd would save inside the region, less what the
+# choice keeps (selective: matmul outputs; full: the kept dropout masks) and what the region must hold (inputs
+# nobody else saves) or leaves as plain tensors (recipes saved outside it). A region's outputs count as freed when
+# only its own ops save them (a residual stream a segment's norm saves and the next add only reads); another region
+# reading such an output, recomputed, holds it. Those bytes are freed at every point after region i's forward and
+# before its backward, i.e. every forward or backward point at a node later in the graph than region i; inside its
+# own backward the recomputation brings its tensors back, as without checkpointing. With the baseline's live bytes
+# `live(p)` the plan's peak is
+#
+#     peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
+#
+# and, for each recomputed region i, its recomputation's spike: the baseline's live bytes where i recomputes (its
+# first unpack: the backward of its last op that saves a tensor), plus spike_i(choice_i), less what the regions
+# before i free. spike_i is what the recomputation holds at its highest above what it leaves (temporaries: attention
+# scores a block drops in forward are live again at once with what it keeps), plus what it leaves beyond what it
+# frees (inputs it held, outputs made again), walked on the trace as the static estimate walks an emitted region
+# (`RecomputeWalk`); or, if higher, the baseline's points in i's own backward after that, with its held inputs and
+# what the recomputation left that the baseline does not hold (recipe saves, plain inside a region; inputs made
+# again) on top. Regions sorted by position make every constraint a nested prefix sum (`RegionModel`), which is
+# what the pass's DP and MILP solve over.
+
+@dataclass
+class CandidateRegion:
+    """A candidate: consecutive nodes of one module call, with what checkpointing it would free and cost."""
+    path: str
+    nodes: list  # fx.Node, graph order
+    first: int = 0  # position of the first / last node in the graph
+    last: int = 0
+    saved: int = 0  # bytes autograd saves inside the region (created inside)
+    kept: int = 0  # bytes selective keeps (outputs of keep ops)
+    held: int = 0  # bytes of region inputs the region would hold that nobody saves otherwise
+    flops: float = 0.0  # forward cost of the region (recompute cost of `full`)
+    flops_sel: float = 0.0  # recompute cost of `selective`
+    inputs: list = field(default_factory=list)
+    keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
+    kept_full: int = 0  # bytes of their outputs
+    flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
+    lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
+    span: tuple = ()  # (first, last) index of its op records in the trace it was measured on
+    keep_sel: frozenset = frozenset()  # ops `selective` keeps (the keep ops, and the draws `full` keeps)
+    # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
+    # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
+    # outputs made again), or, if higher, the baseline's highest in the region's own backward after it with the
+    # held inputs and what the recomputation left that the baseline does not hold on top (recipe saves made plain,
+    # inputs made again); filled by `build_region_model` for the region's choices
+    spike: dict = field(default_factory=dict)
+
+    def keeps(self, choice: str) -> tuple[frozenset, int]:
+        """(the ops whose outputs a recomputation with `choice` keeps, their bytes): selective the keep ops and
+        the draws, full the draws, redraw nothing."""
+        if choice == "selective":
+            return self.keep_sel, self.kept
+        if choice == "full":
+            return self.keep_full, self.kept_full
+        return frozenset(), 0
+
+    def freed(self, choice: str) -> int:
+        if choice == "keep":
+            return 0
+        return max(0, self.saved - self.keeps(choice)[1] - self.held - self.lost)
+
+    def cost(self, choice: str) -> float:
+        return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops, "redraw": self.flops_redraw}[choice]
+
+
+RNG_KEEP = DRAW_OPS  # random draws recompute regions keep (bool_mask_dropout's, through a DrawTape)
+DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
+
+
+def value_key(by_node: dict, n: fx.Node) -> int | None:
+    """The storage of the value node `n` hands on: its last op record's first output (`by_node`: node name ->
+    its op records in a trace)."""
+    return next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
+                 if r.out_keys and r.out_keys[0] is not None), None)
+
+
+class _RegionIndex:
+    """What `measure_regions` looks up in a forward trace, built once per trace (the pass measures a dozen candidate
+    sets against one trace) and kept on the recorder."""
+
+    def __init__(self, rec):
+        R = self.records = rec.records
+        self.created_in: dict[int, int] = {k: r.idx for r in R for k in r.new_keys}
+        self.savers: dict[int, list[int]] = {}  # storage key -> records saving it for backward
+        for r in R:
+            if r.out_rg:
+                for k in r.saved:
+                    self.savers.setdefault(k, []).append(r.idx)
+        self.by_node: dict[str, list] = {}
+        for r in R:
+            self.by_node.setdefault(r.node, []).append(r)
+        self.recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
+        for r in R:
+            for k in r.recast:
+                if k in rec.recipe_at:
+                    self.recast_savers.setdefault(k, []).append(r.idx)
+        self.holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
+        self._costs: dict[tuple, float] = {}
+
+    @classmethod
+    def of(cls, rec) -> "_RegionIndex":
+        return _per_trace(rec, "_fxmem_region_index", lambda: cls(rec))
+
+    def cost(self, r, balance: float | None) -> float:
+        key = (r.idx, balance)
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = op_cost(r, balance)
+        return c
+
+
+def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_keys, keep_ops: frozenset,
+                    node_time: dict[str, float] | None = None, balance: float | None = None) -> None:
+    """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
+    ix = _RegionIndex.of(rec)
+    sb = rec.storage_bytes
+    created_in, savers, by_node = ix.created_in, ix.savers, ix.by_node
+    recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
+    recast_savers, holders = ix.recast_savers, ix.holders
+
+    def keys_of(n: fx.Node) -> set[int]:  # every storage its ops made or handed on (a norm's statistics too)
+        return {k for r in by_node.get(n.name, []) for k in r.out_keys if k is not None}
+
+    # the region's outputs that nothing outside it keeps: no saver outside, not the graph's output (a residual
+    # stream that the next add only reads and a norm inside saves). Recomputing the region frees them with its
+    # other saves; a region reading one as an input holds it instead (`held`: when its maker is kept, that
+    # counts bytes its saver keeps anyway, the one place this model is conservative)
+    bounds = [region_boundary(reg.nodes) for reg in regions]
+    spans = [{r.idx for n in reg.nodes for r in by_node.get(n.name, [])} for reg in regions]
+    loose: list[set[int]] = []
+    loose_in: dict[int, int] = {}  # loose output -> the region it is loose in
+    for ri, ((_, outs), idxs) in enumerate(zip(bounds, spans)):
+        pinned = {k for o in outs if any(u.op == "output" for u in o.users) for k in keys_of(o)}
+        loose.append({k for o in outs for k in keys_of(o) - pinned
+                      if base_keys.get(k) is None and all(i in idxs for i in savers.get(k, ()))})
+        loose_in.update(dict.fromkeys(loose[ri], ri))
+    for ri, (reg, (ins, outs), idxs, own_loose) in enumerate(zip(regions, bounds, spans, loose)):
+        names = {n.name for n in reg.nodes}
+        recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
+        saved: set[int] = set()
+        kept: set[int] = set()
+        kept_full: set[int] = set()
+        flops = flops_sel = draws_cost = 0.0
+        # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
+        # the RNG state and replays the draws in order, so skipping some would shift the others
+        draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
+        targets = {n.name: n.target for n in reg.nodes}
+        keep_rng = RNG_KEEP if draws and all(optable.packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
+                                             for r in draws) else frozenset()
+        keep_sel = keep_ops | keep_rng
+        for r in recs:
+            is_keep = names_op(r.func, keep_sel)
+            is_keep_full = optable.packet(r.func) in keep_rng
+            if node_time is None:
+                c = ix.cost(r, balance)
+                if not is_keep_full:
+                    flops += c
+                else:
+                    draws_cost += c
+                if not is_keep:
+                    flops_sel += c
+            if r.out_rg:
+                for k in r.saved:
+                    if base_keys.get(k) is None and created_in.get(k) in idxs:
+                        saved.add(k)
+            if is_keep:
+                kept.update(k for k in r.new_keys if base_keys.get(k) is None)
+            if is_keep_full:
+                kept_full.update(k for k in r.new_keys if base_keys.get(k) is None)
+        if node_time is not None:
+            for n in reg.nodes:
+                t = node_time.get(n.name, 0.0)
+                node_recs = by_node.get(n.name, [])
+                if not any(optable.packet(r.func) in keep_rng for r in node_recs):
+                    flops += t
+                else:
+                    draws_cost += t
+                if not any(optable.packet(r.func) in keep_sel for r in node_recs):
+                    flops_sel += t
+        # the other outputs live on outside it (consumers save them): checkpointing cannot free them
+        out_keys = {k for o in outs for k in keys_of(o)} - own_loose
+        saved -= out_keys
+        kept -= out_keys
+        kept_full -= out_keys
+        held_keys: set[int] = set()
+        for a in ins:
+            v = a.meta.get("fxmem_val")
+            if isinstance(v, torch.Tensor) and a.op != "get_attr" and a.op != "placeholder":
+                # an input the region must hold; if autograd saves it anyway, nothing extra (unless only the
+                # region making it saves it: see `loose`). Its storage, whoever created it: an in-place op or a
+                # view hands on a storage an earlier op made (new_keys is empty)
+                keys = {k for k in keys_of(a) if base_keys.get(k) is None}
+                if keys & recipe_at.keys():
+                    # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
+                    # another region made it and recomputes, that region counts it: see `lost`)
+                    continue
+                if not (keys & savers.keys()):
+                    held_keys |= keys
+                elif loose_in.get(vk := value_key(by_node, a), ri) != ri:  # another region's loose output
+                    held_keys.add(vk)
+        held = sum(sb[k] for k in held_keys)
+        # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
+        # region): recomputed (any choice but keep), the body runs with the recipe scope aside
+        # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward
+        # to their backward: the region frees that much less. The same for a recipe output made inside that a
+        # recipe made outside holds nested (a cat's upsampling convolution): that recipe holds it as a plain tensor
+        def kept_outside(k: int) -> bool:
+            return any(i not in idxs for i in recast_savers.get(k, ())) or any(
+                recipe_at.get(j) not in names and (recast_savers.get(j) or holders.get(j))
+                for j in holders.get(k, ()))
+        lost = 0
+        for k, at in recipe_at.items():
+            if at in names and base_keys.get(k) is None and kept_outside(k):
+                lost += sb[k]
+        reg.lost = lost
+        reg.saved = sum(sb[k] for k in saved)
+        reg.kept = sum(sb[k] for k in kept)
+        reg.kept_full = sum(sb[k] for k in kept_full)
+        reg.keep_full = keep_rng
+        reg.held = held
+        reg.flops, reg.flops_sel = float(flops), float(flops_sel)
+        reg.flops_redraw = float(flops + draws_cost)
+        reg.inputs = ins
+        reg.keep_sel = keep_sel
+        reg.span = (min(idxs), max(idxs)) if idxs else ()
+
+
+
+
+@dataclass
+class RegionModel:
+    """Nested prefix constraints: for k = 0..n, sum of freed over regions[:k] >= need[k]."""
+    regions: list[CandidateRegion]
+    live_by_prefix: list[int]  # max baseline live bytes over points with k regions before them
+    floor: int  # peak of points no region can help (optimizer step, ...)
+    floor_at: str
+    choices: list[tuple[str, ...]]  # allowed choices per region
+    # bytes all regions together must free: the activations left at the end of forward (after every region's
+    # forward, so the last prefix) above an activation budget
+    act_need: int = 0
+    # per region: baseline live bytes in backward just before the region's recomputation would run; a recomputed
+    # region adds its `spike` there, less what the regions before it free (empty: not modelled)
+    spike_base: list = field(default_factory=list)
+    # answers a planner finds once per model (the checkpoint pass's lowest planned peak); a copy with another
+    # act_need (`dataclasses.replace`) shares them
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def needs(self, budget: int) -> list[int]:
+        out = [max(0, lv - budget) for lv in self.live_by_prefix]
+        out[-1] = max(out[-1], self.act_need)
+        return out
+
+    def spike_needs(self, budget: int) -> list[dict]:
+        """Per region: choice -> bytes the regions before it must free for that choice's recomputation to stay
+        within `budget` (choices whose recomputation stays within it anyway are left out)."""
+        out: list[dict] = [{} for _ in self.regions]
+        for k, base in enumerate(self.spike_base):
+            for c, extra in self.regions[k].spike.items():
+                need = base + extra - budget
+                if c != "keep" and extra > 0 and need > 0:
+                    out[k][c] = need
+        return out
+
+    def freed(self, plan: list[str]) -> int:
+        return sum(r.freed(c) for r, c in zip(self.regions, plan))
+
+    def max_freed(self) -> int:
+        return sum(max(r.freed(c) for c in ch) for r, ch in zip(self.regions, self.choices))
+
+    def fits(self, plan: list[str], budget: int) -> bool:
+        return self.peak(plan) <= budget and self.freed(plan) >= self.act_need
+
+    def peak(self, plan: list[str], spikes: bool = True) -> int:
+        """The plan's planned peak (spikes=False: leaving the recomputations' spikes out)."""
+        freed = 0
+        best = self.floor
+        for k, lv in enumerate(self.live_by_prefix):
+            if k:
+                freed += self.regions[k - 1].freed(plan[k - 1])
+            best = max(best, lv - freed)
+            if spikes and k < len(self.spike_base) and plan[k] != "keep":  # region k's recomputation, regions[:k] freed
+                best = max(best, self.spike_base[k] + self.regions[k].spike.get(plan[k], 0) - freed)
+        return best
+
+    def cost(self, plan: list[str]) -> float:
+        return sum(r.cost(c) for r, c in zip(self.regions, plan))
+
+    def max_plan(self) -> list[str]:
+        return [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)]
+
+    def min_peak(self) -> int:
+        """The planned peak of the plan freeing the most in every region: the lowest of any plan when no
+        recomputation spikes (a planner finds the lowest otherwise: the checkpoint pass's `lowest`)."""
+        return self.peak(self.max_plan())
+
+
+def build_region_model(est, regions: list[CandidateRegion], program: Program, choices, traced=None) -> RegionModel:
+    """Map the baseline timeline onto prefixes of the region chain. With `traced` (the trace the regions were
+    measured on), also each recomputation's spike: the baseline's live bytes in backward just before it runs, and
+    per choice what it adds there (`RecomputeWalk`)."""
+    pos = {n.name: i for i, n in enumerate(program.graph.nodes)}
+    lasts = [r.last for r in regions]
+    n = len(regions)
+    live = [0] * (n + 1)
+    floor, floor_at = 0, ""
+    end = len(pos) + 1
+    for p in est.timeline:
+        if p.phase == "optimizer":
+            if p.peak > floor:
+                floor, floor_at = p.peak, p.label
+            continue
+        at = pos.get(p.label, end if p.label == "loss" else None)
+        if at is None:
+            if p.peak > floor:
+                floor, floor_at = p.peak, p.label
+            continue
+        k = bisect.bisect_left(lasts, at)  # regions whose last node is before `at`
+        live[k] = max(live[k], p.peak)
+    if traced is None or not all(r.span for r in regions):
+        return RegionModel(regions, live, floor, floor_at, choices)
+    # backward runs from the last node to the first: region k recomputes when it reaches its last node that saves
+    # a tensor (the first unpack), with what the backward of the nodes after it left live (gradients made in the
+    # region's own nodes after that one too): `spike_base`. And the region's own backward after it (`inner`): the
+    # baseline there, with what the recomputation left that the baseline does not hold on top (recipe saves made
+    # plain, inputs made again: each until the backward of the first node saving it) and the inputs the region
+    # holds until its backward is done
+    walk = RecomputeWalk.of(traced)
+    runs = [pos[walk.runs_in(*r.span)] for r in regions]
+    firsts = [r.first for r in regions]
+    spike_base = [0] * n
+    inner: list[list] = [[] for _ in range(n)]  # region -> [(position, the baseline's peak there)]
+    prev, k = 0, n - 1
+    for p in est.timeline:
+        at = pos.get(p.label, end if p.label == "loss" else None) if p.phase == "backward" else None
+        if at is not None:
+            while k >= 0 and at <= runs[k]:
+                spike_base[k] = prev
+                k -= 1
+            j = bisect.bisect_right(firsts, at) - 1
+            if j >= 0 and at <= runs[j]:
+                inner[j].append((at, p.peak))
+        if p.phase != "optimizer":
+            prev = p.live
+    for j in range(k + 1):
+        spike_base[j] = prev
+    # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
+    # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
+    # plain tensors savers after it keep, are gone by then: their backward ran first.)
+    for k, (reg, ch) in enumerate(zip(regions, choices)):
+        reg.spike = {}
+        for c in ch:
+            if c != "keep":
+                ks, kept = reg.keeps(c)
+                over, leaves, extra = walk.over(*reg.span, frozenset(ks))
+                after = max((peak + sum(b for node, b in extra if pos[node] < at) for at, peak in inner[k]),
+                            default=0)
+                reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held),
+                                   after + reg.held - spike_base[k])
+    return RegionModel(regions, live, floor, floor_at, choices, spike_base=spike_base)
 
 
 # ============================================================================================ batch planning

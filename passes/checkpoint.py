@@ -14,10 +14,10 @@ Random draws are kept, not drawn again. On CPU, dropout draws its mask into a fl
 reference decoder's forward here). When the pass has work to do, `compact_dropout` first replaces CPU
 `aten.dropout` by `fxmem.nn.dropout.bool_mask_dropout`: the same random numbers drawn into a bool mask
 (bit-identical outputs and gradients, a quarter of the bytes). Recompute regions then keep those draws
-(`RNG_KEEP`: the region's `DrawTape` hands the recomputation the forward's masks) instead of drawing again, when
-every draw in the region is such a mask (recomputation replays other draws in order from the restored RNG state,
-so keeping only some would shift the others); the memory model counts the kept masks and the cost leaves their
-draw out.
+(`fxmem.costmodel.RNG_KEEP`: the region's `DrawTape` hands the recomputation the forward's masks) instead of
+drawing again, when every draw in the region is such a mask (recomputation replays other draws in order from the
+restored RNG state, so keeping only some would shift the others); the memory model counts the kept masks and the
+cost leaves their draw out.
 
 Before any region, `remat` (on by default) looks for activations that are cheap functions of tensors autograd keeps
 anyway: a GELU, dropout or layer-norm output that the next matmul saves, while the GELU's input, the dropout's
@@ -50,31 +50,15 @@ cheaper feasible plan (finer regions reach lower peaks; whole blocks hold fewer 
 is a run of consecutive nodes of one module call; nodes that write parameters/buffers/inputs in place stay
 outside regions, and batch-norm running statistics are restored after a recomputation (updated once per step).
 
-The memory model (Chen et al. 2016 / Rotor style, on the cost model's timeline). Checkpointing region i frees
-`freed_i(choice)` bytes (what autograd would save inside the region, minus what selective keeps; outputs of the
-region count when only its own ops save them, such as a residual stream a segment's norm saves that the next add
-only reads, and another region's such output it reads counts against it, held) for every point of the step after
-region i's forward and before its backward, i.e. every forward or backward point at a node later in the graph
-than region i. Inside a region's own backward the recomputation brings its tensors back, as
-without checkpointing. So with baseline live bytes `live(p)` (the cost model's static timeline) the plan's peak is
-
-    peak(plan) = max over points p of  live(p) - sum of freed_i(choice_i) over regions i before p
-
-and, for each recomputed region i, its recomputation's spike: the baseline's live bytes where i recomputes (the
-backward of its last op that saves a tensor), plus spike_i(choice_i), less what the regions before i free. spike_i
-is what the recomputation holds at its highest above what it leaves (its own temporaries: attention scores a block
-drops in forward are live again at once with what it keeps), plus what it leaves beyond what it frees (inputs it
-held, outputs made again), walked on the trace as the cost model walks an emitted region
-(`fxmem.costmodel.RecomputeWalk`); or, if higher, the baseline's points in i's own backward after that, with its
-held inputs and what the recomputation left that the baseline does not hold (recipe saves, plain inside a region;
-inputs made again) on top. For the solvers it is one more nested constraint, on the regions before i, that applies
-when i is recomputed. The pass minimises the sum of
-recompute costs subject to peak(plan) <= budget. Regions sorted by position make
-the constraints nested prefix sums: an exact dynamic programme over the chain of regions (bytes quantised, always
-rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a chain (skip
-connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the optimum) is
-reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the budget: a
-lower budget never gets a higher planned peak.
+The memory model is the cost model's (`fxmem.costmodel`, "checkpoint plans": `measure_regions`,
+`build_region_model`, `RegionModel`): what each choice of each candidate frees and costs, and a plan's peak (the
+baseline's timeline less what the regions before each point free, plus each recomputation's spike where it runs).
+Regions sorted by position make every constraint a nested prefix sum; the pass minimises the sum of recompute
+costs subject to peak(plan) <= budget: an exact dynamic programme over the chain of regions (bytes quantised,
+always rounding in the safe direction), or a MILP (HiGHS through `highspy`) for graphs whose regions are not a
+chain (skip connections), with a time limit and a greedy fallback whose optimality gap (vs HiGHS's bound on the
+optimum) is reported. Ties in cost are broken towards the lower peak, which makes the planned peak monotone in the
+budget: a lower budget never gets a higher planned peak.
 
 The plan is then checked with the cost model's static estimate of the rewritten program (`verify`); if that is
 above the budget, the pass plans again against a budget lowered by the overshoot (`refine` times). The stated
@@ -85,7 +69,7 @@ bytes autograd keeps at the end of forward: what torch.compile's `activation_mem
 what its partitioner would save), and what decides whether a larger batch fits when the peak is elsewhere. Remat
 takes sites until the estimate meets every limit given; for regions it is one more constraint of the same
 nested form, on the last prefix (every region's forward has run by the end of forward): the bytes all regions
-free together >= the activations above the budget (`Model.act_need`). Planned, verified and refined like the
+free together >= the activations above the budget (`RegionModel.act_need`). Planned, verified and refined like the
 peak; when out of reach, the error (or the best effort, as for the peak) gives the lowest activations
 checkpointing reaches.
 
@@ -96,7 +80,6 @@ Parameters stay owned by the outer module (state_dict keys unchanged) and are pa
 """
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -107,12 +90,12 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import (CPU_BALANCE, RecomputeWalk, as_recipes, default_balance, estimate_from_trace, op_cost,
-                             program_key, smallest_fitting_prefix, trace_forward)
+from fxmem.costmodel import (CPU_BALANCE, CandidateRegion, RegionModel, as_recipes, build_region_model,
+                             default_balance, estimate_from_trace, measure_regions, op_cost, program_key,
+                             smallest_fitting_prefix, trace_forward, value_key)
 from fxmem.errors import BudgetError, PolicyError
-from fxmem.nn.checkpoint import DRAW_OPS, MATMUL_OPS, CheckpointRegion
+from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.regions import names_op
 from fxmem.nn.recast import (INTERNAL_SAVES, flat_args, install as install_recast, op_call, op_named, remat,
                               remat_call)
 from fxmem.outline import OutlineError, outline, region_boundary
@@ -154,49 +137,6 @@ class CheckpointOptions:
 
 # ============================================================================================ candidates
 
-@dataclass
-class Region:
-    """A candidate: consecutive nodes of one module call, with what checkpointing it would free and cost."""
-    path: str
-    nodes: list  # fx.Node, graph order
-    first: int = 0  # position of the first / last node in the graph
-    last: int = 0
-    saved: int = 0  # bytes autograd saves inside the region (created inside)
-    kept: int = 0  # bytes selective keeps (outputs of keep ops)
-    held: int = 0  # bytes of region inputs the region would hold that nobody saves otherwise
-    flops: float = 0.0  # forward cost of the region (recompute cost of `full`)
-    flops_sel: float = 0.0  # recompute cost of `selective`
-    inputs: list = field(default_factory=list)
-    keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
-    kept_full: int = 0  # bytes of their outputs
-    flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
-    lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
-    span: tuple = ()  # (first, last) index of its op records in the trace it was measured on
-    keep_sel: frozenset = frozenset()  # ops `selective` keeps (the keep ops, and the draws `full` keeps)
-    # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
-    # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
-    # outputs made again), or, if higher, the baseline's highest in the region's own backward after it with the
-    # held inputs and what the recomputation left that the baseline does not hold on top (recipe saves made plain,
-    # inputs made again); filled by `build_model` for the region's choices
-    spike: dict = field(default_factory=dict)
-
-    def keeps(self, choice: str) -> tuple[frozenset, int]:
-        """(the ops whose outputs a recomputation with `choice` keeps, their bytes): selective the keep ops and
-        the draws, full the draws, redraw nothing."""
-        if choice == "selective":
-            return self.keep_sel, self.kept
-        if choice == "full":
-            return self.keep_full, self.kept_full
-        return frozenset(), 0
-
-    def freed(self, choice: str) -> int:
-        if choice == "keep":
-            return 0
-        return max(0, self.saved - self.keeps(choice)[1] - self.held - self.lost)
-
-    def cost(self, choice: str) -> float:
-        return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops, "redraw": self.flops_redraw}[choice]
-
 
 def _is_region_node(n: fx.Node) -> bool:
     if n.op != "call_function":
@@ -223,7 +163,7 @@ def _paths(n: fx.Node) -> list[str]:
 
 
 def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit: list[str] | None = None,
-                      finer: bool = False) -> list[Region]:
+                      finer: bool = False) -> list[CandidateRegion]:
     """Module-boundary candidates: runs of consecutive nodes of one module call, in graph order.
 
     finer: one level below the automatic one (e.g. `h.0.attn`, `h.0.mlp` instead of `h.0`); nodes of the
@@ -242,8 +182,8 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
                 return p
         return None
 
-    regions: list[Region] = []
-    cur: Region | None = None
+    regions: list[CandidateRegion] = []
+    cur: CandidateRegion | None = None
     cur_path = None
     for n in nodes:
         p = owner(n)
@@ -257,7 +197,7 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
         if cur is not None and p == cur_path:
             cur.nodes.append(n)
         else:
-            cur = Region(p, [n])
+            cur = CandidateRegion(p, [n])
             cur_path = p
             regions.append(cur)
     for r in regions:
@@ -286,7 +226,7 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
     return regions
 
 
-def _writes_input(region: Region) -> bool:
+def _writes_input(region: CandidateRegion) -> bool:
     """True if a node of the region writes in place (relu_, add_, ...) to a value created outside it."""
     members = set(region.nodes)
     for n in region.nodes:
@@ -305,7 +245,7 @@ def _writes_input(region: Region) -> bool:
     return False
 
 
-def chunk_regions(program: Program, regions: list[Region], k: int) -> list[Region]:
+def chunk_regions(program: Program, regions: list[CandidateRegion], k: int) -> list[CandidateRegion]:
     """Segments of k consecutive regions; each takes every region node between its first and last node (the
     glue in between too, so the segment stays convex). Named `first+last`."""
     pos = {n: i for i, n in enumerate(program.graph.nodes)}
@@ -317,22 +257,22 @@ def chunk_regions(program: Program, regions: list[Region], k: int) -> list[Regio
     return out
 
 
-def _spanning(program: Program, pos: dict, grp: list[Region], name: str) -> Region:
+def _spanning(program: Program, pos: dict, grp: list[CandidateRegion], name: str) -> CandidateRegion:
     """One region from the first node of `grp`'s first region to the last of its last, with every region node in
     between (the glue too, so it stays convex)."""
     lo, hi = pos[grp[0].nodes[0]], pos[grp[-1].nodes[-1]]
-    r = Region(name, [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)])
+    r = CandidateRegion(name, [n for n in program.graph.nodes if lo <= pos[n] <= hi and _is_region_node(n)])
     r.first, r.last = lo, hi
     return r
 
 
-def glue_regions(program: Program, regions: list[Region], measure) -> list[Region]:
+def glue_regions(program: Program, regions: list[CandidateRegion], measure) -> list[CandidateRegion]:
     """The measured `regions` with each one that saves bytes of its own making merged with the regions right after
     it that save none (a U-Net's pooling, up-convolution or output convolution, once remat made what they save
     a recipe), where that frees more: the glue saves its input, the region's output (a 1x1 output convolution
     saves the last block's whole output), which inside the merged region is recomputed instead. `measure` fills
     the merged regions' bytes and costs. Empty when no merge frees more."""
-    groups: list[list[Region]] = []
+    groups: list[list[CandidateRegion]] = []
     for r in regions:
         if groups and r.saved == 0 and groups[-1][0].saved > 0:
             groups[-1].append(r)
@@ -377,171 +317,8 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     return out
 
 
-def _value_key(by_node: dict, n: fx.Node) -> int | None:
-    """The storage of the value node `n` hands on: its last op record's first output (`by_node`: node name ->
-    its op records in a trace)."""
-    return next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
-                 if r.out_keys and r.out_keys[0] is not None), None)
-
-
-class _TraceIndex:
-    """What `measure_regions` looks up in a forward trace, built once per trace (the pass measures a dozen candidate
-    sets against one trace) and kept on the recorder."""
-
-    def __init__(self, rec):
-        R = self.records = rec.records
-        self.created_in: dict[int, int] = {k: r.idx for r in R for k in r.new_keys}
-        self.savers: dict[int, list[int]] = {}  # storage key -> records saving it for backward
-        for r in R:
-            if r.out_rg:
-                for k in r.saved:
-                    self.savers.setdefault(k, []).append(r.idx)
-        self.by_node: dict[str, list] = {}
-        for r in R:
-            self.by_node.setdefault(r.node, []).append(r)
-        self.recast_savers: dict[int, list[int]] = {}  # recipe output -> records that save it as the recipe
-        for r in R:
-            for k in r.recast:
-                if k in rec.recipe_at:
-                    self.recast_savers.setdefault(k, []).append(r.idx)
-        self.holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
-        self._costs: dict[tuple, float] = {}
-
-    @classmethod
-    def of(cls, rec) -> "_TraceIndex":
-        ix = rec.__dict__.get("_fxmem_region_index")
-        if ix is None or ix.records is not rec.records:  # (a copy of the recorder with other records: as_recipes)
-            ix = rec.__dict__["_fxmem_region_index"] = cls(rec)
-        return ix
-
-    def cost(self, r, balance: float | None) -> float:
-        key = (r.idx, balance)
-        c = self._costs.get(key)
-        if c is None:
-            c = self._costs[key] = op_cost(r, balance)
-        return c
-
-
-def measure_regions(program: Program, regions: list[Region], rec, base_keys, keep_ops: frozenset,
-                    node_time: dict[str, float] | None = None, balance: float | None = None) -> None:
-    """Fill saved/kept/held bytes and recompute costs of each region from the forward trace."""
-    ix = _TraceIndex.of(rec)
-    sb = rec.storage_bytes
-    created_in, savers, by_node = ix.created_in, ix.savers, ix.by_node
-    recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
-    recast_savers, holders = ix.recast_savers, ix.holders
-
-    def keys_of(n: fx.Node) -> set[int]:  # every storage its ops made or handed on (a norm's statistics too)
-        return {k for r in by_node.get(n.name, []) for k in r.out_keys if k is not None}
-
-    # the region's outputs that nothing outside it keeps: no saver outside, not the graph's output (a residual
-    # stream that the next add only reads and a norm inside saves). Recomputing the region frees them with its
-    # other saves; a region reading one as an input holds it instead (`held`: when its maker is kept, that
-    # counts bytes its saver keeps anyway, the one place this model is conservative)
-    bounds = [region_boundary(reg.nodes) for reg in regions]
-    spans = [{r.idx for n in reg.nodes for r in by_node.get(n.name, [])} for reg in regions]
-    loose: list[set[int]] = []
-    loose_in: dict[int, int] = {}  # loose output -> the region it is loose in
-    for ri, ((_, outs), idxs) in enumerate(zip(bounds, spans)):
-        pinned = {k for o in outs if any(u.op == "output" for u in o.users) for k in keys_of(o)}
-        loose.append({k for o in outs for k in keys_of(o) - pinned
-                      if base_keys.get(k) is None and all(i in idxs for i in savers.get(k, ()))})
-        loose_in.update(dict.fromkeys(loose[ri], ri))
-    for ri, (reg, (ins, outs), idxs, own_loose) in enumerate(zip(regions, bounds, spans, loose)):
-        names = {n.name for n in reg.nodes}
-        recs = [r for n in reg.nodes for r in by_node.get(n.name, [])]
-        saved: set[int] = set()
-        kept: set[int] = set()
-        kept_full: set[int] = set()
-        flops = flops_sel = draws_cost = 0.0
-        # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
-        # the RNG state and replays the draws in order, so skipping some would shift the others
-        draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
-        targets = {n.name: n.target for n in reg.nodes}
-        keep_rng = RNG_KEEP if draws and all(optable.packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
-                                             for r in draws) else frozenset()
-        keep_sel = keep_ops | keep_rng
-        for r in recs:
-            is_keep = names_op(r.func, keep_sel)
-            is_keep_full = optable.packet(r.func) in keep_rng
-            if node_time is None:
-                c = ix.cost(r, balance)
-                if not is_keep_full:
-                    flops += c
-                else:
-                    draws_cost += c
-                if not is_keep:
-                    flops_sel += c
-            if r.out_rg:
-                for k in r.saved:
-                    if base_keys.get(k) is None and created_in.get(k) in idxs:
-                        saved.add(k)
-            if is_keep:
-                kept.update(k for k in r.new_keys if base_keys.get(k) is None)
-            if is_keep_full:
-                kept_full.update(k for k in r.new_keys if base_keys.get(k) is None)
-        if node_time is not None:
-            for n in reg.nodes:
-                t = node_time.get(n.name, 0.0)
-                node_recs = by_node.get(n.name, [])
-                if not any(optable.packet(r.func) in keep_rng for r in node_recs):
-                    flops += t
-                else:
-                    draws_cost += t
-                if not any(optable.packet(r.func) in keep_sel for r in node_recs):
-                    flops_sel += t
-        # the other outputs live on outside it (consumers save them): checkpointing cannot free them
-        out_keys = {k for o in outs for k in keys_of(o)} - own_loose
-        saved -= out_keys
-        kept -= out_keys
-        kept_full -= out_keys
-        held_keys: set[int] = set()
-        for a in ins:
-            v = a.meta.get("fxmem_val")
-            if isinstance(v, torch.Tensor) and a.op != "get_attr" and a.op != "placeholder":
-                # an input the region must hold; if autograd saves it anyway, nothing extra (unless only the
-                # region making it saves it: see `loose`). Its storage, whoever created it: an in-place op or a
-                # view hands on a storage an earlier op made (new_keys is empty)
-                keys = {k for k in keys_of(a) if base_keys.get(k) is None}
-                if keys & recipe_at.keys():
-                    # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
-                    # another region made it and recomputes, that region counts it: see `lost`)
-                    continue
-                if not (keys & savers.keys()):
-                    held_keys |= keys
-                elif loose_in.get(vk := _value_key(by_node, a), ri) != ri:  # another region's loose output
-                    held_keys.add(vk)
-        held = sum(sb[k] for k in held_keys)
-        # recipes registered inside the region and saved outside it (a batch norm -> ReLU chain closing the
-        # region): recomputed (any choice but keep), the body runs with the recipe scope aside
-        # (fxmem.nn.recast.aside), so those outputs are plain tensors their savers keep from the region's forward
-        # to their backward: the region frees that much less. The same for a recipe output made inside that a
-        # recipe made outside holds nested (a cat's upsampling convolution): that recipe holds it as a plain tensor
-        def kept_outside(k: int) -> bool:
-            return any(i not in idxs for i in recast_savers.get(k, ())) or any(
-                recipe_at.get(j) not in names and (recast_savers.get(j) or holders.get(j))
-                for j in holders.get(k, ()))
-        lost = 0
-        for k, at in recipe_at.items():
-            if at in names and base_keys.get(k) is None and kept_outside(k):
-                lost += sb[k]
-        reg.lost = lost
-        reg.saved = sum(sb[k] for k in saved)
-        reg.kept = sum(sb[k] for k in kept)
-        reg.kept_full = sum(sb[k] for k in kept_full)
-        reg.keep_full = keep_rng
-        reg.held = held
-        reg.flops, reg.flops_sel = float(flops), float(flops_sel)
-        reg.flops_redraw = float(flops + draws_cost)
-        reg.inputs = ins
-        reg.keep_sel = keep_sel
-        reg.span = (min(idxs), max(idxs)) if idxs else ()
-
-
 # ============================================================================================ compact dropout masks
 
-RNG_KEEP = DRAW_OPS  # random draws recompute regions keep (bool_mask_dropout's, through a DrawTape)
-DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 
 def compact_dropout(program: Program) -> list[Change]:
@@ -551,7 +328,8 @@ def compact_dropout(program: Program) -> list[Change]:
     and gradients, 1 byte per element saved; see fxmem/nn/dropout.py; the pipeline's exactness check would roll
     the pass back on a build where they differ). `train` stays the graph's (the module's .train()/.eval()). CUDA
     already runs the fused native_dropout, whose mask is bool, so CUDA graphs are left alone. The draw is what
-    recompute regions keep (RNG_KEEP) rather than draw again: on CPU, drawing is most of a dropout-heavy forward."""
+    recompute regions keep (fxmem.costmodel.RNG_KEEP) rather than draw again: on CPU, drawing is most of a
+    dropout-heavy forward."""
     g = program.graph
     changes: list[Change] = []
     for n in list(g.nodes):
@@ -695,7 +473,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
             savers.setdefault(k, []).append(r)
 
     def key_of(a) -> int | None:
-        return _value_key(by_node, a) if isinstance(a, fx.Node) else None
+        return value_key(by_node, a) if isinstance(a, fx.Node) else None
 
     def tensor_inputs(n: fx.Node) -> list:
         ins = n.args[:1] if n.target is bool_mask_dropout else n.all_input_nodes
@@ -898,161 +676,30 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
 
 # ============================================================================================ memory model
 
-@dataclass
-class Model:
-    """Nested prefix constraints: for k = 0..n, sum of freed over regions[:k] >= need[k]."""
-    regions: list[Region]
-    live_by_prefix: list[int]  # max baseline live bytes over points with k regions before them
-    floor: int  # peak of points no region can help (optimizer step, ...)
-    floor_at: str
-    choices: list[tuple[str, ...]]  # allowed choices per region
-    # bytes all regions together must free: the activations left at the end of forward (after every region's
-    # forward, so the last prefix) above an activation budget
-    act_need: int = 0
-    # per region: baseline live bytes in backward just before the region's recomputation would run; a recomputed
-    # region adds its `spike` there, less what the regions before it free (empty: not modelled)
-    spike_base: list = field(default_factory=list)
-    _lowest: list = field(default_factory=list, repr=False, compare=False)  # `lowest`'s answer, once found
-
-    def needs(self, budget: int) -> list[int]:
-        out = [max(0, lv - budget) for lv in self.live_by_prefix]
-        out[-1] = max(out[-1], self.act_need)
-        return out
-
-    def spike_needs(self, budget: int) -> list[dict]:
-        """Per region: choice -> bytes the regions before it must free for that choice's recomputation to stay
-        within `budget` (choices whose recomputation stays within it anyway are left out)."""
-        out: list[dict] = [{} for _ in self.regions]
-        for k, base in enumerate(self.spike_base):
-            for c, extra in self.regions[k].spike.items():
-                need = base + extra - budget
-                if c != "keep" and extra > 0 and need > 0:
-                    out[k][c] = need
-        return out
-
-    def freed(self, plan: list[str]) -> int:
-        return sum(r.freed(c) for r, c in zip(self.regions, plan))
-
-    def max_freed(self) -> int:
-        return sum(max(r.freed(c) for c in ch) for r, ch in zip(self.regions, self.choices))
-
-    def fits(self, plan: list[str], budget: int) -> bool:
-        return self.peak(plan) <= budget and self.freed(plan) >= self.act_need
-
-    def peak(self, plan: list[str]) -> int:
-        freed = 0
-        best = self.floor
-        for k, lv in enumerate(self.live_by_prefix):
-            if k:
-                freed += self.regions[k - 1].freed(plan[k - 1])
-            best = max(best, lv - freed)
-            if k < len(self.spike_base) and plan[k] != "keep":  # region k's recomputation, regions[:k] freed
-                best = max(best, self.spike_base[k] + self.regions[k].spike.get(plan[k], 0) - freed)
-        return best
-
-    def cost(self, plan: list[str]) -> float:
-        return sum(r.cost(c) for r, c in zip(self.regions, plan))
-
-    def max_plan(self) -> list[str]:
-        return [max(ch, key=lambda c, r=r: r.freed(c)) for r, ch in zip(self.regions, self.choices)]
-
-    def min_peak(self) -> int:
-        """The planned peak of the plan freeing the most in every region: the lowest of any plan when no
-        recomputation spikes (then `lowest` finds the lowest)."""
-        return self.peak(self.max_plan())
-
-    def lowest(self) -> tuple[int, list[str]]:
-        """(the lowest planned peak of any plan, a plan with it). With recomputation spikes, recomputing a region
-        can raise the peak at its backward, so it is the lowest budget some plan fits: the DP's feasibility,
-        bisected (its bytes rounded in the safe direction). Found once."""
-        if not self._lowest:
-            top_plan = self.max_plan()
-            best = (self.peak(top_plan), top_plan)
-            # (when no spike raises that plan's peak it is the lowest: no plan peaks below it without spikes)
-            if best[0] > replace(self, spike_base=[], _lowest=[]).peak(top_plan):
-                peak_only = replace(self, act_need=0, _lowest=[])
-                lo, hi = max(self.floor, self.live_by_prefix[0]), best[0]
-                while hi - lo > max(1, hi // 2048):
-                    mid = (lo + hi) // 2
-                    plan = solve_dp(peak_only, mid, q=1024)
-                    if plan is not None:
-                        best = min(best, (self.peak(plan), plan))
-                        hi = min(mid, best[0])
-                    else:
-                        lo = mid + 1
-            self._lowest.append(best)
-        return self._lowest[0]
+def lowest(model: RegionModel) -> tuple[int, list[str]]:
+    """(the lowest planned peak of any plan, a plan with it). With recomputation spikes, recomputing a region can
+    raise the peak at its backward, so it is the lowest budget some plan fits: the DP's feasibility, bisected (its
+    bytes rounded in the safe direction). Found once per model (kept in `model.memo`)."""
+    if "lowest" not in model.memo:
+        top_plan = model.max_plan()
+        best = (model.peak(top_plan), top_plan)
+        # (when no spike raises that plan's peak it is the lowest: no plan peaks below it without spikes)
+        if best[0] > model.peak(top_plan, spikes=False):
+            peak_only = replace(model, act_need=0, memo={})
+            lo, hi = max(model.floor, model.live_by_prefix[0]), best[0]
+            while hi - lo > max(1, hi // 2048):
+                mid = (lo + hi) // 2
+                plan = solve_dp(peak_only, mid, q=1024)
+                if plan is not None:
+                    best = min(best, (model.peak(plan), plan))
+                    hi = min(mid, best[0])
+                else:
+                    lo = mid + 1
+        model.memo["lowest"] = best
+    return model.memo["lowest"]
 
 
-def build_model(est, regions: list[Region], program: Program, choices, traced=None) -> Model:
-    """Map the baseline timeline onto prefixes of the region chain. With `traced` (the trace the regions were
-    measured on), also each recomputation's spike: the baseline's live bytes in backward just before it runs, and
-    per choice what it adds there (`RecomputeWalk`)."""
-    pos = {n.name: i for i, n in enumerate(program.graph.nodes)}
-    lasts = [r.last for r in regions]
-    n = len(regions)
-    live = [0] * (n + 1)
-    floor, floor_at = 0, ""
-    end = len(pos) + 1
-    for p in est.timeline:
-        if p.phase == "optimizer":
-            if p.peak > floor:
-                floor, floor_at = p.peak, p.label
-            continue
-        at = pos.get(p.label, end if p.label == "loss" else None)
-        if at is None:
-            if p.peak > floor:
-                floor, floor_at = p.peak, p.label
-            continue
-        k = bisect.bisect_left(lasts, at)  # regions whose last node is before `at`
-        live[k] = max(live[k], p.peak)
-    if traced is None or not all(r.span for r in regions):
-        return Model(regions, live, floor, floor_at, choices)
-    # backward runs from the last node to the first: region k recomputes when it reaches its last node that saves
-    # a tensor (the first unpack), with what the backward of the nodes after it left live (gradients made in the
-    # region's own nodes after that one too)
-    walk = RecomputeWalk.of(traced)
-    runs = [pos[walk.runs_in(*r.span)] for r in regions]
-    spike_base = [0] * n
-    prev, k = 0, n - 1
-    for p in est.timeline:
-        if p.phase == "backward":
-            at = pos.get(p.label, end if p.label == "loss" else None)
-            while at is not None and k >= 0 and at <= runs[k]:
-                spike_base[k] = prev
-                k -= 1
-        if p.phase != "optimizer":
-            prev = p.live
-    for j in range(k + 1):
-        spike_base[j] = prev
-    # and the region's own backward after it: the baseline there, with what the recomputation left that the baseline
-    # does not hold on top (recipe saves made plain, inputs made again: each until the backward of the first node
-    # saving it) and the inputs the region holds until its backward is done
-    firsts = [r.first for r in regions]
-    inner: list[list] = [[] for _ in range(n)]  # region -> [(position, the baseline's peak there)]
-    for p in est.timeline:
-        at = pos.get(p.label) if p.phase == "backward" else None
-        if at is not None:
-            j = bisect.bisect_right(firsts, at) - 1
-            if j >= 0 and at <= runs[j]:
-                inner[j].append((at, p.peak))
-    # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
-    # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
-    # plain tensors savers after it keep, are gone by then: their backward ran first.)
-    for k, (reg, ch) in enumerate(zip(regions, choices)):
-        reg.spike = {}
-        for c in ch:
-            if c != "keep":
-                ks, kept = reg.keeps(c)
-                over, leaves, extra = walk.over(*reg.span, frozenset(ks))
-                after = max((peak + sum(b for node, b in extra if pos[node] < at) for at, peak in inner[k]),
-                            default=0)
-                reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held),
-                                   after + reg.held - spike_base[k])
-    return Model(regions, live, floor, floor_at, choices, spike_base=spike_base)
-
-
-def _with_need(model: Model, act_need: int) -> Model:
+def _with_need(model: RegionModel, act_need: int) -> RegionModel:
     """`model` with the regions' total freed bytes bounded below by `act_need` (an activation budget)."""
     return model if model.act_need == act_need else replace(model, act_need=act_need)
 
@@ -1063,7 +710,7 @@ def _with_need(model: Model, act_need: int) -> Model:
 class CandidateSet:
     regions: list
     choices: list
-    model: Model
+    model: RegionModel
     chain: bool
     level: str
     solved: dict = field(default_factory=dict)  # planning budget -> (solution, tie-broken solution)
@@ -1080,7 +727,7 @@ class Solution:
     note: str = ""
 
 
-def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
+def solve_dp(model: RegionModel, budget: int, q: int = 4096) -> list[str] | None:
     """Exact DP over the chain of regions; bytes quantised to need/q units (freed rounded down, needs up)."""
     needs = model.needs(budget)
     spikes = model.spike_needs(budget)
@@ -1134,7 +781,7 @@ def solve_dp(model: Model, budget: int, q: int = 4096) -> list[str] | None:
     return plan[::-1]
 
 
-def _solve_dp_fine(model: Model, budget: int) -> list[str] | None:
+def _solve_dp_fine(model: RegionModel, budget: int) -> list[str] | None:
     """`solve_dp`; when it finds nothing although a plan fits (the plan freeing the most, or `lowest`'s when
     recomputation spikes bind), again on units fine enough that rounding cannot hide a plan: each region's freed
     bytes round down by up to a unit, so n regions can lose n units (12 decoder layers as 24 segments at 1/4096
@@ -1142,7 +789,7 @@ def _solve_dp_fine(model: Model, budget: int) -> list[str] | None:
     plan = solve_dp(model, budget)
     if plan is not None or not model.regions:
         return plan
-    fits = next((p for p in (model.max_plan(), model.lowest()[1] if model.spike_base else None)
+    fits = next((p for p in (model.max_plan(), lowest(model)[1] if model.spike_base else None)
                  if p is not None and model.fits(p, budget)), None)
     if fits is None:
         return None
@@ -1152,7 +799,7 @@ def _solve_dp_fine(model: Model, budget: int) -> list[str] | None:
 class _MilpLayout:
     """The 0/1 variables of a plan (one per region and allowed choice) and the matrices both MILPs use."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: RegionModel):
         n = len(model.regions)
         self.n = n
         self.var = [(i, c) for i in range(n) for c in model.choices[i]]
@@ -1212,7 +859,7 @@ def _highs(cost, A, lo, hi, col_lo, col_hi, integer, time_limit: float):
     return x, optimal, bound
 
 
-def solve_milp(model: Model, budget: int, time_limit: float):
+def solve_milp(model: RegionModel, budget: int, time_limit: float):
     """The cheapest plan under `budget` as a MILP (HiGHS). Returns (plan or None, proven optimal, lower bound on
     the optimal cost or None): the bound is the optimum when proven, HiGHS's dual bound when the time limit
     stopped it, the LP relaxation's optimum when it stopped before having one (what a greedy plan's optimality
@@ -1247,7 +894,7 @@ def solve_milp(model: Model, budget: int, time_limit: float):
     return lay.plan(x), optimal, bound
 
 
-def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[str]:
+def milp_lowest_peak(model: RegionModel, plan: list[str], time_limit: float) -> list[str]:
     """Among plans no costlier than `plan`, one with the lowest planned peak: one MILP (minimise P subject to
     live[k] - freed(regions[:k]) <= P for every prefix k and cost <= plan's), not a bisection over budgets."""
     lay = _MilpLayout(model)
@@ -1293,7 +940,7 @@ def milp_lowest_peak(model: Model, plan: list[str], time_limit: float) -> list[s
     return plan
 
 
-def solve_greedy(model: Model, budget: int) -> list[str] | None:
+def solve_greedy(model: RegionModel, budget: int) -> list[str] | None:
     """Upgrade the region with the best bytes-freed per unit cost until the plan fits (nested by budget)."""
     n = len(model.regions)
     plan = ["keep"] * n
@@ -1317,7 +964,7 @@ def solve_greedy(model: Model, budget: int) -> list[str] | None:
     return plan
 
 
-def is_chain(regions: list[Region], program: Program) -> bool:
+def is_chain(regions: list[CandidateRegion], program: Program) -> bool:
     """True if values flow from region to region only forward by one (glue nodes traced through)."""
     owner: dict[fx.Node, int] = {}
     for i, r in enumerate(regions):
@@ -1345,7 +992,7 @@ def is_chain(regions: list[Region], program: Program) -> bool:
     return True
 
 
-def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool,
+def solve(model: RegionModel, budget: int, solver: str, time_limit: float, chain: bool,
           tiebreak: bool = True) -> Solution | None:
     """The cheapest plan under `budget`; with `tiebreak`, among the cheapest the one with the lowest planned peak
     (see `tie_break`)."""
@@ -1384,7 +1031,7 @@ def solve(model: Model, budget: int, solver: str, time_limit: float, chain: bool
     return Solution(plan, model.cost(plan), model.peak(plan), kind, optimal, gap, time.perf_counter() - t0, note)
 
 
-def tie_break(sol: Solution, model: Model, budget: int, time_limit: float) -> Solution:
+def tie_break(sol: Solution, model: RegionModel, budget: int, time_limit: float) -> Solution:
     """`sol` (found with tiebreak=False) replaced by a plan of the same cost with the lowest planned peak."""
     if sol.solver == "dp":
         plan = _lowest_peak_same_cost(model, sol.plan, budget, lambda b: solve_dp(model, b))
@@ -1396,7 +1043,7 @@ def tie_break(sol: Solution, model: Model, budget: int, time_limit: float) -> So
                     sol.note)
 
 
-def _lowest_peak_same_cost(model: Model, plan: list[str], budget: int, solve_at, iters: int = 24) -> list[str]:
+def _lowest_peak_same_cost(model: RegionModel, plan: list[str], budget: int, solve_at, iters: int = 24) -> list[str]:
     """Among plans with the optimal cost, one with the lowest planned peak (bisection on the budget)."""
     c0 = model.cost(plan)
     lo, hi = model.min_peak(), model.peak(plan)
@@ -1491,7 +1138,8 @@ def _current_estimate(program: Program, ctx):
     """The context's baseline if it was made for this very program (same code, mode and optimizer), else None."""
     base = ctx.baseline
     if base is not None and getattr(base, "program_key", "") and base.program_key == program_key(program) \
-            and getattr(base, "mode", ctx.mode) == ctx.mode and getattr(base, "optimizer", ctx.optimizer) == ctx.optimizer:
+            and getattr(base, "mode", ctx.mode) == ctx.mode \
+            and getattr(base, "optimizer", ctx.optimizer) == ctx.optimizer:
         return base
     return None
 
@@ -1739,7 +1387,7 @@ class CheckpointPass:
                         and r.flops_sel < r.flops else ("keep", "full"))
                        + (("redraw",) if r.keep_full and r.freed("redraw") > r.freed("full") else ())
                        for r in regions]
-            model = build_model(est0, regions, program, choices, traced)
+            model = build_region_model(est0, regions, program, choices, traced)
             sets.append(CandidateSet(regions, choices, model, is_chain(regions, program), level))
         return sets
 
@@ -1768,8 +1416,8 @@ class CheckpointPass:
         min_peak = max(min_set.model.min_peak(), min_set.model.floor)
         if lim.peak is not None and min_peak > lim.peak:
             # recomputation spikes can put the plan freeing the most above a lower one: look harder before giving up
-            min_set = min(sets, key=lambda cs: max(cs.model.lowest()[0], cs.model.floor))
-            min_peak = max(min_set.model.lowest()[0], min_set.model.floor)
+            min_set = min(sets, key=lambda cs: max(lowest(cs.model)[0], cs.model.floor))
+            min_peak = max(lowest(min_set.model)[0], min_set.model.floor)
         act_set = max(sets, key=lambda cs: cs.model.max_freed())
         before_acts = metrics.get("activations_before", est0.activations)  # before this pass (and remat)
         min_acts = est0.activations - act_set.model.max_freed()
@@ -1804,11 +1452,11 @@ class CheckpointPass:
                 cs = min_set if best_effort == "peak" else act_set
                 model = cs.model if best_effort == "peak" else _with_need(cs.model, cs.model.max_freed())
                 # (the lowest peak within `lowest`'s resolution: a solver asked for exactly it may miss it)
-                low = cs.model.lowest()[0]
+                low = lowest(cs.model)[0]
                 at = max(low + max(1, low // 2048), cs.model.floor) if best_effort == "peak" else budget
                 sol = solve(model, at, opts.solver, opts.time_limit, cs.chain)
                 if sol is None:
-                    plan = cs.model.lowest()[1] if best_effort == "peak" else cs.model.max_plan()
+                    plan = lowest(cs.model)[1] if best_effort == "peak" else cs.model.max_plan()
                     sol = Solution(plan, cs.model.cost(plan), cs.model.peak(plan),
                                    "lowest" if best_effort == "peak" else "max", True)
             else:
@@ -1931,7 +1579,7 @@ class CheckpointPass:
                 f"peak budget, not this one).")
 
     @staticmethod
-    def _emit(program: Program, regions: list[Region], plan: list[str], keep_ops: frozenset) -> list[Change]:
+    def _emit(program: Program, regions: list[CandidateRegion], plan: list[str], keep_ops: frozenset) -> list[Change]:
         changes = []
         by_name = {n.name: n for n in program.graph.nodes}  # the program may be a snapshot: same names
         for reg, choice in zip(regions, plan):
@@ -1952,8 +1600,8 @@ class CheckpointPass:
                 continue
             changes.append(Change(
                 kind="checkpoint_" + choice, module=label, nodes_before=before, nodes_after=[call.name],
-                reason=(f"{'full recompute, dropout masks drawn again' if choice == 'redraw' else choice + ' recompute'}"
-                        f": frees about {format_bytes(reg.freed(choice))} of saved activations "
+                reason=(("full recompute, dropout masks drawn again" if choice == "redraw" else f"{choice} recompute")
+                        + f": frees about {format_bytes(reg.freed(choice))} of saved activations "
                         f"for {reg.cost(choice):.3g} recompute cost"
                         + (f" (keeps outputs of {', '.join(sorted(keep))})" if keep else "")),
                 bytes_saved=reg.freed(choice),

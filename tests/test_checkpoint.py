@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.costmodel import estimate
+from fxmem.costmodel import CandidateRegion, RegionModel, estimate, measure_regions
 from fxmem.errors import BudgetError
 from fxmem.measure import saved_bytes
 from fxmem.nn.checkpoint import MATMUL_OPS, CheckpointRegion
@@ -273,11 +273,11 @@ def test_dp_plan_model_peak_monotone_in_budget():
     # synthetic chain: checks the solver's own guarantee without tracing a model
     regs = []
     for i in range(6):
-        r = ck.Region(f"b{i}", [])
+        r = CandidateRegion(f"b{i}", [])
         r.saved, r.kept, r.held, r.flops, r.flops_sel = 100 + 10 * i, 40, 0, 50.0 + i, 5.0 + i
         regs.append(r)
     live = [1000 + 100 * k for k in range(7)]
-    model = ck.Model(regs, live, 900, "opt", [("keep", "selective", "full")] * 6)
+    model = RegionModel(regs, live, 900, "opt", [("keep", "selective", "full")] * 6)
     prev_peak, prev_cost = None, None
     for b in range(1600, 1100, -25):
         sol = ck.solve(model, b, "dp", 1.0, True)
@@ -304,7 +304,7 @@ def test_recomputation_spikes_bind_and_every_solver_honours_them():
     for trial in range(6):
         regs = []
         for i in range(5):
-            r = ck.Region(f"b{i}", [])
+            r = CandidateRegion(f"b{i}", [])
             r.saved, r.kept, r.held = rnd.randint(100, 300), rnd.randint(20, 80), 0
             r.flops, r.flops_sel = rnd.uniform(20, 100), rnd.uniform(2, 20)
             r.spike = {"selective": rnd.randint(0, 150), "full": rnd.randint(0, 250)}
@@ -312,11 +312,11 @@ def test_recomputation_spikes_bind_and_every_solver_honours_them():
         live = [1000 + rnd.randint(0, 400) for _ in range(6)]
         spike_base = [900 + rnd.randint(0, 400) for _ in range(5)]
         choices = [("keep", "selective", "full")] * 5
-        model = ck.Model(regs, live, 900, "opt", choices, spike_base=spike_base)
-        flat = ck.Model(regs, live, 900, "opt", choices)  # the same without spikes
+        model = RegionModel(regs, live, 900, "opt", choices, spike_base=spike_base)
+        flat = RegionModel(regs, live, 900, "opt", choices)  # the same without spikes
         plans = [list(p) for p in itertools.product(*choices)]
         # the lowest peak of any plan (recomputing everything need not be it), within lowest()'s resolution
-        low, low_plan = model.lowest()
+        low, low_plan = ck.lowest(model)
         true_low = min(model.peak(p) for p in plans)
         assert model.peak(low_plan) == low and true_low <= low <= true_low + max(1, low // 2048)
         lower_than_max += true_low < model.min_peak()
@@ -406,13 +406,13 @@ def test_dp_rounding_does_not_hide_the_plans_near_the_lowest_peak():
     rnd = random.Random(3)
     regs = []
     for i in range(24):
-        r = ck.Region(f"b{i}", [])
+        r = CandidateRegion(f"b{i}", [])
         r.saved, r.kept, r.held = rnd.randint(2_000_000, 4_000_000), rnd.choice([0, 300_000]), 0
         r.flops, r.flops_sel = rnd.uniform(20, 100), rnd.uniform(2, 20)
         regs.append(r)
     choices = [("keep", "selective", "full")] * 24
     live = [30_000_000] * 24 + [40_000_000 + sum(r.saved for r in regs)]  # the end of forward binds
-    model = ck.Model(regs, live, 1_000_000, "opt", choices)
+    model = RegionModel(regs, live, 1_000_000, "opt", choices)
     b = model.min_peak() + 100  # just above the lowest peak
     assert ck.solve_dp(model, b) is None  # the rounding hides every plan
     exact = ck.solve(model, b, "milp", 10.0, True)
@@ -428,11 +428,11 @@ def test_milp_time_limit_falls_back_to_greedy_with_a_bounded_gap():
     rnd = random.Random(0)
     regs = []
     for i in range(40):
-        r = ck.Region(f"b{i}", [])
+        r = CandidateRegion(f"b{i}", [])
         r.saved, r.kept, r.held = rnd.randint(100, 400), rnd.randint(10, 90), 0
         r.flops, r.flops_sel = rnd.uniform(10, 100), rnd.uniform(1, 10)
         regs.append(r)
-    model = ck.Model(regs, [10000 + 150 * k for k in range(41)], 900, "opt", [("keep", "selective", "full")] * 40)
+    model = RegionModel(regs, [10000 + 150 * k for k in range(41)], 900, "opt", [("keep", "selective", "full")] * 40)
     best = ck.solve(model, 10000, "milp", 30.0, True, tiebreak=False)
     assert best.solver == "milp" and best.optimal
     quick = ck.solve(model, 10000, "milp", 0.0, True, tiebreak=False)
@@ -462,12 +462,12 @@ def test_tie_break_lowest_peak_at_optimal_cost_brute_force():
     import itertools
     regs = []
     for i, (saved, cost) in enumerate([(120, 50.0), (200, 50.0), (90, 50.0), (160, 70.0), (140, 50.0)]):
-        r = ck.Region(f"b{i}", [])
+        r = CandidateRegion(f"b{i}", [])
         r.saved, r.kept, r.held, r.flops, r.flops_sel = saved, 60, 0, cost, cost / 4
         regs.append(r)
     live = [1000, 1100, 1150, 1300, 1250, 1400]
     choices = [("keep", "selective", "full")] * len(regs)
-    model = ck.Model(regs, live, 900, "opt", choices)
+    model = RegionModel(regs, live, 900, "opt", choices)
     plans = [list(p) for p in itertools.product(*choices)]
     for b in range(1390, 1000, -30):
         fit = [p for p in plans if model.peak(p) <= b]
@@ -658,7 +658,7 @@ def test_region_holds_an_input_that_is_a_view():
     (reg,) = ck.candidate_regions(program, {}, ["blk"])
     ins, _ = ck.region_boundary(reg.nodes)
     assert [a.target for a in ins if a.op == "call_function"] == [torch.ops.aten.view.default]
-    ck.measure_regions(program, [reg], rec, base_keys, frozenset())
+    measure_regions(program, [reg], rec, base_keys, frozenset())
     assert reg.held == 128 * 64 * 4, reg.held
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem.costmodel import estimate
+from fxmem.costmodel import CandidateRegion, RegionModel, estimate
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.pipeline import PassContext, pass_module
 from fxmem.units import Budget, parse_budget
@@ -152,12 +152,12 @@ def test_policy_key_and_transform(unet_prog):
 def _synthetic(act_need):
     regs = []
     for i in range(5):
-        r = ck.Region(f"b{i}", [])
+        r = CandidateRegion(f"b{i}", [])
         r.saved, r.kept, r.held, r.flops, r.flops_sel = 100 + 17 * i, 30 + 5 * i, 0, 40.0 + 3 * i, 9.0 + 2 * i
         regs.append(r)
     choices = [("keep", "selective", "full")] * 5
     live = [1000, 1180, 1250, 1220, 1200, 1150]
-    return ck.Model(regs, live, 0, "", choices, act_need=act_need)
+    return RegionModel(regs, live, 0, "", choices, act_need=act_need)
 
 
 @pytest.mark.parametrize("act_need", [0, 150, 320, 480])

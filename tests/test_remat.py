@@ -180,7 +180,7 @@ def test_regions_over_remat_plan_their_made_again_inputs(monkeypatch):
     assert any("remat" in str(n.target) for n in program.graph.nodes)
     checked = 0
     for cs in sets:
-        low, plan = cs.model.lowest()
+        low, plan = ck.lowest(cs.model)
         trial = program.snapshot()
         ck.CheckpointPass._emit(trial, cs.regions, plan, keep_ops)
         est = ctx.estimate(trial).peak
@@ -909,7 +909,7 @@ def test_shared_recipe_as_a_region_input_is_made_again_for_the_region_alone():
     by and for the region's recomputation, not taken from (and held in) the shared value, which would hold it from
     the region's backward to the two matmuls' across the matmul between. Two layer norms in backward (the region's,
     the matmuls' shared one), estimate = measured, bit-exact."""
-    from fxmem.costmodel import trace_forward
+    from fxmem.costmodel import measure_regions, trace_forward
     ck = pass_module("checkpoint")
     torch.manual_seed(0)
     model, x = _SharedIntoRegion(), torch.randn(64, 32, 16)
@@ -922,7 +922,7 @@ def test_shared_recipe_as_a_region_input_is_made_again_for_the_region_alone():
     ck.apply_remat(program, sites)
     rec, base_keys = trace_forward(program, (x,), {}, "train")[:2]
     (reg,) = ck.candidate_regions(program, {}, ["tail"])
-    ck.measure_regions(program, [reg], rec, base_keys, frozenset())
+    measure_regions(program, [reg], rec, base_keys, frozenset())
     (change,) = ck.CheckpointPass._emit(program, [reg], ["full"], frozenset())
     assert change.kind == "checkpoint_full"
     est = fxmem.estimate(program, mode="train")
