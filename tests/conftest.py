@@ -64,6 +64,38 @@ def grads(module, args, kwargs, loss_fn):
     return out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def planner_sets(program, loss_fn, remat: bool = False, opts=None):
+    """The checkpoint pass's candidate sets, built as the pass builds them: on `program` after compact_dropout
+    (and, with `remat`, every remat site applied), traced, with their memory models. Returns (the program planned
+    on, its estimate, the sets, estimate_of(cs, plan)): the static estimate of `plan` emitted on a copy, to hold the
+    memory model to."""
+    from fxmem.costmodel import default_balance, estimate_from_trace
+    from fxmem.pipeline import PassContext, pass_module
+    ck = pass_module("checkpoint")
+    opts = opts or ck.CheckpointOptions()
+    ctx = PassContext(policy=None, options=opts, mode="train", optimizer="adamw", budget=1, baseline=None,
+                      enabled=("checkpoint",), loss_fn=loss_fn)
+    prog = program.snapshot()
+    steps = [ck.compact_dropout]
+    if remat:
+        steps.append(lambda pr: ck.apply_remat(pr, ck.remat_sites(pr, ck.CheckpointPass._trace(pr, ctx),
+                                                                  default_balance(pr))))
+    for step in steps:
+        step(prog)
+        prog.graph.lint()
+        prog.module.recompile()
+    traced = ck.CheckpointPass._trace(prog, ctx)
+    est0 = estimate_from_trace(prog, traced, mode="train", optimizer="adamw", loss_fn=loss_fn)
+    keep = frozenset(opts.keep_ops)
+    sets = ck.CheckpointPass._candidate_sets(prog, traced, est0, opts, keep)
+
+    def estimate_of(cs, plan):
+        trial = prog.snapshot()
+        ck.CheckpointPass._emit(trial, cs.regions, plan, keep)
+        return ctx.estimate(trial)
+    return prog, est0, sets, estimate_of
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

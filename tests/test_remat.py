@@ -13,7 +13,7 @@ from fxmem.nn.recast import RecastScope, remat, remat_call
 
 from fxmem.pipeline import pass_module
 
-from .conftest import OpCounter, example, grads
+from .conftest import OpCounter, example, grads, planner_sets
 
 
 class _MLP(nn.Module):
@@ -149,41 +149,23 @@ def test_remat_with_regions_exact_on_examples(name, sites, force, monkeypatch):
     _same_step(ref, res.module, args, kwargs, loss_fn, exact=False)
 
 
-def test_regions_over_remat_plan_their_made_again_inputs(monkeypatch):
+def test_regions_over_remat_plan_their_made_again_inputs():
     """A region whose input is a recipe's output (a layer norm's, remat'd) makes it again when it recomputes, and
     its first op saves it: it stays through the region's whole backward, where the remat'd baseline made it only at
     that op's unpack; so do the region's recipe saves, plain inside it. The memory model counts them through the
     region's backward, each until the backward of the first op saving it: each candidate set's lowest plan over the
     remat program is planned no lower than its emitted estimate and at most 2% above (before, sub-block sets were
     planned one (B, T, C) tensor low, whole blocks two attention-score tensors low)."""
-    from fxmem.costmodel import estimate
-    from fxmem.pipeline import PassContext
     ck = pass_module("checkpoint")
     model, args, kwargs, loss_fn = example("gpt")
     p = fxmem.capture(model, args, kwargs)
     p.refresh()
-    base = estimate(p, mode="train", loss_fn=loss_fn)
-    seen = []
-    build = ck.CheckpointPass._candidate_sets
-
-    def spy(program, traced, est0, opts, keep_ops):
-        sets = build(program, traced, est0, opts, keep_ops)
-        seen.append((program, sets, keep_ops))
-        return sets
-    monkeypatch.setattr(ck.CheckpointPass, "_candidate_sets", staticmethod(spy))
-    monkeypatch.setattr(ck.CheckpointPass, "_remat_or_not",
-                        staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
-    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw", budget=1,
-                      baseline=base, enabled=("checkpoint", "offload"), loss_fn=loss_fn)  # best effort
-    ck.CheckpointPass().run(p.snapshot(), ctx)
-    program, sets, keep_ops = seen[0]
+    program, _, sets, estimate_of = planner_sets(p, loss_fn, remat=True)
     assert any("remat" in str(n.target) for n in program.graph.nodes)
     checked = 0
     for cs in sets:
         low, plan = ck.lowest(cs.model)
-        trial = program.snapshot()
-        ck.CheckpointPass._emit(trial, cs.regions, plan, keep_ops)
-        est = ctx.estimate(trial).peak
+        est = estimate_of(cs, plan).peak
         assert est <= low <= 1.02 * est, (cs.level, low, est)
         checked += 1
     assert checked >= 3
