@@ -1527,8 +1527,11 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
     recipe_at = rec.recipe_at  # recipe output storage -> the node that registered it
     recast_savers, holders = ix.recast_savers, ix.holders
 
-    def keys_of(n: fx.Node) -> set[int]:  # every storage its ops made or handed on (a norm's statistics too)
-        return {k for r in by_node.get(n.name, []) for k in r.out_keys if k is not None}
+    def keys_of(n: fx.Node) -> set[int]:
+        # every storage its ops made (a norm's statistics too) and the one its value hands on (a view's, an in-place
+        # op's), not the storages its ops merely pass through (a linear's view of its input, which its mm saves)
+        vk = value_key(by_node, n)
+        return {k for r in by_node.get(n.name, []) for k in r.new_keys} | ({vk} if vk is not None else set())
 
     # the region's outputs that nothing outside it keeps: no saver outside, not the graph's output (a residual
     # stream that the next add only reads and a norm inside saves). Recomputing the region frees them with its
@@ -1752,17 +1755,27 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
             prev = p.live
     for j in range(k + 1):
         spike_base[j] = prev
+    # the draws a region keeps its draw tape holds until the region's backward is done; the baseline frees each in
+    # the backward of the first op saving it (the dropout's mask multiply), earlier in the region's backward
+    savers = _RegionIndex.of(walk.rec).savers
+
+    def freed_at(key: int) -> int:  # where the baseline frees a saved tensor: its first saver's backward
+        return pos[walk.R[savers[key][0]].node] if key in savers else end
     # what region k's recomputation adds there: what it holds at its highest, less what the baseline has live of
-    # the region's saves (what it recomputes instead of keeping); its held inputs stay on top. (Its "lost" outputs,
-    # plain tensors savers after it keep, are gone by then: their backward ran first.)
+    # the region's saves (what it recomputes instead of keeping); its held inputs and kept draws stay on top. (Its
+    # "lost" outputs, plain tensors savers after it keep, are gone by then: their backward ran first.)
     for k, (reg, ch) in enumerate(zip(regions, choices)):
         reg.spike = {}
         for c in ch:
             if c != "keep":
                 ks, kept = reg.keeps(c)
                 over, leaves, extra = walk.over(*reg.span, frozenset(ks))
-                after = max((peak + sum(b for node, b in extra if pos[node] < at) for at, peak in inner[k]),
-                            default=0)
+                tape_ops = frozenset(ks) & RNG_KEEP
+                tape = [(freed_at(key), walk.rec.storage_bytes[key])
+                        for r in walk.R[reg.span[0]:reg.span[1] + 1] if names_op(r.func, tape_ops)
+                        for key in r.new_keys if walk.base_keys.get(key) is None] if tape_ops else []
+                after = max((peak + sum(b for node, b in extra if pos[node] < at)
+                             + sum(b for saver, b in tape if at < saver) for at, peak in inner[k]), default=0)
                 reg.spike[c] = max(0, over + leaves - max(0, reg.saved - kept - reg.held),
                                    after + reg.held - spike_base[k])
     return RegionModel(regions, live, floor, floor_at, choices, spike_base=spike_base)

@@ -15,7 +15,7 @@ from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, _Entry, _Packed, live_scratch_dirs
 from fxmem.program import Program
 
-from .conftest import example_module
+from .conftest import example_module, planner_sets
 
 CFG = dict(n_layer=3, n_head=2, d_model=64, dropout=0.1)
 INPUTS = dict(batch=4, seq_len=32)
@@ -453,7 +453,7 @@ def test_runs_take_tensors_not_a_multi_output_region_tuple():
     import operator
     import sys
 
-    from fxmem.pipeline import PassContext, load_passes
+    from fxmem.pipeline import load_passes
     load_passes()
     ck, off = sys.modules["fxmem.passes.checkpoint"], sys.modules["fxmem.passes.offload"]
     ex = example_module("gpt")
@@ -462,12 +462,10 @@ def test_runs_take_tensors_not_a_multi_output_region_tuple():
     x = ex.example_inputs(batch=4, seq_len=64)
     p = fxmem.capture(model, x)
     p.refresh()
-    base = estimate(p, mode="train", loss_fn=ex.loss_fn)
-    # (regions alone: with remat, remat alone fits this budget)
-    ctx = PassContext(policy=None, options=ck.CheckpointOptions(remat=False), mode="train", optimizer="adamw",
-                      budget=int(base.peak - 0.5 * base.activations), baseline=base, enabled=("checkpoint",),
-                      loss_fn=ex.loss_fn)
-    prog = ck.CheckpointPass().run(p.snapshot(), ctx).program
+    # segments cutting blocks mid-way (a block's attention with the next layer norm), every one recomputed
+    prog, _, sets, _ = planner_sets(p, ex.loss_fn)
+    seg = next(cs for cs in sets if cs.level == "segments-3")
+    ck.CheckpointPass._emit(prog, seg.regions, ["full"] * len(seg.regions), frozenset(ck.CheckpointOptions().keep_ops))
     prog.refresh()
     glue = [n for n in prog.graph.nodes
             if n.op == "call_function" and n.target is operator.getitem and n.args[0].op == "call_module"]
