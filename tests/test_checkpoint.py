@@ -408,6 +408,34 @@ def test_memory_model_matches_the_estimate_on_a_skip_connected_graph(unet_prog, 
     assert checked >= (5 if remat else 15)
 
 
+def test_best_effort_emits_the_other_plan_only_when_it_may_come_out_lower():
+    """At limits neither remat + regions nor regions alone reach, the plan planned lowest is emitted and verified;
+    the other is emitted too (a trace of the whole program) only if it was planned within BEST_EFFORT_MARGIN of the
+    first's estimate, where the model's error could still make it the lower one. Then the lower estimate wins."""
+    from fxmem.pipeline import PassResult
+    lim = ck.Limits(peak=1_000_000, activations=None)
+    emitted = []
+
+    def run(name, planned_miss, est_peak):
+        def go(plan_only):
+            if plan_only:
+                return 5.0, planned_miss, False  # (cost, planned shortfall, reachable)
+            emitted.append(name)
+            return PassResult(None, True, metrics={"estimated_peak": est_peak, "estimated_activations": 0})
+        return go
+    margin = int(ck.BEST_EFFORT_MARGIN * 1_100_000)
+    # planned clearly above the first's estimate (1.1 MB): not emitted
+    res = ck.CheckpointPass._remat_or_not(run("remat", 100_000, 1_100_000), run("alone", 100_000 + margin + 1,
+                                                                                 1_000_001), 0.0, lim)
+    assert emitted == ["remat"] and res.metrics["estimated_peak"] == 1_100_000
+    # within the margin: emitted, and its lower estimate wins
+    emitted.clear()
+    res = ck.CheckpointPass._remat_or_not(run("remat", 100_000, 1_100_000), run("alone", 100_000 + margin - 1,
+                                                                                 1_090_000), 0.0, lim)
+    assert emitted == ["remat", "alone"] and res.metrics["estimated_peak"] == 1_090_000
+    assert any("regions without remat: the lower estimate" in n for n in res.notes)
+
+
 def test_dp_rounding_does_not_hide_the_plans_near_the_lowest_peak():
     """The DP counts bytes in units of 1/4096 of the largest need, each region's freed bytes rounded down: with
     many regions the losses add up to more than the margin between the lowest peak and a budget just above it, and
