@@ -1184,8 +1184,12 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 continue
             grad_live[k] = sb.get(k, b) if k not in param_keys else b
             cur += grad_live[k]
+        # temporaries a backward formula holds with the gradient it makes (pow: x.pow(c - 1) and c * that)
+        temps = optable.backward_temps(r.func) * (r.in_bytes[0] or 0) if r.in_rg and r.in_rg[0] else 0
+        cur += temps
         bump(r.node, r.module)
-        node_peak = max(cur, node_peak_start, node_high[0])
+        cur -= temps
+        node_peak = max(cur + temps, node_peak_start, node_high[0])
         cur -= again
         if recast_held is not None:
             cur -= recast_held[1].get(r.idx, 0)  # a shared recipe's first saver: its last unpack

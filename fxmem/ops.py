@@ -413,6 +413,25 @@ def packet(op) -> str:
         return str(getattr(op, "overloadpacket", op)).split(".")[-1]
 
 
+# Backward formulas that are not one kernel hold temporaries at once with the input's gradient they make: in units of
+# input 0's bytes, per overload (FunctionsManual.cpp). pow(x, c): grad * (c * x.pow(c - 1)), so x.pow(c - 1) and
+# c * x.pow(c - 1) are alive while grad * (...) is made (a hand-written MSE loss, (y - t).pow(2).mean(), runs it
+# on the model's output at the start of backward)
+BACKWARD_TEMPS = {"pow.Tensor_Scalar": 2}
+_BACKWARD_TEMPS: dict = {}
+
+
+def backward_temps(op) -> int:
+    """How many temporaries the size of input 0 the op's backward holds with the gradient it makes (0: none)."""
+    try:
+        return _BACKWARD_TEMPS[op]
+    except KeyError:
+        n = _BACKWARD_TEMPS[op] = BACKWARD_TEMPS.get(str(op).removeprefix("aten."), 0)
+        return n
+    except TypeError:  # unhashable callable
+        return 0
+
+
 def flops(op, args, out) -> int:
     info = lookup(op)
     if info is None or info.flops is None:
