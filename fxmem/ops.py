@@ -414,10 +414,16 @@ def packet(op) -> str:
 
 
 # Backward formulas that are not one kernel hold temporaries at once with the input's gradient they make: in units of
-# input 0's bytes, per overload (FunctionsManual.cpp). pow(x, c): grad * (c * x.pow(c - 1)), so x.pow(c - 1) and
-# c * x.pow(c - 1) are alive while grad * (...) is made (a hand-written MSE loss, (y - t).pow(2).mean(), runs it
-# on the model's output at the start of backward)
-BACKWARD_TEMPS = {"pow.Tensor_Scalar": 2}
+# input 0's bytes, per overload (derivatives.yaml, FunctionsManual.cpp), for unary ops whose output has the input's
+# shape. pow(x, c): grad * (c * x.pow(c - 1)), so x.pow(c - 1) and c * x.pow(c - 1) are alive while grad * (...)
+# is made (a hand-written MSE loss, (y - t).pow(2).mean(), runs it on the model's output at the start of backward);
+# sqrt: grad / (2 * y); rsqrt: -0.5 * grad * y.pow(3); abs: grad * x.sgn(); sin: grad * x.cos(); cos: grad *
+# -x.sin(); reciprocal: -grad * (y * y); erf: 2 / sqrt(pi) * exp(-x.pow(2)) * grad; cumsum: flip, cumsum, flip.
+# Each count is what the traced step (the real formulas under fake tensors) holds (tests/test_costmodel.py).
+# Binary ops (div, atan2, maximum, pow.Tensor_Tensor) and reductions (var, norm, prod) also hold temporaries, which
+# depend on which inputs need a gradient and on their shapes: not counted (the static estimate is low there).
+BACKWARD_TEMPS = {"pow.Tensor_Scalar": 2, "sqrt.default": 1, "rsqrt.default": 2, "abs.default": 1, "sin.default": 1,
+                  "cos.default": 2, "reciprocal.default": 1, "erf.default": 4, "cumsum.default": 2}
 _BACKWARD_TEMPS: dict = {}
 
 
