@@ -59,15 +59,26 @@ class _Op(nn.Module):
         return self.f(self.lin(x))
 
 
-def row(name, f, x, out_bytes):
+def one_op_program(f, x):
+    """Linear(32, 512) then `f`, captured on `x` (tests/test_costmodel.py checks the counted ops with it)."""
     program = fxmem.capture(_Op(f), (x,))
     program.refresh()
+    return program
+
+
+def estimates(program, loss: str):
+    """(static, traced) estimates of a training step with loss = out.mean() or out.sum()."""
+    def loss_fn(out, inputs):
+        return getattr(out, loss)()
+    return (fxmem.estimate(program, mode="train", loss_fn=loss_fn),
+            fxmem.estimate(program, mode="train", loss_fn=loss_fn, method="traced"))
+
+
+def row(name, f, x, out_bytes):
+    program = one_op_program(f, x)
     cells = []
     for loss in ("mean", "sum"):
-        def loss_fn(out, inputs, loss=loss):
-            return getattr(out, loss)()
-        st = fxmem.estimate(program, mode="train", loss_fn=loss_fn)
-        tr = fxmem.estimate(program, mode="train", loss_fn=loss_fn, method="traced")
+        st, tr = estimates(program, loss)
         cells.append(f"{(st.peak - tr.peak) / out_bytes:+.2f}")
     counted = sorted({str(r) for r in _overloads(program, x)} & {f"aten.{k}" for k in optable.BACKWARD_TEMPS})
     return f"| {name} | {cells[0]} | {cells[1]} | {', '.join(c.removeprefix('aten.') for c in counted) or '-'} |"

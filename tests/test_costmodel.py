@@ -356,16 +356,6 @@ def test_static_backward_counts_the_temporaries_of_a_pow_loss():
     assert optable.backward_temps(torch.ops.aten.pow.Tensor_Tensor) == 0
 
 
-class _Unary(nn.Module):
-    def __init__(self, f):
-        super().__init__()
-        self.lin = nn.Linear(32, 512)
-        self.f = f
-
-    def forward(self, x):
-        return self.f(self.lin(x))
-
-
 # (the estimates run on fake tensors: the values, negative under a square root, do not matter)
 _UNARY = {"sqrt.default": torch.sqrt, "rsqrt.default": torch.rsqrt, "abs.default": torch.abs, "sin.default": torch.sin,
           "cos.default": torch.cos, "reciprocal.default": torch.reciprocal, "erf.default": torch.erf,
@@ -377,14 +367,9 @@ def test_static_backward_temporaries_of_unary_formulas_are_the_traced_ones(op):
     """Every op in ops.BACKWARD_TEMPS, on a model's output (its backward the step's peak): the static estimate
     equals the traced one, which runs the real backward formulas on fake tensors (each was 1-4 output-sized
     temporaries low before)."""
+    from benchmarks.static_backward_ops import estimates, one_op_program  # (the table's own harness)
     assert op in optable.BACKWARD_TEMPS
     torch.manual_seed(0)
-    program = fxmem.capture(_Unary(_UNARY[op]), (torch.randn(256, 32),))
-    program.refresh()
-
-    def loss_fn(out, inputs):
-        return out.mean()
-    st = fxmem.estimate(program, mode="train", loss_fn=loss_fn)
-    tr = fxmem.estimate(program, mode="train", loss_fn=loss_fn, method="traced")
+    st, tr = estimates(one_op_program(_UNARY[op], torch.randn(256, 32)), "mean")
     assert abs(st.peak - tr.peak) <= 16, (st.peak, tr.peak)
     assert tr.peak_phase == "backward" and st.peak_at == f"{tr.peak_at} (backward)", (st.peak_at, tr.peak_at)
