@@ -923,7 +923,7 @@ class RecomputeWalk:
         self.rec, self.base_keys, self.out_keys = traced[0], traced[1], traced[2]
         self.R = self.rec.records
         self.step_end = _step_ends(self.R)
-        self.created_in = {k: r.idx for r in self.R for k in r.new_keys}
+        self.created_in = _RegionIndex.of(self.rec).created_in
         self._memo: dict = {}
 
     @classmethod
@@ -1189,7 +1189,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         cur += temps
         bump(r.node, r.module)
         cur -= temps
-        node_peak = max(cur + temps, node_peak_start, node_high[0])
+        node_peak = max(cur, node_peak_start, node_high[0])  # (node_high: with the temporaries)
         cur -= again
         if recast_held is not None:
             cur -= recast_held[1].get(r.idx, 0)  # a shared recipe's first saver: its last unpack
@@ -1445,7 +1445,7 @@ class CandidateRegion:
     flops: float = 0.0  # forward cost of the region (recompute cost of `full`)
     flops_sel: float = 0.0  # recompute cost of `selective`
     inputs: list = field(default_factory=list)
-    keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (RNG_KEEP), when all are
+    keep_full: frozenset = frozenset()  # ops even `full` keeps: the region's random draws (DRAW_OPS), when all are
     kept_full: int = 0  # bytes of their outputs
     flops_redraw: float = 0.0  # recompute cost of `redraw` (`full` plus drawing the kept masks again)
     lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
@@ -1476,7 +1476,8 @@ class CandidateRegion:
         return {"keep": 0.0, "selective": self.flops_sel, "full": self.flops, "redraw": self.flops_redraw}[choice]
 
 
-RNG_KEEP = DRAW_OPS  # random draws recompute regions keep (bool_mask_dropout's, through a DrawTape)
+# the draws a recompute region keeps (on its DrawTape) instead of drawing again: fxmem.nn.checkpoint.DRAW_OPS, of
+# these dropouts' bool masks
 DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 
@@ -1561,7 +1562,7 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
         # the RNG state and replays the draws in order, so skipping some would shift the others
         draws = [r for r in recs if optable.category(r.func) == optable.RANDOM]
         targets = {n.name: n.target for n in reg.nodes}
-        keep_rng = RNG_KEEP if draws and all(optable.packet(r.func) in RNG_KEEP and targets.get(r.node) in DROPOUT_FNS
+        keep_rng = DRAW_OPS if draws and all(optable.packet(r.func) in DRAW_OPS and targets.get(r.node) in DROPOUT_FNS
                                              for r in draws) else frozenset()
         keep_sel = keep_ops | keep_rng
         for r in recs:
@@ -1641,8 +1642,6 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
         reg.span = (min(idxs), max(idxs)) if idxs else ()
 
 
-
-
 @dataclass
 class RegionModel:
     """Nested prefix constraints: for k = 0..n, sum of freed over regions[:k] >= need[k]."""
@@ -1720,12 +1719,15 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
     live = [0] * (n + 1)
     floor, floor_at = 0, ""
     end = len(pos) + 1
+
+    def at_of(p):  # a timeline point's position in the graph (the loss after every node; None: not a node's)
+        return pos.get(p.label, end if p.label == "loss" else None)
     for p in est.timeline:
         if p.phase == "optimizer":
             if p.peak > floor:
                 floor, floor_at = p.peak, p.label
             continue
-        at = pos.get(p.label, end if p.label == "loss" else None)
+        at = at_of(p)
         if at is None:
             if p.peak > floor:
                 floor, floor_at = p.peak, p.label
@@ -1747,7 +1749,7 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
     inner: list[list] = [[] for _ in range(n)]  # region -> [(position, the baseline's peak there)]
     prev, k = 0, n - 1
     for p in est.timeline:
-        at = pos.get(p.label, end if p.label == "loss" else None) if p.phase == "backward" else None
+        at = at_of(p) if p.phase == "backward" else None
         if at is not None:
             while k >= 0 and at <= runs[k]:
                 spike_base[k] = prev
@@ -1774,7 +1776,7 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
             if c != "keep":
                 ks, kept = reg.keeps(c)
                 over, leaves, extra = walk.over(*reg.span, frozenset(ks))
-                tape_ops = frozenset(ks) & RNG_KEEP
+                tape_ops = frozenset(ks) & DRAW_OPS
                 tape = [(freed_at(key), walk.rec.storage_bytes[key])
                         for r in walk.R[reg.span[0]:reg.span[1] + 1] if names_op(r.func, tape_ops)
                         for key in r.new_keys if walk.base_keys.get(key) is None] if tape_ops else []

@@ -14,7 +14,7 @@ Random draws are kept, not drawn again. On CPU, dropout draws its mask into a fl
 reference decoder's forward here). When the pass has work to do, `compact_dropout` first replaces CPU
 `aten.dropout` by `fxmem.nn.dropout.bool_mask_dropout`: the same random numbers drawn into a bool mask
 (bit-identical outputs and gradients, a quarter of the bytes). Recompute regions then keep those draws
-(`fxmem.costmodel.RNG_KEEP`: the region's `DrawTape` hands the recomputation the forward's masks) instead of
+(`fxmem.nn.checkpoint.DRAW_OPS`: the region's `DrawTape` hands the recomputation the forward's masks) instead of
 drawing again, when every draw in the region is such a mask (recomputation replays other draws in order from the
 restored RNG state, so keeping only some would shift the others); the memory model counts the kept masks and the
 cost leaves their draw out.
@@ -328,7 +328,7 @@ def compact_dropout(program: Program) -> list[Change]:
     and gradients, 1 byte per element saved; see fxmem/nn/dropout.py; the pipeline's exactness check would roll
     the pass back on a build where they differ). `train` stays the graph's (the module's .train()/.eval()). CUDA
     already runs the fused native_dropout, whose mask is bool, so CUDA graphs are left alone. The draw is what
-    recompute regions keep (fxmem.costmodel.RNG_KEEP) rather than draw again: on CPU, drawing is most of a
+    recompute regions keep (fxmem.nn.checkpoint.DRAW_OPS) rather than draw again: on CPU, drawing is most of a
     dropout-heavy forward."""
     g = program.graph
     changes: list[Change] = []
