@@ -64,6 +64,14 @@ def grads(module, args, kwargs, loss_fn):
     return out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def force_remat_and_regions(monkeypatch) -> None:
+    """The checkpoint pass emits remat + regions below what remat alone reaches, whichever of that and regions
+    alone it would have found cheaper (for tests of the remat + regions program itself)."""
+    from fxmem.pipeline import pass_module
+    monkeypatch.setattr(pass_module("checkpoint").CheckpointPass, "_remat_or_not",
+                        staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
+
+
 def planner_sets(program, loss_fn, remat: bool = False, opts=None):
     """The checkpoint pass's candidate sets, built as the pass builds them: on `program` after compact_dropout
     (and, with `remat`, every remat site applied), traced, with their memory models. Returns (the program planned

@@ -13,7 +13,7 @@ from fxmem.costmodel import estimate
 from fxmem.pipeline import PassContext
 from fxmem.step import compute_loss
 
-from .conftest import EXAMPLE_NAMES, example
+from .conftest import EXAMPLE_NAMES, example, force_remat_and_regions
 from .test_checkpoint import ck
 
 SMALL = {"gpt": dict(n_layer=2)}
@@ -132,8 +132,7 @@ def test_static_estimate_of_a_redraw_region_over_the_remat_program(monkeypatch, 
             return None
         return ck.Solution(plan, model.cost(plan), model.peak(plan), "forced", True)
     monkeypatch.setattr(ck, "solve", forced)
-    monkeypatch.setattr(ck.CheckpointPass, "_remat_or_not",
-                        staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
+    force_remat_and_regions(monkeypatch)
     model, args, kwargs, loss_fn = example("gpt", **SMALL["gpt"])
     p = fxmem.capture(model, args, kwargs)
     p.refresh()

@@ -13,7 +13,7 @@ from fxmem.nn.recast import RecastScope, remat, remat_call
 
 from fxmem.pipeline import pass_module
 
-from .conftest import OpCounter, example, grads, planner_sets
+from .conftest import OpCounter, example, force_remat_and_regions, grads, planner_sets
 
 
 class _MLP(nn.Module):
@@ -135,9 +135,7 @@ def test_remat_with_regions_exact_on_examples(name, sites, force, monkeypatch):
     alone are the cheaper plan at this budget (remat's own recompute counted), so the pass emits those; `force`
     takes remat + regions there anyway, for its exactness."""
     if force:
-        ck = pass_module("checkpoint")
-        monkeypatch.setattr(ck.CheckpointPass, "_remat_or_not",
-                            staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
+        force_remat_and_regions(monkeypatch)
     ref, res, args, kwargs, loss_fn = _transform(name, "80%")
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
