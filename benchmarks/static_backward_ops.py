@@ -9,9 +9,10 @@ runs the real backward formulas on fake tensors, and it equals fxmem.measure to 
 op's backward, in units of the op's output (256 x 512 fp32, 512 KiB).
 
 Two losses: `mean`, whose backward makes a real output-sized gradient, and `sum`, whose backward hands the op an
-expanded scalar (0 bytes), which the static walk counts as a full gradient. Ops listed in fxmem.ops.BACKWARD_TEMPS
-have their formula's temporaries counted; binary ops and reductions do not (their temporaries depend on which
-inputs need a gradient and on shapes). Writes benchmarks/results/static_backward_ops.md.
+expanded scalar (0 bytes), which the static walk counts as a full gradient. The last column is what the op's
+backward formula holds above the gradients it makes (fxmem.costmodel.formula_temps: the real formula run once on
+fake tensors with the call's shapes and requires-grad flags), which the static walk adds at that op's backward.
+Writes benchmarks/results/static_backward_ops.md.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fxmem  # noqa: E402
-from fxmem import ops as optable  # noqa: E402
+from fxmem.costmodel import formula_temps, trace_forward  # noqa: E402
 
 F = nn.functional
 # (name, the op on the linear's output, the overload(s) it runs): the estimates run on fake tensors, so values that
@@ -80,14 +81,16 @@ def row(name, f, x, out_bytes):
     for loss in ("mean", "sum"):
         st, tr = estimates(program, loss)
         cells.append(f"{(st.peak - tr.peak) / out_bytes:+.2f}")
-    counted = sorted({str(r) for r in _overloads(program, x)} & {f"aten.{k}" for k in optable.BACKWARD_TEMPS})
-    return f"| {name} | {cells[0]} | {cells[1]} | {', '.join(c.removeprefix('aten.') for c in counted) or '-'} |"
+    held = [f"{str(r.func).removeprefix('aten.')} {temps / out_bytes:.2f}" for r, temps in _formulas(program, x)
+            if temps]
+    return f"| {name} | {cells[0]} | {cells[1]} | {', '.join(held) or '-'} |"
 
 
-def _overloads(program, x):
-    from fxmem.costmodel import trace_forward
+def _formulas(program, x):
+    """(record, bytes its formula holds) for every op after the linear layer, its first output's gradient made."""
     rec = trace_forward(program, (x,), {}, "train")[0]
-    return {r.func for r in rec.records}
+    return [(r, formula_temps(r.call, (True,) + (False,) * (len(r.out_keys) - 1))) for r in rec.records
+            if r.node != "lin" and r.call is not None]
 
 
 def main():
@@ -103,7 +106,7 @@ def main():
              "traced peak, in units of the op's output (256 x 512 fp32); the traced estimate runs the real backward "
              "formulas on fake tensors. Negative: the static estimate is low there.", "",
              "| op after Linear(32, 512) | loss = out.mean() | loss = out.sum() "
-             "| temporaries counted (ops.BACKWARD_TEMPS) |", "|---|---|---|---|"]
+             "| what the formula holds above its gradients (formula_temps, in outputs) |", "|---|---|---|---|"]
     for name, f in OPS:
         lines.append(row(name, f, x, out_bytes))
         print(lines[-1], flush=True)

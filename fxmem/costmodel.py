@@ -4,7 +4,9 @@ Two methods, same result type (`MemoryEstimate`):
 
 - `static`: runs the forward graph under FakeTensorMode to learn every dispatch-level op's shapes, dtypes and
   storage aliasing (no real memory), then applies the op table (`fxmem.ops`) for what autograd saves, and walks a
-  liveness model of forward, backward and the optimizer step. Works for models far bigger than RAM.
+  liveness model of forward, backward and the optimizer step. What a backward formula holds above the gradients
+  it makes comes from running that one formula on fake tensors, once per call signature (`formula_temps`). Works
+  for models far bigger than RAM.
 - `traced`: runs the real training step (forward, loss, backward, optimizer) under FakeTensorMode with the same
   storage tracker `fxmem.measure` uses: an exact simulated timeline, still without real memory.
 
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, optimization_hint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -241,9 +243,11 @@ class OpRecord:
     saved: list = field(default_factory=list)  # storage keys saved for backward
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
-    grad_alias: str = ""  # the op table's grad_alias for this call ("shared" only when add's alpha is 1)
+    grad_alias: str = ""  # the op table's grad_alias for this call ("shared" when add's alpha is 1, "expanded" when
+    # sum keeps the input's dtype)
     int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
     step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
+    call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
 
 
 class _Recorder(TorchDispatchMode):
@@ -365,6 +369,7 @@ class _Recorder(TorchDispatchMode):
                        out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
                        list_keys=list_keys, int_outs=int_outs, step=self.step)
         if out_rg:
+            rec.call = call_signature(func, args, kwargs)
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
             for kind, i in slots:
@@ -382,7 +387,12 @@ class _Recorder(TorchDispatchMode):
         info = optable.lookup(func)
         if info is None:
             rec.known = False
-        elif info.grad_alias and (info.grad_alias != "shared" or kwargs.get("alpha", 1) == 1):
+        elif info.grad_alias == "shared":
+            rec.grad_alias = info.grad_alias if kwargs.get("alpha", 1) == 1 else ""
+        elif info.grad_alias == "expanded":
+            same_dtype = kwargs.get("dtype") in (None, getattr(args[0], "dtype", None))
+            rec.grad_alias = info.grad_alias if same_dtype else ""
+        elif info.grad_alias:
             rec.grad_alias = info.grad_alias
         self.records.append(rec)
         return out
@@ -1029,6 +1039,118 @@ def _timeline_add(tl: list, phase: str, label: str, live: int, peak: int) -> Non
         tl.append(TimelinePoint(phase, label, live, peak))
 
 
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor argument of a recorded call, by what its backward formula depends on."""
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+
+def call_signature(func, args, kwargs):
+    """An op call as a hashable value, its tensors as `TensorMeta` (None: not reproducible on fresh tensors: a view
+    or an in-place op, symbolic sizes, an argument of another kind)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        return None
+
+    def freeze(a):
+        if isinstance(a, torch.Tensor):
+            return TensorMeta(tuple(map(freeze, a.shape)), tuple(map(freeze, a.stride())), a.dtype, str(a.device),
+                              bool(a.requires_grad))
+        if isinstance(a, (list, tuple)):
+            return tuple(freeze(x) for x in a)
+        if isinstance(a, torch.SymInt):  # (a dynamic batch size: its example value, without a guard)
+            try:
+                return optimization_hint(a)
+            except Exception as e:  # noqa: BLE001 - no example value (a data-dependent size)
+                raise TypeError from e
+        if isinstance(a, (torch.SymFloat, torch.SymBool)):
+            raise TypeError
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return a
+        raise TypeError
+    try:
+        return func, freeze(tuple(args)), tuple(sorted((k, freeze(v)) for k, v in kwargs.items()))
+    except TypeError:
+        return None
+
+
+_FORMULA_TEMPS: dict = {}
+
+
+def formula_temps(call, grad_mask: tuple) -> int:
+    """Bytes an op's backward formula holds above the input gradients it makes, at its highest: `pow(x, c)` holds
+    `x.pow(c - 1)` and `c * x.pow(c - 1)` while it makes `grad * (...)`; `a / b` holds `a / b` and `(a / b) / b`
+    for b's gradient; `x * w` with a broadcast `w` makes w's gradient at x's size before it sums it down.
+
+    Measured, not tabled: the op runs once more on fresh fake tensors with the recorded shapes, strides, dtypes and
+    requires-grad flags, and its backward (the real formula) runs under the storage tracker, with gradients for the
+    outputs in `grad_mask` (those with one in the step). Cached per signature: a 12-layer model has a few dozen."""
+    if call is None or not any(grad_mask):
+        return 0
+    key = (call, grad_mask)
+    try:
+        return _FORMULA_TEMPS[key]
+    except KeyError:
+        pass
+    try:
+        n = _measure_formula(*call, grad_mask)
+    except Exception:  # noqa: BLE001 - an op whose backward cannot run on fresh fake tensors: no temporaries counted
+        n = 0
+    if len(_FORMULA_TEMPS) > 65536:
+        _FORMULA_TEMPS.clear()
+    _FORMULA_TEMPS[key] = n
+    return n
+
+
+def _measure_formula(func, args, kwargs, grad_mask: tuple) -> int:
+    tracker = StorageTracker()
+    try:
+        with FakeTensorMode(), torch.enable_grad(), tracker:  # (forward storages tracked: views of them are not new)
+            leaves: list = []
+
+            def make(a):
+                if isinstance(a, TensorMeta):
+                    t = torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
+                    if a.requires_grad:
+                        t.requires_grad_(True)
+                        leaves.append(t)
+                    return t
+                if isinstance(a, tuple):
+                    return [make(x) for x in a]
+                return a
+            out = func(*[make(a) for a in args], **{k: make(v) for k, v in kwargs})
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            outs = [o for o, g in zip(outs, grad_mask) if g and isinstance(o, torch.Tensor) and o.requires_grad]
+            if not outs or not leaves:
+                return 0
+            grads = [torch.empty_like(o) for o in outs]
+            tracker.reset_peak()
+            # (retain_graph: the saved tensors stay, as they do until the op's backward has run)
+            made = torch.autograd.grad(outs, leaves, grads, allow_unused=True, retain_graph=True)
+            held = tracker.peak - tracker.current  # (`made` still holds the gradients: what stays)
+            del made
+            return max(0, held)
+    finally:
+        tracker.close()
+
+
+def _covers(meta, nbytes: int) -> bool:
+    """Whether a tensor (`TensorMeta`) is the whole of a storage of `nbytes`: dense, no element twice, no gap."""
+    if not isinstance(meta, TensorMeta) or math.prod(meta.shape) * meta.dtype.itemsize != nbytes:
+        return False
+    step = 1
+    for stride, size in sorted((st, d) for d, st in zip(meta.shape, meta.stride) if d != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
                      recompute_keys=None, recast_held=None, created_in=None, recompute_over=None):
@@ -1058,7 +1180,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         reload_at[at].extend(offloaded[name])
 
     node_high = [0]  # the highest live bytes inside the current op's backward (transients included)
-    grad_slices: set[int] = set()  # keys whose gradient is a slice of a cat's (see "sliced" below)
+    # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a cat's
+    # ("sliced" below), a sum's one-element gradient expanded ("expanded")
+    grad_views: set[int] = set()
+    grad_expanded: set[int] = set()  # of those, the expanded ones: every stride 0, views of them are views
 
     def bump(label, module):
         nonlocal peak, peak_at, peak_phase, peak_mod
@@ -1119,6 +1244,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             if k is not None and k not in grad_live and b and k not in r.int_outs:
                 grad_live[k] = sb.get(k, b)
                 cur += grad_live[k]
+        grad_mask = tuple(k is not None and k in grad_live for k in r.out_keys)  # (before a view hands one on)
         # the region's recomputation runs in the backward of its last op that saves a tensor (its first unpack),
         # once the gradients of that op's outputs are made: with them live (a dropout's scaling after its mask
         # multiply saves nothing, so its gradient is made before)
@@ -1153,42 +1279,68 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                     grad_live[k], buf = buf, None
                 else:
                     grad_live[k] = 0
-                grad_slices.add(k)
+                grad_views.add(k)
             if buf is not None:
                 cur -= buf  # every input had a gradient already
             ins = [t for t in ins if t[0] not in r.list_keys]
+        accumulated = 0
+        handed_expanded = False
+        if r.grad_alias == "expanded" and r.in_rg and r.in_rg[0] and r.in_keys[0] not in (None, *param_keys) \
+                and r.in_keys[0] not in grad_live and r.out_keys[0] in grad_live and r.call is not None \
+                and _covers(r.call[1][0], sb.get(r.in_keys[0], 0)) \
+                and (r.out_keys[0] in grad_expanded or r.out_bytes[0] == r.call[1][0].dtype.itemsize):
+            # sum hands its input its own gradient expanded to the input's shape, a view: no new buffer when every
+            # stride is 0 (the sum made one element, or its gradient was such a view already), and the input is its
+            # whole storage (a slice's backward makes the storage's gradient whole). Between the storage's maker and
+            # the sum only views of the whole storage can sit, and those of a tensor whose strides are all 0 are
+            # views again; a partial sum's expanded gradient is not (a reshape of it copies): counted whole
+            k = r.in_keys[0]
+            grad_live[k] = grad_live.pop(r.out_keys[0])
+            grad_views.add(k)
+            grad_expanded.add(k)
+            ins = ins[1:]
         for k, b, rg in ins:
             if not rg or k is None or k in same:
                 continue
             if shares and handed_over and b == r.out_bytes[0] and k not in grad_live and k not in param_keys:
                 grad_live[k] = 0  # the same buffer the first input got
+                if handed_expanded:
+                    grad_views.add(k)
+                    grad_expanded.add(k)
                 continue
             if k in grad_live:
-                # accumulation: new grad + old grad -> a transient of the new one's size
+                # accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's
+                # other gradients and temporaries (it is added once the formula returns)
                 bump(r.node, r.module)
                 tmp = b
                 cur += tmp
                 bump(r.node, r.module)
-                if k in grad_slices:
-                    # the old one is a slice of a join's gradient, which autograd does not add into in place: the
-                    # sum is a new buffer, made once this op's backward has released what it held (below)
-                    grad_slices.discard(k)
+                if k in grad_views:
+                    # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not add
+                    # into in place: the sum is a new buffer, made once this op's backward has released what it held
+                    grad_views.discard(k)
                     sums.append((k, tmp))
                     continue
-                cur -= tmp
+                accumulated += tmp
                 continue
             if passthrough and not handed_over and r.out_keys and r.out_keys[0] in grad_live \
-                    and b <= grad_live[r.out_keys[0]]:
+                    and (b <= grad_live[r.out_keys[0]] or r.out_keys[0] in grad_expanded and k not in param_keys
+                         and (k == r.in_keys[0] or shares) and optable.packet(r.func) in optable.GRAD_AS_VIEW):
+                handed_expanded = r.out_keys[0] in grad_expanded
                 grad_live[k] = grad_live.pop(r.out_keys[0])  # the output's grad becomes the input's (a view)
+                if handed_expanded:
+                    grad_views.add(k)
+                    grad_expanded.add(k)
                 handed_over = True
                 continue
             grad_live[k] = sb.get(k, b) if k not in param_keys else b
             cur += grad_live[k]
-        # temporaries a backward formula holds with the gradient it makes (pow: x.pow(c - 1) and c * that)
-        temps = optable.backward_temps(r.func) * (r.in_bytes[0] or 0) if r.in_rg and r.in_rg[0] else 0
+        # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
+        # (the gradients it makes for inputs that have one already are added to theirs once it returns)
+        temps = formula_temps(r.call, grad_mask)
         cur += temps
         bump(r.node, r.module)
-        cur -= temps
+        cur -= temps + accumulated
         node_peak = max(cur, node_peak_start, node_high[0])  # (node_high: with the temporaries)
         cur -= again
         if recast_held is not None:

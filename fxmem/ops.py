@@ -60,8 +60,10 @@ class OpInfo:
     saves: Callable[[SaveCtx], Saved] = field(default=lambda c: [])
     flops: Callable[[tuple, object], int] | None = None  # (args, out) -> FLOPs
     grad_passthrough: bool = False  # gradient flows as a view of grad_out (no new buffer)
-    # how backward hands grad_out to several tensor inputs without new buffers: "shared" (add: the same tensor to
-    # every input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it)
+    # how backward hands grad_out to tensor inputs without new buffers: "shared" (add: the same tensor to every
+    # input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it), "expanded"
+    # (sum keeping the input's dtype: grad_out expanded to the input's shape; the static walk hands it on when every
+    # stride is 0)
     grad_alias: str = ""
     no_grad: bool = False  # the output never requires grad, whatever the inputs (x.new_zeros(...), zeros_like(x))
 
@@ -77,6 +79,10 @@ def _in0(c):
 
 def _out0(c):
     return [("out", 0)]
+
+
+def _in0_out0(c):  # prod, amax, logsumexp: the input and the result
+    return [("in", 0), ("out", 0)]
 
 
 def _mm(c):  # a @ b: grad_a needs b, grad_b needs a
@@ -284,6 +290,11 @@ _views = ["view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expan
           "narrow", "diagonal", "unflatten", "flatten", "view_as", "expand_as", "movedim", "lift_fresh",
           "_reshape_alias", "unfold", "numpy_T", "mT", "swapaxes", "tensor_split", "contiguous"]
 _reg(_views, OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
+# packets whose backward hands grad_out to input 0 as it is or as a view of it, whatever its strides (a reshape of a
+# tensor whose strides are all 0 is a view); not slice/select/expand (new buffers), neg or rsub (-grad)
+GRAD_AS_VIEW = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "movedim",
+                          "swapaxes", "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as",
+                          "alias", "detach", "lift_fresh", "contiguous", "add", "add_", "sub", "sub_"})
 
 _reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
 _reg(["bmm"], OpInfo(MATMUL, _mm, _flops_bmm))
@@ -299,9 +310,9 @@ _reg(["sub", "rsub", "neg", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, 
 _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
-      "reciprocal", "abs", "sqrt_"], OpInfo(POINTWISE, _in0, _flops_pointwise))
+      "abs", "sqrt_"], OpInfo(POINTWISE, _in0, _flops_pointwise))
 _reg(["pow", "pow_"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
-_reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "hardtanh", "threshold"],
+_reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "hardtanh", "threshold", "reciprocal"],
      OpInfo(POINTWISE, _out0, _flops_pointwise))
 _reg(["masked_fill", "masked_fill_"], OpInfo(POINTWISE, _masked_fill, _flops_pointwise))
 _reg(["where"], OpInfo(POINTWISE, _where, _flops_pointwise))
@@ -317,8 +328,9 @@ _reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit
       "_batch_norm_no_update"], OpInfo(NORM, _batch_norm, _flops_norm))
 _reg(["native_group_norm", "group_norm"], OpInfo(NORM, _group_norm, _flops_norm))
 _reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out", 1)], _flops_norm))
-_reg(["sum", "mean", "amax", "amin", "cumsum", "logsumexp", "prod", "any", "all", "argmax", "argmin"],
-     OpInfo(REDUCTION, _none, _flops_reduce))
+_reg(["sum"], OpInfo(REDUCTION, _none, _flops_reduce, grad_alias="expanded"))
+_reg(["mean", "cumsum", "any", "all", "argmax", "argmin"], OpInfo(REDUCTION, _none, _flops_reduce))
+_reg(["amax", "amin", "logsumexp", "prod"], OpInfo(REDUCTION, _in0_out0, _flops_reduce))
 _reg(["max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "topk", "sort"],
      OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))
 _reg(["bernoulli", "bernoulli_", "rand_like", "randn_like", "uniform_", "normal_", "rand", "randn",
@@ -411,31 +423,6 @@ def packet(op) -> str:
         return name
     except TypeError:  # unhashable callable
         return str(getattr(op, "overloadpacket", op)).split(".")[-1]
-
-
-# Backward formulas that are not one kernel hold temporaries at once with the input's gradient they make: in units of
-# input 0's bytes, per overload (derivatives.yaml, FunctionsManual.cpp), for unary ops whose output has the input's
-# shape. pow(x, c): grad * (c * x.pow(c - 1)), so x.pow(c - 1) and c * x.pow(c - 1) are alive while grad * (...)
-# is made (a hand-written MSE loss, (y - t).pow(2).mean(), runs it on the model's output at the start of backward);
-# sqrt: grad / (2 * y); rsqrt: -0.5 * grad * y.pow(3); abs: grad * x.sgn(); sin: grad * x.cos(); cos: grad *
-# -x.sin(); reciprocal: -grad * (y * y); erf: 2 / sqrt(pi) * exp(-x.pow(2)) * grad; cumsum: flip, cumsum, flip.
-# Each count is what the traced step (the real formulas under fake tensors) holds (tests/test_costmodel.py).
-# Binary ops (div, atan2, maximum, pow.Tensor_Tensor) and reductions (var, norm, prod) also hold temporaries, which
-# depend on which inputs need a gradient and on their shapes: not counted (the static estimate is low there).
-BACKWARD_TEMPS = {"pow.Tensor_Scalar": 2, "sqrt.default": 1, "rsqrt.default": 2, "abs.default": 1, "sin.default": 1,
-                  "cos.default": 2, "reciprocal.default": 1, "erf.default": 4, "cumsum.default": 2}
-_BACKWARD_TEMPS: dict = {}
-
-
-def backward_temps(op) -> int:
-    """How many temporaries the size of input 0 the op's backward holds with the gradient it makes (0: none)."""
-    try:
-        return _BACKWARD_TEMPS[op]
-    except KeyError:
-        n = _BACKWARD_TEMPS[op] = BACKWARD_TEMPS.get(str(op).removeprefix("aten."), 0)
-        return n
-    except TypeError:  # unhashable callable
-        return 0
 
 
 def flops(op, args, out) -> int:
