@@ -28,6 +28,7 @@ shards of parameters and optimizer state, plus everything the step allocates).
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from torch import fx, nn
 
 from .errors import FxmemError
+from .nn.regions import region_info
 from .program import Program, module_stack
 
 __all__ = ["distribute", "block_paths", "ShardedBlock", "measure_rank", "estimate_rank", "DistributeOptions"]
@@ -355,11 +357,17 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     DDP keeps gradient buckets (one more copy of the trainable parameters' bytes); FSDP2 holds the root's
     parameters unsharded from forward until the end of backward, up to two blocks' unsharded parameters
     (the one computing and the one prefetched), and in a block's backward its unsharded gradients plus the
-    reduce-scatter input copied from them (twice the largest block). `program` must be at the per-rank input shapes.
-    Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes.
+    reduce-scatter input copied from them (twice the largest block, or the root's parameters, whose gradients are
+    reduced at the end of backward, when they are larger). With offload regions, also a block's
+    all-gather output, alive until it is copied out into the block's parameters: the offloaded activations come
+    back inside that window (benchmarks/offload.py --distributed, rank 0's timeline: the step peaks there, one
+    block above the rest; without offload regions the step peaks elsewhere and the term would count one block
+    high). `program` must be at the per-rank input shapes.
+    Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes and "blocks", the blocks sharded apart.
     """
     from .costmodel import estimate
     stage = 0 if mode == "ddp" else 3
+    paths: list[str] = []
     est = estimate(program, mode="train", optimizer=optimizer, world_size=world_size, zero_stage=stage,
                    loss_fn=loss_fn)
     gm = program.module
@@ -368,7 +376,9 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     if mode == "ddp":
         extra = sum(p.numel() * p.element_size() for _, p in trainable)
     else:
-        paths = block_paths(gm) if blocks is None else list(blocks)
+        # the blocks `distribute` makes: a block a checkpoint or offload region covers only in part is not one, and
+        # its parameters are sharded with the root
+        paths, _ = make_blocks(copy.deepcopy(gm), blocks)
         per_block = {b: 0 for b in paths}
         root = 0
         for n, p in gm.named_parameters():
@@ -380,7 +390,14 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
                 per_block[b] += size
         unsharded_root = root - -(-root // world_size)
         biggest = sorted(per_block.values(), reverse=True)[:2]
-        # in a block's backward: its unsharded gradients and the flat reduce-scatter input built from them
-        rs = 2 * (biggest[0] if biggest else 0)
-        extra = unsharded_root + sum(biggest) + rs
-    return {"peak": est.peak + extra, "base_estimate": est.peak, "extra": extra, "zero_stage": stage}
+        largest = biggest[0] if biggest else 0
+        # the all-gather output of the block being gathered, alive until copied out into its parameters: under
+        # offloaded activations reloading in that window
+        offloads = any(getattr(region_info(m), "kind", None) == "offload" for m in gm.modules())
+        staging = largest if offloads else 0
+        # in a block's backward (the root's: at the end of backward): its unsharded gradients and the flat
+        # reduce-scatter input built from them
+        rs = 2 * max(largest, root)
+        extra = unsharded_root + sum(biggest) + staging + rs
+    return {"peak": est.peak + extra, "base_estimate": est.peak, "extra": extra, "zero_stage": stage,
+            "blocks": paths if mode != "ddp" else []}
