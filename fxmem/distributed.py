@@ -20,7 +20,10 @@ pass's `grads: true`), `MixedPrecisionPolicy` (`param_dtype`/`reduce_dtype`, or 
 recorded in `module.fxmem_precision`).
 
 Blocks are found as the outermost repeated modules of one type under one parent with numeric names
-(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`.
+(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`. A block that a region covers only in
+part (a checkpoint region joining `h.0.mlp` to `h.1.ln_1`), or that cannot be outlined as one call, is not made:
+its parameters are sharded with the root, and `distribute` warns, naming the block and the reason (also in
+`module.fxmem_distribute_notes`).
 
 Per-rank memory: `fxmem.estimate(program, world_size=W, zero_stage=S)` (DDP = stage 0, FSDP = stage 3) is the
 cost model's prediction; `measure_rank(module, args, ...)` measures one steady-state step on this rank (local
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +277,8 @@ def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | 
     if isinstance(module, fx.GraphModule):
         made, notes = make_blocks(module, o.blocks)
         module.fxmem_distribute_notes = notes
+        if notes:  # each rank then all-gathers those parameters whole, with the root's: say so
+            warnings.warn("fxmem.distribute (FSDP2): " + "; ".join(notes), stacklevel=2)
     else:
         made = list(o.blocks or [])
     for path in made:

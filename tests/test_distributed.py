@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -84,6 +85,7 @@ def _worker(rank, port, saved, x, out_path, saved_checkpointed=None):
     for mode in modes:
         src = fxmem.load(saved_checkpointed) if mode == "fsdp-checkpointed" else gm
         mod_src = copy.deepcopy(src)
+        notes = None
         if mode == "fsdp-cpu-offload":  # CPUOffloadPolicy: sharded params, grads and optimizer step on CPU
             est = None
             mod = distribute(mod_src, {"mode": "fsdp", "cpu_offload": True})
@@ -92,7 +94,10 @@ def _worker(rank, port, saved, x, out_path, saved_checkpointed=None):
             prog.refresh()
             est = estimate_rank(prog, mode.removesuffix("-checkpointed"), WORLD, optimizer="sgd",
                                 loss_fn=lambda o, i: _loss(o))
-            mod = distribute(mod_src, mode.removesuffix("-checkpointed"))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mod = distribute(mod_src, mode.removesuffix("-checkpointed"))
+            notes = [str(w.message) for w in caught if "fxmem.distribute" in str(w.message)]
         opt = torch.optim.SGD(mod.parameters(), lr=0.1)
         losses, grads = _train(mod, shard, opt)
         avg = torch.stack(losses)
@@ -109,6 +114,7 @@ def _worker(rank, port, saved, x, out_path, saved_checkpointed=None):
             meas.pop("timeline", None)
         results[mode] = {"loss": avg, "grads": {_clean(k): v for k, v in grads.items()}, "params": params,
                          "est": est, "meas": meas, "blocks": getattr(mod_src, "fxmem_sharded_blocks", None),
+                         "warnings": notes,
                          "local_param_bytes": sum(
                              (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in mod.parameters())}
     if rank == 0:
@@ -174,3 +180,9 @@ def test_per_rank_estimate_tracks_measured(runs, mode):
         assert got[mode]["est"]["blocks"] == got[mode]["blocks"], (got[mode]["est"]["blocks"], got[mode]["blocks"])
     if mode == "fsdp-checkpointed":
         assert got[mode]["blocks"] == []
+        # distribute says so, naming each block and the reason
+        assert len(got[mode]["warnings"]) == 1, got[mode]["warnings"]
+        for path in ("h.0", "h.1"):
+            assert f"{path}: a region module covers only part of the block" in got[mode]["warnings"][0]
+    elif mode == "fsdp":
+        assert got[mode]["warnings"] == []
