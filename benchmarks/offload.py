@@ -180,13 +180,14 @@ def distributed():
     try:
         res, x = _build()
         res.save(tmp / "module")
-        _build_checkpointed().save(tmp / "checkpointed")
+        _build_checkpointed("sub-block").save(tmp / "checkpointed")
+        _build_checkpointed("auto").save(tmp / "segments")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(port, str(tmp / "module"), x, str(tmp / "r.pt"), str(tmp / "checkpointed")),
-                           nprocs=WORLD, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(port, str(tmp / "module"), x, str(tmp / "r.pt"), str(tmp / "checkpointed"),
+                                          str(tmp / "segments")), nprocs=WORLD, join=True, start_method="spawn")
         spawn_s = time.perf_counter() - t0
         got = torch.load(tmp / "r.pt", weights_only=False)
         ref = copy.deepcopy(res.module)
@@ -197,9 +198,10 @@ def distributed():
     lines = ["# Offloaded decoder under torch.distributed (2 processes, gloo, CPU)", "",
              "Reproduce: `python benchmarks/offload.py --distributed` (the same worker as tests/test_distributed.py).",
              f"Model: examples/gpt.py {CFG}, inputs {INPUTS} split over {WORLD} ranks, activation offload regions "
-             f"(disk), SGD, {STEPS} steps; spawn + run {spawn_s:.1f} s. fsdp-checkpointed: the same model "
-             "checkpointed at 60% of its peak instead (regions joining one block's MLP to the next block's first "
-             "norm: no block is one call, every parameter is sharded with the root).", "",
+             f"(disk), SGD, {STEPS} steps; spawn + run {spawn_s:.1f} s. fsdp-checkpointed / fsdp-segments: the same "
+             "model checkpointed at 60% of its peak instead, with regions inside the blocks (granularity sub-block: "
+             "outlined with their blocks) / with regions joining one block's MLP to the next block's first norm "
+             "(granularity auto: no block is one call, every parameter is sharded with the root).", "",
              "| mode | max abs loss diff vs 1 process | max abs grad diff | per-rank estimate | measured per-rank "
              "peak | estimate / measured | sharded blocks |", "|---|---|---|---|---|---|---|"]
     ref_loss = torch.stack(losses)
@@ -213,7 +215,7 @@ def distributed():
                      f"{r['blocks'] or '—'} |")
     lines += ["", "Per-rank estimate = the cost model with world_size/zero_stage (DDP 0, FSDP 3) plus DDP's gradient "
               "buckets, or FSDP2's unsharded root parameters, two unsharded blocks (of those distribute makes), "
-              "with offload regions a block's all-gather output, and the unsharded gradients of the largest block "
+              "with regions a block's all-gather output, and the unsharded gradients of the largest block "
               "or the root with their reduce-scatter copy (fxmem.distributed.estimate_rank). Measured = live tensor "
               "storages on rank 0 over one steady-state step (local shards of parameters and optimizer state "
               "seeded)."]

@@ -14,14 +14,15 @@ get_attr at the top of `forward` and no block module is ever called, so FSDP's p
 module at `h.3` is replaced by a `ShardedBlock` that keeps the same children (state_dict keys are unchanged),
 takes the block's non-parameter inputs, and passes its *current* parameters to the body (FSDP swaps sharded and
 unsharded parameters on the module between its hooks). An existing checkpoint/offload region that covers a
-block becomes that block's body. `fully_shard` is then applied to every block and to the root (the remaining
+block becomes that block's body; regions inside a block (a checkpointed `h.3.attn`) are outlined with the rest of
+it, into its body. `fully_shard` is then applied to every block and to the root (the remaining
 parameters: embeddings, final norm, head). Options: `CPUOffloadPolicy` (`cpu_offload=True`, or the offload
 pass's `grads: true`), `MixedPrecisionPolicy` (`param_dtype`/`reduce_dtype`, or what the precision pass
 recorded in `module.fxmem_precision`).
 
 Blocks are found as the outermost repeated modules of one type under one parent with numeric names
-(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`. A block that a region covers only in
-part (a checkpoint region joining `h.0.mlp` to `h.1.ln_1`), or that cannot be outlined as one call, is not made:
+(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`. A block whose parameters a node outside
+it reads (a checkpoint region joining `h.0.mlp` to `h.1.ln_1`), or that cannot be outlined as one call, is not made:
 its parameters are sharded with the root, and `distribute` warns, naming the block and the reason (also in
 `module.fxmem_distribute_notes`).
 
@@ -147,15 +148,20 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[lis
             notes.append(f"{path}: not a module of the graph; its parameters are sharded with the root")
             continue
         own_params = {id(p): name for name, p in owner.named_parameters()}
+        # a node outside the block reading its parameters: a region joining part of it to another block (a
+        # checkpoint segment h.0.mlp + h.1.ln_1), whose call is not the block's
+        member_set = set(members)
+        spanning = [u.target if u.op == "call_module" else u.name for n in graph.nodes if n.op == "get_attr"
+                    and n.target.startswith(path + ".") for u in n.users if u not in member_set]
         if len(modules) == 1 and all(n is modules[0] or (n.op == "call_function" and n.target is operator.getitem
                                                           and n.args[0] is modules[0]) for n in members):
             call = modules[0]  # an existing region covers the block: it becomes the body
             body = gm.get_submodule(call.target)
-        elif modules:
-            notes.append(f"{path}: a region module covers only part of the block; its parameters are sharded "
-                         f"with the root")
+        elif spanning:
+            notes.append(f"{path}: {spanning[0]} reads its parameters from outside the block (a region joining "
+                         f"part of it to another); its parameters are sharded with the root")
             continue
-        else:
+        else:  # the block's nodes, with the regions inside it (checkpointed attention, MLP), become one call
             try:
                 call = outline(prog, members, "fxmem_block_" + path.replace(".", "_"))
             except OutlineError as e:
@@ -364,11 +370,11 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     parameters unsharded from forward until the end of backward, up to two blocks' unsharded parameters
     (the one computing and the one prefetched), and in a block's backward its unsharded gradients plus the
     reduce-scatter input copied from them (twice the largest block, or the root's parameters, whose gradients are
-    reduced at the end of backward, when they are larger). With offload regions, also a block's
-    all-gather output, alive until it is copied out into the block's parameters: the offloaded activations come
-    back inside that window (benchmarks/offload.py --distributed, rank 0's timeline: the step peaks there, one
-    block above the rest; without offload regions the step peaks elsewhere and the term would count one block
-    high). `program` must be at the per-rank input shapes.
+    reduced at the end of backward, when they are larger). With offload or checkpoint regions, also a block's
+    all-gather output, alive until it is copied out into the block's parameters: offloaded activations come back,
+    and regions recompute, inside that window (benchmarks/offload.py --distributed, rank 0's timeline: the step
+    peaks there, one block above the rest; without regions the step peaks elsewhere and the term would count one
+    block high). `program` must be at the per-rank input shapes.
     Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes and "blocks", the blocks sharded apart.
     """
     from .costmodel import estimate
@@ -398,9 +404,9 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
         biggest = sorted(per_block.values(), reverse=True)[:2]
         largest = biggest[0] if biggest else 0
         # the all-gather output of the block being gathered, alive until copied out into its parameters: under
-        # offloaded activations reloading in that window
-        offloads = any(getattr(region_info(m), "kind", None) == "offload" for m in gm.modules())
-        staging = largest if offloads else 0
+        # offloaded activations coming back, or a checkpointed region recomputing, in that window
+        regions = any(region_info(m) is not None for m in gm.modules())
+        staging = largest if regions else 0
         # in a block's backward (the root's: at the end of backward): its unsharded gradients and the flat
         # reduce-scatter input built from them
         rs = 2 * max(largest, root)

@@ -83,6 +83,8 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
     recompile: lint the graph and regenerate the root's code. A caller outlining many regions passes False and
     does both once after the last (`program.module.graph.lint(); program.module.recompile()`): on a 12-layer
     decoder each costs about as much as the outlining itself.
+    Submodules the nodes call (regions outlined before, inside a block `fxmem.distribute` outlines) move into the
+    new submodule.
     Raises OutlineError if the region is empty, contains placeholders/outputs, or is not convex.
     """
     gm = program.module
@@ -114,7 +116,10 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
     else:
         child.output(tuple(env[o] for o in outputs))
     child.lint()
-    body = fx.GraphModule(nn.Module(), child, class_name="Region_" + re.sub(r"[^0-9A-Za-z_]", "_", name))
+    # submodules the region calls (an earlier region inside a block being outlined) move into the body
+    inner = [n.target for n in members if n.op == "call_module"]
+    body = fx.GraphModule(gm if inner else nn.Module(), child,
+                          class_name="Region_" + re.sub(r"[^0-9A-Za-z_]", "_", name))
     mod = wrap(body) if wrap is not None else body
 
     attr = unique_name(gm, name)
@@ -140,6 +145,10 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
             prev = g
     for n in reversed(members):
         graph.erase_node(n)
+    for target in inner:
+        if not any(n.op == "call_module" and n.target == target for n in graph.nodes):
+            parent, _, leaf = target.rpartition(".")
+            delattr(gm.get_submodule(parent) if parent else gm, leaf)
     stable_toposort(graph)
     if recompile:
         graph.lint()
