@@ -45,7 +45,8 @@ from .errors import FxmemError
 from .nn.regions import region_info
 from .program import Program, module_stack
 
-__all__ = ["distribute", "block_paths", "ShardedBlock", "measure_rank", "estimate_rank", "DistributeOptions"]
+__all__ = ["distribute", "block_paths", "node_blocks", "ShardedBlock", "measure_rank", "estimate_rank",
+           "DistributeOptions"]
 
 
 @dataclass
@@ -87,6 +88,12 @@ def block_paths(gm: fx.GraphModule) -> list[str]:
         if ps[0].count(".") == depth:
             out.extend(ps)
     return [p for p in order if p in set(out)]
+
+
+def node_blocks(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
+    """Each node's block (`block_paths`), None for the root's nodes."""
+    paths = set(block_paths(gm))
+    return {n: next((p for p, _ in _stack_paths(n) if p in paths), None) for n in gm.graph.nodes}
 
 
 class ShardedBlock(nn.Module):
@@ -159,7 +166,8 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[lis
             body = gm.get_submodule(call.target)
         elif spanning:
             notes.append(f"{path}: {spanning[0]} reads its parameters from outside the block (a region joining "
-                         f"part of it to another); its parameters are sharded with the root")
+                         f"part of it to another; passes.checkpoint.within_blocks: true keeps regions inside "
+                         f"blocks); its parameters are sharded with the root")
             continue
         else:  # the block's nodes, with the regions inside it (checkpointed attention, MLP), become one call
             try:

@@ -46,7 +46,10 @@ chain instead of four. Likewise a max pooling whose output and indices are unpac
 Candidates come from module boundaries (`nn_module_stack`): the top-level modules of the model, descending into a
 module that holds most of the saved bytes (e.g. `transformer` -> `transformer.h.0`, ...), and, with
 `granularity: auto`, also one level finer (`h.0.attn`, `h.0.mlp`): the pass plans at both levels and keeps the
-cheaper feasible plan (finer regions reach lower peaks; whole blocks hold fewer region inputs). Each candidate
+cheaper feasible plan (finer regions reach lower peaks; whole blocks hold fewer region inputs). `within_blocks`
+drops candidates that join nodes of two repeated blocks (`h.0.mlp` + `h.1.ln_1`) or a block's with the root's:
+FSDP2 (`fxmem.distribute`) shards a block apart only when no node outside it reads its parameters. It is on when
+the policy declares `passes.offload.distributed: fsdp`. Each candidate
 is a run of consecutive nodes of one module call; nodes that write parameters/buffers/inputs in place stay
 outside regions, and batch-norm running statistics are restored after a recomputation (updated once per step).
 
@@ -133,6 +136,17 @@ class CheckpointOptions:
     # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
     # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
     remat: bool = True
+    # regions never join nodes of two repeated blocks (fxmem.distributed.block_paths: h.0, h.1, ...) or a block's
+    # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares
+    # `passes.offload.distributed: fsdp`
+    within_blocks: bool | None = None
+
+
+def _fsdp_declared(policy) -> bool:
+    """Whether the policy declares the module will run under FSDP2 (`passes.offload.distributed: fsdp`)."""
+    passes = getattr(policy, "passes", None)
+    section = passes.get("offload") if isinstance(passes, dict) else None
+    return getattr(getattr(section, "options", None), "distributed", "none") == "fsdp"
 
 
 # ============================================================================================ candidates
@@ -1188,6 +1202,8 @@ class CheckpointPass:
                                                      "nothing to do"])
         lim = Limits(budget, act_budget)
         keep_ops = frozenset(opts.keep_ops)
+        if opts.within_blocks is None:
+            opts = replace(opts, within_blocks=_fsdp_declared(ctx.policy))
         est0 = _current_estimate(program, ctx)  # the baseline itself when it was made for this program
         traced = None
         if est0 is None:
@@ -1372,6 +1388,10 @@ class CheckpointPass:
             levels = [False]
         sets: list[CandidateSet] = []
         seen_paths: set = set()
+        block_of: dict = {}
+        if opts.within_blocks:
+            from fxmem.distributed import node_blocks
+            block_of = node_blocks(program.module)
         candidate_lists = []
         for finer in levels:
             regions = candidate_regions(program, saved_by_node, opts.regions or None, finer=finer)
@@ -1388,6 +1408,8 @@ class CheckpointPass:
                 continue
             seen_paths.add(key)
             regions = [r for r in regions if not _writes_input(r)]  # recomputation would see the written value
+            if opts.within_blocks:
+                regions = [r for r in regions if len({block_of.get(n) for n in r.nodes}) == 1]
             measure_regions(program, regions, rec, base_keys, keep_ops, node_time, balance)
             if level == "block" and not opts.regions:
                 glued = glue_regions(program, regions, lambda rs: measure_regions(

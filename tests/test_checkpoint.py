@@ -755,3 +755,38 @@ def test_cpu_pooling_and_short_convolutions_cost_their_measured_speed():
     chains = [i for i, n in enumerate(order) if n.startswith("relu")]
     late = [order.index(n) for n in ("conv2d", "max_pool2d", "max_pool2d_1")]
     assert len(chains) == 10 and max(chains) < min(late), order
+
+
+def test_within_blocks_keeps_regions_inside_blocks_for_fsdp():
+    """At 60% of a 2-block decoder's peak the pass joins h.0's MLP to h.1's first norm (a segment), which FSDP2
+    cannot shard per block (fxmem.distributed.make_blocks gives both blocks up, naming why). within_blocks drops
+    such candidates: every region stays in one block, both blocks can be made, and the step is still exact; a
+    policy that declares `passes.offload.distributed: fsdp` turns it on."""
+    from fxmem.distributed import make_blocks
+    from fxmem.policy import load_policy
+    fsdp_declared = pass_module("checkpoint")._fsdp_declared
+    cfg, inputs = dict(n_layer=2, n_head=2, d_model=64, dropout=0.0), dict(batch=8, seq_len=32)
+
+    def transform(**ck):
+        torch.manual_seed(0)
+        model, x = gpt.build_model(**cfg), gpt.example_inputs(**inputs)
+        return model, x, fxmem.transform(model, x, policy={"version": 1, "budget": "60%", "budget_strict": False,
+                                                           "passes": {"checkpoint": {"enabled": True, **ck}}})
+    _, _, free = transform()
+    made, notes = make_blocks(copy.deepcopy(free.module))
+    assert made == [] and len(notes) == 2 and all("reads its parameters from outside the block" in n for n in notes)
+    model, x, inside = transform(within_blocks=True)
+    regions = [n for n, _ in inside.module.named_children() if n.startswith("ckpt_")]
+    assert regions, inside.report
+    assert make_blocks(copy.deepcopy(inside.module)) == (["h.0", "h.1"], [])
+    ref_out = model(*x)
+    ref_out.float().pow(2).mean().backward()
+    out = inside.module(*x)
+    out.float().pow(2).mean().backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    got = dict(inside.module.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n].grad, p.grad, rtol=0, atol=0, msg=n)
+    assert fsdp_declared(load_policy({"version": 1, "passes": {"offload": {"distributed": "fsdp"}}}))
+    assert not fsdp_declared(load_policy({"version": 1, "passes": {"offload": {"distributed": "ddp"}}}))
+    assert not fsdp_declared(None)
