@@ -32,7 +32,6 @@ shards of parameters and optimizer state, plus everything the step allocates).
 """
 from __future__ import annotations
 
-import copy
 import operator
 import warnings
 from dataclasses import dataclass
@@ -133,9 +132,11 @@ def _set_module(root: nn.Module, path: str, mod: nn.Module) -> None:
     parent._modules[leaf] = mod
 
 
-def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """Turn each block into a ShardedBlock call (in place). Returns (blocks made, notes)."""
-    from .outline import OutlineError, outline
+def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
+                dry_run: bool = False) -> tuple[list[str], list[str]]:
+    """Turn each block into a ShardedBlock call (in place). Returns (blocks made, notes). `dry_run`: the same
+    answer without changing `gm` (what `estimate_rank` shards)."""
+    from .outline import OutlineError, check_outline, outline
     paths = block_paths(gm) if paths is None else list(paths)
     notes: list[str] = []
     made: list[str] = []
@@ -160,21 +161,31 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[lis
         member_set = set(members)
         spanning = [u.target if u.op == "call_module" else u.name for n in graph.nodes if n.op == "get_attr"
                     and n.target.startswith(path + ".") for u in n.users if u not in member_set]
-        if len(modules) == 1 and all(n is modules[0] or (n.op == "call_function" and n.target is operator.getitem
-                                                          and n.args[0] is modules[0]) for n in members):
-            call = modules[0]  # an existing region covers the block: it becomes the body
-            body = gm.get_submodule(call.target)
-        elif spanning:
+        # an existing region covering the block becomes its body; else the block's nodes, with the regions inside
+        # it (checkpointed attention, MLP), are outlined into one
+        whole = len(modules) == 1 and all(n is modules[0] or (n.op == "call_function" and n.target is
+                                                               operator.getitem and n.args[0] is modules[0])
+                                          for n in members)
+        if spanning:
             notes.append(f"{path}: {spanning[0]} reads its parameters from outside the block (a region joining "
                          f"part of it to another; passes.checkpoint.within_blocks: true keeps regions inside "
                          f"blocks); its parameters are sharded with the root")
             continue
-        else:  # the block's nodes, with the regions inside it (checkpointed attention, MLP), become one call
+        call_name = "fxmem_block_" + path.replace(".", "_")
+        if not whole:
             try:
-                call = outline(prog, members, "fxmem_block_" + path.replace(".", "_"))
+                check_outline(members, call_name)
             except OutlineError as e:
                 notes.append(f"{path}: cannot be one call ({e}); its parameters are sharded with the root")
                 continue
+        made.append(path)
+        if dry_run:
+            continue
+        if whole:
+            call = modules[0]
+            body = gm.get_submodule(call.target)
+        else:
+            call = outline(prog, members, call_name)
             body = gm.get_submodule(call.target)
             delattr(gm, call.target)
         # which arguments are this block's parameters
@@ -194,7 +205,8 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None) -> tuple[lis
         _set_module(gm, path, block)
         call.target = path
         call.args = tuple(keep)
-        made.append(path)
+    if dry_run:
+        return made, notes
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output", "call_module")
                                  or (n.op == "call_function" and getattr(getattr(n.target, "_schema", None),
                                                                           "is_mutable", False)))
@@ -398,7 +410,7 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     else:
         # the blocks `distribute` makes: a block a checkpoint or offload region covers only in part is not one, and
         # its parameters are sharded with the root
-        paths, _ = make_blocks(copy.deepcopy(gm), blocks)
+        paths, _ = make_blocks(gm, blocks, dry_run=True)
         per_block = {b: 0 for b in paths}
         root = 0
         for n, p in gm.named_parameters():

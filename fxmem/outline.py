@@ -89,18 +89,8 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
     """
     gm = program.module
     graph = gm.graph
-    members = [n for n in _in_graph_order(set(nodes)) if n.op != "get_attr"]
-    if not members:
-        raise OutlineError(f"outline {name!r}: no nodes to outline")
-    bad = [n.name for n in members if n.op in ("placeholder", "output")]
-    if bad:
-        raise OutlineError(f"outline {name!r}: cannot outline placeholder/output nodes {bad}")
+    members, inputs, outputs = check_outline(nodes, name)
     member_set = set(members)
-    _check_convex(member_set, name)
-    inputs, outputs = region_boundary(members)
-    if not outputs:
-        raise OutlineError(f"outline {name!r}: the region's values are never used outside it "
-                           f"(nothing to return; first node {members[0].name})")
 
     # ---------------------------------------------------------------------------- the child graph
     child = fx.Graph()
@@ -154,6 +144,23 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
         graph.lint()
         gm.recompile()
     return call
+
+
+def check_outline(nodes: list[fx.Node], name: str) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """What `outline` checks before it changes anything: (members in graph order, inputs, outputs), or
+    OutlineError (empty, placeholders/outputs, not convex, nothing used outside)."""
+    members = [n for n in _in_graph_order(set(nodes)) if n.op != "get_attr"]
+    if not members:
+        raise OutlineError(f"outline {name!r}: no nodes to outline")
+    bad = [n.name for n in members if n.op in ("placeholder", "output")]
+    if bad:
+        raise OutlineError(f"outline {name!r}: cannot outline placeholder/output nodes {bad}")
+    _check_convex(set(members), name)
+    inputs, outputs = region_boundary(members)
+    if not outputs:
+        raise OutlineError(f"outline {name!r}: the region's values are never used outside it "
+                           f"(nothing to return; first node {members[0].name})")
+    return members, inputs, outputs
 
 
 # ============================================================================================ helpers

@@ -778,6 +778,10 @@ def test_within_blocks_keeps_regions_inside_blocks_for_fsdp():
     model, x, inside = transform(within_blocks=True)
     regions = [n for n, _ in inside.module.named_children() if n.startswith("ckpt_")]
     assert regions, inside.report
+    code = inside.module.code
+    for gm, blocks in ((free.module, []), (inside.module, ["h.0", "h.1"])):  # (what estimate_rank asks)
+        assert make_blocks(gm, dry_run=True)[0] == blocks
+    assert inside.module.code == code  # (a dry run changes nothing)
     assert make_blocks(copy.deepcopy(inside.module)) == (["h.0", "h.1"], [])
     ref_out = model(*x)
     ref_out.float().pow(2).mean().backward()
