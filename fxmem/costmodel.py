@@ -837,6 +837,9 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
             R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
             regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
             (held_from, held_until), created_in, recompute_over)
+        unmeasured = {f"{r.func} (backward temporaries not measured)" for r in R
+                      if r.call is not None and r.call in FORMULA_UNMEASURED}
+        est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
         step_peak = cur + optimizer_step_workspace(optimizer, trainable)
@@ -1080,6 +1083,7 @@ def call_signature(func, args, kwargs):
 
 
 _FORMULA_TEMPS: dict = {}
+FORMULA_UNMEASURED: set = set()  # calls whose formula did not run on fake tensors
 
 
 def formula_temps(call, grad_mask: tuple) -> int:
@@ -1099,8 +1103,9 @@ def formula_temps(call, grad_mask: tuple) -> int:
         pass
     try:
         n = _measure_formula(*call, grad_mask)
-    except Exception:  # noqa: BLE001 - an op whose backward cannot run on fresh fake tensors: no temporaries counted
-        n = 0
+    except Exception:  # noqa: BLE001 - an op whose backward cannot run on fresh fake tensors: none counted, and
+        n = 0  # the estimate lists the op among its unknown ops
+        FORMULA_UNMEASURED.add(call)
     if len(_FORMULA_TEMPS) > 65536:
         _FORMULA_TEMPS.clear()
     _FORMULA_TEMPS[key] = n

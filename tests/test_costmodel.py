@@ -378,6 +378,23 @@ def test_formula_temporaries_are_measured_per_call():
     assert _formula(aten.pow.Tensor_Scalar, (256, 512), 2, grad_mask=(False,)) == 0
 
 
+def test_a_formula_that_cannot_be_measured_is_listed_among_unknown_ops(monkeypatch):
+    """A backward formula that does not run on fresh fake tensors counts no temporaries; the estimate says so."""
+    from benchmarks.static_backward_ops import estimates, one_op_program
+    from fxmem import costmodel
+
+    def fails(func, *rest):
+        if func is torch.ops.aten.erf.default:
+            raise RuntimeError("no fake kernel")
+        return real(func, *rest)
+    real = costmodel._measure_formula
+    monkeypatch.setattr(costmodel, "_measure_formula", fails)
+    monkeypatch.setattr(costmodel, "_FORMULA_TEMPS", {})
+    monkeypatch.setattr(costmodel, "FORMULA_UNMEASURED", set())
+    st, _ = estimates(one_op_program(torch.erf, torch.randn(256, 32)), "mean")
+    assert st.unknown_ops == ["aten.erf.default (backward temporaries not measured)"], st.unknown_ops
+
+
 def _op_rows():
     from benchmarks.static_backward_ops import OPS
     return [pytest.param(f, id=name) for name, f in OPS]
