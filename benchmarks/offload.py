@@ -215,8 +215,9 @@ def distributed():
                      f"{r['blocks'] or '—'} |")
     lines += ["", "Per-rank estimate = the cost model with world_size/zero_stage (DDP 0, FSDP 3) plus DDP's gradient "
               "buckets, or FSDP2's unsharded root parameters, two unsharded blocks (of those distribute makes), "
-              "with regions a block's all-gather output, and the unsharded gradients of the largest block "
-              "or the root with their reduce-scatter copy (fxmem.distributed.estimate_rank). Measured = live tensor "
+              "with regions a block's all-gather output (with checkpoint regions a margin), and the unsharded "
+              "gradients of the largest block or the root with their reduce-scatter copy "
+              "(fxmem.distributed.estimate_rank). Measured = live tensor "
               "storages on rank 0 over one steady-state step (local shards of parameters and optimizer state "
               "seeded)."]
     (RESULTS / "offload_distributed.md").write_text("\n".join(lines) + "\n")

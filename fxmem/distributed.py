@@ -390,11 +390,13 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     parameters unsharded from forward until the end of backward, up to two blocks' unsharded parameters
     (the one computing and the one prefetched), and in a block's backward its unsharded gradients plus the
     reduce-scatter input copied from them (twice the largest block, or the root's parameters, whose gradients are
-    reduced at the end of backward, when they are larger). With offload or checkpoint regions, also a block's
-    all-gather output, alive until it is copied out into the block's parameters: offloaded activations come back,
-    and regions recompute, inside that window (benchmarks/offload.py --distributed, rank 0's timeline: the step
-    peaks there, one block above the rest; without regions the step peaks elsewhere and the term would count one
-    block high). `program` must be at the per-rank input shapes.
+    reduced at the end of backward, when they are larger). With offload regions, also a block's all-gather output,
+    alive until it is copied out into the block's parameters: offloaded activations come back inside that window
+    (benchmarks/offload.py --distributed, rank 0's timeline: the step peaks there, one block above the rest).
+    With checkpoint regions the same block is counted as a margin, not from a timeline: the checkpointed decoder
+    measured 2.00 MiB on its own and 2.19 MiB (one block more) in some runs of the benchmark's worker, cause not
+    established. Without regions the step peaks elsewhere and the term would count one block high. `program` must
+    be at the per-rank input shapes.
     Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes and "blocks", the blocks sharded apart.
     """
     from .costmodel import estimate
@@ -423,8 +425,8 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
         unsharded_root = root - -(-root // world_size)
         biggest = sorted(per_block.values(), reverse=True)[:2]
         largest = biggest[0] if biggest else 0
-        # the all-gather output of the block being gathered, alive until copied out into its parameters: under
-        # offloaded activations coming back, or a checkpointed region recomputing, in that window
+        # the all-gather output of the block being gathered, alive until copied out into its parameters while
+        # offloaded activations come back (with checkpoint regions: a margin, see above)
         regions = any(region_info(m) is not None for m in gm.modules())
         staging = largest if regions else 0
         # in a block's backward (the root's: at the end of backward): its unsharded gradients and the flat
