@@ -60,6 +60,9 @@ class OpInfo:
     saves: Callable[[SaveCtx], Saved] = field(default=lambda c: [])
     flops: Callable[[tuple, object], int] | None = None  # (args, out) -> FLOPs
     grad_passthrough: bool = False  # gradient flows as a view of grad_out (no new buffer)
+    # input 0's gradient is grad_out as it is or a view of it, whatever grad_out's strides (a reshape of a tensor
+    # whose strides are all 0 is a view): not slice/select/expand (new buffers), neg or rsub (-grad)
+    grad_view: bool = False
     # how backward hands grad_out to tensor inputs without new buffers: "shared" (add: the same tensor to every
     # input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it), "expanded"
     # (sum keeping the input's dtype: grad_out expanded to the input's shape; the static walk hands it on when every
@@ -285,16 +288,11 @@ def _reg(ops, info):
                 OPS[getattr(pkt, name)] = info
 
 
-_views = ["view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "slice", "select",
-          "unsqueeze", "squeeze", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
-          "narrow", "diagonal", "unflatten", "flatten", "view_as", "expand_as", "movedim", "lift_fresh",
-          "_reshape_alias", "unfold", "numpy_T", "mT", "swapaxes", "tensor_split", "contiguous"]
-_reg(_views, OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
-# packets whose backward hands grad_out to input 0 as it is or as a view of it, whatever its strides (a reshape of a
-# tensor whose strides are all 0 is a view); not slice/select/expand (new buffers), neg or rsub (-grad)
-GRAD_AS_VIEW = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "movedim",
-                          "swapaxes", "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as",
-                          "alias", "detach", "lift_fresh", "contiguous", "add", "add_", "sub", "sub_"})
+_reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "movedim", "swapaxes",
+      "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "alias", "detach", "lift_fresh",
+      "contiguous"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_view=True))
+_reg(["expand", "expand_as", "slice", "select", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+      "narrow", "diagonal", "unfold", "tensor_split"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
 
 _reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
 _reg(["bmm"], OpInfo(MATMUL, _mm, _flops_bmm))
@@ -305,8 +303,10 @@ _reg(["linear"], OpInfo(MATMUL, _mm, _flops_linear))
 _reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution"], OpInfo(MATMUL, _conv, _flops_conv))
 _reg(["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"], OpInfo(MATMUL, _conv, _flops_conv_transpose))
 
-_reg(["add", "add_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_alias="shared"))
-_reg(["sub", "rsub", "neg", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))
+_reg(["add", "add_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_alias="shared",
+                            grad_view=True))
+_reg(["sub", "sub_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_view=True))
+_reg(["rsub", "neg"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True))
 _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
