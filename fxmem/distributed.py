@@ -44,7 +44,7 @@ from .errors import FxmemError
 from .nn.regions import region_info
 from .program import Program, module_stack
 
-__all__ = ["distribute", "block_paths", "node_blocks", "ShardedBlock", "measure_rank", "estimate_rank",
+__all__ = ["distribute", "declared_mode", "block_paths", "node_blocks", "ShardedBlock", "measure_rank", "estimate_rank",
            "DistributeOptions"]
 
 
@@ -217,6 +217,19 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
 
 # ============================================================================================ distribute
 
+def _section_options(policy, name: str):
+    """The options of a policy's `passes.<name>` section (None: no such section, or not a Policy)."""
+    passes = getattr(policy, "passes", None)
+    section = passes.get(name) if isinstance(passes, dict) else None
+    return getattr(section, "options", None)
+
+
+def declared_mode(policy) -> str:
+    """The distribution a policy declares for the module, in `passes.offload.distributed`: "none", "ddp" or "fsdp"
+    (what `distribute(module, policy)` runs; the checkpoint pass keeps regions inside blocks for "fsdp")."""
+    return getattr(_section_options(policy, "offload"), "distributed", None) or "none"
+
+
 def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> DistributeOptions:
     o = DistributeOptions()
     plan = getattr(module, "fxmem_offload", None) or {}
@@ -241,8 +254,7 @@ def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> Dist
     else:
         opts = src
         if hasattr(src, "passes"):  # a Policy
-            sec = src.passes.get("offload") if isinstance(src.passes, dict) else None
-            opts = getattr(sec, "options", None)
+            opts = _section_options(src, "offload")
             if opts is None:
                 raise FxmemError("fxmem.distribute: the policy has no passes.offload section with `distributed`")
         mode = getattr(opts, "distributed", None)
@@ -252,7 +264,7 @@ def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> Dist
         o.cpu_offload = bool(getattr(opts, "grads", False))
         if hasattr(src, "passes"):  # the precision pass's compute dtype -> FSDP2 MixedPrecisionPolicy
             psec = src.passes.get("precision") if isinstance(src.passes, dict) else None
-            popts = getattr(psec, "options", None) if psec is not None and getattr(psec, "enabled", False) else None
+            popts = _section_options(src, "precision") if getattr(psec, "enabled", False) else None
             compute = getattr(popts, "compute", "fp32")
             if compute in ("bf16", "fp16"):
                 o.param_dtype = torch.bfloat16 if compute == "bf16" else torch.float16

@@ -142,13 +142,6 @@ class CheckpointOptions:
     within_blocks: bool | None = None
 
 
-def _fsdp_declared(policy) -> bool:
-    """Whether the policy declares the module will run under FSDP2 (`passes.offload.distributed: fsdp`)."""
-    passes = getattr(policy, "passes", None)
-    section = passes.get("offload") if isinstance(passes, dict) else None
-    return getattr(getattr(section, "options", None), "distributed", "none") == "fsdp"
-
-
 # ============================================================================================ candidates
 
 
@@ -1203,7 +1196,8 @@ class CheckpointPass:
         lim = Limits(budget, act_budget)
         keep_ops = frozenset(opts.keep_ops)
         if opts.within_blocks is None:
-            opts = replace(opts, within_blocks=_fsdp_declared(ctx.policy))
+            from fxmem.distributed import declared_mode
+            opts = replace(opts, within_blocks=declared_mode(ctx.policy) == "fsdp")
         est0 = _current_estimate(program, ctx)  # the baseline itself when it was made for this program
         traced = None
         if est0 is None:

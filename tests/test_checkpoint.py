@@ -762,9 +762,11 @@ def test_within_blocks_keeps_regions_inside_blocks_for_fsdp():
     cannot shard per block (fxmem.distributed.make_blocks gives both blocks up, naming why). within_blocks drops
     such candidates: every region stays in one block, both blocks can be made, and the step is still exact; a
     policy that declares `passes.offload.distributed: fsdp` turns it on."""
-    from fxmem.distributed import make_blocks
+    from fxmem.distributed import declared_mode, make_blocks
     from fxmem.policy import load_policy
-    fsdp_declared = pass_module("checkpoint")._fsdp_declared
+
+    def fsdp_declared(policy):
+        return declared_mode(policy) == "fsdp"
     cfg, inputs = dict(n_layer=2, n_head=2, d_model=64, dropout=0.0), dict(batch=8, seq_len=32)
 
     def transform(**ck):
