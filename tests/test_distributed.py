@@ -22,15 +22,19 @@ CFG = dict(n_layer=2, n_head=2, d_model=64, dropout=0.0)
 INPUTS = dict(batch=8, seq_len=32)
 
 
-def _build():
-    """Capture + activation offload regions (the full fxmem path); the module is saved once and loaded by ranks."""
+def _transform(policy: dict):
+    """The decoder at CFG, built from seed 0 and transformed under `policy`; (result, example inputs)."""
     import fxmem
     import examples.gpt as ex
     torch.manual_seed(0)
     model = ex.build_model(**CFG)
     x = ex.example_inputs(**INPUTS)
-    res = fxmem.transform(model, x, policy={"version": 1, "passes": {"offload": {
-        "min_bytes": 0, "bandwidth": "10GB/s", "compute_rate": "1GFLOP/s"}}})
+    return fxmem.transform(model, x, policy={"version": 1, **policy}), x
+
+
+def _build():
+    """Capture + activation offload regions (the full fxmem path); the module is saved once and loaded by ranks."""
+    res, x = _transform({"passes": {"offload": {"min_bytes": 0, "bandwidth": "10GB/s", "compute_rate": "1GFLOP/s"}}})
     return res, x[0]
 
 
@@ -38,13 +42,8 @@ def _build_checkpointed(granularity: str):
     """The same model checkpointed at 60% of its peak. `sub-block`: regions inside the blocks (h.0.attn, h.0.mlp),
     which distribute outlines with the rest of their block; `auto` picks regions joining one block's MLP to the next
     block's first norm, so no block is one call and FSDP2 shards every parameter with the root."""
-    import fxmem
-    import examples.gpt as ex
-    torch.manual_seed(0)
-    model = ex.build_model(**CFG)
-    x = ex.example_inputs(**INPUTS)
-    return fxmem.transform(model, x, policy={"version": 1, "budget": "60%", "budget_strict": False, "passes": {
-        "checkpoint": {"enabled": True, "granularity": granularity}}})
+    return _transform({"budget": "60%", "budget_strict": False,
+                       "passes": {"checkpoint": {"enabled": True, "granularity": granularity}}})[0]
 
 
 def _loss(out):
