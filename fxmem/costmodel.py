@@ -248,6 +248,18 @@ class OpRecord:
     int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
     step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
     call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
+    # an in-place op on a view (relu_ on a linear's 3-D output, a view of its addmm's): autograd's CopySlices runs
+    # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
+    # runs: those bytes, held with the formula's
+    copy_slices: int = 0
+
+
+def written_positions(func) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place (relu_'s self, an out= tensor), from its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 class _Recorder(TorchDispatchMode):
@@ -317,6 +329,16 @@ class _Recorder(TorchDispatchMode):
             out.setdefault(k, {}).update(hs)
         return out
 
+    def copy_slices_bytes(self, func, args) -> int:
+        """What autograd's CopySlices holds in the backward of an in-place op writing views that need a gradient:
+        the base's gradient copied (its storage's bytes) and the view's slice cloned."""
+        total = 0
+        for i in written_positions(func):
+            a = args[i] if i < len(args) else None
+            if isinstance(a, torch.Tensor) and a.requires_grad and a._is_view():
+                total += self.storage_bytes[self.key(a)[0]] + int(a.numel()) * a.element_size()
+        return total
+
     def hold_recipe_args(self, rec) -> None:
         for k in rec.recast:
             for h in self.recipe_holds.get(k, ()):
@@ -370,6 +392,7 @@ class _Recorder(TorchDispatchMode):
                        list_keys=list_keys, int_outs=int_outs, step=self.step)
         if out_rg:
             rec.call = call_signature(func, args, kwargs)
+            rec.copy_slices = self.copy_slices_bytes(func, args)
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
             for kind, i in slots:
@@ -1325,11 +1348,15 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 cur += tmp
                 bump(r.node, r.module)
                 if k in grad_views:
-                    # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not add
-                    # into in place: the sum is a new buffer, made once this op's backward has released what it held
                     grad_views.discard(k)
-                    sums.append((k, tmp))
-                    continue
+                    if k not in r.out_keys:
+                        # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not
+                        # add into in place: the sum is a new buffer, made once this op's backward has released
+                        # what it held
+                        sums.append((k, tmp))
+                        continue
+                    # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient
+                    # is that slice, released below; the input's is a new buffer, as for any in-place op
                 accumulated += tmp
                 continue
             if passthrough and not handed_over and r.out_keys and r.out_keys[0] in grad_live \
@@ -1345,7 +1372,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             cur += grad_live[k]
         # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
         # (the gradients it makes for inputs that have one already are added to theirs once it returns)
-        temps = formula_temps(r.call, grad_mask)
+        temps = formula_temps(r.call, grad_mask) + r.copy_slices
         cur += temps
         bump(r.node, r.module)
         cur -= temps + accumulated
@@ -1357,6 +1384,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         for k in r.out_keys:
             if k is not None and k in grad_live and k not in param_keys and k not in same:
                 cur -= grad_live.pop(k)
+                grad_views.discard(k)
         cur = free_saved(r, cur)
         for k, b in sums:
             # old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer
@@ -1611,6 +1639,10 @@ class CandidateRegion:
     lost: int = 0  # bytes of recipe outputs the region makes that stay plain tensors when it is recomputed
     span: tuple = ()  # (first, last) index of its op records in the trace it was measured on
     keep_sel: frozenset = frozenset()  # ops `selective` keeps (the keep ops, and the draws `full` keeps)
+    # why `selective` cannot be emitted ("" if it can): a kept op's output written in place afterwards (`h =
+    # linear(x); h.relu_()`): torch's selective checkpointing caches that output and refuses a mutated one in
+    # backward
+    sel_blocked: str = ""
     # choice -> bytes live at its recomputation in backward beyond the baseline there: the recomputation's own
     # temporaries above what it leaves, plus what it leaves beyond what the region frees (its held inputs, its
     # outputs made again), or, if higher, the baseline's highest in the region's own backward after it with the
@@ -1681,6 +1713,23 @@ class _RegionIndex:
         if c is None:
             c = self._costs[key] = op_cost(r, balance)
         return c
+
+
+def _kept_then_written(records: list, recs: list, keep_ops: frozenset) -> str:
+    """Why a selective recomputation of `recs` cannot keep the outputs of `keep_ops` ("" if it can): one of them is
+    written in place later in the forward (torch's selective checkpointing caches the tensor and raises in backward
+    when it finds it changed). Names the op that made it and the op that writes it."""
+    made = {k: r for r in recs if names_op(r.func, keep_ops) for k in r.new_keys}
+    if not made:
+        return ""
+    first = min(r.idx for r in made.values())
+    for r in records[first + 1:]:
+        for k in (r.in_keys[i] for i in written_positions(r.func) if i < len(r.in_keys)):
+            m = made.get(k)
+            if m is not None and r.idx > m.idx:
+                return (f"{optable.packet(m.func)} output of node {m.node} is written in place by "
+                        f"{optable.packet(r.func)} (node {r.node})")
+    return ""
 
 
 def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_keys, keep_ops: frozenset,
@@ -1790,6 +1839,7 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
             if at in names and base_keys.get(k) is None and kept_outside(k):
                 lost += sb[k]
         reg.lost = lost
+        reg.sel_blocked = _kept_then_written(rec.records, recs, keep_ops)
         reg.saved = sum(sb[k] for k in saved)
         reg.kept = sum(sb[k] for k in kept)
         reg.kept_full = sum(sb[k] for k in kept_full)

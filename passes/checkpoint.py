@@ -1415,8 +1415,8 @@ class CheckpointPass:
                 regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
             if not regions:
                 continue
-            choices = [(("keep", "selective", "full") if opts.selective and r.freed("selective") > 0
-                        and r.flops_sel < r.flops else ("keep", "full"))
+            choices = [(("keep", "selective", "full") if opts.selective and not r.sel_blocked
+                        and r.freed("selective") > 0 and r.flops_sel < r.flops else ("keep", "full"))
                        + (("redraw",) if r.keep_full and r.freed("redraw") > r.freed("full") else ())
                        for r in regions]
             model = build_region_model(est0, regions, program, choices, traced)

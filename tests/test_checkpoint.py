@@ -536,6 +536,43 @@ def test_profile_cost_and_explicit_regions(gpt_prog):
         _run_pass(p, loss_fn, "85%", regions=["nonexistent.module"])
 
 
+class _InplaceBlock(torch.nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.relu_()  # writes the linear's (mm's) output in place
+        h = torch.tanh(h) * torch.sigmoid(h) + h.exp()
+        return x + self.fc2(h)
+
+
+def test_selective_never_keeps_an_output_written_in_place_later():
+    """torch's selective checkpointing caches a kept matmul output and raises in backward if it was changed in place
+    after: such regions are planned full (or kept), never selective, and the step equals the original's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_InplaceBlock() for _ in range(4)])
+    x = (torch.randn(2, 64, 32),)
+    p = fxmem.capture(copy.deepcopy(model), x)
+    p.refresh()
+
+    def loss_fn(out, inputs):
+        return out.pow(2).mean()
+    _, _, sets, _ = planner_sets(p, loss_fn, remat=False)
+    checked = 0
+    for cs in sets:
+        for r, ch in zip(cs.regions, cs.choices):
+            if any(n.name.startswith("relu_") for n in r.nodes) and any("linear" in n.name for n in r.nodes):
+                assert "selective" not in ch and "is written in place by relu_" in r.sel_blocked, r.sel_blocked
+                checked += 1
+    assert checked
+    for act in ("70%", "40%"):
+        res, _ = _run_pass(p, loss_fn, None, activation_budget=act, remat=False)
+        assert res.modified and "selective" not in res.metrics["plan"].values(), res.metrics["plan"]
+        _assert_same_step(copy.deepcopy(model), res.program.module, x, loss_fn)
+
+
 def test_pipeline_end_to_end(gpt_prog):
     p, x, loss_fn = gpt_prog
     model = gpt.build_model(**GPT_KW)
