@@ -4,14 +4,22 @@ What capture adds on top of a bare `ep.module()`:
 - `.train()` / `.eval()` work: dropout and batch-norm read the module's own `training` flag (`fxmem.nn.modes`);
 - dynamic shapes by default (`Dim.AUTO` on every input dim); dims the model forces static are listed;
 - `InputGuard` instead of export's guard function, so a bad call names the input and the dim;
-- `CaptureError` that names the module path and the source line that could not be captured, with a hint.
+- `CaptureError` that names the module path and the source line that could not be captured, with a hint;
+- custom `torch.autograd.Function`s are recorded while export traces: non-strict export inlines a Function's
+  forward and drops its custom backward (see `_FunctionCalls`), so when one was called, the captured module's
+  gradients are compared with the model's and a difference is a `CaptureError`, never a silent wrong gradient.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import inspect
 import os
+import sys
+import threading
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,14 +36,51 @@ from .program import Program, SpecializedDim
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# ops whose `train` argument (by position) export bakes in as a literal
-MODE_ARGS = {
-    torch.ops.aten.dropout.default: 2,
-    torch.ops.aten.feature_dropout.default: 2,
-    torch.ops.aten.alpha_dropout.default: 2,
-    torch.ops.aten.feature_alpha_dropout.default: 2,
-    torch.ops.aten.batch_norm.default: 5,
-}
+# Ops whose train flag export bakes in as a literal. nn modules pass `self.training` to every one of them
+# (Dropout/Dropout1d-3d/AlphaDropout/FeatureAlphaDropout, inplace or not, BatchNorm*/SyncBatchNorm, InstanceNorm*
+# with running stats, RReLU, LSTM/GRU/RNN inter-layer dropout); the flag's position is read from the op schema.
+_MODE_OP_NAMES = (
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "instance_norm",
+    "rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_",
+    "lstm", "gru", "rnn_tanh", "rnn_relu",
+)
+_FLAG_ARG_NAMES = ("train", "training", "use_input_stats")
+
+
+def _flag_index(op) -> int | None:
+    for i, a in enumerate(op._schema.arguments):
+        if a.name in _FLAG_ARG_NAMES:
+            return i
+    return None
+
+
+def _mode_ops() -> tuple[dict, dict]:
+    args, stats = {}, {}
+    for name in _MODE_OP_NAMES:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            arg_names = [a.name for a in op._schema.arguments]
+            if "out" in ov:
+                continue  # out= variants: export never emits them
+            if ("norm" in name) != ("running_mean" in arg_names):
+                continue  # a norm without running statistics (_native_batch_norm_legit.no_stats): batch stats only
+            i = _flag_index(op)
+            if i is not None:
+                args[op] = i
+                if "running_mean" in arg_names:
+                    stats[op] = arg_names.index("running_mean")
+    return args, stats
+
+
+# op -> position of its train flag (dropout*, batch/instance norm, rrelu*, lstm/gru/rnn)
+# op -> position of running_mean: a norm without running stats (track_running_stats=False) uses batch statistics
+# in eval too, so its flag is left alone
+MODE_ARGS, _STATS_ARG = _mode_ops()
 
 
 def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mode: str = "train",
@@ -58,22 +103,31 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
     was_training = model.training
     model.train(mode == "train")
     notes: list[str] = []
+    functions = _FunctionCalls()
     try:
         ep = None
         if dynamic and dynamic_shapes is None:
             try:
                 ds = _auto_dynamic_shapes(model, args, kwargs)
-                ep = _export(model, args, kwargs, ds)
+                ep = _export(model, args, kwargs, ds, functions)
             except CaptureError as e:
                 notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {e}")
         if ep is None:
-            ep = _export(model, args, kwargs, dynamic_shapes)
+            ep = _export(model, args, kwargs, dynamic_shapes, functions)
     finally:
         model.train(was_training)
 
     program = _program_from_export(ep, model, args, kwargs, mode, notes)
     if check:
         _check_outputs(program, model, args, kwargs, mode)
+    if functions.uses:
+        if check:
+            _check_gradients(program, model, args, kwargs, mode, functions)
+        else:
+            program.notes.append(
+                f"the model calls custom torch.autograd.Function {functions.describe()}; torch.export inlined its "
+                "forward and dropped its custom backward, and check=False skipped the gradient comparison: the "
+                "captured module's gradients may differ from the model's")
     return program
 
 
@@ -148,15 +202,113 @@ class _ModuleTracker:
             h.remove()
 
 
-def _export(model, args, kwargs, dynamic_shapes):
-    tracker = _ModuleTracker(model)
+@dataclass
+class _FunctionUse:
+    """One custom autograd.Function class the model called while export traced it."""
+    name: str                                      # module.qualname
+    paths: list[str] = field(default_factory=list)  # nn.Module paths it was called in, first call first
+    where: str | None = None                       # source line of the first call
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        paths = ", ".join(repr(p) for p in self.paths[:3])
+        more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
+        return f"{self.name} (in module {paths}{more}{at})"
+
+
+class _FunctionCalls:
+    """Custom `torch.autograd.Function`s the model calls, recorded while export traces.
+
+    Non-strict export runs the model's python: `Function.apply` runs the C++ autograd node's forward, whose aten
+    ops the pre-dispatch tracer records one by one; the Function itself leaves nothing in the graph, so its
+    backward is replaced by autograd's derivative of the inlined forward. (torch 2.13 keeps a Function only
+    through `torch._export.wrappers.allow_in_pre_dispatch_graph`, an experimental decorator the user must put on
+    `apply`, which calls the class again by import path at run time; strict export runs the forward under
+    no_grad.) The calls are recorded by wrapping `torch.autograd.Function.apply` for the duration of the export,
+    with the module path from `_ModuleTracker`."""
+
+    def __init__(self):
+        self.uses: dict[type, _FunctionUse] = {}
+        self.tracker: _ModuleTracker | None = None
+
+    # Functions that implement an op export keeps as one node (torch.library.custom_op's register_autograd,
+    # higher-order ops): the op's autograd kernel runs them again when the graph runs, backward included
+    KEPT_BY_EXPORT = ("torch._library.", "torch._higher_order_ops.")
+
+    def record(self, cls: type) -> None:
+        if self.tracker is None or not self.tracker.stack:
+            return  # not the model's code (export's own machinery)
+        if (cls.__module__ or "").startswith(self.KEPT_BY_EXPORT):
+            return
+        path = self.tracker.stack[-1]
+        use = self.uses.get(cls)
+        if use is None:
+            use = self.uses[cls] = _FunctionUse(f"{cls.__module__}.{cls.__qualname__}", where=_calling_line())
+        if path not in use.paths:
+            use.paths.append(path)
+
+    def describe(self) -> str:
+        return "; ".join(u.describe() for u in self.uses.values())
+
+
+def _calling_line() -> str | None:
+    f = sys._getframe(2)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_FXMEM_DIR) or "<" in f.f_code.co_filename):
+            return f"{f.f_code.co_filename}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+_ACTIVE_CALLS: contextvars.ContextVar[_FunctionCalls | None] = contextvars.ContextVar("fxmem_function_calls",
+                                                                                    default=None)
+_APPLY_LOCK = threading.Lock()
+_APPLY_DEPTH = 0
+_ORIGINAL_APPLY: Any = None
+
+
+def _recording_apply(cls, *args, **kwargs):
+    calls = _ACTIVE_CALLS.get()
+    if calls is not None:
+        calls.record(cls)
+    return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _record_function_calls(calls: _FunctionCalls):
+    """Wrap `torch.autograd.Function.apply` (subclasses inherit it; overrides reach it through super().apply)
+    while `calls` is active in this context; the original is put back when the last recorder ends."""
+    global _APPLY_DEPTH, _ORIGINAL_APPLY
+    fn_cls = torch.autograd.Function
+    with _APPLY_LOCK:
+        if _APPLY_DEPTH == 0:
+            _ORIGINAL_APPLY = fn_cls.__dict__["apply"]
+            fn_cls.apply = classmethod(functools.wraps(_ORIGINAL_APPLY.__func__)(_recording_apply))
+        _APPLY_DEPTH += 1
+    token = _ACTIVE_CALLS.set(calls)
     try:
-        with warnings_quiet():
+        yield
+    finally:
+        _ACTIVE_CALLS.reset(token)
+        with _APPLY_LOCK:
+            _APPLY_DEPTH -= 1
+            if _APPLY_DEPTH == 0:
+                fn_cls.apply = _ORIGINAL_APPLY
+
+
+def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | None = None):
+    tracker = _ModuleTracker(model)
+    functions = functions if functions is not None else _FunctionCalls()
+    functions.tracker = tracker
+    try:
+        with warnings_quiet(), _record_function_calls(functions):
             return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - translated into a CaptureError that says where
         path = _failing_module(e, model)
         raise _capture_error(e, [path] if path else (tracker.deepest or tracker.stack), model) from e
     finally:
+        functions.tracker = None
         tracker.close()
 
 
@@ -342,8 +494,9 @@ def _replace_guards(gm: torch.fx.GraphModule, specs: list[InputSpec]) -> None:
 
 
 def _make_mode_switchable(gm: torch.fx.GraphModule) -> None:
-    """Route literal train flags of dropout/batch-norm to the module's `training` flag."""
-    users = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MODE_ARGS]
+    """Route literal train flags of dropout/batch-norm (every op in MODE_ARGS) to the module's `training` flag."""
+    users = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MODE_ARGS
+             and _has_running_stats(n)]
     bn_counters = [n for n in gm.graph.nodes
                    if n.op == "call_function" and n.target == torch.ops.aten.add_.Tensor
                    and n.args[0].op == "get_attr" and str(n.args[0].target).endswith("num_batches_tracked")]
@@ -355,14 +508,7 @@ def _make_mode_switchable(gm: torch.fx.GraphModule) -> None:
         flag = gm.graph.call_module("mode", ())
         flag.meta["fxmem_mode_flag"] = True
     for n in users:
-        i = MODE_ARGS[n.target]
-        a = list(n.args)
-        if i < len(a) and isinstance(a[i], bool):
-            a[i] = flag
-            n.args = tuple(a)
-        elif "train" in n.kwargs or "training" in n.kwargs:
-            key = "train" if "train" in n.kwargs else "training"
-            n.kwargs = {**n.kwargs, key: flag}
+        _set_flag_arg(n, MODE_ARGS[n.target], flag)
     for n in bn_counters:
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(count_batch, (n.args[0], flag))
@@ -371,43 +517,255 @@ def _make_mode_switchable(gm: torch.fx.GraphModule) -> None:
         gm.graph.erase_node(n)
 
 
+def _has_running_stats(n: torch.fx.Node) -> bool:
+    i = _STATS_ARG.get(n.target)
+    if i is None:
+        return True
+    name = n.target._schema.arguments[i].name
+    v = n.args[i] if i < len(n.args) else n.kwargs.get(name)
+    return v is not None
+
+
+def _set_flag_arg(n: torch.fx.Node, i: int, flag: torch.fx.Node) -> None:
+    """Set argument i (the train flag) of n to `flag`, positionally or by keyword as export wrote it. An eval
+    capture may omit a flag whose default is False (rrelu): the missing positions are filled with the defaults."""
+    schema = n.target._schema.arguments
+    name = schema[i].name
+    a = list(n.args)
+    if i < len(a):
+        if isinstance(a[i], bool):
+            a[i] = flag
+            n.args = tuple(a)
+    elif name in n.kwargs:
+        if isinstance(n.kwargs[name], bool):
+            n.kwargs = {**n.kwargs, name: flag}
+    else:
+        fill = []
+        for j in range(len(a), i):
+            if schema[j].name in n.kwargs or not schema[j].has_default_value():
+                n.kwargs = {**n.kwargs, name: flag}  # keep what export wrote; the flag goes by keyword
+                return
+            fill.append(schema[j].default_value)
+        n.args = tuple(a + fill + [flag])
+
+
+def _literal_mode_flags(gm: torch.fx.GraphModule) -> list[str]:
+    """Ops left with a literal train flag (any aten op with a bool `train`/`training` argument): what
+    `.train()`/`.eval()` cannot switch. Norms without running statistics use batch statistics in both modes."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        i = _flag_index(n.target)
+        if i is None or not _has_running_stats(n):
+            continue
+        if "norm" in n.target.name() and n.target not in _STATS_ARG:
+            continue  # no running statistics: batch statistics in both modes
+        name = n.target._schema.arguments[i].name
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(name, False)
+        if isinstance(v, bool):
+            out.append(f"{n.target} ({_node_module(n)})")
+    return out
+
+
+def _node_module(n: torch.fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<root>"
+    path = list(stack.values())[-1][0]
+    return path or "<root>"
+
+
+@contextlib.contextmanager
+def _state_kept(*modules: nn.Module):
+    """Running a module changes buffers (batch-norm statistics): the user's state is restored afterwards."""
+    saved, seen = [], set()
+    for m in modules:
+        for b in m.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                saved.append((b, b.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
 def _check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) -> None:
     """The captured module must compute what the model computes.
 
     Compared in the captured mode (train mode with the same RNG seed, so dropout draws the same masks) and, for
-    a train capture, in eval mode too: a difference there means python-level `if self.training` branches that
-    the graph cannot switch, which is recorded as a note rather than an error.
+    a train capture, in eval mode too: every train-flag op follows `.eval()` (MODE_ARGS), so a difference there
+    comes from python code that reads `self.training` (which export evaluated once) and is recorded as a note
+    rather than an error.
     """
     from .compare import compare_outputs
     was = model.training
-    # running the model changes buffers (batch-norm statistics): the user's state is restored afterwards
-    saved_buffers = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
-                     if not isinstance(v, nn.Parameter)}
     try:
-        for check_mode in ([mode] if mode == "inference" else ["train", "inference"]):
-            model.train(check_mode == "train")
-            program.module.train(check_mode == "train")
-            with torch.no_grad():
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(1234)
-                    ref = model(*args, **kwargs)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(1234)
-                    got = program.module(*args, **kwargs)
-            err = compare_outputs(ref, got, atol=1e-5, rtol=1e-4)
-            if err is None:
-                continue
-            if check_mode == mode:
-                raise CaptureError(
-                    f"captured {type(model).__name__} does not reproduce the model's outputs in {mode} mode "
-                    f"({err}); the model may depend on python state that torch.export specialised")
-            program.notes.append(
-                f"eval() of this train-mode capture differs from model.eval() ({err}): the model has "
-                "python-level train/eval branches; capture with mode='inference' for inference")
+        with _state_kept(model, program.module):
+            for check_mode in ([mode] if mode == "inference" else ["train", "inference"]):
+                model.train(check_mode == "train")
+                program.module.train(check_mode == "train")
+                with torch.no_grad():
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(1234)
+                        ref = model(*args, **kwargs)
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(1234)
+                        got = program.module(*args, **kwargs)
+                err = compare_outputs(ref, got, atol=1e-5, rtol=1e-4)
+                if err is None:
+                    continue
+                if check_mode == mode:
+                    raise CaptureError(
+                        f"captured {type(model).__name__} does not reproduce the model's outputs in {mode} mode "
+                        f"({err}); the model may depend on python state that torch.export specialised")
+                program.notes.append(_eval_note(program.module, err))
     finally:
-        with torch.no_grad():
-            state = model.state_dict(keep_vars=True)
-            for k, v in saved_buffers.items():
-                state[k].copy_(v)
         model.train(was)
         program.module.train(mode == "train")
+
+
+def _eval_note(gm: torch.fx.GraphModule, err: str) -> str:
+    literal = _literal_mode_flags(gm)
+    head = f"eval() of this train-mode capture differs from model.eval() ({err}): "
+    if literal:
+        return head + (f"these ops keep the train flag they were captured with: {', '.join(literal[:5])}; capture "
+                       "with mode='inference' for inference")
+    return head + ("every train-flag op in the graph (dropout, batch norm, ...) follows .train()/.eval(), so the "
+                   "model's python reads self.training (an `if self.training:` branch, or a flag passed as a "
+                   "constant such as F.dropout(x, training=True)), which torch.export evaluated once in train "
+                   "mode; capture with mode='inference' for inference")
+
+
+def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
+                     functions: _FunctionCalls) -> None:
+    """The model called custom autograd.Functions, whose backward export dropped: the captured module's gradients
+    (parameters and floating inputs) must equal the model's on the example inputs, in the captured mode with the
+    same RNG seed as `_check_outputs`, for one fixed random cotangent per output. Only run when a Function was
+    recorded: a graph of aten ops has the aten ops' derivatives, which is what the model has too."""
+    gm = program.module
+    gparams = dict(gm.named_parameters())
+    params = [(n, p, gparams[n]) for n, p in model.named_parameters() if p.requires_grad and n in gparams]
+    used = f"the model calls custom torch.autograd.Function {functions.describe()}"
+    was = model.training
+    try:
+        with _state_kept(model, gm):
+            model.train(mode == "train")
+            gm.train(mode == "train")
+            try:
+                ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=True)
+            except Exception:  # noqa: BLE001 - e.g. the model writes into an input in place: parameters only
+                try:
+                    ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=False)
+                except Exception as e:  # noqa: BLE001 - the model's own backward fails: said in a note
+                    program.notes.append(
+                        f"{used}, which torch.export inlines: the captured module's gradients are autograd's "
+                        "derivative of the inlined forward, not the Function's backward; they could not be compared "
+                        f"because the model's backward raised {_first_line(e)}")
+                    return
+            if not ref.outputs:
+                program.notes.append(f"{used}, which torch.export inlines (custom backward dropped); gradients were "
+                                     "not compared: no output of the model requires grad")
+                return
+            try:
+                got = _gradients(gm, args, kwargs, [q for _, _, q in params], inputs=bool(ref.inputs),
+                                 cotangents=ref.cotangents)
+            except Exception as e:  # noqa: BLE001 - reported in the CaptureError below
+                got = e
+    finally:
+        model.train(was)
+        gm.train(mode == "train")
+
+    diff = None
+    if isinstance(got, Exception):
+        diff = f"the captured module's backward fails ({_first_line(got)})"
+    elif got.outputs != ref.outputs:
+        leaf = min(set(ref.outputs) ^ set(got.outputs))
+        where, other = ("the model", "the captured module") if leaf in ref.outputs else ("the captured module",
+                                                                                         "the model")
+        diff = (f"output leaf {leaf} requires grad in {where} but not in {other} (a Function's forward runs "
+                "under no_grad, and export keeps that)")
+    else:
+        labels = [f"parameter '{n}'" for n, _, _ in params]
+        labels += [f"input '{program.input_names[i]}'" for i in ref.inputs]
+        for label, x, y in zip(labels, ref.grads, got.grads):
+            d = _grad_diff(x, y)
+            if d is not None:
+                diff = f"the gradient of {label} differs ({d})"
+                break
+    if diff is not None:
+        hint = ("register the operation with torch.library.custom_op and give it its backward with "
+                "register_autograd (plus register_fake): export keeps a custom op as one node with its backward")
+        if any(u.name == "torch.utils.checkpoint.CheckpointFunction" for u in functions.uses.values()):
+            hint = ("use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or no checkpoint call at all "
+                    "(fxmem's checkpoint pass chooses what to recompute); or " + hint)
+        raise CaptureError(
+            f"captured {type(model).__name__} computes different gradients from the model: {diff}. {used[0].upper()}"
+            f"{used[1:]}; torch.export (non-strict) inlines a Function's forward and drops its custom backward. "
+            f"hint: {hint}")
+    program.notes.append(
+        f"{used}: torch.export inlined its forward and dropped its custom backward; autograd's derivative of the "
+        "inlined forward gives the same gradients on the example inputs (parameters"
+        + (" and inputs" if ref.inputs else "") + f", {mode} mode), so the capture is kept")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+@dataclass
+class _Grads:
+    grads: list            # of the parameters, then of the floating inputs (None: no gradient)
+    inputs: list[int]      # flat indices of the floating inputs that got requires_grad
+    outputs: list[int]     # flat indices of the output leaves that require grad
+    cotangents: list       # the fixed random cotangent of each of those outputs
+
+
+def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -> _Grads:
+    """One forward with a fixed RNG seed, then a backward of fixed random cotangents."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(flat) if inputs and isinstance(x, torch.Tensor) and x.is_floating_point()]
+    flat = list(flat)
+    for i in idx:
+        flat[i] = flat[i].detach().clone().requires_grad_(True)
+    a, k = pytree.tree_unflatten(flat, spec)
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        out = module(*a, **k)
+    leaves = pytree.tree_leaves(out)
+    out_idx = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
+    outs = [leaves[i] for i in out_idx]
+    if cotangents is None:
+        g = torch.Generator().manual_seed(4321)
+        cotangents = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
+    if not outs or [o.shape for o in outs] != [c.shape for c in cotangents]:
+        return _Grads([], idx, out_idx, cotangents)
+    # backward() rather than autograd.grad(): reentrant checkpoint (a Function too) refuses the latter. The
+    # parameters' .grad are the user's: kept aside and put back
+    wrt = list(params) + [flat[i] for i in idx]
+    saved = [(p, p.grad) for p in {id(p): p for p in [*module.parameters(), *params]}.values()]
+    try:
+        for p, _ in saved:
+            p.grad = None
+        torch.autograd.backward(outs, grad_tensors=cotangents)
+        grads = [t.grad for t in wrt]
+    finally:
+        for p, g in saved:
+            p.grad = g
+    return _Grads(grads, idx, out_idx, cotangents)
+
+
+def _grad_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+    if a is None and b is None:
+        return None
+    ref = torch.zeros_like(b) if a is None else a
+    got = torch.zeros_like(a) if b is None else b
+    x, y = ref.detach().double(), got.detach().double()
+    tol = 1e-5 + 1e-4 * float(x.abs().max()) if x.numel() else 0.0
+    if torch.allclose(x, y, atol=tol, rtol=1e-4, equal_nan=True):
+        return None
+    return f"max abs diff {float((x - y).abs().max()):.3g}, model's max abs {float(x.abs().max()):.3g}"
