@@ -63,6 +63,9 @@ class PassResult:
     notes: list = field(default_factory=list)
     # lossy passes may report their own per-site errors here; the manager measures the whole-model deviation
     metrics: dict = field(default_factory=dict)
+    # the rewritten program draws its random numbers differently from its input (same distribution: SDPA's dropout
+    # instead of a manual one): a seeded training step cannot be compared value for value, only run
+    draws_differ: bool = False
 
 
 @dataclass
@@ -76,6 +79,9 @@ class PassRecord:
     reason: str = ""
     deviation: dict | None = None  # vs the original model (outputs), and per-pass
     grad_deviation: dict | None = None
+    # the seeded training-mode step (dropout on, batch statistics, checkpoint/offload regions at work) against the
+    # previous pass's: {"compared": bool, "ok": bool, "checked": grads compared, "why": when not compared}
+    train_check: dict | None = None
     peak_before: int | None = None
     peak_after: int | None = None
     seconds: float = 0.0
@@ -84,7 +90,8 @@ class PassRecord:
     def to_dict(self, with_timing: bool = True):
         d = {"name": self.name, "status": self.status, "exact": self.exact,
              "changes": [c.to_dict() for c in self.changes], "notes": list(self.notes), "reason": self.reason,
-             "deviation": self.deviation, "grad_deviation": self.grad_deviation, "peak_before": self.peak_before,
+             "deviation": self.deviation, "grad_deviation": self.grad_deviation, "train_check": self.train_check,
+             "peak_before": self.peak_before,
              "peak_after": self.peak_after, "metrics": _jsonable(self.metrics)}
         if with_timing:
             d["seconds"] = round(self.seconds, 3)
@@ -180,6 +187,7 @@ LOAD_ERRORS: dict[str, str] = {}
 class Reference:
     outputs: Any
     grads: dict | None
+    buffers: dict | None = None  # train-mode references: the buffers after the step (batch-norm statistics)
 
 
 @contextlib.contextmanager
@@ -200,24 +208,30 @@ def long_lived_frozen():
         gc.unfreeze()
 
 
-def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want_grads: bool = True) -> Reference:
+def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want_grads: bool = True,
+                  training: bool = False) -> Reference:
     """Outputs (and parameter/input gradients in train mode) on the example inputs, deterministically.
 
     Runs in eval mode (dropout off, batch-norm from running statistics) so two programs can be compared
-    exactly; buffers and `.grad` of the module are left as they were.
+    exactly. `training`: the seeded training-mode step instead (forward and backward), the path eval mode does not
+    take: dropout draws, batch statistics, checkpoint and offload regions (which only recompute or offload in
+    training with autograd on); the buffers after the step are returned too. Buffers, `.grad`, the mode and the
+    global RNG state are left as they were.
     """
     from .step import compute_loss
     gm = program.module
     was = gm.training
     prev_grads = {n: p.grad for n, p in gm.named_parameters()}
+    saved_buffers = {n: b.detach().clone() for n, b in gm.named_buffers()} if training else {}
     for p in gm.parameters():
         p.grad = None
     args, kwargs = program.example_args, program.example_kwargs
-    gm.eval()
+    gm.train(training)
+    buffers = None
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            if mode == "train" and want_grads:
+            if training or mode == "train" and want_grads:
                 out = gm(*args, **kwargs)
                 loss = compute_loss(loss_fn, out, args, kwargs)
                 loss.backward()
@@ -227,11 +241,30 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
                 with torch.no_grad():
                     out = gm(*args, **kwargs)
                 grads = None
+        if training:
+            buffers = {n: b.detach().clone() for n, b in gm.named_buffers()}
     finally:
+        with torch.no_grad():
+            for n, b in gm.named_buffers():
+                if n in saved_buffers and b.shape == saved_buffers[n].shape:
+                    b.copy_(saved_buffers[n])
         for n, p in gm.named_parameters():
             p.grad = prev_grads.get(n)
         gm.train(was)
-    return Reference(out, grads)
+    return Reference(out, grads, buffers)
+
+
+def compare_buffers(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
+    """The first buffer (present in both, floating point) that differs after the step, or None."""
+    for name, b in ref.items():
+        c = got.get(name)
+        if c is None or c.shape != b.shape:
+            continue
+        if b.is_floating_point() and not torch.allclose(b.double(), c.double(), atol=atol, rtol=rtol):
+            return f"buffer {name} after the step: max abs diff {(b.double() - c.double()).abs().max().item():.3g}"
+        if not b.is_floating_point() and not torch.equal(b, c):
+            return f"buffer {name} after the step differs"
+    return None
 
 
 def compare_grads(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
@@ -258,6 +291,7 @@ class PassManager:
         self.calibration = calibration
         self.loss_fn = loss_fn
         self.log = log or (lambda msg: None)
+        self._train_ref: Reference | None = None  # the current program's seeded training step (`_verify_train`)
         self.model_file = model_file
         self.records: list[PassRecord] = []
 
@@ -292,6 +326,7 @@ class PassManager:
         mode, optimizer = self.policy.mode, self.policy.optimizer
         original = run_reference(program, mode, self.loss_fn, verify.seed) if verify.enabled else None
         current_ref = original
+        self._train_ref = self._train_step(program) if verify.enabled and mode == "train" else None
         current_est = baseline
         for name in names:
             cls = REGISTRY[name]
@@ -334,6 +369,9 @@ class PassManager:
             ok = self._verify(rec, new, original, current_ref, verify, t0)
             if not ok:
                 continue
+            new_train = self._verify_train(rec, new, result.draws_differ, verify, t0)
+            if new_train is False:
+                continue
             est = estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
             rec.peak_after = est.peak
             rec.status = "applied"
@@ -341,6 +379,8 @@ class PassManager:
             self.log(f"[{name}] applied: {len(rec.changes)} change(s), estimated peak "
                      f"{_fmt(current_est.peak)} -> {_fmt(est.peak)}")
             program, current_est = new, est
+            if new_train is not None:
+                self._train_ref = new_train
             if verify.enabled:
                 current_ref = run_reference(program, mode, self.loss_fn, verify.seed,
                                             want_grads=_grads_comparable(rec))
@@ -386,6 +426,52 @@ class PassManager:
                                 f"tolerance {tol:g} (verify.lossy_tolerance)", t0)
             return False
         return True
+
+
+    def _train_step(self, program: Program) -> Reference | None:
+        """The program's seeded training step, or None when it does not run (then no pass is compared in training
+        mode; the eval-mode verification still holds)."""
+        try:
+            return run_reference(program, "train", self.loss_fn, self.policy.verify.seed, training=True)
+        except Exception as e:  # noqa: BLE001 - the captured program's own step: not a pass's fault
+            self.log(f"training-mode verification off: the captured program's training step raised "
+                     f"{type(e).__name__}: {e}")
+            return None
+
+    def _verify_train(self, rec, new, draws_differ: bool, verify, t0):
+        """Run the seeded training step of the pass's result. A step that raises rolls the pass back (a pass whose
+        result runs in eval mode but not in training is broken); an exact pass's outputs, gradients and buffers
+        must then equal the previous program's step, unless the pass draws its random numbers differently
+        (`PassResult.draws_differ`). Returns the new step's Reference, None when there is nothing to compare with,
+        or False after a rollback."""
+        if self._train_ref is None:
+            return None
+        try:
+            got = run_reference(new, "train", self.loss_fn, verify.seed, training=True)
+        except Exception as e:  # noqa: BLE001
+            rec.train_check = {"compared": False, "ok": False, "why": f"the training step raised: {e}"}
+            self._rollback(rec, f"the training-mode step fails after the pass: {type(e).__name__}: {e}", t0)
+            return False
+        if not rec.exact:
+            rec.train_check = {"compared": False, "ok": True, "why": "lossy pass: the training step runs"}
+            return got
+        if draws_differ:
+            rec.train_check = {"compared": False, "ok": True,
+                               "why": "the pass draws dropout differently (same distribution): the training step "
+                                      "runs; outputs and gradients compared in eval mode"}
+            return got
+        ref = self._train_ref
+        err = compare_outputs(ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol)
+        if err is None and ref.grads is not None:
+            err = compare_grads(ref.grads, got.grads, verify.grad_atol, verify.grad_rtol)
+        if err is None and ref.buffers:
+            err = compare_buffers(ref.buffers, got.buffers or {}, verify.atol, verify.rtol)
+        rec.train_check = {"compared": True, "ok": err is None, "checked": len(ref.grads or {})}
+        if err is not None:
+            rec.train_check["why"] = err
+            self._rollback(rec, f"exact pass changed the training-mode step: {err}", t0)
+            return False
+        return got
 
 
 def pass_is_exact(cls, options) -> bool:

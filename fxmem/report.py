@@ -882,6 +882,16 @@ def _deviation_lines(rec) -> list[str]:
                        + ("equal within tolerance" if g["ok"] else "**differ**"))
         else:
             out.append("gradient deviation (measured): " + json.dumps(_json_safe(g), sort_keys=True))
+    t = getattr(rec, "train_check", None)
+    if t:
+        if t.get("compared"):
+            out.append(f"training-mode step (seeded, dropout and checkpoint/offload regions at work, measured): "
+                       f"outputs, {t.get('checked', '?')} gradients and buffers "
+                       + ("equal to the previous pass's within tolerance" if t.get("ok") else
+                          f"**differ**: {t.get('why', '')}"))
+        else:
+            out.append("training-mode step: " + ("runs" if t.get("ok") else "**fails**") +
+                       (f" ({t['why']})" if t.get("why") else ""))
     if not dev and rec.status == "applied":
         out.append("output deviation: not measured (verification disabled)")
     return out

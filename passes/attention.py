@@ -176,7 +176,9 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
         if backend and backend.get("fallback"):
             notes.append(f"{site.module}: {backend['fallback']}")
     log(f"[attention] {metrics['rewritten']} site(s) rewritten, {metrics['not_rewritten']} not rewritten")
-    return PassResult(program, True, changes, notes, metrics)
+    # SDPA draws attention dropout in its own kernel: the same distribution, not the same numbers as the manual form
+    return PassResult(program, True, changes, notes, metrics,
+                      draws_differ=any(site.dropout_p > 0 for site, *_ in done))
 
 
 def _label(kind):

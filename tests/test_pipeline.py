@@ -50,12 +50,68 @@ class _CrashPass:
         raise RuntimeError("deliberate bug in a pass")
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("deliberate failure in training mode")
+
+
+class _TrainingOnly(torch.nn.Module):
+    """Identity in eval mode; in training mode scales by `scale` or, with `scale` None, fails in backward (as a
+    broken checkpoint region would: graph checks run forward only)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        if self.scale is None:
+            return _FailingBackward.apply(x)
+        return x * self.scale
+
+
+def _wrap_first_output(program, module):
+    g = program.graph
+    program.module.add_submodule("fxmem_test_training_only", module)
+    out = next(n for n in g.nodes if n.op == "output")
+    first = out.args[0][0] if isinstance(out.args[0], (list, tuple)) else out.args[0]
+    with g.inserting_before(out):
+        new = g.call_module("fxmem_test_training_only", (first,))
+    out.args = ((new,) + tuple(out.args[0][1:]),) if isinstance(out.args[0], (list, tuple)) else (new,)
+    return [Change("training_only", "", [first.name], [new.name], "test")]
+
+
+@dataclasses.dataclass
+class _TrainOptions:
+    scale: float | None = 1.01
+    draws_differ: bool = False
+
+
+class _TrainingOnlyPass:
+    """Test-only: claims to be exact and is, in eval mode; in training mode it scales the first output (or, with
+    `scale: null`, raises): what only a training-mode check sees (checkpoint regions recompute only in training)."""
+    name = "test_training_only"
+    exact = True
+    test_only = True
+    Options = _TrainOptions
+
+    def run(self, program, ctx):
+        changes = _wrap_first_output(program, _TrainingOnly(ctx.options.scale))
+        return PassResult(program, True, changes, draws_differ=ctx.options.draws_differ)
+
+
 @pytest.fixture
 def test_passes():
-    for cls in (_ScaleOutputPass, _CrashPass):
+    for cls in (_ScaleOutputPass, _CrashPass, _TrainingOnlyPass):
         pipeline.register(cls)
     yield
-    for cls in (_ScaleOutputPass, _CrashPass):
+    for cls in (_ScaleOutputPass, _CrashPass, _TrainingOnlyPass):
         pipeline.REGISTRY.pop(cls.name, None)
         unregister_options(cls.name)
 
@@ -76,6 +132,51 @@ def test_wrong_exact_pass_is_rolled_back(test_passes):
     torch.testing.assert_close(res.module(*args), model(*args))
     md = res.report.to_markdown()
     assert "rolled" in md.lower() and "test_scale" in md
+
+
+def test_exact_pass_wrong_only_in_training_mode_is_rolled_back(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy=_policy(test_training_only={"enabled": True}),
+                          loss_fn=loss_fn)
+    rec = res.records[0]
+    assert rec.status == "rolled_back", rec.to_dict()
+    assert "training-mode step" in rec.reason and "output" in rec.reason
+    assert rec.train_check == {"compared": True, "ok": False, "checked": len(list(model.parameters())),
+                               "why": rec.train_check["why"]}
+    assert not hasattr(res.module, "fxmem_test_training_only")
+
+
+def test_pass_whose_training_step_raises_is_rolled_back(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs, policy=_policy(test_training_only={"enabled": True, "scale": None}),
+                          loss_fn=loss_fn)
+    rec = res.records[0]
+    assert rec.status == "rolled_back"
+    assert "training-mode step fails" in rec.reason and "deliberate failure in training mode" in rec.reason
+    with pytest.raises(fxmem.errors.PassError, match="training-mode step fails"):
+        fxmem.transform(model, args, kwargs, policy=_policy(test_training_only={"enabled": True, "scale": None}),
+                        loss_fn=loss_fn, strict=True)
+
+
+def test_pass_drawing_differently_is_run_in_training_mode_not_compared(test_passes):
+    model, args, kwargs, loss_fn = example("mlp_digits")
+    res = fxmem.transform(model, args, kwargs,
+                          policy=_policy(test_training_only={"enabled": True, "draws_differ": True}), loss_fn=loss_fn)
+    rec = res.records[0]
+    assert rec.status == "applied"
+    assert rec.train_check["compared"] is False and rec.train_check["ok"] is True
+    assert "training-mode step: runs" in res.report.to_markdown()
+
+
+def test_exact_pass_training_step_compared_and_reported():
+    model, args, kwargs, loss_fn = example("unet")
+    res = fxmem.transform(model, args, kwargs, loss_fn=loss_fn, policy={
+        "version": 1, "mode": "train", "budget": "60%", "budget_strict": False,
+        "passes": {"checkpoint": {"enabled": True}}})
+    rec = next(r for r in res.records if r.name == "checkpoint")
+    assert rec.status == "applied"
+    assert rec.train_check["compared"] and rec.train_check["ok"], rec.train_check
+    assert "training-mode step (seeded" in res.report.to_markdown()
 
 
 def test_wrong_pass_passes_when_tolerance_allows(test_passes):
