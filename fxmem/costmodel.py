@@ -294,6 +294,7 @@ class _Recorder(TorchDispatchMode):
         # recipe outputs made by one shared run of a multi-output op (a max pooling's output and indices) -> a
         # group id: held together from the group's first unpack to its last
         self.recipe_group: dict[int, int] = {}
+        self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
 
     def key(self, t):
         st = t.untyped_storage()
@@ -601,7 +602,8 @@ def _trace_forward_in(fake_mode, program: Program, flat, args, kwargs, mode: str
                     rec.node, rec.module, rec.step_each = "loss", "", True
                     fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
                     loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
-                    out_keys.add(rec.key(loss)[0])
+                    rec.loss_key = rec.key(loss)[0]
+                    out_keys.add(rec.loss_key)
     finally:
         gm.train(was)
     return rec, base_keys, out_keys, params
@@ -856,10 +858,13 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
     est.activations = cur - baseline
 
     if mode == "train":
+        off_loss = off_loss_path(R, getattr(rec, "loss_key", None))
+        # what ops off the loss's path save stays referenced by the outputs they make (their graph never runs)
+        kept_by_outputs = set(out_keys) | {k for r in R if r.idx in off_loss for k in r.saved}
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
-            R, sb, base_keys, out_keys, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod), timeline,
-            regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at, recompute_keys,
-            (held_from, held_until), created_in, recompute_over)
+            R, sb, base_keys, kept_by_outputs, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod),
+            timeline, regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at,
+            recompute_keys, (held_from, held_until), created_in, recompute_over, off_loss)
         unmeasured = {f"{r.func} (backward temporaries not measured)" for r in R
                       if r.call is not None and r.call in FORMULA_UNMEASURED}
         est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
@@ -1180,9 +1185,31 @@ def _covers(meta, nbytes: int) -> bool:
     return True
 
 
+def off_loss_path(R: list, loss_key: int | None) -> set[int]:
+    """Records with a backward that the loss does not reach: `loss.backward()` never runs them (an auxiliary head
+    whose output the loss ignores). Found backwards from the loss's storage through the storages ops read; storages
+    (not tensor versions) make it a superset of the true path, which errs towards running a backward."""
+    if loss_key is None:
+        return set()
+    needed = {loss_key}
+    off: set[int] = set()
+    for r in reversed(R):
+        if not r.out_rg:
+            continue
+        if any(k is not None and k in needed for k in r.out_keys):
+            needed.update(k for k, rg in zip(r.in_keys, r.in_rg) if rg and k is not None)
+            needed.update(r.list_keys)
+        else:
+            off.add(r.idx)
+    return off
+
+
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
-                     recompute_keys=None, recast_held=None, created_in=None, recompute_over=None):
+                     recompute_keys=None, recast_held=None, created_in=None, recompute_over=None,
+                     off_loss=frozenset()):
+    """The backward walk. `out_keys`: storages referenced until the step ends (its outputs, and what ops off the
+    loss's path saved); `off_loss`: records whose backward never runs."""
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
@@ -1256,7 +1283,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
     for r in reversed(R):
         for k in reload_at.get(r.idx, ()):
             cur += sb[k]
-        if not r.out_rg:
+        if not r.out_rg or r.idx in off_loss:
             recompute(r)
             # an op without a backward still frees what is held until its position (a region input held until
             # the region's first op, e.g. a mask built there), and a region whose first op needs no grad (e.g.
