@@ -125,9 +125,8 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
             _check_gradients(program, model, args, kwargs, mode, functions)
         else:
             program.notes.append(
-                f"the model calls custom torch.autograd.Function {functions.describe()}; torch.export inlined its "
-                "forward and dropped its custom backward, and check=False skipped the gradient comparison: the "
-                "captured module's gradients may differ from the model's")
+                f"the model uses {functions.describe()}; {_DROPPED}, and check=False skipped the gradient "
+                "comparison: the captured module's gradients may differ from the model's")
     return program
 
 
@@ -202,10 +201,15 @@ class _ModuleTracker:
             h.remove()
 
 
+# what torch.export does with the two things `_FunctionCalls` records
+_DROPPED = ("torch.export (non-strict) inlines a custom Function's forward and drops its backward, and drops gradient "
+            "hooks registered on tensors in forward")
+
+
 @dataclass
 class _FunctionUse:
-    """One custom autograd.Function class the model called while export traced it."""
-    name: str                                      # module.qualname
+    """One custom autograd.Function class the model called, or its gradient hooks on tensors, while export traced."""
+    name: str                                      # "custom torch.autograd.Function module.qualname", or the hook's
     paths: list[str] = field(default_factory=list)  # nn.Module paths it was called in, first call first
     where: str | None = None                       # source line of the first call
 
@@ -217,7 +221,9 @@ class _FunctionUse:
 
 
 class _FunctionCalls:
-    """Custom `torch.autograd.Function`s the model calls, recorded while export traces.
+    """Custom `torch.autograd.Function`s the model calls, and gradient hooks it registers on tensors in forward
+    (`Tensor.register_hook`, which export drops as well: the hook never runs on the captured module's gradients),
+    recorded while export traces.
 
     Non-strict export runs the model's python: `Function.apply` runs the C++ autograd node's forward, whose aten
     ops the pre-dispatch tracer records one by one; the Function itself leaves nothing in the graph, so its
@@ -240,15 +246,26 @@ class _FunctionCalls:
             return  # not the model's code (export's own machinery)
         if (cls.__module__ or "").startswith(self.KEPT_BY_EXPORT):
             return
+        self._add(cls, f"custom torch.autograd.Function {cls.__module__}.{cls.__qualname__}")
+
+    def record_hook(self) -> None:
+        if self.tracker is not None and self.tracker.stack:
+            self._add(_TensorHook, "a gradient hook registered in forward (Tensor.register_hook)")
+
+    def _add(self, key, name: str) -> None:
         path = self.tracker.stack[-1]
-        use = self.uses.get(cls)
+        use = self.uses.get(key)
         if use is None:
-            use = self.uses[cls] = _FunctionUse(f"{cls.__module__}.{cls.__qualname__}", where=_calling_line())
+            use = self.uses[key] = _FunctionUse(name, where=_calling_line())
         if path not in use.paths:
             use.paths.append(path)
 
     def describe(self) -> str:
         return "; ".join(u.describe() for u in self.uses.values())
+
+
+class _TensorHook:
+    """Key of `_FunctionCalls.uses` for gradient hooks on tensors."""
 
 
 def _calling_line() -> str | None:
@@ -268,6 +285,9 @@ _APPLY_DEPTH = 0
 _ORIGINAL_APPLY: Any = None
 
 
+_ORIGINAL_HOOK: Any = None
+
+
 def _recording_apply(cls, *args, **kwargs):
     calls = _ACTIVE_CALLS.get()
     if calls is not None:
@@ -275,16 +295,26 @@ def _recording_apply(cls, *args, **kwargs):
     return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
+def _recording_register_hook(self, hook):
+    calls = _ACTIVE_CALLS.get()
+    if calls is not None:
+        calls.record_hook()
+    return _ORIGINAL_HOOK(self, hook)
+
+
 @contextlib.contextmanager
 def _record_function_calls(calls: _FunctionCalls):
-    """Wrap `torch.autograd.Function.apply` (subclasses inherit it; overrides reach it through super().apply)
-    while `calls` is active in this context; the original is put back when the last recorder ends."""
-    global _APPLY_DEPTH, _ORIGINAL_APPLY
+    """Wrap `torch.autograd.Function.apply` (subclasses inherit it; overrides reach it through super().apply) and
+    `torch.Tensor.register_hook` while `calls` is active in this context; the originals are put back when the last
+    recorder ends."""
+    global _APPLY_DEPTH, _ORIGINAL_APPLY, _ORIGINAL_HOOK
     fn_cls = torch.autograd.Function
     with _APPLY_LOCK:
         if _APPLY_DEPTH == 0:
             _ORIGINAL_APPLY = fn_cls.__dict__["apply"]
             fn_cls.apply = classmethod(functools.wraps(_ORIGINAL_APPLY.__func__)(_recording_apply))
+            _ORIGINAL_HOOK = torch.Tensor.__dict__["register_hook"]
+            torch.Tensor.register_hook = functools.wraps(_ORIGINAL_HOOK)(_recording_register_hook)
         _APPLY_DEPTH += 1
     token = _ACTIVE_CALLS.set(calls)
     try:
@@ -295,6 +325,7 @@ def _record_function_calls(calls: _FunctionCalls):
             _APPLY_DEPTH -= 1
             if _APPLY_DEPTH == 0:
                 fn_cls.apply = _ORIGINAL_APPLY
+                torch.Tensor.register_hook = _ORIGINAL_HOOK
 
 
 def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | None = None):
@@ -649,7 +680,7 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
     gm = program.module
     gparams = dict(gm.named_parameters())
     params = [(n, p, gparams[n]) for n, p in model.named_parameters() if p.requires_grad and n in gparams]
-    used = f"the model calls custom torch.autograd.Function {functions.describe()}"
+    used = f"the model uses {functions.describe()}"
     was = model.training
     try:
         with _state_kept(model, gm):
@@ -662,12 +693,12 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
                     ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=False)
                 except Exception as e:  # noqa: BLE001 - the model's own backward fails: said in a note
                     program.notes.append(
-                        f"{used}, which torch.export inlines: the captured module's gradients are autograd's "
+                        f"{used} ({_DROPPED}): the captured module's gradients are autograd's "
                         "derivative of the inlined forward, not the Function's backward; they could not be compared "
                         f"because the model's backward raised {_first_line(e)}")
                     return
             if not ref.outputs:
-                program.notes.append(f"{used}, which torch.export inlines (custom backward dropped); gradients were "
+                program.notes.append(f"{used} ({_DROPPED}); gradients were "
                                      "not compared: no output of the model requires grad")
                 return
             try:
@@ -699,15 +730,17 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
     if diff is not None:
         hint = ("register the operation with torch.library.custom_op and give it its backward with "
                 "register_autograd (plus register_fake): export keeps a custom op as one node with its backward")
-        if any(u.name == "torch.utils.checkpoint.CheckpointFunction" for u in functions.uses.values()):
+        if _TensorHook in functions.uses:
+            hint = ("register gradient hooks on the captured module's parameters after capture, or make what the hook "
+                    "does part of the computation; for a Function: " + hint)
+        if any(u.name.endswith(" torch.utils.checkpoint.CheckpointFunction") for u in functions.uses.values()):
             hint = ("use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or no checkpoint call at all "
                     "(fxmem's checkpoint pass chooses what to recompute); or " + hint)
         raise CaptureError(
             f"captured {type(model).__name__} computes different gradients from the model: {diff}. {used[0].upper()}"
-            f"{used[1:]}; torch.export (non-strict) inlines a Function's forward and drops its custom backward. "
-            f"hint: {hint}")
+            f"{used[1:]}; {_DROPPED}. hint: {hint}")
     program.notes.append(
-        f"{used}: torch.export inlined its forward and dropped its custom backward; autograd's derivative of the "
+        f"{used}: {_DROPPED}; autograd's derivative of the "
         "inlined forward gives the same gradients on the example inputs (parameters"
         + (" and inputs" if ref.inputs else "") + f", {mode} mode), so the capture is kept")
 

@@ -100,6 +100,37 @@ def test_custom_function_with_autograd_backward_captures_with_note():
             torch.testing.assert_close(g[n], ref_g[n], msg=f"grad of {n}")
 
 
+class _HookNet(nn.Module):
+    """A gradient hook registered on an activation in forward: export drops it."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self.fc, self.fc2, self.hook = nn.Linear(8, 8), nn.Linear(8, 8), hook
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.requires_grad:
+            h.register_hook(self.hook)
+        return self.fc2(h)
+
+
+def test_gradient_hook_changing_gradients_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match=r"Tensor\.register_hook.*parameter 'fc\.(weight|bias)'|"
+                                           r"parameter 'fc\.(weight|bias)'.*Tensor\.register_hook"):
+        fxmem.capture(_HookNet(lambda g: g * 0.5), (torch.randn(4, 8),))
+
+
+def test_gradient_hook_that_only_observes_captures_with_note():
+    torch.manual_seed(0)
+    seen = []
+    hook, apply = torch.Tensor.__dict__["register_hook"], torch.autograd.Function.__dict__["apply"]
+    program = fxmem.capture(_HookNet(lambda g: seen.append(g.shape)), (torch.randn(4, 8),))
+    assert any("register_hook" in n for n in program.notes), program.notes
+    # the originals are put back after capture
+    assert torch.Tensor.__dict__["register_hook"] is hook and torch.autograd.Function.__dict__["apply"] is apply
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 def test_reentrant_checkpoint_is_refused():
     """Reentrant checkpoint is a Function whose forward runs under no_grad: export keeps the no_grad and drops the
