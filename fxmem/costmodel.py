@@ -1702,9 +1702,16 @@ DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 def value_key(by_node: dict, n: fx.Node) -> int | None:
     """The storage of the value node `n` hands on: its last op record's first output (`by_node`: node name ->
-    its op records in a trace)."""
-    return next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
-                 if r.out_keys and r.out_keys[0] is not None), None)
+    its op records in a trace). A node whose ops return no tensor while its value is one hands on an input's (a
+    dropout with p=0 returns its input as it is): its first tensor argument's."""
+    k = next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
+              if r.out_keys and r.out_keys[0] is not None), None)
+    if k is None and n.op == "call_function" and isinstance(n.meta.get("fxmem_val"), torch.Tensor):
+        a = next((a for a in n.args if isinstance(a, fx.Node) and isinstance(a.meta.get("fxmem_val"), torch.Tensor)),
+                 None)
+        if a is not None:
+            return value_key(by_node, a)
+    return k
 
 
 class _RegionIndex:

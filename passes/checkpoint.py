@@ -1412,7 +1412,12 @@ class CheckpointPass:
                     candidate_lists.append(("block+glue", glued))
             total_saved = sum(r.saved for r in regions) or 1
             if not opts.regions:
-                regions = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
+                worth = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
+                if worth and len(worth) < len(regions):
+                    # measured again without the others: an output of a region left out (a ReLU block that frees
+                    # nothing) is no longer one a recomputed region would make again, so its readers hold nothing
+                    measure_regions(program, worth, rec, base_keys, keep_ops, node_time, balance)
+                regions = worth
             if not regions:
                 continue
             choices = [(("keep", "selective", "full") if opts.selective and not r.sel_blocked
@@ -1547,10 +1552,13 @@ class CheckpointPass:
         else:  # a lower peak, or the same with fewer activations
             lowered = (est1.peak, est1.activations) < (est0.peak, est0.activations)
         if not lowered:
+            why = (f"no plan of the candidate regions frees activations" if lim.activations is not None else
+                   f"the peak is where recomputation cannot reach, at {est0.peak_at or est0.peak_phase}")
+            kept = (f"no region emitted; the {len(pre)} rewrite(s) before regions (remat, compact dropout) are kept"
+                    if pre else "graph left unchanged")
             notes.append(f"checkpoint: the best plan would not lower the estimated memory (peak "
                          f"{format_bytes(est1.peak)} vs {format_bytes(est0.peak)}, activations "
-                         f"{format_bytes(est1.activations)} vs {format_bytes(est0.activations)}: the peak is where "
-                         f"recomputation cannot reach, at {est0.peak_at or est0.peak_phase}); graph left unchanged")
+                         f"{format_bytes(est1.activations)} vs {format_bytes(est0.activations)}: {why}); {kept}")
             metrics.update({"estimated_peak": est0.peak if pre else est1.peak,
                             "estimated_activations": est0.activations if pre else est1.activations,
                             "plan": {r.path: c for r, c in zip(cs.regions, sol.plan)}})

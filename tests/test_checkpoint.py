@@ -573,6 +573,31 @@ def test_selective_never_keeps_an_output_written_in_place_later():
         _assert_same_step(copy.deepcopy(model), res.program.module, x, loss_fn)
 
 
+def _node_label_loss(output, inputs):
+    x = inputs[0]
+    return torch.nn.functional.cross_entropy(output, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+
+
+def test_activation_budget_plan_holds_on_a_gin():
+    """torch_geometric's GIN: a dropout with p=0 hands on its input without an op, and a top-level ReLU region frees
+    nothing (the ReLU saves its output, the region would hold its input). The memory model took the first for a
+    value nobody holds and kept the second's output as one a recomputed region makes again: it planned 1.6 KiB of
+    activations where the result kept 11.6 KiB (47% over the activation budget, the pass claiming it reachable).
+    Now the planned activations are the estimated and the measured ones, within the budget."""
+    from torch_geometric.nn.models import GIN
+    torch.manual_seed(0)
+    model = GIN(16, 32, num_layers=2, out_channels=4, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 16, generator=g), torch.randint(0, 40, (2, 160), generator=g))
+    res = fxmem.transform(copy.deepcopy(model), x, loss_fn=_node_label_loss, strict=True, policy={
+        "version": 1, "budget_strict": False, "passes": {"checkpoint": {"enabled": True, "activation_budget": "40%"}}})
+    rec = next(r for r in res.records if r.name == "checkpoint")
+    assert rec.status == "applied" and rec.metrics.get("best_effort") is None
+    measured = fxmem.measure(copy.deepcopy(res.program.module), x, loss_fn=_node_label_loss)
+    assert rec.metrics["planned_activations"] == res.after.activations == measured.activations
+    assert measured.activations <= 0.4 * res.before.activations
+
+
 def test_pipeline_end_to_end(gpt_prog):
     p, x, loss_fn = gpt_prog
     model = gpt.build_model(**GPT_KW)
@@ -635,7 +660,7 @@ def _assert_compiled_step_as_eager(ref, compiled, x, loss_fn):
         torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"buffer {k}: {m}")
 
 
-@pytest.mark.parametrize("frac", [0.8, 0.55], ids=["remat-alone", "remat-inside-regions"])
+@pytest.mark.parametrize("frac", [0.8, 0.45], ids=["remat-alone", "remat-inside-regions"])
 def test_remat_recomputed_under_torch_compile(frac):
     """Users stack torch.compile on the result: there the recast hooks step aside, and `remat` becomes a one-op
     checkpoint so the compiler's partitioner recomputes what the pass planned. The compiled module (one graph)
