@@ -1,11 +1,16 @@
 """The Python API: `fxmem.transform(...)`, `TransformResult`, `fxmem.load(...)`."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,67 +188,376 @@ def _plain_tensors(module: nn.Module):
     return out
 
 
+RESULT_KIND = "fxmem-result"  # manifest.json's "kind": how fxmem recognises a directory it wrote
+# what a result held before its manifest listed its files ("files"); such results are recognised by their keys
+_LEGACY_RESULT_FILES = frozenset({"module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
+                                  "report.md", "report.html", "report.json", "memory_timeline.png",
+                                  "memory_timeline.svg"})
+_TMP_TAG = ".fxmem-tmp-"
+
+
 def save_result(result: TransformResult, path, *, overwrite: bool = False) -> Path:
     """Directory layout: module.pt (structure, tensors on meta), weights.safetensors (all plain tensors),
-    transformed.py, original.py, manifest.json, and the report files. Written to a temp dir and renamed."""
-    from safetensors.torch import save_file
-    dest = Path(path)
-    if dest.exists():
-        nonempty = dest.is_file() or any(dest.iterdir())
-        if nonempty and not overwrite:
-            raise FxmemError(f"{dest}: already exists and is not empty; nothing was written (choose another "
-                             "--out, or pass --overwrite to replace it atomically)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fxmem-tmp-", dir=dest.parent))
-    try:
-        gm = result.module
-        entries = _plain_tensors(gm)
-        weights, seen = {}, {}
-        for mod, kind, n, qual, t in entries:
-            key = id(t)
-            if key in seen:
-                continue  # tied weights: stored once under the first name
-            seen[key] = qual
-            weights[qual] = t.detach().contiguous().cpu()
-        save_file(weights, str(tmp / "weights.safetensors"))
-        ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
-        # pickle the structure with tensors swapped for meta tensors, then put the real ones back
-        originals = []
+    transformed.py, original.py, the report files, and manifest.json (written last; it lists the files and marks the
+    directory as a result fxmem wrote). Written to a temp dir beside `path` and renamed into place.
+
+    An existing `path` is replaced only when it is an empty directory, or a result fxmem wrote and `overwrite=True`;
+    never a file, a link, a directory holding anything else, or the current working directory. See `OutputDir`."""
+    with OutputDir(path, overwrite=overwrite) as out:
+        return out.write(result)
+
+
+class OutputDir:
+    """Where a result goes, checked and reserved before any work, so a run that cannot write its result fails in a
+    second rather than after the transform.
+
+    The target must be a new path, an empty directory, or (with `overwrite`) a result written by fxmem that holds
+    only files fxmem wrote; it must not be a file or a symbolic link, be or contain the current working directory,
+    or contain one of `protect` (`(label, path)` pairs: the model file, the policy file). Missing parent directories
+    are created, and a hidden scratch directory `.NAME.fxmem-tmp-*` beside the target (same file system, so the
+    final move is a rename) proves the place writable. `write` fills it and moves the result into place:
+    the swap with a previous result is atomic (an exchange where the system has one), and SIGINT/SIGTERM are held
+    back during it, so the target is always the old result or the new one. `discard` (also on leaving a `with`
+    block) removes the scratch directory and the parents this object created unless the result was written.
+    Errors are `FxmemError`s naming the path, one line each."""
+
+    def __init__(self, path, *, overwrite: bool = False, protect=()):
+        self.given = os.fspath(path)
+        self.overwrite = bool(overwrite)
+        self.protect = [(label, os.fspath(p)) for label, p in protect]
+        self.committed = False  # the result is in place
+        self.staging: Path | None = None
+        self._created: list[Path] = []  # parent directories made here (removed again if nothing is written)
+        self._keep_staging = False  # it holds the previous result (a failed swap could not put it back)
+        self.shown = self.given
+        if not self.given.strip():
+            raise FxmemError("--out: the output path is empty; nothing was written")
+        if os.path.islink(self.given):
+            raise self._error(f"is a symbolic link (to {os.readlink(self.given)}); fxmem writes a new directory or "
+                              "replaces one it wrote, never a link: give a new path")
+        self.dest = Path(os.path.realpath(self.given))
+        if os.path.abspath(self.given) != str(self.dest):
+            self.shown = f"{self.given} (= {self.dest})"
         try:
-            for mod, kind, n, qual, t in entries:
-                meta = torch.empty_like(t, device="meta")
-                if isinstance(t, nn.Parameter):
-                    meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-                originals.append((mod, kind, n, t))
-                getattr(mod, kind)[n] = meta
-            from .serialize import save_module
-            save_module(gm, tmp / "module.pt")
-        finally:
-            for mod, kind, n, t in originals:
-                getattr(mod, kind)[n] = t
-        (tmp / "transformed.py").write_text(_full_code(gm))
-        (tmp / "original.py").write_text(_full_code(result.original.module))
-        manifest = {"format": SAVE_FORMAT, "fxmem": _version(), "torch": torch.__version__,
-                    "model": result.program.model_name, "mode": result.policy.mode,
-                    "inputs": list(result.program.input_names), "ties": ties,
-                    "module_sha256": _sha256(tmp / "module.pt"), "weights_sha256": _sha256(tmp / "weights.safetensors")}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if result.report is not None:
-            result.report.save(tmp)
-        if dest.exists():
-            if dest.is_dir() and not any(dest.iterdir()):
-                dest.rmdir()
-            elif overwrite:
-                backup = dest.with_name(dest.name + ".fxmem-old")
-                os.replace(dest, backup)
-                os.replace(tmp, dest)
-                shutil.rmtree(backup, ignore_errors=True)
-                return dest
-        os.replace(tmp, dest)
-        return dest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            self._check_name()
+            self._check()
+            self._was_new = not (self.dest.is_dir() and os.listdir(self.dest))  # absent or empty now
+        except OSError as e:  # a path the system cannot look at (too long, a loop of links, no permission)
+            raise self._error(f"cannot use it: {e.strerror or e}") from None
+        self._reserve()
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _error(self, why: str, *, nothing: bool = True) -> FxmemError:
+        return FxmemError(f"{self.shown}: {why}" + ("; nothing was written" if nothing else ""))
+
+    def _check(self) -> None:
+        """The target as it is now (run again just before the result is moved into place)."""
+        dest = self.dest
+        if dest.parent == dest:
+            raise self._error("is the root of the file system")
+        if os.path.islink(dest):  # appeared since
+            raise self._error("is a symbolic link; fxmem writes a new directory or replaces one it wrote, never a link")
+        if os.path.lexists(dest) and not dest.is_dir():
+            raise self._error("is a file, not a directory; fxmem writes a result directory, and replaces only one it "
+                              "wrote (choose another --out)")
+        try:
+            cwd = Path(os.getcwd()).resolve()
+        except OSError:  # the working directory was removed
+            cwd = None
+        if cwd is not None and dest == cwd:
+            raise self._error("is the current working directory; fxmem never replaces it (choose a new directory)")
+        if cwd is not None and dest in cwd.parents:
+            raise self._error(f"contains the current working directory ({cwd}); fxmem never replaces it "
+                              "(choose a new directory)")
+        for label, p in self.protect:
+            rp = Path(os.path.realpath(p))
+            if dest == rp or dest in rp.parents:
+                raise self._error(f"contains {label} {p}; fxmem never replaces it (choose a new directory)")
+        if not dest.is_dir():
+            return
+        try:
+            entries = sorted(os.listdir(dest))
+        except OSError as e:
+            raise self._error(f"cannot read it: {e.strerror or e}") from None
+        if not entries:
+            return  # an empty directory is taken as it is
+        foreign = _not_an_fxmem_result(dest, entries)
+        if not self.overwrite:
+            if foreign is None:
+                raise self._error("already exists (a result written by fxmem); nothing was written (choose another "
+                                  "--out, or pass --overwrite to replace it atomically)", nothing=False)
+            raise self._error(f"already exists and is not empty, and {foreign}; nothing was written (choose another "
+                              "--out: --overwrite replaces only a result written by fxmem)", nothing=False)
+        if foreign is not None:
+            raise self._error(f"{foreign}; --overwrite replaces only a result written by fxmem or an empty "
+                              "directory (choose another --out)")
+
+    def _check_name(self) -> None:
+        """The parent's nearest existing directory, and a name that file system takes."""
+        existing = self.dest.parent
+        while not os.path.lexists(existing):
+            existing = existing.parent
+        if not existing.is_dir():
+            raise self._error(f"{existing} is not a directory")
+        try:
+            name_max = os.pathconf(existing, "PC_NAME_MAX")
+        except (OSError, ValueError, AttributeError):
+            name_max = 255
+        n = len(os.fsencode(self.dest.name))
+        if name_max and name_max > 0 and n > name_max:
+            raise self._error(f"the name is too long ({n} bytes; this file system allows {name_max})")
+
+    def _reserve(self) -> None:
+        parent, name = self.dest.parent, self.dest.name
+        missing = []
+        p = parent
+        while not os.path.lexists(p):
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if d.is_dir():
+                    continue  # made by someone else meanwhile
+                self.discard()
+                raise self._error(f"{d} is not a directory") from None
+            except OSError as e:
+                self.discard()
+                raise self._error(f"cannot create the directory {d}: {e.strerror or e}") from None
+            self._created.append(d)
+        try:
+            # a short prefix, so the name fits however long the target's is (NAME_MAX is 255 bytes on most systems)
+            self.staging = Path(tempfile.mkdtemp(prefix="." + name[:48] + _TMP_TAG, dir=parent))
+        except OSError as e:
+            self.discard()
+            raise self._error(f"cannot write in {parent}: {e.strerror or e}") from None
+
+    # ------------------------------------------------------------------------------------------- writing
+    def write(self, result: TransformResult) -> Path:
+        """Write `result` into the scratch directory and move it into place; return the target."""
+        if self.staging is None or self.committed:
+            raise RuntimeError("OutputDir.write: this output was already written or discarded")
+        new = self.staging / "result"
+        try:
+            new.mkdir()
+            _write_result_files(result, new)
+        except OSError as e:
+            where = f" ({e.filename})" if isinstance(e.filename, str) else ""
+            raise self._error(f"writing the result failed: {e.strerror or e}{where}") from e
+        with _signals_deferred():  # a signal during the swap is handled once the scratch directory is gone too
+            self._commit(new)
+            self.discard()
+        return self.dest
+
+    def _commit(self, new: Path) -> None:
+        with _signals_deferred():
+            try:
+                self._check()  # the target may have changed during the run (another run, the user)
+            except FxmemError:
+                if self._was_new and os.path.lexists(self.dest):
+                    raise self._error("was created by another process while fxmem ran (another fxmem run with the "
+                                      "same --out?)") from None
+                raise
+            except OSError as e:
+                raise self._error(f"cannot use it: {e.strerror or e}") from None
+            dest = self.dest
+            if dest.is_dir() and os.listdir(dest):
+                self._swap(new, dest)  # a result fxmem wrote, with --overwrite (else _check raised)
+            else:
+                try:
+                    os.replace(new, dest)  # a new path, or an empty directory (replaced by the rename)
+                except OSError as e:
+                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                        raise self._error("was created by another process while fxmem ran (another fxmem run "
+                                          "with the same --out?)") from None
+                    raise self._error(f"cannot move the result into place: {e.strerror or e}") from None
+            self.committed = True
+
+    def _swap(self, new: Path, dest: Path) -> None:
+        """Replace the result at `dest` by `new`; the previous one ends up in the scratch directory (removed next)."""
+        try:
+            if _exchange(new, dest):
+                return  # atomic: `new` now holds the previous result
+        except OSError as e:
+            raise self._error(f"cannot replace it: {e.strerror or e}") from None
+        old = self.staging / "previous"
+        try:
+            os.replace(dest, old)
+        except OSError as e:
+            raise self._error(f"cannot move the previous result aside: {e.strerror or e}") from None
+        try:
+            os.replace(new, dest)
+        except BaseException as e:
+            try:
+                os.replace(old, dest)  # put the previous result back
+            except OSError as e2:
+                self._keep_staging = True
+                raise self._error(f"cannot move the result into place ({e}), nor the previous result back "
+                                  f"({e2.strerror or e2}): the previous result is in {old}", nothing=False) from None
+            if isinstance(e, OSError):
+                raise self._error(f"cannot move the result into place: {e.strerror or e}") from None
+            raise
+
+    def discard(self) -> None:
+        """Remove the scratch directory (and, unless the result was written, the parents created for it)."""
+        with _signals_deferred():
+            if self.staging is not None and not self._keep_staging:
+                _remove_path(self.staging)
+                self.staging = None
+            if not self.committed:
+                for d in reversed(self._created):
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        break
+            self._created = []
+
+    def __enter__(self) -> "OutputDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+
+def _not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
+    """None when `d` is a result fxmem wrote holding only the files it wrote; else why not (for a message)."""
+    if "manifest.json" not in entries:
+        return "it is not a result written by fxmem (no manifest.json)"
+    try:
+        man = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        man = None
+    if not isinstance(man, dict):
+        return "its manifest.json was not written by fxmem"
+    if man.get("kind") == RESULT_KIND and isinstance(man.get("files"), list):
+        files = {str(f) for f in man["files"]}
+    elif isinstance(man.get("fxmem"), str) and "format" in man and "module_sha256" in man:
+        files = set(_LEGACY_RESULT_FILES)  # written before manifests listed their files
+    else:
+        return "its manifest.json was not written by fxmem"
+    files.add("manifest.json")
+    extra = [e for e in entries if e not in files or os.path.islink(d / e) or not (d / e).is_file()]
+    if extra:
+        shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+        return f"it holds {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} fxmem did not write ({shown})"
+    return None
+
+
+def _write_result_files(result: TransformResult, d: Path) -> None:
+    from safetensors.torch import save_file
+    gm = result.module
+    entries = _plain_tensors(gm)
+    weights, seen = {}, {}
+    for mod, kind, n, qual, t in entries:
+        key = id(t)
+        if key in seen:
+            continue  # tied weights: stored once under the first name
+        seen[key] = qual
+        weights[qual] = t.detach().contiguous().cpu()
+    save_file(weights, str(d / "weights.safetensors"))
+    ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
+    # pickle the structure with tensors swapped for meta tensors, then put the real ones back
+    originals = []
+    try:
+        for mod, kind, n, qual, t in entries:
+            meta = torch.empty_like(t, device="meta")
+            if isinstance(t, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+            originals.append((mod, kind, n, t))
+            getattr(mod, kind)[n] = meta
+        from .serialize import save_module
+        save_module(gm, d / "module.pt")
+    finally:
+        for mod, kind, n, t in originals:
+            getattr(mod, kind)[n] = t
+    (d / "transformed.py").write_text(_full_code(gm))
+    (d / "original.py").write_text(_full_code(result.original.module))
+    if result.report is not None:
+        result.report.save(d)
+    manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT, "fxmem": _version(), "torch": torch.__version__,
+                "model": result.program.model_name, "mode": result.policy.mode,
+                "inputs": list(result.program.input_names), "ties": ties,
+                "files": sorted(set(os.listdir(d)) | {"manifest.json"}),
+                "module_sha256": _sha256(d / "module.pt"), "weights_sha256": _sha256(d / "weights.safetensors")}
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _remove_path(p: Path) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree; a leftover is said, never silent."""
+    try:
+        if os.path.islink(p) or not os.path.isdir(p):
+            os.unlink(p)
+        else:
+            shutil.rmtree(p)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        import warnings
+        warnings.warn(f"fxmem: could not remove the scratch directory {p}: {e.strerror or e}", RuntimeWarning,
+                      stacklevel=2)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT and SIGTERM back for a short critical section (renames, removing scratch files): a signal that
+    arrives is noted and handled as usual when the section ends, so an interrupt never lands between two renames.
+    Python handlers run in the main thread whichever thread the signal reached, so swapping the handlers (rather
+    than masking the signal in this thread) holds with the worker threads torch starts. Elsewhere than the main
+    thread a signal does not interrupt Python code anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old: dict = {}
+
+    def note(signum, frame):
+        pending.append(signum)
+
+    try:
+        for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+            if s is None:
+                continue
+            h = signal.getsignal(s)
+            if h is None:  # installed outside Python: cannot be put back, leave it
+                continue
+            old[s] = h
+            signal.signal(s, note)
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(pending):
+            h = old[s]
+            if callable(h):
+                h(s, None)  # e.g. raises KeyboardInterrupt
+            elif h == signal.SIG_DFL:
+                signal.raise_signal(s)  # the default action (terminate), now that the section is done
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE): even a crash leaves one or the other in
+    place. False where the system or the file system has no such call (then two renames, with signals held back)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _sha256(p: Path) -> str:

@@ -1,20 +1,31 @@
 """`fxmem optimize | estimate | diff | policies`.
 
 A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
-Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget), 1 internal error.
+Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path), 1 internal error,
+130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like an exception, so every
+cleanup runs: scratch files are removed and `--out` is left as it was, or holds the complete result.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
-from .errors import FxmemError, ModelFileError
+from .errors import FxmemError
 
 MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
                    "calibration_data(), evaluate(module)); it is user code and runs as such")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same cleanup runs (`finally`, `except BaseException`,
+    context managers: scratch files, the output's temp dir); the CLI then exits 143."""
 
 
 def main(argv=None) -> int:
@@ -23,18 +34,40 @@ def main(argv=None) -> int:
     if not getattr(args, "cmd", None):
         parser.print_help()
         return 2
+    with _sigterm_as_interrupt():
+        try:
+            return args.func(args)
+        except FxmemError as e:
+            print(f"fxmem: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt as e:
+            what = "terminated" if isinstance(e, Terminated) else "interrupted"
+            print(f"fxmem: {what}; {getattr(e, 'fxmem_outcome', None) or 'nothing was written'}", file=sys.stderr)
+            return 143 if isinstance(e, Terminated) else 130
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"fxmem: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the CLI runs (main thread only), SIGTERM raises `Terminated`; the previous handler is restored after."""
+    sigterm = getattr(signal, "SIGTERM", None)
+    if sigterm is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(sigterm)
+    signal.signal(sigterm, _raise_terminated)
     try:
-        return args.func(args)
-    except FxmemError as e:
-        print(f"fxmem: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("fxmem: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        print(f"fxmem: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        yield
+    finally:
+        if old is not None:
+            signal.signal(sigterm, old)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--activation-budget", help="activations kept at the end of forward: a size like 1GiB or a "
                    "fraction like 30%% of the baseline's (what torch.compile's activation_memory_budget bounds)")
     o.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")
-    o.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --out atomically")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace an existing result of fxmem optimize at --out atomically (never a directory holding "
+                        "anything else, nor the working directory or one holding the model or policy file)")
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
@@ -93,22 +128,26 @@ def cmd_estimate(a) -> int:
     from .capture import capture
     from .costmodel import estimate, plan_batch
     from .modelfile import check_inputs, load_model_file
+    from .step import OPTIMIZERS
     from .units import format_bytes, parse_size
     budget = None
     if a.budget is not None:
         try:
             budget = parse_size(a.budget)
         except ValueError as e:
-            raise ModelFileError(f"--budget: {e}") from None
+            raise FxmemError(f"--budget: {e}") from None
+        if budget <= 0:
+            raise FxmemError(f"--budget: a device budget must be more than 0 bytes, got {a.budget!r}")
+    if a.optimizer not in OPTIMIZERS:
+        raise FxmemError(f"--optimizer: unknown optimizer {a.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+    if a.world_size < 1:
+        raise FxmemError(f"--world-size: must be 1 or more, got {a.world_size}")
     mf = load_model_file(a.model)
-    check_inputs(mf)
+    check_inputs(mf, mode=a.mode)
     program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
     program.refresh()
-    try:
-        est = estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
-                       world_size=a.world_size, zero_stage=a.zero_stage)
-    except ValueError as e:
-        raise ModelFileError(str(e)) from None
+    est = estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
+                   world_size=a.world_size, zero_stage=a.zero_stage)
     measured = None
     if a.measure:
         from .measure import measure
@@ -163,26 +202,57 @@ def cmd_estimate(a) -> int:
 
 # ============================================================================================ optimize
 
+def _flag_budget(flag: str, value: str | None, key: str | None = None) -> str | None:
+    """A budget given on the command line, checked now (before any work) and named by the flag the user typed.
+    Returned in the exact form the policy reads back; an empty value or `null` is an error, not "no budget"."""
+    if value is None:
+        return None
+    from .units import parse_budget
+    try:
+        return str(parse_budget(value))
+    except ValueError as e:
+        raise FxmemError(f"{flag}{f' ({key})' if key else ''}: {e}") from None
+
+
 def cmd_optimize(a) -> int:
-    from .api import save_result, transform
+    from .api import OutputDir, transform
     from .modelfile import check_inputs, load_model_file
+    budget = _flag_budget("--budget", a.budget)
+    activation_budget = _flag_budget("--activation-budget", a.activation_budget,
+                                     "passes.checkpoint.activation_budget")
+    if a.out is not None and not a.out.strip():
+        raise FxmemError("--out: the output path is empty; nothing was written")
+    out_arg = a.out if a.out else os.path.join("fxmem-out", Path(a.model).stem)
+    protect = [("the model file", a.model)]
+    if a.policy and os.path.isfile(a.policy):
+        protect.append(("the policy file", a.policy))
+    # checked and reserved before any work: a run that cannot write its result fails now, not after the transform
+    out = OutputDir(out_arg, overwrite=a.overwrite, protect=protect)
+    try:
+        mf = load_model_file(a.model)
+        check_inputs(mf)
+        log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        calibration = mf.calibration(limit=64)
+        res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=budget,
+                        activation_budget=activation_budget, calibration=calibration,
+                        loss_fn=mf.loss_fn, measure=a.measure, strict=a.strict, overrides=a.set, log=log,
+                        model_file=mf.module)
+        out.write(res)
+        _print_summary(a, res, out)
+        return 0
+    except KeyboardInterrupt as e:  # say what is on disk: the message "nothing was written" must be true
+        e.fxmem_outcome = (f"the result was written completely to {out.shown}" if out.committed else
+                           f"nothing was written{' (' + out.shown + ' is unchanged)' if out.overwrite else ''}")
+        raise
+    finally:
+        out.discard()
+
+
+def _print_summary(a, res, out) -> None:
     from .units import format_bytes
-    out = Path(a.out) if a.out else Path("fxmem-out") / Path(a.model).stem
-    if out.exists() and (out.is_file() or any(out.iterdir())) and not a.overwrite:
-        raise FxmemError(f"{out}: already exists and is not empty; nothing was written (choose another --out, "
-                         "or pass --overwrite to replace it atomically)")
-    mf = load_model_file(a.model)
-    check_inputs(mf)
-    log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    calibration = mf.calibration(limit=64)
-    res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=a.budget,
-                    activation_budget=a.activation_budget, calibration=calibration,
-                    loss_fn=mf.loss_fn, measure=a.measure, strict=a.strict, overrides=a.set, log=log,
-                    model_file=mf.module)
-    save_result(res, out, overwrite=a.overwrite)
     if a.json:
         print(res.report.to_json())
-        return 0
+        return
     b, af = res.before, res.after
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
     print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")
@@ -197,8 +267,7 @@ def cmd_optimize(a) -> int:
     for line in (res.report.budget_line(), res.report.activation_budget_line()):
         if line:
             print(line)
-    print(f"wrote {out}/ (report.md, report.html, report.json, transformed.py, module)")
-    return 0
+    print(f"wrote {out.given.rstrip(os.sep)}/ (report.md, report.html, report.json, transformed.py, module)")
 
 
 # ============================================================================================ diff / policies
@@ -211,13 +280,23 @@ def cmd_diff(a) -> int:
             raise FxmemError(f"{d}: not a result directory written by fxmem optimize (no manifest.json)")
     if a.b:
         B = Path(a.b)
-        text = diff_text((A / "transformed.py").read_text(), (B / "transformed.py").read_text(),
+        text = diff_text(_result_text(A, "transformed.py"), _result_text(B, "transformed.py"),
                          f"{A}/transformed.py", f"{B}/transformed.py")
     else:
-        text = diff_text((A / "original.py").read_text(), (A / "transformed.py").read_text(),
+        text = diff_text(_result_text(A, "original.py"), _result_text(A, "transformed.py"),
                          f"{A}/original.py", f"{A}/transformed.py")
     print(text if text.strip() else "no differences")
     return 0
+
+
+def _result_text(d: Path, name: str) -> str:
+    p = d / name
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FxmemError(f"{p}: missing; {d} is not a complete result written by fxmem optimize") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FxmemError(f"{p}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
 
 
 def cmd_policies(a) -> int:

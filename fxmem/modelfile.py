@@ -6,6 +6,7 @@ runs as such, exactly like `python model.py` would run it.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import traceback
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ModelFileError
+from .errors import FxmemError, ModelFileError
 
 
 @dataclass
@@ -54,6 +55,82 @@ def _user_line(exc: BaseException, path: Path) -> str:
         if Path(fr.filename).resolve() == path.resolve():
             return f"{path.name}:{fr.lineno}"
     return str(path.name)
+
+
+class LossFnError(ModelFileError):
+    """The model file's `loss_fn` raised, has the wrong signature or returned something that is not a scalar loss:
+    the user's error, wherever in fxmem the loss was computed (cost model, measurement, verification, a pass)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+class UserLossFn:
+    """The model file's `loss_fn(output, inputs)`, called as the protocol says; a failure inside it, or a result that
+    is not a scalar tensor, raises `LossFnError` naming the file, its line and `loss_fn`, with the original error
+    (chained). Exceptions fxmem uses for control flow while tracing (a size that depends on tensor values) pass
+    through unchanged, so the cost model can retry with real values."""
+
+    def __init__(self, fn: Callable, path: Path):
+        self.fn, self.path = fn, Path(path)
+        self.__name__ = getattr(fn, "__name__", "loss_fn")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+
+    def __call__(self, output, inputs):
+        try:
+            loss = self.fn(output, inputs)
+        except FxmemError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code
+            if _is_trace_control_flow(e):
+                raise
+            raise LossFnError(f"{_user_path_line(e, self.path)}: loss_fn(output, inputs) failed: "
+                              f"{type(e).__name__}: {_first_line(e)}") from e
+        if not isinstance(loss, torch.Tensor):
+            raise LossFnError(f"{self.path}: loss_fn(output, inputs) must return a scalar tensor, got "
+                              f"{type(loss).__name__}")
+        if loss.numel() != 1:
+            raise LossFnError(f"{self.path}: loss_fn(output, inputs) must return a scalar tensor (one element), got "
+                              f"shape {tuple(loss.shape)}")
+        return loss
+
+
+def _is_trace_control_flow(e: BaseException) -> bool:
+    """A size that depends on tensor values, met while tracing under fake tensors (the cost model then retries with
+    the example's real values): not the user's error."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    return isinstance(e, GuardOnDataDependentSymNode)
+
+
+def _check_loss_signature(fn: Callable, path: Path) -> None:
+    """loss_fn must accept (output, inputs): a wrong signature is reported now, before minutes of work."""
+    if not callable(fn):
+        raise LossFnError(f"{path}: loss_fn must be a function loss_fn(output, inputs), got {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some callables have no inspectable signature: checked at call
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as e:
+        raise LossFnError(f"{path}: loss_fn{sig} cannot be called as loss_fn(output, inputs): {e}") from None
+
+
+def _user_path_line(exc: BaseException, path: Path) -> str:
+    """`path:line` of the innermost frame of the model file in the traceback, else `path`."""
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        try:
+            if Path(fr.filename).resolve() == path.resolve():
+                return f"{path}:{fr.lineno}"
+        except OSError:
+            continue
+    return str(path)
 
 
 def split_inputs(inputs: Any, path: Path | str = "model file") -> tuple[tuple, dict]:
@@ -101,20 +178,30 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
     except Exception as e:  # noqa: BLE001
         raise ModelFileError(f"{_user_line(e, p)}: example_inputs() failed: {type(e).__name__}: {e}") from e
     args, kwargs = split_inputs(inputs, p)
-    return ModelFile(p, mod, model, args, kwargs, getattr(mod, "loss_fn", None),
+    loss_fn = getattr(mod, "loss_fn", None)
+    if loss_fn is not None:
+        _check_loss_signature(loss_fn, p)
+        loss_fn = UserLossFn(loss_fn, p)
+    return ModelFile(p, mod, model, args, kwargs, loss_fn,
                      getattr(mod, "calibration_data", None), getattr(mod, "evaluate", None))
 
 
-def check_inputs(mf: ModelFile) -> None:
-    """Run the model once on its example inputs, so a rejection is reported as the user's error."""
+def check_inputs(mf: ModelFile, mode: str | None = None) -> None:
+    """Run the model once on its example inputs, so a rejection is reported as the user's error. With
+    mode="train" and no loss_fn, the output must hold a floating-point tensor to build the default loss from."""
     try:
         with torch.no_grad():
             was = mf.model.training
             mf.model.eval()
             try:
-                mf.model(*mf.args, **mf.kwargs)
+                out = mf.model(*mf.args, **mf.kwargs)
             finally:
                 mf.model.train(was)
     except Exception as e:  # noqa: BLE001
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelFileError(f"{mf.path}: the model rejects example_inputs(): {type(e).__name__}: {first}") from e
+    if mode == "train" and mf.loss_fn is None:
+        from torch.utils import _pytree as pytree
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in pytree.tree_leaves(out)):
+            raise ModelFileError(f"{mf.path}: the model's output has no floating-point tensor to build the default "
+                                 "loss from; define loss_fn(output, inputs) in the model file")

@@ -75,6 +75,8 @@ def parse_size(s: str | int | float) -> int:
     if re.fullmatch(r"\d+", number):
         return int(number) * factor  # exact for big integers
     value = float(number) * factor
+    if not math.isfinite(value):
+        raise ValueError(f"{s!r} is too large to be a size in bytes")
     if factor == 1 and value != int(value):
         raise ValueError(f"expected a whole number of bytes, got {s!r}")
     return int(round(value))
@@ -158,7 +160,10 @@ def parse_budget(s: str | int | float | Budget) -> Budget:
         raise ValueError(f"expected {BUDGET_EXAMPLE}, got {s!r}")
     if not m.group(3) and not re.fullmatch(r"\s*\+?\d+\s*", s):
         # a bare non-integer number written as a string: same rule as the float form
-        return parse_budget(float(s))
+        value = float(s)
+        if not (0 < value <= 1):
+            raise ValueError(f"expected a fraction in (0, 1] such as 0.4, or {BUDGET_EXAMPLE}, got {s!r}")
+        return parse_budget(value)
     try:
         n = parse_size(s)
     except ValueError as e:

@@ -256,8 +256,14 @@ def test_save_never_overwrites_without_asking(tmp_path):
     with pytest.raises(fxmem.FxmemError, match="already exists"):
         res.save(dest)
     assert (dest / "mine.txt").read_text() == "user data"
-    res.save(dest, overwrite=True)
-    assert (dest / "manifest.json").exists() and not (dest / "mine.txt").exists()
+    # --overwrite replaces only a result fxmem wrote: the user's directory is refused, untouched
+    with pytest.raises(fxmem.FxmemError, match="not a result written by fxmem"):
+        res.save(dest, overwrite=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["mine.txt"]
+    ours = tmp_path / "ours"
+    res.save(ours)
+    res.save(ours, overwrite=True)
+    assert (ours / "manifest.json").exists()
     assert not [p for p in tmp_path.iterdir() if "fxmem-tmp" in p.name or "fxmem-old" in p.name]
 
 
@@ -269,9 +275,11 @@ def test_cli_optimize_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and "bad.yaml:4" in err and "passes.checkpoint.budget" in err
     assert not out.exists()
-    # an internal failure while writing: nothing partial, the existing directory untouched
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    # an internal failure while writing: nothing partial, the existing result untouched
+    code = main(["optimize", str(ROOT / "examples" / "mlp_digits.py"), "--policy", "low", "--out", str(out),
+                 "--quiet", "--set", "passes.checkpoint.enabled=false", "--set", "passes.attention.enabled=false"])
+    assert code == 0
+    before = sorted(p.name for p in out.iterdir())
     from fxmem import report as report_mod
 
     def boom(self, directory, deterministic=False):
@@ -282,7 +290,7 @@ def test_cli_optimize_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
                  "--overwrite", "--quiet", "--set", "passes.checkpoint.enabled=false",
                  "--set", "passes.attention.enabled=false"])
     assert code == 1
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in out.iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if "fxmem-tmp" in p.name]
 
 

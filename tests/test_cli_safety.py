@@ -1,0 +1,562 @@
+"""What the command line reads and writes, and how it fails: `--out` is checked before any work, `--overwrite` replaces
+only a result fxmem wrote, the swap with a previous result is never interrupted half-way, SIGTERM cleans up like
+Ctrl-C, and user errors (a failing loss_fn, a size that overflows, an empty budget, an unusable output path, a damaged
+result) exit 2 with one line naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import api
+from fxmem.cli import main
+
+from .conftest import ROOT
+
+MLP = str(ROOT / "examples" / "mlp_digits.py")
+FAST = ["--policy", "low", "--quiet", "--set", "passes.checkpoint.enabled=false",
+        "--set", "passes.attention.enabled=false"]
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def scratch_left(d: Path) -> list[str]:
+    """fxmem's scratch names anywhere under `d`: temp dirs and backups of previous results."""
+    return [str(p) for p in d.rglob("*") if "fxmem-tmp" in p.name or "fxmem-old" in p.name]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if the transform starts: refusals must come before any work."""
+    def boom(*a, **k):
+        raise AssertionError("the transform ran although the output was refused")
+    monkeypatch.setattr(api, "transform", boom)
+
+
+@pytest.fixture
+def result_dir(tmp_path, capsys):
+    """A directory written by `fxmem optimize` (what --overwrite may replace)."""
+    out = tmp_path / "X"
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", out)
+    assert code == 0, err
+    return out
+
+
+# ============================================================================================ B1: --overwrite
+
+def test_overwrite_refuses_the_working_directory(tmp_path, monkeypatch, capsys, no_work):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copy(MLP, proj / "mlp_digits.py")
+    (proj / "user.txt").write_text("keep")
+    monkeypatch.chdir(proj)
+    for out in (str(proj), ".", str(tmp_path)):
+        code, _, err = run(capsys, "optimize", "mlp_digits.py", *FAST, "--out", out, "--overwrite")
+        line = one_line(err)
+        assert code == 2 and "current working directory" in line and "nothing was written" in line, line
+    assert sorted(os.listdir(proj)) == ["mlp_digits.py", "user.txt"]
+    assert not scratch_left(tmp_path)
+
+
+def test_overwrite_refuses_a_directory_holding_the_model_or_policy_file(tmp_path, capsys, no_work):
+    ex = tmp_path / "examples_copy"
+    ex.mkdir()
+    shutil.copy(MLP, ex / "mlp_digits.py")
+    code, _, err = run(capsys, "optimize", ex / "mlp_digits.py", *FAST, "--out", ex, "--overwrite")
+    line = one_line(err)
+    assert code == 2 and "contains the model file" in line and str(ex) in line
+    pol_dir = tmp_path / "pol"
+    pol_dir.mkdir()
+    (pol_dir / "p.yaml").write_text("version: 1\nextends: low\n")
+    code, _, err = run(capsys, "optimize", MLP, "--policy", pol_dir / "p.yaml", "--out", pol_dir, "--overwrite")
+    assert code == 2 and "contains the policy file" in one_line(err)
+    assert (ex / "mlp_digits.py").exists() and (pol_dir / "p.yaml").exists()
+    assert not scratch_left(tmp_path)
+
+
+@pytest.mark.parametrize("content", [
+    {"notes.txt": "mine"},                                              # not a result at all
+    {"manifest.json": "{}", "data.bin": "x"},                           # someone else's manifest
+    {"manifest.json": json.dumps({"format": 1, "kind": "other-tool"})},
+])
+def test_overwrite_refuses_what_fxmem_did_not_write(tmp_path, capsys, no_work, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in content.items():
+        (out / name).write_text(text)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", out, "--overwrite")
+    line = one_line(err)
+    assert code == 2 and str(out) in line and "--overwrite replaces only a result written by fxmem" in line
+    assert {p.name: p.read_text() for p in out.iterdir()} == content
+    assert not scratch_left(tmp_path)
+
+
+def test_overwrite_replaces_an_fxmem_result_but_not_files_added_to_it(result_dir, capsys):
+    man = json.loads((result_dir / "manifest.json").read_text())
+    assert man["kind"] == "fxmem-result" and "weights.safetensors" in man["files"]
+    ino = result_dir.stat().st_ino
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir)  # no --overwrite
+    assert code == 2 and "pass --overwrite" in one_line(err)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    assert code == 0, err
+    assert result_dir.stat().st_ino != ino and (result_dir / "manifest.json").exists()
+    assert not scratch_left(result_dir.parent)
+    (result_dir / "my_notes.txt").write_text("mine")
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    assert code == 2 and "my_notes.txt" in one_line(err)
+    assert (result_dir / "my_notes.txt").read_text() == "mine"
+    # a result written before manifests listed their files is still recognised
+    (result_dir / "my_notes.txt").unlink()
+    del man["kind"], man["files"]
+    (result_dir / "manifest.json").write_text(json.dumps(man))
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    assert code == 0, err
+
+
+# ============================================================================================ B2: files and links
+
+def test_out_file_or_symlink_is_refused_and_nothing_is_left(tmp_path, monkeypatch, capsys, no_work):
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("user file")
+    Path("t").mkdir()
+    Path("t/k").write_text("k")
+    os.symlink("t", "link")
+    os.symlink("nowhere", "dangling")
+    os.symlink("empty", "link_empty")
+    Path("empty").mkdir()
+    for out, why in (("afile", "is a file"), ("link", "symbolic link"), ("dangling", "symbolic link"),
+                     ("link_empty", "symbolic link")):
+        for extra in ([], ["--overwrite"]):
+            code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", out, *extra)
+            line = one_line(err)
+            assert code == 2 and line.startswith(f"fxmem: error: {out}") and why in line, line
+    assert sorted(os.listdir(tmp_path)) == ["afile", "dangling", "empty", "link", "link_empty", "t"]
+    assert Path("afile").read_text() == "user file" and os.listdir("t") == ["k"] and not os.listdir("empty")
+
+
+def test_scratch_removal_handles_files_and_links(tmp_path):
+    """`_remove_path` removes what it is given, whatever it is (shutil.rmtree(ignore_errors=True) silently keeps a
+    file), and never what a link points to."""
+    f = tmp_path / "f"
+    f.write_text("x")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "k").write_text("k")
+    link = tmp_path / "l"
+    os.symlink(d, link)
+    for p in (f, link):
+        api._remove_path(p)
+        assert not os.path.lexists(p)
+    assert (d / "k").exists()
+    api._remove_path(d)
+    assert not d.exists()
+
+
+# ============================================================================================ B3/B5: signals
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_signal_during_the_overwrite_swap_is_held_until_it_is_done(result_dir, capsys, monkeypatch, sig, code, word,
+                                                                   exchange):
+    """A signal arriving while the previous result is swapped out is handled once the swap is complete: the target
+    is the new result (never neither), no scratch is left, and the message says the result was written."""
+    ino = result_dir.stat().st_ino
+    real_exchange, real_replace = api._exchange, os.replace
+    calls = []
+
+    def exchange_then_signal(a, b):
+        calls.append("exchange")
+        if not exchange:
+            return False  # no atomic exchange here: two renames
+        os.kill(os.getpid(), sig)
+        return real_exchange(a, b)
+
+    def replace_with_signal(a, b):
+        if Path(b) == result_dir or Path(a) == result_dir:  # the swap's renames, not torch's own
+            calls.append("replace")
+            out = real_replace(a, b)
+            if len(calls) == 2:  # right after the first rename: the previous result is moved aside, none in place
+                os.kill(os.getpid(), sig)
+            return out
+        return real_replace(a, b)
+
+    monkeypatch.setattr(api, "_exchange", exchange_then_signal)
+    monkeypatch.setattr(os, "replace", replace_with_signal)
+    rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    monkeypatch.undo()
+    assert rc == code, err
+    assert (result_dir / "manifest.json").exists(), f"neither the previous nor the new result is in place: {err}"
+    assert calls[0] == "exchange" and (exchange or calls[1:] == ["replace", "replace"]), calls
+    assert f"{word}; the result was written completely to {result_dir}" in err
+    assert result_dir.stat().st_ino != ino and (result_dir / "manifest.json").exists()
+    assert api._not_an_fxmem_result(result_dir, sorted(os.listdir(result_dir))) is None
+    assert not scratch_left(result_dir.parent)
+
+
+def test_failed_second_rename_puts_the_previous_result_back(result_dir, capsys, monkeypatch):
+    ino = result_dir.stat().st_ino
+    before = sorted(os.listdir(result_dir))
+    real_replace = os.replace
+    calls = []
+
+    def second_fails(a, b):
+        if Path(b) == result_dir:
+            calls.append((a, b))
+            if len(calls) == 1:  # moving the new result into place (the previous one was moved aside)
+                raise OSError(28, "No space left on device")
+        return real_replace(a, b)
+
+    monkeypatch.setattr(api, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "replace", second_fails)
+    rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    monkeypatch.undo()
+    line = one_line(err)
+    assert rc == 2 and "No space left on device" in line and "nothing was written" in line
+    assert result_dir.stat().st_ino == ino and sorted(os.listdir(result_dir)) == before
+    assert not scratch_left(result_dir.parent)
+
+
+def test_interrupt_before_the_swap_leaves_the_previous_result(result_dir, capsys, monkeypatch):
+    ino = result_dir.stat().st_ino
+
+    def interrupted(result, d):
+        (d / "weights.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "_write_result_files", interrupted)
+    rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    assert rc == 130
+    assert f"interrupted; nothing was written ({result_dir} is unchanged)" in err
+    assert result_dir.stat().st_ino == ino
+    assert not scratch_left(result_dir.parent)
+
+
+def test_internal_error_while_writing_leaves_the_previous_result(result_dir, capsys, monkeypatch):
+    """(What tests/test_pipeline.py::test_cli_optimize_failure_leaves_nothing checks, on a directory --overwrite may
+    replace.) A bug while writing: exit 1, the previous result untouched, no scratch left."""
+    from fxmem import report as report_mod
+    ino, before = result_dir.stat().st_ino, sorted(os.listdir(result_dir))
+
+    def boom(self, directory, deterministic=False):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(report_mod.Report, "save", boom)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    assert code == 1 and "internal error: RuntimeError: disk full" in err
+    assert result_dir.stat().st_ino == ino and sorted(os.listdir(result_dir)) == before
+    assert not scratch_left(result_dir.parent)
+
+
+_DRIVER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import fxmem.api as api, fxmem.cli as cli
+    marker = Path(sys.argv[1])
+    real = api._write_result_files
+    def write_then_wait(result, d):  # test hook: the save is under way, with files on disk; wait to be stopped
+        real(result, d)
+        marker.write_text(str(d))
+        time.sleep(120)
+    api._write_result_files = write_then_wait
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+def test_sigterm_during_the_save_cleans_up(tmp_path):
+    """SIGTERM in a real process while the result is being written: exit 143, the temp dir is gone, nothing is
+    written, and the message says so."""
+    work = tmp_path / "w"
+    work.mkdir()
+    marker = tmp_path / "saving"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-c", _DRIVER, str(marker), "optimize", MLP, *FAST, "--out", "X"],
+                         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), p.communicate(timeout=30)
+        assert Path(marker.read_text()).exists()  # the partial result is on disk now
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    assert "fxmem: terminated; nothing was written" in err and "Traceback" not in err
+    assert os.listdir(work) == []
+
+
+# ============================================================================================ B6: loss_fn
+
+LOSS_FILES = {
+    "raises": ("def loss_fn(output, inputs):\n    raise ValueError('boom in loss_fn')\n",
+               ["loss_fn(output, inputs) failed", "ValueError: boom in loss_fn", "m.py:7"]),
+    "raises_rt": ("def loss_fn(output, inputs):\n    raise RuntimeError('rt boom')\n",
+                  ["loss_fn(output, inputs) failed", "RuntimeError: rt boom"]),
+    "bad_sig": ("def loss_fn(output):\n    return output.sum()\n",
+                ["loss_fn(output) cannot be called as loss_fn(output, inputs)"]),
+    "nonscalar": ("def loss_fn(output, inputs):\n    return output\n",
+                  ["loss_fn(output, inputs) must return a scalar tensor", "(2, 4)"]),
+    "not_tensor": ("def loss_fn(output, inputs):\n    return 1.0\n",
+                   ["loss_fn(output, inputs) must return a scalar tensor, got float"]),
+}
+MODEL_HEAD = ("import torch\n"
+              "def build_model():\n"
+              "    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n"
+              "def example_inputs():\n"
+              "    return (torch.randn(2, 4),)\n")
+
+
+@pytest.mark.parametrize("cmd", [["estimate"], ["estimate", "--measure"], ["optimize"]])
+@pytest.mark.parametrize("kind", sorted(LOSS_FILES))
+def test_loss_fn_errors_are_user_errors(tmp_path, capsys, kind, cmd):
+    path = tmp_path / "m.py"
+    text, expect = LOSS_FILES[kind]
+    path.write_text(MODEL_HEAD + text)
+    extra = ["--policy", "low", "--quiet", "--out", tmp_path / "o"] if cmd == ["optimize"] else []
+    code, _, err = run(capsys, cmd[0], path, *cmd[1:], *extra)
+    line = one_line(err)
+    assert code == 2, err
+    assert str(path) in line and "loss_fn" in line
+    for e in expect:
+        assert e in line, line
+    assert not (tmp_path / "o").exists() and not scratch_left(tmp_path)
+
+
+def test_loss_fn_error_inside_a_pass_is_not_taken_for_a_pass_bug(tmp_path):
+    """The model file's loss_fn failing while a pass computes a loss is the user's error, raised as such, not a
+    pass failure rolled back (nor a PassError under strict)."""
+    import dataclasses
+
+    from fxmem import pipeline
+    from fxmem.modelfile import LossFnError, load_model_file
+    from fxmem.pipeline import PassResult
+    from fxmem.policy import unregister_options
+    from fxmem.step import compute_loss
+
+    path = tmp_path / "m.py"
+    path.write_text(MODEL_HEAD + "FAIL = []\ndef loss_fn(output, inputs):\n"
+                    "    if FAIL:\n        raise ValueError('only inside the pass')\n    return output.sum()\n")
+    mf = load_model_file(path)
+
+    @dataclasses.dataclass
+    class _Opts:
+        x: int = 0
+
+    class _LossPass:
+        name = "test_loss_in_pass"
+        exact = True
+        test_only = True
+        Options = _Opts
+
+        def run(self, program, ctx):
+            mf.module.FAIL.append(1)
+            out = program.module(*program.example_args)
+            compute_loss(ctx.loss_fn, out, program.example_args, {})
+            return PassResult(program, False)
+
+    pipeline.register(_LossPass)
+    try:
+        for strict in (False, True):
+            mf.module.FAIL.clear()
+            with pytest.raises(LossFnError, match="only inside the pass") as ei:
+                fxmem.transform(mf.model, mf.args, mf.kwargs, loss_fn=mf.loss_fn, strict=strict,
+                                policy={"version": 1, "passes": {"test_loss_in_pass": {"enabled": True}}})
+            assert str(path) in str(ei.value) and "loss_fn" in str(ei.value)
+    finally:
+        pipeline.REGISTRY.pop(_LossPass.name, None)
+        unregister_options(_LossPass.name)
+
+
+def test_estimate_does_not_turn_internal_value_errors_into_model_file_errors(capsys, monkeypatch):
+    import fxmem.costmodel as cm
+
+    def bug(*a, **k):
+        raise ValueError("an fxmem bug")
+    monkeypatch.setattr(cm, "estimate", bug)
+    code, _, err = run(capsys, "estimate", MLP)
+    assert code == 1 and "internal error: ValueError: an fxmem bug" in err
+    monkeypatch.undo()
+    code, _, err = run(capsys, "estimate", MLP, "--optimizer", "adamx")
+    assert code == 2 and "--optimizer" in one_line(err)
+    code, _, err = run(capsys, "estimate", MLP, "--world-size", "0")
+    assert code == 2 and "--world-size" in one_line(err)
+
+
+def test_default_loss_needs_a_floating_point_output(tmp_path, capsys):
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        class Classify(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 3)
+            def forward(self, x):
+                return self.lin(x).argmax(-1)
+        def build_model():
+            return Classify()
+        def example_inputs():
+            return (torch.randn(2, 4),)
+    """))
+    code, _, err = run(capsys, "estimate", path)
+    line = one_line(err)
+    assert code == 2 and str(path) in line and "define loss_fn(output, inputs)" in line
+    code, _, err = run(capsys, "estimate", path, "--mode", "inference")
+    assert code == 0, err
+
+
+# ============================================================================================ B7/B8: sizes, budgets
+
+def test_sizes_that_overflow_are_user_errors(tmp_path, capsys, no_work):
+    from fxmem.units import parse_budget, parse_size
+    for s in ("1e400", "1e400B", "1e400GiB", "1e300GiB"):
+        with pytest.raises(ValueError, match="too large"):
+            parse_size(s)
+    with pytest.raises(ValueError):
+        parse_budget("1e400")
+    cases = [["estimate", MLP, "--budget", "1e400"], ["estimate", MLP, "--budget", "1e400B"],
+             ["optimize", MLP, "--budget", "1e400B", "--out", tmp_path / "a"],
+             ["optimize", MLP, "--activation-budget", "1e400GiB", "--out", tmp_path / "b"]]
+    for argv in cases:
+        code, _, err = run(capsys, *argv)
+        line = one_line(err)
+        assert code == 2 and "1e400" in line and argv[2] in line, line
+    pol = tmp_path / "p.yaml"
+    pol.write_text("version: 1\nextends: low\nbudget: 1e400GiB\n")
+    code, _, err = run(capsys, "policies", "show", pol)
+    assert code == 2 and f"{pol}:3 budget" in one_line(err)
+    assert sorted(os.listdir(tmp_path)) == ["p.yaml"]
+
+
+@pytest.mark.parametrize("value", ["", "null", "none", "0", "0%", "-1GiB"])
+def test_budget_flag_must_be_a_budget(tmp_path, capsys, no_work, value):
+    """An empty `--budget=` or `--budget null` would silently drop the policy's budget; 0 is no budget either (in
+    estimate as in optimize). The error names the flag the user typed."""
+    code, _, err = run(capsys, "optimize", MLP, "--policy", "medium", f"--budget={value}", "--out", tmp_path / "o")
+    line = one_line(err)
+    assert code == 2 and line.startswith("fxmem: error: --budget:") and "--set" not in line, line
+    code, _, err = run(capsys, "optimize", MLP, f"--activation-budget={value}", "--out", tmp_path / "o")
+    assert code == 2 and "--activation-budget" in one_line(err)
+    code, _, err = run(capsys, "estimate", MLP, f"--budget={value}")
+    assert code == 2 and one_line(err).startswith("fxmem: error: --budget:")
+    assert not os.listdir(tmp_path)
+
+
+# ============================================================================================ B9: output paths
+
+def test_unusable_out_paths_fail_before_the_work(tmp_path, monkeypatch, capsys, no_work):
+    monkeypatch.chdir(tmp_path)
+    Path("plainfile").write_text("u")
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", "plainfile/sub")
+    assert code == 2 and "plainfile is not a directory" in one_line(err)
+    long = "n" * 300
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", long)
+    assert code == 2 and "name is too long" in one_line(err)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out=")
+    assert code == 2 and "--out" in one_line(err)
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(api.tempfile, "mkdtemp", read_only)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", "deep/er/out")
+    line = one_line(err)
+    assert code == 2 and line.startswith("fxmem: error: deep/er/out") and "Read-only file system" in line
+    assert sorted(os.listdir(tmp_path)) == ["plainfile"]  # the parents made for it are gone again
+
+
+def test_out_paths_that_resolve_are_written_where_they_point(tmp_path, monkeypatch, capsys):
+    """A long but valid name (its temp dir's name stays short) and `newp/sub/..` (written to newp, no newp/sub)."""
+    monkeypatch.chdir(tmp_path)
+    long = "n" * 250
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", long)
+    assert code == 0, err
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", "newp/sub/..")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted([long, "newp"])
+    assert (tmp_path / "newp" / "manifest.json").exists() and not (tmp_path / "newp" / "sub").exists()
+
+
+def test_os_error_while_writing_is_a_user_error_naming_the_path(tmp_path, capsys, monkeypatch):
+    def disk_full(result, d):
+        (d / "weights.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device", str(d / "weights.safetensors"))
+    monkeypatch.setattr(api, "_write_result_files", disk_full)
+    out = tmp_path / "a" / "b"
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", out)
+    line = one_line(err)
+    assert code == 2 and str(out) in line and "No space left on device" in line and "nothing was written" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_runs_to_the_same_new_out(tmp_path, capsys):
+    """Both runs check `--out` at their start; the one finishing second finds it taken: exit 2 with one line, its
+    temp dir removed, the first run's result intact."""
+    import fxmem.modelfile as mfmod
+    mf = mfmod.load_model_file(MLP)
+    res = fxmem.transform(mf.model, mf.args, mf.kwargs, policy={"version": 1, "passes": {}})
+    out = tmp_path / "X"
+    a = api.OutputDir(out)
+    b = api.OutputDir(out)
+    a.write(res)
+    with pytest.raises(fxmem.FxmemError, match="created by another process") as ei:
+        b.write(res)
+    b.discard()
+    assert "\n" not in str(ei.value)
+    assert api._not_an_fxmem_result(out, sorted(os.listdir(out))) is None
+    assert os.listdir(tmp_path) == ["X"]
+    # with --overwrite the later run replaces the earlier one's result
+    c, d = api.OutputDir(out, overwrite=True), api.OutputDir(out, overwrite=True)
+    c.write(res)
+    d.write(res)
+    assert os.listdir(tmp_path) == ["X"] and (out / "manifest.json").exists()
+
+
+def test_python_api_save_follows_the_same_rules(tmp_path, monkeypatch):
+    import fxmem.modelfile as mfmod
+    mf = mfmod.load_model_file(MLP)
+    res = fxmem.transform(mf.model, mf.args, mf.kwargs, policy={"version": 1, "passes": {}})
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(fxmem.FxmemError, match="current working directory"):
+        res.save(tmp_path, overwrite=True)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(fxmem.FxmemError, match="is a file"):
+        res.save("f", overwrite=True)
+    p = res.save("r")
+    assert res.save("r", overwrite=True) == p
+    loaded = fxmem.load(p).eval()
+    torch.testing.assert_close(loaded(*mf.args), res.module.eval()(*mf.args))
+    assert sorted(os.listdir(tmp_path)) == ["f", "r"]
+
+
+# ============================================================================================ B10: diff
+
+def test_diff_of_a_damaged_result_names_the_missing_file(tmp_path, capsys):
+    d = tmp_path / "fake"
+    d.mkdir()
+    (d / "manifest.json").write_text("{}")
+    code, _, err = run(capsys, "diff", d)
+    assert code == 2 and f"{d / 'original.py'}: missing" in one_line(err)
+    (d / "original.py").write_text("x = 1\n")
+    code, _, err = run(capsys, "diff", d)
+    assert code == 2 and f"{d / 'transformed.py'}: missing" in one_line(err)
