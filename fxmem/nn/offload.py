@@ -255,14 +255,18 @@ class _Store:
         if self.tier == "disk":
             self.dir = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=runtime.scratch_root)
             self.path = os.path.join(self.dir, "activations.bin")
-            self.fd_box[0] = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            if runtime.unlink_early:
-                try:
-                    os.unlink(self.path)
-                    os.rmdir(self.dir)
-                    self.path, self.dir = None, None
-                except OSError:  # platforms that cannot unlink an open file: remove at finalization
-                    pass
+            try:
+                self.fd_box[0] = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                if runtime.unlink_early:
+                    try:
+                        os.unlink(self.path)
+                        os.rmdir(self.dir)
+                        self.path, self.dir = None, None
+                    except OSError:  # platforms that cannot unlink an open file: remove at finalization
+                        pass
+            except BaseException:  # an interrupt (SIGINT/SIGTERM) or an OS error before the finalizer exists
+                _cleanup_files(self.fd_box, self.path, self.dir)
+                raise
         self._finalizer = weakref.finalize(self, _cleanup_files, self.fd_box, self.path, self.dir)
         _LIVE_STORES.add(self)
 
@@ -477,7 +481,11 @@ def probe_bandwidth(tier: str, nbytes: int = 32 << 20, scratch_root: str | None 
         dst = torch.empty_like(src)
         d = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_root)
         path = os.path.join(d, "probe.bin")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
         try:
             t0 = time.perf_counter()
             _pwrite_all(fd, memoryview(src.numpy()), 0)
