@@ -283,3 +283,12 @@ def test_eval_note_names_python_branch_not_dropout():
     program = fxmem.capture(Branchy(), (torch.randn(4, 8),))
     assert len(program.notes) == 1 and "self.training" in program.notes[0]
     assert "follows .train()/.eval()" in program.notes[0]
+
+
+def test_meta_device_model_or_inputs_are_refused_clearly():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match="parameter 'weight' is on the meta device"):
+        fxmem.capture(model, (torch.randn(2, 4),))
+    with pytest.raises(CaptureError, match="example input 0 .* meta device"):
+        fxmem.capture(nn.Linear(4, 4), (torch.randn(2, 4, device="meta"),))
