@@ -71,7 +71,7 @@ class OffloadOptions:
     regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
     grad_threshold: Size | None = None  # grads: move only when device memory is above this
     scratch_dir: str | None = None  # where the per-step scratch directory is created (default: the temp dir)
-    unlink_early: bool = True  # disk: unlink the scratch file as soon as it is open (nothing visible on disk)
+    unlink_early: bool = True  # disk: unlink scratch files (activations, streamed weights) once open (nothing on disk)
 
     def __post_init__(self) -> None:
         # rates are checked when the policy is read (the error names the file and line), not when the pass runs
@@ -474,9 +474,8 @@ def offload_weights(program: Program, o: OffloadOptions, tier: str):
     if not frozen:
         return [], ["weights: no frozen parameters (requires_grad=False) to stream; in training only frozen "
                     "weights (e.g. a distillation teacher) can be offloaded"]
-    if inference:
-        for _, p in frozen:
-            p.requires_grad_(False)
+    # (in inference every parameter is taken; their requires_grad flags are the user's, shared with the model, and
+    # stay as they are: the streamer keeps detached copies)
     pos = {n: i for i, n in enumerate(graph.nodes)}
     groups = _weight_blocks([n.target for n, _ in frozen], {n.target: p.numel() * p.element_size()
                                                              for n, p in frozen})
@@ -503,8 +502,8 @@ def offload_weights(program: Program, o: OffloadOptions, tier: str):
             streamed.append(b)
     if not streamed:
         return [], [f"weights: all {len(order)} frozen blocks fit max_memory; nothing streamed"]
-    spec = {b: [(n.target, p) for n, p in blocks[b]] for b in streamed}
-    ws = WeightStreamer(spec, tier=tier, prefetch=o.prefetch)
+    spec = {b: [(n.target, p.detach()) for n, p in blocks[b]] for b in streamed}  # (the user's flags stay)
+    ws = WeightStreamer(spec, tier=tier, prefetch=o.prefetch, scratch_root=o.scratch_dir, unlink_early=o.unlink_early)
     name = "fxmem_weights"
     i = 0
     while hasattr(gm, name):

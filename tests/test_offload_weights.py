@@ -53,8 +53,9 @@ def test_teacher_weights_leave_the_module_and_state_dict_is_unchanged(gat):
     assert set(sd_ref) <= set(sd)
     for k, v in sd_ref.items():
         assert torch.equal(sd[k], v), k
-    # the weights live in a scratch safetensors file of our own
-    assert ws._path and os.path.basename(ws._dir).startswith("fxmem-offload-weights-")
+    # the weights live in a scratch safetensors file of our own, mapped and already unlinked (unlink_early)
+    assert os.path.basename(os.path.dirname(ws._path)).startswith("fxmem-offload-weights-")
+    assert ws._dir is None and not os.path.exists(ws._path)
 
 
 def test_teacher_streaming_is_exact_in_training(gat):
@@ -99,13 +100,25 @@ def test_load_state_dict_updates_streamed_weights(gat):
     assert torch.equal(fetched[k], sd[k])
 
 
-def test_weight_scratch_removed_when_module_is_dropped(gat):
+def test_weight_scratch_never_on_disk_by_default(gat, tmp_path):
+    """unlink_early (the default): the weights' scratch file is removed once mapped, so no copy of the weights is
+    left on disk even after a hard exit; the streamer still fetches them (from the mapping), also after a copy."""
     ex, ref, res, args, kwargs = gat
     gm = copy.deepcopy(res.module)
     (ws,) = _streamers(gm)
+    assert ws._dir is None
+    w = {n: t.clone() for n, t in zip((qn for qn, _, _ in ws.spec[0]), ws.fetch(0))}
+    ws2 = WeightStreamer({"b": [(n, t) for n, t in w.items()]}, tier="disk", scratch_root=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert all(torch.equal(a, b) for a, b in zip(ws2.fetch(0), w.values()))
+
+
+def test_weight_scratch_removed_when_module_is_dropped(tmp_path):
+    ws = WeightStreamer({"b": [("b.w", torch.ones(4))]}, tier="disk", scratch_root=str(tmp_path),
+                        unlink_early=False)
     d = ws._dir
-    assert os.path.isdir(d)
-    del gm, ws
+    assert os.path.isdir(d) and os.path.dirname(d) == str(tmp_path)
+    del ws
     gc.collect()
     assert not os.path.exists(d)
 
@@ -152,6 +165,20 @@ def test_max_memory_keeps_blocks_resident(gpt_inference):
     resident = {n for n, _ in res.module.named_parameters()}
     assert resident  # the first blocks that fit 100KiB stayed
     assert sum(p.numel() * p.element_size() for p in res.module.parameters()) <= 100 * 1024
+
+
+def test_inference_streaming_leaves_the_users_parameters_as_they_were():
+    """The pass set requires_grad=False on every parameter it streamed, which are the user's own (shared with the
+    model passed in): the model no longer trained afterwards."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    x = (torch.randn(4, 64),)
+    pol = _policy(max_memory={"cpu": "1KiB"})
+    pol["mode"] = "inference"
+    res = fxmem.transform(model, x, policy=pol)
+    assert next(r for r in res.records if r.name == "offload").status == "applied"
+    assert all(p.requires_grad for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(res.module(*x), model(*x))
 
 
 def test_max_memory_needs_the_device_tier():

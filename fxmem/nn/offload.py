@@ -530,8 +530,11 @@ class WeightStreamer(nn.Module):
     """
 
     def __init__(self, blocks: dict[str, list[tuple[str, torch.Tensor]]], tier: str = "disk", prefetch: int = 1,
-                 device: torch.device | str | None = None, scratch_root: str | None = None):
+                 device: torch.device | str | None = None, scratch_root: str | None = None, unlink_early: bool = True):
         super().__init__()
+        # disk: the scratch file is removed as soon as it is mapped (the mapping keeps the data), so no copy of the
+        # weights is left on disk, even after a hard exit; False keeps it visible until the streamer goes
+        self.unlink_early = bool(unlink_early)
         if tier not in TIERS:
             raise ValueError(f"weight offload tier must be one of {TIERS}, got {tier!r}")
         self.tier, self.prefetch = tier, int(prefetch)
@@ -569,12 +572,19 @@ class WeightStreamer(nn.Module):
                 self._path = os.path.join(self._dir, "weights.safetensors")
                 self._finalizer = weakref.finalize(self, _cleanup_files, [None], self._path, self._dir)
             self._file = None
-            save_file({k: v.cpu().contiguous() for k, v in flat.items()}, self._path)
+            save_file({k: v.detach().cpu().contiguous() for k, v in flat.items()}, self._path)
             self._open()
+            if self.unlink_early:
+                try:
+                    os.unlink(self._path)
+                    os.rmdir(self._dir)
+                    self._dir = None  # (a later stash, load_state_dict's, makes a new one and unlinks it again)
+                except OSError:  # platforms that cannot unlink a mapped file: removed when the streamer goes
+                    pass
         else:
             pin = torch.cuda.is_available()
             for k, v in flat.items():
-                h = v.to("cpu", copy=True)
+                h = v.detach().to("cpu", copy=True)
                 self._host[k] = h.pin_memory() if pin else h
 
     def _open(self):
@@ -585,7 +595,7 @@ class WeightStreamer(nn.Module):
         vals = self.state_dict_entries()
         blocks = {b: [(qn, vals[qn]) for qn, _, _ in row] for b, row in zip(self.names, self.spec)}
         new = WeightStreamer(blocks, tier=self.tier, prefetch=self.prefetch, device=self.device,
-                             scratch_root=self.scratch_root)
+                             scratch_root=self.scratch_root, unlink_early=self.unlink_early)
         new.train(self.training)
         memo[id(self)] = new
         return new
