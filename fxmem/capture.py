@@ -99,7 +99,8 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
         args = (args,) if not isinstance(args, list) else tuple(args)
     kwargs = dict(kwargs or {})
     _disable_hf_cache(model, kwargs)
-    _refuse_meta(model, args, kwargs)
+    if check:
+        _refuse_meta(model, args, kwargs)
 
     was_training = model.training
     model.train(mode == "train")
@@ -208,13 +209,15 @@ _DROPPED = ("torch.export (non-strict) inlines a custom Function's forward and d
 
 
 def _refuse_meta(model: nn.Module, args, kwargs) -> None:
-    """A model or input on the meta device has no values: capture runs the model and compares its outputs, and the
-    passes measure and verify real steps. Said up front, naming the first such tensor."""
+    """A model or input on the meta device has no values: capture's check runs the model and compares its outputs,
+    and the passes measure and verify real steps. Said up front, naming the first such tensor. (`check=False`
+    captures a meta model, for estimates of models larger than memory.)"""
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in items:
             if t.device.type == "meta":
                 raise CaptureError(f"{kind} '{name}' is on the meta device (no values): fxmem runs the model; "
-                                   "materialize it first (model.to_empty(device=...) and initialise, or load weights)")
+                                   "materialize it first (model.to_empty(device=...) and initialise, or load weights); "
+                                   "fxmem.capture(..., check=False) captures it for estimates only")
     for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise CaptureError(f"example input {i} (flattened) is on the meta device (no values): give real example "
