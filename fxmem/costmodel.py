@@ -1735,6 +1735,12 @@ class _RegionIndex:
                 if k in rec.recipe_at:
                     self.recast_savers.setdefault(k, []).append(r.idx)
         self.holders = rec.recipe_holders()  # recipe output -> recipe outputs holding it nested (a cat, its upsampling)
+        # records that write storages in place, with those storages (few: relu_, add_, dropout's scaling)
+        self.writes: list[tuple[int, list]] = []
+        for r in R:
+            w = [r.in_keys[i] for i in written_positions(r.func) if i < len(r.in_keys) and r.in_keys[i] is not None]
+            if w:
+                self.writes.append((r.idx, w))
         self._costs: dict[tuple, float] = {}
 
     @classmethod
@@ -1749,18 +1755,17 @@ class _RegionIndex:
         return c
 
 
-def _kept_then_written(records: list, recs: list, keep_ops: frozenset) -> str:
-    """Why a selective recomputation of `recs` cannot keep the outputs of `keep_ops` ("" if it can): one of them is
-    written in place later in the forward (torch's selective checkpointing caches the tensor and raises in backward
-    when it finds it changed). Names the op that made it and the op that writes it."""
-    made = {k: r for r in recs if names_op(r.func, keep_ops) for k in r.new_keys}
+def _kept_then_written(ix: "_RegionIndex", made: dict) -> str:
+    """Why a selective recomputation cannot keep the outputs `made` (storage -> the record of the keep op making it;
+    "" if it can): one of them is written in place later in the forward (torch's selective checkpointing caches the
+    tensor and raises in backward when it finds it changed). Names the op that made it and the op that writes it."""
     if not made:
         return ""
-    first = min(r.idx for r in made.values())
-    for r in records[first + 1:]:
-        for k in (r.in_keys[i] for i in written_positions(r.func) if i < len(r.in_keys)):
+    for i, keys in ix.writes:
+        for k in keys:
             m = made.get(k)
-            if m is not None and r.idx > m.idx:
+            if m is not None and i > m.idx:
+                r = ix.records[i]
                 return (f"{optable.packet(m.func)} output of node {m.node} is written in place by "
                         f"{optable.packet(r.func)} (node {r.node})")
     return ""
@@ -1800,6 +1805,7 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
         saved: set[int] = set()
         kept: set[int] = set()
         kept_full: set[int] = set()
+        sac_made: dict = {}  # what selective checkpointing caches: storage -> the keep op's record
         flops = flops_sel = draws_cost = 0.0
         # random draws are kept (not drawn again) only if every draw in the region can be: recomputation restores
         # the RNG state and replays the draws in order, so skipping some would shift the others
@@ -1825,6 +1831,8 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
                         saved.add(k)
             if is_keep:
                 kept.update(k for k in r.new_keys if base_keys.get(k) is None)
+                if not is_keep_full:
+                    sac_made.update(dict.fromkeys(r.new_keys, r))
             if is_keep_full:
                 kept_full.update(k for k in r.new_keys if base_keys.get(k) is None)
         if node_time is not None:
@@ -1873,7 +1881,7 @@ def measure_regions(program: Program, regions: list[CandidateRegion], rec, base_
             if at in names and base_keys.get(k) is None and kept_outside(k):
                 lost += sb[k]
         reg.lost = lost
-        reg.sel_blocked = _kept_then_written(rec.records, recs, keep_ops)
+        reg.sel_blocked = _kept_then_written(ix, sac_made)
         reg.saved = sum(sb[k] for k in saved)
         reg.kept = sum(sb[k] for k in kept)
         reg.kept_full = sum(sb[k] for k in kept_full)

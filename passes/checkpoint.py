@@ -1413,9 +1413,10 @@ class CheckpointPass:
             total_saved = sum(r.saved for r in regions) or 1
             if not opts.regions:
                 worth = [r for r in regions if r.freed("full") >= opts.min_region_fraction * total_saved]
-                if worth and len(worth) < len(regions):
+                if worth and len(worth) < len(regions) and any(r.held for r in worth):
                     # measured again without the others: an output of a region left out (a ReLU block that frees
-                    # nothing) is no longer one a recomputed region would make again, so its readers hold nothing
+                    # nothing) is no longer one a recomputed region would make again, so its readers need not hold
+                    # it (only `held` depends on the other regions)
                     measure_regions(program, worth, rec, base_keys, keep_ops, node_time, balance)
                 regions = worth
             if not regions:
