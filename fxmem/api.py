@@ -24,6 +24,10 @@ from .errors import BudgetError, FxmemError
 from .program import Program, deep_copy
 
 SAVE_FORMAT = 1
+# a result holding quantized linears (their bitsandbytes state in weights.safetensors + the manifest's "quantized"):
+# a format of its own, so an fxmem that predates it refuses it rather than load a module without those weights
+SAVE_FORMAT_QUANTIZED = 2
+READ_FORMATS = (SAVE_FORMAT, SAVE_FORMAT_QUANTIZED)
 
 
 @dataclass
@@ -175,6 +179,35 @@ def _full_code(gm: nn.Module) -> str:
 
 # ============================================================================================ save / load
 
+def _quantized_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) for every bitsandbytes layer wrapper (`fxmem.nn.lowbit.QuantLinear`): their weights
+    are bitsandbytes parameters with state outside the tensor, saved by `quantized_state()`, not as plain tensors."""
+    from .nn.lowbit import QuantLinear
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, QuantLinear)]
+
+
+def _unsaveable(module: nn.Module) -> str | None:
+    """Why `module` cannot be saved (a one-line reason for an FxmemError), or None. Checked before anything is
+    written: a module holding a WeightStreamer (weight offload: its weights live in a scratch file, and the hooks
+    that make its owner's state_dict see them are local functions), or any module whose `__getstate__` refuses."""
+    from .nn.offload import WeightStreamer
+    for name, mod in module.named_modules():
+        where = f"{name or '<root>'} ({type(mod).__name__})"
+        if isinstance(mod, WeightStreamer):
+            return (f"results with weight offload (passes.offload.weights) cannot be saved: {where} streams "
+                    "frozen weights from a scratch file that exists only while this process runs; run the "
+                    "transform where the model is used (fxmem.transform), or save the weights with "
+                    "torch.save(result.module.state_dict(), ...) (it holds the streamed weights under their "
+                    "original names)")
+        getstate = getattr(type(mod), "__getstate__", None)
+        if getstate is not None and getstate is not nn.Module.__getstate__:
+            try:
+                getstate(mod)
+            except Exception as e:  # noqa: BLE001  (the module's own refusal: say it)
+                return f"{where} cannot be saved: {e}"
+    return None
+
+
 def _plain_tensors(module: nn.Module):
     """(owner module, attr name, qualified name, tensor) for every plain parameter/buffer."""
     out = []
@@ -199,10 +232,16 @@ _TMP_TAG = ".fxmem-tmp-"
 def save_result(result: TransformResult, path, *, overwrite: bool = False) -> Path:
     """Directory layout: module.pt (structure, tensors on meta), weights.safetensors (all plain tensors),
     transformed.py, original.py, the report files, and manifest.json (written last; it lists the files and marks the
-    directory as a result fxmem wrote). Written to a temp dir beside `path` and renamed into place.
+    directory as a result fxmem wrote). Written to a temp dir beside `path` and renamed into place. Quantized linears
+    (`fxmem.nn.lowbit.QuantLinear`) keep their bitsandbytes weights and quantization state as tensors in
+    weights.safetensors and JSON fields in the manifest ("quantized").
 
     An existing `path` is replaced only when it is an empty directory, or a result fxmem wrote and `overwrite=True`;
-    never a file, a link, a directory holding anything else, or the current working directory. See `OutputDir`."""
+    never a file, a link, a directory holding anything else, or the current working directory. See `OutputDir`.
+    A result that cannot be saved (weight offload) is an FxmemError before anything is written."""
+    why = _unsaveable(result.module)
+    if why is not None:
+        raise FxmemError(f"{os.fspath(path)}: {why}; nothing was written")
     with OutputDir(path, overwrite=overwrite) as out:
         return out.write(result)
 
@@ -447,40 +486,79 @@ def _not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
 def _write_result_files(result: TransformResult, d: Path) -> None:
     from safetensors.torch import save_file
     gm = result.module
-    entries = _plain_tensors(gm)
-    weights, seen = {}, {}
-    for mod, kind, n, qual, t in entries:
-        key = id(t)
-        if key in seen:
-            continue  # tied weights: stored once under the first name
-        seen[key] = qual
-        weights[qual] = t.detach().contiguous().cpu()
-    save_file(weights, str(d / "weights.safetensors"))
-    ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
-    # pickle the structure with tensors swapped for meta tensors, then put the real ones back
-    originals = []
-    try:
+    why = _unsaveable(gm)  # (OutputDir.write comes here directly: the CLI; it removes its scratch directory)
+    if why is not None:
+        raise FxmemError(f"{why}; nothing was written")
+    # quantized linears: their bitsandbytes weight and state as tensors + JSON fields; taken out of the modules
+    # while the plain tensors are collected and the structure is pickled
+    quant_weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    quant_mods = _quantized_modules(gm)
+    for qual, mod in quant_mods:
+        try:
+            tensors, fields = mod.quantized_state()
+        except ValueError as e:
+            raise FxmemError(f"cannot save the quantized layer {qual}: {e}") from None
+        for k, t in tensors.items():
+            quant_weights[f"{qual}.{k}"] = t.detach().contiguous().cpu()
+        quantized[qual] = fields
+    with contextlib.ExitStack() as stack:
+        for _, mod in quant_mods:
+            stack.enter_context(mod.without_quantized_state())
+        entries = _plain_tensors(gm)
+        _require_plain(gm)
+        weights, seen = {}, {}
         for mod, kind, n, qual, t in entries:
-            meta = torch.empty_like(t, device="meta")
-            if isinstance(t, nn.Parameter):
-                meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-            originals.append((mod, kind, n, t))
-            getattr(mod, kind)[n] = meta
-        from .serialize import save_module
-        save_module(gm, d / "module.pt")
-    finally:
-        for mod, kind, n, t in originals:
-            getattr(mod, kind)[n] = t
+            key = id(t)
+            if key in seen:
+                continue  # tied weights: stored once under the first name
+            seen[key] = qual
+            weights[qual] = t.detach().contiguous().cpu()
+        clash = sorted(set(weights) & set(quant_weights))
+        if clash:
+            raise FxmemError(f"cannot save: {clash[0]} names both a tensor and a quantized layer's state")
+        weights.update(quant_weights)
+        save_file(weights, str(d / "weights.safetensors"))
+        ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
+        # pickle the structure with tensors swapped for meta tensors, then put the real ones back
+        originals = []
+        try:
+            for mod, kind, n, qual, t in entries:
+                meta = torch.empty_like(t, device="meta")
+                if isinstance(t, nn.Parameter):
+                    meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+                originals.append((mod, kind, n, t))
+                getattr(mod, kind)[n] = meta
+            from .serialize import save_module
+            save_module(gm, d / "module.pt")
+        finally:
+            for mod, kind, n, t in originals:
+                getattr(mod, kind)[n] = t
     (d / "transformed.py").write_text(_full_code(gm))
     (d / "original.py").write_text(_full_code(result.original.module))
     if result.report is not None:
         result.report.save(d)
-    manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT, "fxmem": _version(), "torch": torch.__version__,
+    manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT_QUANTIZED if quantized else SAVE_FORMAT,
+                "fxmem": _version(), "torch": torch.__version__,
                 "model": result.program.model_name, "mode": result.policy.mode,
-                "inputs": list(result.program.input_names), "ties": ties,
+                "inputs": list(result.program.input_names), "ties": ties, "quantized": quantized,
                 "files": sorted(set(os.listdir(d)) | {"manifest.json"}),
                 "module_sha256": _sha256(d / "module.pt"), "weights_sha256": _sha256(d / "weights.safetensors")}
     (d / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _require_plain(module: nn.Module) -> None:
+    """Every parameter/buffer left is a plain tensor (weights.safetensors holds those only): a tensor subclass
+    would be pickled into module.pt with its data and come back as a plain tensor, so refuse it when saving rather
+    than fail (or compute something else) when loading."""
+    for mname, mod in module.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for n, t in getattr(mod, kind).items():
+                if t is not None and type(t) not in (torch.Tensor, nn.Parameter):
+                    qual = f"{mname}.{n}" if mname else n
+                    raise FxmemError(f"cannot save {qual}: it is a {type(t).__module__}.{type(t).__qualname__}, "
+                                     "which fxmem does not know how to store (only plain tensors and fxmem's "
+                                     "quantized linears are saved)")
 
 
 def _remove_path(p: Path) -> None:
@@ -573,7 +651,8 @@ def load(path, *, map_location="cpu") -> fx.GraphModule:
 
     Loading runs code: the module structure is a pickle (like `torch.load(weights_only=False)`), so load only
     results you trust. Weights come from weights.safetensors; the module's integrity is checked against the
-    manifest's hash first.
+    manifest's hash first. Quantized linears get their bitsandbytes weights back from weights.safetensors and the
+    manifest's JSON fields (`QuantLinear.load_quantized_state`).
     """
     from safetensors.torch import load_file
     d = Path(path)
@@ -581,8 +660,9 @@ def load(path, *, map_location="cpu") -> fx.GraphModule:
     if not man_p.exists():
         raise FxmemError(f"{d}: not an fxmem result (no manifest.json)")
     manifest = json.loads(man_p.read_text())
-    if manifest.get("format") != SAVE_FORMAT:
-        raise FxmemError(f"{d}: saved with format {manifest.get('format')}, this fxmem reads {SAVE_FORMAT}")
+    if manifest.get("format") not in READ_FORMATS:
+        raise FxmemError(f"{d}: saved with format {manifest.get('format')}, this fxmem reads "
+                         f"{' and '.join(map(str, READ_FORMATS))}")
     if _sha256(d / "module.pt") != manifest.get("module_sha256"):
         raise FxmemError(f"{d / 'module.pt'}: does not match the manifest's hash; refusing to load it")
     gm = torch.load(d / "module.pt", weights_only=False, map_location="cpu")
@@ -602,5 +682,21 @@ def load(path, *, map_location="cpu") -> fx.GraphModule:
         mod, kind, n, _ = by_name[qual]
         fm, fk, fn, _ = by_name[first]
         getattr(mod, kind)[n] = getattr(fm, fk)[fn]
+    # quantized linears (after the plain tensors: their rebuilt aux buffers are not in weights.safetensors)
+    quantized = manifest.get("quantized", {})
+    found = dict(_quantized_modules(gm))
+    for qual in found:
+        if qual not in quantized:
+            raise FxmemError(f"{d}: the manifest has no quantized state for {qual}")
+    for qual, fields in quantized.items():
+        mod = found.get(qual)
+        if mod is None:
+            raise FxmemError(f"{d}: module.pt has no quantized layer {qual} (the manifest lists one)")
+        prefix = qual + "."
+        tensors = {k[len(prefix):]: t for k, t in weights.items() if k.startswith(prefix)}
+        try:
+            mod.load_quantized_state(tensors, fields)
+        except ValueError as e:
+            raise FxmemError(f"{d}: cannot rebuild the quantized layer {qual}: {e}") from None
     gm.train(manifest.get("mode") == "train")
     return gm

@@ -5,6 +5,13 @@ exported graphs (pytree codegen, export's module-stack tracer). fxmem pickles th
 (op, name, target, args, kwargs) with targets named (`aten.add.Tensor`, `operator.getitem`,
 `fxmem.nn.modes.count_batch`) and resolved again on load. Loading still unpickles the module structure, which
 runs code: `fxmem.load` says so.
+
+A GraphModule is pickled in two steps, as objects with a `__setstate__` are: first an empty instance (which the
+pickle memoizes), then its state (its `__dict__` and graph), filled in by `_fill_graph_module`. Anything inside
+the module that refers back to it (a submodule keeping its owner, e.g. the precision pass's copy-on-write mark
+`_fxmem_owner`, or a hook closing over the root) is then pickled as a reference to that one instance. Pickling the
+state as the constructor's arguments instead (as `GraphModule.__reduce__` does) meets the module again inside its
+own arguments, before it is memoized, and rebuilds a second copy around the half-built `_modules` dict.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx._lazy_graph_module import _get_graph_module_cls
 from torch.fx.graph_module import _CodeOnlyModule
 
 from .program import ROOT_HOOK_ATTRS
@@ -122,14 +129,33 @@ def graph_from_state(state: dict) -> fx.Graph:
     return g
 
 
-def _rebuild_graph_module(body: dict, state: dict, class_name: str):
+def _init_from_body(gm: fx.GraphModule, body: dict, state: dict, class_name: str) -> fx.GraphModule:
+    """Initialise `gm` (a new, uninitialised GraphModule) from a pickled `__dict__` and graph state."""
     graph = graph_from_state(state)
     com = _CodeOnlyModule(body)
-    gm = _make_graph_module(com, graph, class_name=class_name)
+    type(gm).__init__(gm, com, graph, class_name=class_name)
     for k, v in body.items():
         if not hasattr(gm, k) or k in ROOT_HOOK_ATTRS:
             setattr(gm, k, v)
     return gm
+
+
+def _new_graph_module() -> fx.GraphModule:
+    """Step one of unpickling a GraphModule: an uninitialised instance (of its own class, as GraphModule makes
+    one per instance), memoized by the unpickler before its state is read."""
+    cls = _get_graph_module_cls()
+    return cls.__new__(cls)
+
+
+def _fill_graph_module(gm: fx.GraphModule, state: tuple) -> None:
+    """Step two: the state, read in full (back-references to `gm` inside it are `gm` itself)."""
+    body, graph_st, class_name = state
+    _init_from_body(gm, body, graph_st, class_name)
+
+
+def _rebuild_graph_module(body: dict, state: dict, class_name: str):
+    """One-step rebuild: what results saved by earlier versions of fxmem refer to (kept so they still load)."""
+    return _init_from_body(_new_graph_module(), body, state, class_name)
 
 
 class _Pickler(pickle.Pickler):
@@ -139,7 +165,10 @@ class _Pickler(pickle.Pickler):
                                                                          "_prologue_start")}
             body.pop("_tracer_cls", None)
             body.pop("_tracer_extras", None)
-            return (_rebuild_graph_module, (body, graph_state(obj.graph), type(obj).__name__))
+            # (callable, args, state, listitems, dictitems, state_setter): `obj` is memoized after
+            # `_new_graph_module()` and before its state, so references back to it resolve to the same instance
+            return (_new_graph_module, (), (body, graph_state(obj.graph), type(obj).__name__), None, None,
+                    _fill_graph_module)
         return NotImplemented
 
 

@@ -9,7 +9,12 @@ double quantization) built from an fp32 weight. It exists so that
   `module.parameters()` never yields; they are registered here as non-persistent buffers (the state_dict is the
   bitsandbytes layer's own, unchanged);
 - `.to(device)` works: the inner layer is moved with bitsandbytes' own `.to` (which is what quantizes a
-  `Params4bit` on its first move) and the aux buffers are re-read from the moved weight.
+  `Params4bit` on its first move) and the aux buffers are re-read from the moved weight;
+- a saved result keeps it exactly (`fxmem.load`): `quantized_state()` gives the weight and its quantization state
+  as tensors named as in the state_dict (bitsandbytes' own format: the int8 weight and `SCB`; the packed 4-bit
+  weight and `QuantState.as_dict(packed=True)`, whose non-tensor fields are JSON in a uint8 tensor) plus JSON
+  fields, `without_quantized_state()` takes them out while the module structure is pickled, and
+  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`).
 
 `LoRALinear` adds a trainable low-rank update to a frozen base (QLoRA when the base is a 4-bit `QuantLinear`):
 `y = base(x) + dropout(x) @ A^T @ B^T * alpha / rank`, B initialised to zero so the model starts unchanged.
@@ -19,6 +24,8 @@ gradient flows through.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import warnings
 
@@ -122,6 +129,119 @@ class QuantLinear(nn.Module):
         self._sync_aux()
         return self
 
+    # ---------------------------------------------------------------------------------------- saving
+    _AUX_PREFIXES = ("scb", "q_", "q2_")
+
+    def quantized_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The bitsandbytes weight as data, for saving: (tensors, fields).
+
+        tensors are named as in this module's state_dict: int8 `inner.weight` (int8) and `inner.SCB` (row scales);
+        4-bit `inner.weight` (packed uint8) and `inner.weight.<key>` for each item of bitsandbytes'
+        `QuantState.as_dict(packed=True)` (absmax, quant_map, nested_absmax, nested_quant_map and
+        `quant_state.bitsandbytes__<type>`, its non-tensor fields as JSON in a uint8 tensor). fields is JSON data:
+        the kind, the `Params4bit` attributes, and the layout bitsandbytes switches a 4-bit weight to on CPU for
+        inference (`packing_format_for_cpu`), which `as_dict` leaves out. The state is taken as it is, nothing
+        converted: bitsandbytes' own `state_dict()` converts a CPU-packed weight back in place and re-quantizes
+        its absmax, which would change this layer's outputs."""
+        bnb = _bnb()
+        w = self.inner.weight
+        if self.kind == "int8":
+            if not isinstance(w, bnb.nn.Int8Params) or w.dtype != torch.int8:
+                raise ValueError(f"QuantLinear(int8): the weight is not a quantized Int8Params "
+                                 f"({type(w).__name__}, {w.dtype})")
+            scb = self.aux_tensors().get("scb")
+            if scb is None:
+                raise ValueError("QuantLinear(int8): the weight has no row scales (SCB)")
+            return {"inner.weight": w.data, "inner.SCB": scb.clone()}, {"kind": "int8", "tensors": ["inner.SCB",
+                                                                                                 "inner.weight"]}
+        qs = getattr(w, "quant_state", None)
+        if not isinstance(w, bnb.nn.Params4bit) or qs is None or not getattr(w, "bnb_quantized", False):
+            raise ValueError(f"QuantLinear({self.kind}): the weight is not a quantized Params4bit "
+                             f"({type(w).__name__})")
+        tensors = {"inner.weight": w.data}
+        for k, v in qs.as_dict(packed=True).items():
+            tensors[f"inner.weight.{k}"] = v.clone()  # small; some are shared between layers (safetensors refuses)
+        fields: dict = {"kind": self.kind, "tensors": sorted(tensors),
+                        "param": {"blocksize": int(w.blocksize), "compress_statistics": bool(w.compress_statistics),
+                                  "quant_type": str(w.quant_type), "quant_storage": _dtype_name(w.quant_storage)}}
+        if getattr(qs, "packing_format_for_cpu", False):
+            fields["cpu_packed"] = {
+                "original_dtype": _dtype_name(qs.original_dtype), "original_nested": bool(qs.original_nested),
+                "original_qshape": [int(d) for d in qs.original_qshape],
+                "original_storage_type": (_dtype_name(qs.original_storage_type)
+                                          if getattr(qs, "original_storage_type", None) is not None else None)}
+        return tensors, fields
+
+    @contextlib.contextmanager
+    def without_quantized_state(self):
+        """Within: the bitsandbytes weight (None), its quantization state and the aux buffers are taken out of the
+        module, so pickling it stores the structure only (`quantized_state()` has the data); put back on exit."""
+        inner = self.inner
+        weight = inner._parameters.get("weight")
+        aux = {n: t for n, t in self._buffers.items() if n.startswith(self._AUX_PREFIXES)}
+        inner_dict = {k: inner.__dict__[k] for k in ("state", "quant_state") if k in inner.__dict__}
+        try:
+            inner._parameters["weight"] = None
+            for n in aux:
+                del self._buffers[n]
+                self._non_persistent_buffers_set.discard(n)
+            if "state" in inner_dict:  # MatmulLtState: CB is the weight, SCB the scales, the rest per-call caches
+                st = copy.copy(inner_dict["state"])
+                for k, v in list(vars(st).items()):
+                    if isinstance(v, torch.Tensor):
+                        setattr(st, k, None)
+                inner.__dict__["state"] = st
+            if inner_dict.get("quant_state") is not None:
+                inner.__dict__["quant_state"] = None
+            yield self
+        finally:
+            inner._parameters["weight"] = weight
+            inner.__dict__.update(inner_dict)
+            for n, t in aux.items():
+                self._buffers[n] = t
+                self._non_persistent_buffers_set.add(n)
+
+    def load_quantized_state(self, tensors: dict[str, torch.Tensor], fields: dict) -> None:
+        """Rebuild the bitsandbytes weight from what `quantized_state()` gave (same parameter types, same state:
+        the layer computes what the saved one did). Tensors stay on the device they are on."""
+        bnb = _bnb()
+        kind = fields.get("kind")
+        if kind != self.kind:
+            raise ValueError(f"QuantLinear({self.kind}): the saved state is for {kind!r}")
+        missing = [k for k in fields.get("tensors", ["inner.weight"]) if k not in tensors]
+        if missing:
+            raise ValueError(f"QuantLinear({self.kind}): no saved tensor for {', '.join(missing)}")
+        data = tensors["inner.weight"]
+        inner = self.inner
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if kind == "int8":
+                if data.dtype != torch.int8:
+                    raise ValueError(f"QuantLinear(int8): the saved weight is {data.dtype}, not int8")
+                scb = tensors["inner.SCB"].to(torch.float32)
+                inner._parameters["weight"] = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False,
+                                                                CB=data, SCB=scb)
+                inner.init_8bit_state()  # the scales live in the layer's state, as after its first call
+            else:
+                qs_dict = {k[len("inner.weight."):]: v for k, v in tensors.items() if k.startswith("inner.weight.")}
+                w = bnb.nn.Params4bit.from_prequantized(data, qs_dict, requires_grad=False, device=data.device)
+                param = fields.get("param", {})
+                w.blocksize = int(param.get("blocksize", w.blocksize))
+                w.compress_statistics = bool(param.get("compress_statistics", w.compress_statistics))
+                if "quant_storage" in param:
+                    w.quant_storage = _dtype(param["quant_storage"])
+                packed = fields.get("cpu_packed")
+                if packed:
+                    qs = w.quant_state
+                    qs.packing_format_for_cpu = True
+                    qs.original_dtype = _dtype(packed["original_dtype"])
+                    qs.original_nested = bool(packed["original_nested"])
+                    qs.original_qshape = torch.Size(packed["original_qshape"])
+                    if packed.get("original_storage_type"):
+                        qs.original_storage_type = _dtype(packed["original_storage_type"])
+                inner._parameters["weight"] = w
+        self._sync_aux()
+
     def weight_bytes(self) -> int:
         """Storage bytes of the quantized weight, its quantization state and the bias."""
         seen, total = set(), 0
@@ -171,6 +291,17 @@ class QuantLinear(nn.Module):
         else:
             s += f", double_quant={self.double_quant}"
         return s
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dt
 
 
 class LoRALinear(nn.Module):

@@ -1,0 +1,194 @@
+"""Saving and loading precision results: quantized linears (int8, nf4) and bf16 parameters, at the top level and
+under nested modules; results that cannot be saved (weight offload) are refused before anything is written."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from torch import fx, nn
+
+import fxmem
+from fxmem.errors import FxmemError
+from fxmem.nn.lowbit import QuantLinear
+
+warnings.filterwarnings("ignore")
+
+
+class Nested(nn.Module):
+    """Linears under a container (as HF `model.*`, BERT `bert.*`, `blocks.*`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.LayerNorm(64))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _flat():
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.LayerNorm(64))
+
+
+def _policy(**precision):
+    return {"version": 1, "extends": "low", "verify": {"lossy_tolerance": 0.5},
+            "passes": {"attention": {"enabled": False}, "checkpoint": {"enabled": False},
+                       "precision": {"enabled": True, **precision}}}
+
+
+def _transform(model, **precision):
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    res = fxmem.transform(model, (x,), policy=_policy(**precision))
+    rec = next(r for r in res.records if r.name == "precision")
+    assert rec.status == "applied", rec.reason
+    return res, x
+
+
+def _round_trip(res, tmp_path):
+    p = tmp_path / "out"
+    res.save(p)
+    return fxmem.load(p), p
+
+
+def _same_outputs(a, b, x):
+    for training in (False, True):
+        a.train(training)
+        b.train(training)
+        with torch.no_grad():
+            ya, yb = a(x), b(x)
+        assert ya.dtype == yb.dtype
+        assert torch.equal(ya, yb), f"training={training}: max diff {(ya - yb).abs().max().item()}"
+
+
+# ============================================================================================ nested modules
+
+def test_nested_int8_round_trip(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    res, x = _transform(Nested(), compute="fp32", weights="int8")
+    quant = [n for n, m in res.module.named_modules() if isinstance(m, QuantLinear)]
+    assert quant and all(n.startswith("body.") for n in quant)
+    lm, _ = _round_trip(res, tmp_path)
+    assert [n for n, m in lm.named_modules() if isinstance(m, QuantLinear)] == quant
+    _same_outputs(res.module, lm, x)
+    assert list(lm.state_dict()) == list(res.module.state_dict())
+
+
+def test_nested_bf16_params_round_trip(tmp_path):
+    res, x = _transform(Nested(), compute="bf16", params="bf16")
+    assert {p.dtype for n, p in res.module.named_parameters() if n.endswith("weight")} == {torch.bfloat16}
+    lm, _ = _round_trip(res, tmp_path)
+    assert [(n, p.dtype) for n, p in lm.named_parameters()] == [(n, p.dtype) for n, p in res.module.named_parameters()]
+    _same_outputs(res.module, lm, x)
+    assert list(lm.state_dict()) == list(res.module.state_dict())
+
+
+def test_serialize_keeps_a_back_reference_to_the_root():
+    """A submodule that refers back to its GraphModule (the precision pass's copy-on-write mark does) is the same
+    module after a round trip, not a second, half-built copy of the root."""
+    from fxmem.serialize import dumps
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    root = nn.Module()
+    root.inner = Inner()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_module("inner.lin", (x,)))
+    gm = fx.GraphModule(root, g)
+    object.__setattr__(gm.inner, "owner", gm)
+    loaded = torch.load(io.BytesIO(dumps(gm)), weights_only=False)
+    assert loaded.inner.owner is loaded
+    xs = torch.randn(2, 4)
+    assert torch.equal(loaded(xs), gm(xs))
+
+
+# ============================================================================================ quantized linears
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("evaluated", [False, True], ids=["fresh", "evaluated"])
+def test_quantized_round_trip(tmp_path, kind, evaluated):
+    """The bitsandbytes weights come back as the same parameter types with the same state: identical outputs,
+    the same state_dict. `evaluated`: an eval-mode call first (bitsandbytes re-lays a 4-bit weight out for its
+    CPU kernel then; the saved state is that layout, kept exactly)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    res, x = _transform(_flat(), compute="fp32", weights=kind)
+    gm = res.module
+    assert [n for n, m in gm.named_modules() if isinstance(m, QuantLinear)] == ["0", "2"]
+    if evaluated:
+        gm.eval()
+        with torch.no_grad():
+            gm(x)
+    lm, p = _round_trip(res, tmp_path)
+    ptype = bnb.nn.Int8Params if kind == "int8" else bnb.nn.Params4bit
+    for name in ("0", "2"):
+        assert type(lm.get_submodule(name).inner.weight) is ptype
+    man = json.loads((p / "manifest.json").read_text())
+    assert sorted(man["quantized"]) == ["0", "2"] and man["quantized"]["0"]["kind"] == kind
+    assert man["format"] == 2  # an fxmem that cannot read the quantized state refuses the result
+    _same_outputs(gm, lm, x)
+    sd, sd_loaded = gm.state_dict(), lm.state_dict()
+    assert list(sd_loaded) == list(sd)
+    for k, v in sd.items():
+        assert torch.equal(sd_loaded[k], v), k
+    # the saved module is unchanged by saving (its quantized state was put back)
+    assert type(gm.get_submodule("0").inner.weight) is ptype
+
+
+# ============================================================================================ weight offload
+
+def _offload_result():
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    m.requires_grad_(False)
+    pol = {"version": 1, "extends": "low", "mode": "inference",
+           "passes": {"attention": {"enabled": False}, "checkpoint": {"enabled": False},
+                      "offload": {"enabled": True, "activations": False, "weights": True, "tier": "disk",
+                                  "max_memory": {"cpu": "1KiB"}}}}
+    res = fxmem.transform(m, (torch.randn(4, 64),), policy=pol)
+    from fxmem.nn.offload import WeightStreamer
+    assert any(isinstance(mod, WeightStreamer) for mod in res.module.modules()), res.records
+    return res
+
+
+def test_weight_offload_save_is_refused_before_writing(tmp_path):
+    res = _offload_result()
+    out = tmp_path / "sub" / "out"
+    with pytest.raises(FxmemError) as ei:
+        res.save(out)
+    msg = str(ei.value)
+    assert "weight offload" in msg and "cannot be saved" in msg and "state_dict" in msg
+    assert "nothing was written" in msg and "\n" not in msg
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_weight_offload_out_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    from fxmem.cli import main
+    model = tmp_path / "model.py"
+    model.write_text("import torch\n"
+                     "def build_model():\n"
+                     "    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),\n"
+                     "                            torch.nn.Linear(128, 64))\n"
+                     "    return m.requires_grad_(False)\n"
+                     "def example_inputs():\n"
+                     "    return (torch.randn(4, 64),)\n")
+    pol = tmp_path / "pol.yaml"
+    pol.write_text("version: 1\nextends: low\nmode: inference\npasses:\n"
+                   "  attention: {enabled: false}\n  checkpoint: {enabled: false}\n"
+                   "  offload: {enabled: true, activations: false, weights: true, tier: disk, "
+                   "max_memory: {cpu: 1KiB}}\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["optimize", str(model), "--policy", str(pol), "--out", str(tmp_path / "res"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fxmem: error:") and "weight offload" in lines[0], err
+    assert sorted(os.listdir(tmp_path)) == ["model.py", "pol.yaml"]
