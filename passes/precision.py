@@ -1008,7 +1008,11 @@ class PrecisionPass:
         if est_before is not None and est_after is not None:
             metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
                                    for k in ("params", "activations", "optimizer_state", "peak")}
-        return PassResult(program, True, changes=changes, notes=notes, metrics=metrics)
+        # every decision reverted by the guard: nothing changed (the record says 'unchanged', listing the reverts)
+        modified = any(c.kind != "precision.reverted" for c in changes)
+        if not modified:
+            notes.append("every site was reverted by the accuracy guard: the model is left as it was")
+        return PassResult(program, modified, changes=changes, notes=notes, metrics=metrics)
 
 
 def _node_by_name(gm, name):
