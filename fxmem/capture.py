@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from .errors import CaptureError
 from .guards import DimSpec, InputGuard, InputSpec
 from .nn.modes import ModeFlag, count_batch
-from .program import Program, SpecializedDim
+from .program import Program, SpecializedDim, buffers_kept, module_path
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -286,11 +286,17 @@ class _TensorHook:
     """Key of `_FunctionCalls.uses` for gradient hooks on tensors."""
 
 
+def _is_user_file(filename: str) -> bool:
+    """Model code: a real file outside torch and fxmem."""
+    f = os.path.abspath(filename)
+    return not (f.startswith(_TORCH_DIR) or f.startswith(_FXMEM_DIR) or "<" in filename)
+
+
 def _calling_line() -> str | None:
+    """file:line of the innermost model-code frame calling in."""
     f = sys._getframe(2)
     while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_FXMEM_DIR) or "<" in f.f_code.co_filename):
+        if _is_user_file(f.f_code.co_filename):
             return f"{f.f_code.co_filename}:{f.f_lineno}"
         f = f.f_back
     return None
@@ -403,8 +409,7 @@ def _user_frame(exc: BaseException) -> str | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         for fr in traceback.extract_tb(e.__traceback__):
-            f = os.path.abspath(fr.filename)
-            if f.startswith(_TORCH_DIR) or f.startswith(_FXMEM_DIR) or "<" in fr.filename:
+            if not _is_user_file(fr.filename):
                 continue
             best = f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
         e = e.__cause__ or e.__context__
@@ -613,33 +618,8 @@ def _literal_mode_flags(gm: torch.fx.GraphModule) -> list[str]:
         name = n.target._schema.arguments[i].name
         v = n.args[i] if i < len(n.args) else n.kwargs.get(name, False)
         if isinstance(v, bool):
-            out.append(f"{n.target} ({_node_module(n)})")
+            out.append(f"{n.target} ({module_path(n) or '<root>'})")
     return out
-
-
-def _node_module(n: torch.fx.Node) -> str:
-    stack = n.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<root>"
-    path = list(stack.values())[-1][0]
-    return path or "<root>"
-
-
-@contextlib.contextmanager
-def _state_kept(*modules: nn.Module):
-    """Running a module changes buffers (batch-norm statistics): the user's state is restored afterwards."""
-    saved, seen = [], set()
-    for m in modules:
-        for b in m.buffers():
-            if id(b) not in seen:
-                seen.add(id(b))
-                saved.append((b, b.detach().clone()))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
 
 
 def _check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) -> None:
@@ -653,7 +633,7 @@ def _check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) 
     from .compare import compare_outputs
     was = model.training
     try:
-        with _state_kept(model, program.module):
+        with buffers_kept(model, program.module):
             for check_mode in ([mode] if mode == "inference" else ["train", "inference"]):
                 model.train(check_mode == "train")
                 program.module.train(check_mode == "train")
@@ -701,7 +681,7 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
     used = f"the model uses {functions.describe()}"
     was = model.training
     try:
-        with _state_kept(model, gm):
+        with buffers_kept(model, gm):
             model.train(mode == "train")
             gm.train(mode == "train")
             try:

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .compare import Deviation, compare_outputs, deviation
 from .errors import FxmemError, PassError, PolicyError
-from .program import Program
+from .program import Program, buffers_kept
 
 CANONICAL_ORDER = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
 
@@ -222,14 +222,13 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
     gm = program.module
     was = gm.training
     prev_grads = {n: p.grad for n, p in gm.named_parameters()}
-    saved_buffers = {n: b.detach().clone() for n, b in gm.named_buffers()} if training else {}
     for p in gm.parameters():
         p.grad = None
     args, kwargs = program.example_args, program.example_kwargs
     gm.train(training)
     buffers = None
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), buffers_kept(gm) if training else contextlib.nullcontext():
             torch.manual_seed(seed)
             if training or mode == "train" and want_grads:
                 out = gm(*args, **kwargs)
@@ -241,43 +240,41 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
                 with torch.no_grad():
                     out = gm(*args, **kwargs)
                 grads = None
-        if training:
-            buffers = {n: b.detach().clone() for n, b in gm.named_buffers()}
+            if training:
+                buffers = {n: b.detach().clone() for n, b in gm.named_buffers()}
     finally:
-        with torch.no_grad():
-            for n, b in gm.named_buffers():
-                if n in saved_buffers and b.shape == saved_buffers[n].shape:
-                    b.copy_(saved_buffers[n])
         for n, p in gm.named_parameters():
             p.grad = prev_grads.get(n)
         gm.train(was)
     return Reference(out, grads, buffers)
 
 
-def compare_buffers(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
-    """The first buffer (present in both, floating point) that differs after the step, or None."""
-    for name, b in ref.items():
-        c = got.get(name)
-        if c is None or c.shape != b.shape:
-            continue
-        if b.is_floating_point() and not torch.allclose(b.double(), c.double(), atol=atol, rtol=rtol):
-            return f"buffer {name} after the step: max abs diff {(b.double() - c.double()).abs().max().item():.3g}"
-        if not b.is_floating_point() and not torch.equal(b, c):
-            return f"buffer {name} after the step differs"
+def _compare_named(ref: dict, got: dict, what: str, atol: float, rtol: float, required: bool) -> str | None:
+    """The first tensor of `ref` (by name) that `got` does not match, said as `what` (a format with the name), or
+    None. `required`: a missing or reshaped one is a difference too (else it is passed over)."""
+    for name, a in ref.items():
+        b = got.get(name)
+        if b is None or b.shape != a.shape:
+            if not required:
+                continue
+            return (f"{what.format(name)} missing after the pass" if b is None else
+                    f"{what.format(name)}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return f"{what.format(name)} differs"
+        elif not torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol):
+            d = (a.double() - b.double()).abs().max().item()
+            return f"{what.format(name)}: max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
     return None
 
 
 def compare_grads(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
-    for name, g in ref.items():
-        h = got.get(name)
-        if h is None:
-            return f"gradient of {name} missing after the pass"
-        if g.shape != h.shape:
-            return f"gradient of {name}: shape {tuple(g.shape)} vs {tuple(h.shape)}"
-        if not torch.allclose(g.double(), h.double(), atol=atol, rtol=rtol):
-            d = (g.double() - h.double()).abs().max().item()
-            return f"gradient of {name}: max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
-    return None
+    return _compare_named(ref, got, "gradient of {}", atol, rtol, required=True)
+
+
+def compare_buffers(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
+    """Buffers present in both after the step (a pass may add or drop its own)."""
+    return _compare_named(ref, got, "buffer {} after the step", atol, rtol, required=False)
 
 
 # ============================================================================================ manager

@@ -7,6 +7,7 @@ reads. Passes must not mutate existing parameters in place (they create new ones
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, field
@@ -200,3 +201,21 @@ def call_signature_repr(program: Program) -> str:
 
 def as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+@contextlib.contextmanager
+def buffers_kept(*modules: torch.nn.Module):
+    """Running a module changes buffers (batch-norm statistics): their values are put back afterwards (each buffer
+    once, however many of `modules` share it)."""
+    saved, seen = [], set()
+    for m in modules:
+        for b in m.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                saved.append((b, b.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
