@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops as optable
+from .ops import written_positions
 from .measure import StorageTracker, TimelinePoint, backward_label
 from .nn.checkpoint import DRAW_OPS
 from .nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
@@ -252,14 +253,6 @@ class OpRecord:
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
     # runs: those bytes, held with the formula's
     copy_slices: int = 0
-
-
-def written_positions(func) -> tuple[int, ...]:
-    """Positions of the arguments an op writes in place (relu_'s self, an out= tensor), from its schema."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return ()
-    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 class _Recorder(TorchDispatchMode):

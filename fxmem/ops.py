@@ -454,3 +454,16 @@ def ignored(op) -> bool:
     if parts[0] == "prim":
         return True
     return len(parts) > 1 and parts[1] in IGNORED
+
+
+def written_positions(func) -> tuple[int, ...]:
+    """Positions of the arguments an op writes in place (relu_'s self, an out= tensor), from its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def written_args(func, args) -> list:
+    """The positional arguments `func(*args)` writes in place."""
+    return [args[i] for i in written_positions(func) if i < len(args)]

@@ -150,13 +150,9 @@ def _is_region_node(n: fx.Node) -> bool:
         return False
     t = n.target
     op, args = op_call(t, n.args)
-    schema = getattr(op, "_schema", None)
-    if schema is not None and schema.is_mutable:
-        # in-place ops on values computed in the graph are fine; writes to parameters/buffers/inputs stay outside
-        for a, sa in zip(args, schema.arguments):
-            if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node) \
-                    and a.op in ("get_attr", "placeholder"):
-                return False
+    # in-place ops on values computed in the graph are fine; writes to parameters/buffers/inputs stay outside
+    if any(isinstance(a, fx.Node) and a.op in ("get_attr", "placeholder") for a in optable.written_args(op, args)):
+        return False
     name = getattr(t, "__name__", "")
     if name == "count_batch" or name.startswith("_assert"):
         return False
@@ -238,11 +234,8 @@ def _writes_input(region: CandidateRegion) -> bool:
     members = set(region.nodes)
     for n in region.nodes:
         op, args = op_call(n.target, n.args)  # (remat_call('aten.relu_.default', x) writes x too)
-        schema = getattr(op, "_schema", None)
-        if schema is None or not schema.is_mutable:
-            continue
-        for a, sa in zip(args, schema.arguments):
-            if sa.alias_info is not None and sa.alias_info.is_write and isinstance(a, fx.Node):
+        for a in optable.written_args(op, args):
+            if isinstance(a, fx.Node):
                 base = a
                 while base not in members and base.op == "call_function" and base.args \
                         and isinstance(base.args[0], fx.Node) and "view" in str(base.target):
@@ -1165,11 +1158,7 @@ def _restore_args(inputs: list, nodes: list, gm) -> tuple[int, ...]:
             for a in args[3:5]:
                 if isinstance(a, fx.Node):
                     mutated.add(a)
-        schema = getattr(t, "_schema", None)
-        if schema is not None:
-            for a, sa in zip(args, schema.arguments):
-                if isinstance(a, fx.Node) and sa.alias_info is not None and sa.alias_info.is_write:
-                    mutated.add(a)
+        mutated.update(a for a in optable.written_args(t, args) if isinstance(a, fx.Node))
     return tuple(i for i, a in enumerate(inputs) if a in mutated and a.op == "get_attr")
 
 
