@@ -118,8 +118,7 @@ def test_serialize_keeps_a_back_reference_to_the_root():
 @pytest.mark.parametrize("evaluated", [False, True], ids=["fresh", "evaluated"])
 def test_quantized_round_trip(tmp_path, kind, evaluated):
     """The bitsandbytes weights come back as the same parameter types with the same state: identical outputs,
-    the same state_dict. `evaluated`: an eval-mode call first (bitsandbytes re-lays a 4-bit weight out for its
-    CPU kernel then; the saved state is that layout, kept exactly)."""
+    the same state_dict. `evaluated`: an eval-mode call first (the 4-bit layout stays the standard one)."""
     bnb = pytest.importorskip("bitsandbytes")
     res, x = _transform(_flat(), compute="fp32", weights=kind)
     gm = res.module
@@ -130,6 +129,9 @@ def test_quantized_round_trip(tmp_path, kind, evaluated):
             gm(x)
     lm, p = _round_trip(res, tmp_path)
     ptype = bnb.nn.Int8Params if kind == "int8" else bnb.nn.Params4bit
+    for mod in (gm, lm):
+        assert not any(getattr(getattr(q.inner.weight, "quant_state", None), "packing_format_for_cpu", False)
+                       for q in mod.modules() if isinstance(q, QuantLinear))
     for name in ("0", "2"):
         assert type(lm.get_submodule(name).inner.weight) is ptype
     man = json.loads((p / "manifest.json").read_text())
@@ -142,6 +144,49 @@ def test_quantized_round_trip(tmp_path, kind, evaluated):
         assert torch.equal(sd_loaded[k], v), k
     # the saved module is unchanged by saving (its quantized state was put back)
     assert type(gm.get_submodule("0").inner.weight) is ptype
+
+
+def _older_fxmem_state(q: QuantLinear) -> tuple[dict, dict]:
+    """What an older fxmem saved for a 4-bit layer after an eval-mode call: bitsandbytes' CPU layout (made here as
+    `Linear4bit.forward` makes it), its fields under `cpu_packed`."""
+    bnb = pytest.importorskip("bitsandbytes")
+    w = q.inner.weight
+    w.data, qs = bnb.functional._convert_weight_packed_for_cpu(w.data, w.quant_state)
+    tensors = {"inner.weight": w.data.clone()}
+    tensors.update({f"inner.weight.{k}": v.clone() for k, v in qs.as_dict(packed=True).items()})
+    fields = {"kind": q.kind, "tensors": sorted(tensors),
+              "param": {"blocksize": int(w.blocksize), "compress_statistics": bool(w.compress_statistics),
+                        "quant_type": str(w.quant_type), "quant_storage": "uint8"},
+              "cpu_packed": {"original_dtype": "float32", "original_nested": bool(qs.original_nested),
+                             "original_qshape": [int(d) for d in qs.original_qshape],
+                             "original_storage_type": None}}
+    return tensors, fields
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_cpu_layout_saved_by_older_versions_loads_in_standard_layout(double_quant):
+    """A 4-bit state in bitsandbytes' CPU inference layout (results saved by older fxmem) loads in the standard
+    layout with the weights it held: outputs and input gradients equal the saving layer's own, in both modes."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    saved = QuantLinear(lin.weight, lin.bias, "nf4", double_quant=double_quant)
+    tensors, fields = _older_fxmem_state(saved)
+    loaded = QuantLinear(torch.randn(96, 64), lin.bias, "nf4", double_quant=double_quant)  # the bias: state_dict
+    loaded.load_quantized_state(tensors, fields)
+    assert not loaded.inner.weight.quant_state.packing_format_for_cpu
+    assert dict(loaded.named_buffers()).keys() == loaded.aux_tensors().keys()
+    x = torch.randn(5, 64)
+    for training in (True, False):
+        grads = []
+        for q in (saved, loaded):
+            q.train(training)
+            xi = x.clone().requires_grad_(True)
+            y = q(xi)
+            y.sum().backward()
+            grads.append((y.detach(), xi.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert not saved.inner.weight.quant_state.packing_format_for_cpu  # the layer put itself back on its call
+    assert (grads[1][0] - lin(x)).norm() / lin(x).norm() < 0.2
 
 
 # ============================================================================================ weight offload

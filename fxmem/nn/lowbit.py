@@ -14,7 +14,13 @@ double quantization) built from an fp32 weight. It exists so that
   as tensors named as in the state_dict (bitsandbytes' own format: the int8 weight and `SCB`; the packed 4-bit
   weight and `QuantState.as_dict(packed=True)`, whose non-tensor fields are JSON in a uint8 tensor) plus JSON
   fields, `without_quantized_state()` takes them out while the module structure is pickled, and
-  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`).
+  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`);
+- a 4-bit weight keeps one layout in every mode. `Linear4bit.forward` re-lays the weight out for its CPU inference
+  kernel on an eval-mode CPU call whose input needs no grad (`packing_format_for_cpu`, bitsandbytes 0.50): that
+  kernel computes in bf16 and records no autograd, so later training-mode calls give no input gradient. The 4-bit matmul is
+  called here instead (`bitsandbytes.matmul_4bit`, the path `Linear4bit` takes on CUDA and in training), the inner
+  layer's repack is switched off, and a weight found in that layout (a result saved by an older fxmem) is put back
+  in the standard one with the weights it computes with (`standard_4bit_layout`).
 
 `LoRALinear` adds a trainable low-rank update to a frozen base (QLoRA when the base is a 4-bit `QuantLinear`):
 `y = base(x) + dropout(x) @ A^T @ B^T * alpha / rank`, B initialised to zero so the model starts unchanged.
@@ -81,9 +87,9 @@ class QuantLinear(nn.Module):
         # autograd records the matmul)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(),
                                                            requires_grad=False)
-        self._sync_aux()
-        with torch.no_grad():  # bitsandbytes repacks/caches on the first call: make that call a real one
-            self.inner(torch.zeros(1, in_f, dtype=compute_dtype, device=device))
+        self._keep_standard_layout()
+        with torch.no_grad():  # bitsandbytes caches state on the first call (int8): make that call a real one
+            self(torch.zeros(1, in_f, dtype=compute_dtype, device=device))
 
     # ---------------------------------------------------------------------------------------- bookkeeping
     def aux_tensors(self) -> dict[str, torch.Tensor]:
@@ -118,9 +124,31 @@ class QuantLinear(nn.Module):
         for name, t in self.aux_tensors().items():
             self.register_buffer(name, t, persistent=False)
 
+    def _keep_standard_layout(self) -> None:
+        """Switch off bitsandbytes' eval-mode CPU repack on the inner layer (for code that calls `inner` itself) and
+        restore the standard layout if the weight is in the CPU one; the aux buffers are (re-)read."""
+        if self.kind != "int8":
+            self.inner.support_avx512bf16_for_cpu = False  # Linear4bit.forward repacks only when this is true
+        if not self._restore_standard_layout():
+            self._sync_aux()
+
+    def _restore_standard_layout(self) -> bool:
+        """Put a 4-bit weight found in bitsandbytes' CPU inference layout back in the standard one (no change to
+        the weights it computes with) and re-read the aux buffers; True when it did."""
+        w = self.inner.weight
+        if self.kind == "int8" or not getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):
+            return False
+        w.data, w.quant_state = standard_4bit_layout(w.data, w.quant_state)
+        w.compress_statistics = False
+        self.inner.quant_state = w.quant_state
+        self.double_quant = False
+        self._sync_aux()
+        return True
+
     def _apply(self, fn, recurse=True):
         # move the bitsandbytes layer with its own .to (Params4bit / Int8Params carry their state), then re-read
         # the aux tensors, so that nothing is copied twice
+        self._restore_standard_layout()  # Params4bit.to keeps the CPU layout, which other devices cannot run
         for name in [n for n in self._buffers if n.startswith(("scb", "q_", "q2_"))]:
             del self._buffers[name]
         self.inner._apply(fn, recurse)
@@ -139,11 +167,10 @@ class QuantLinear(nn.Module):
         4-bit `inner.weight` (packed uint8) and `inner.weight.<key>` for each item of bitsandbytes'
         `QuantState.as_dict(packed=True)` (absmax, quant_map, nested_absmax, nested_quant_map and
         `quant_state.bitsandbytes__<type>`, its non-tensor fields as JSON in a uint8 tensor). fields is JSON data:
-        the kind, the `Params4bit` attributes, and the layout bitsandbytes switches a 4-bit weight to on CPU for
-        inference (`packing_format_for_cpu`), which `as_dict` leaves out. The state is taken as it is, nothing
-        converted: bitsandbytes' own `state_dict()` converts a CPU-packed weight back in place and re-quantizes
-        its absmax, which would change this layer's outputs."""
+        the kind and the `Params4bit` attributes. The weight is in the standard layout (see the module docstring);
+        `load_quantized_state` also reads the CPU layout older fxmem versions saved (`cpu_packed`)."""
         bnb = _bnb()
+        self._restore_standard_layout()
         w = self.inner.weight
         if self.kind == "int8":
             if not isinstance(w, bnb.nn.Int8Params) or w.dtype != torch.int8:
@@ -164,12 +191,6 @@ class QuantLinear(nn.Module):
         fields: dict = {"kind": self.kind, "tensors": sorted(tensors),
                         "param": {"blocksize": int(w.blocksize), "compress_statistics": bool(w.compress_statistics),
                                   "quant_type": str(w.quant_type), "quant_storage": _dtype_name(w.quant_storage)}}
-        if getattr(qs, "packing_format_for_cpu", False):
-            fields["cpu_packed"] = {
-                "original_dtype": _dtype_name(qs.original_dtype), "original_nested": bool(qs.original_nested),
-                "original_qshape": [int(d) for d in qs.original_qshape],
-                "original_storage_type": (_dtype_name(qs.original_storage_type)
-                                          if getattr(qs, "original_storage_type", None) is not None else None)}
         return tensors, fields
 
     @contextlib.contextmanager
@@ -240,7 +261,7 @@ class QuantLinear(nn.Module):
                     if packed.get("original_storage_type"):
                         qs.original_storage_type = _dtype(packed["original_storage_type"])
                 inner._parameters["weight"] = w
-        self._sync_aux()
+        self._keep_standard_layout()
 
     def weight_bytes(self) -> int:
         """Storage bytes of the quantized weight, its quantization state and the bias."""
@@ -262,6 +283,7 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         bnb = _bnb()
+        self._restore_standard_layout()
         w = self.inner.weight
         if self.kind == "int8":
             scb = self.aux_tensors()["scb"]
@@ -279,10 +301,21 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
             return y.to(dt)
-        y = self.inner(x.to(self.compute_dtype))
+        if self.kind == "int8":
+            y = self.inner(x.to(self.compute_dtype))
+        else:
+            y = self._matmul_4bit(x.to(self.compute_dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(dt)
+
+    def _matmul_4bit(self, x: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' 4-bit matmul on the standard layout, with autograd, in every mode and on every device
+        (`Linear4bit.forward` minus its eval-mode CPU repack; `weight.t()` as older bitsandbytes' `Linear4bit`
+        passes it, which 0.50 takes too)."""
+        self._restore_standard_layout()
+        w = self.inner.weight
+        return _bnb().matmul_4bit(x, w.t(), quant_state=w.quant_state)
 
     def extra_repr(self) -> str:
         s = f"in={self.in_features}, out={self.out_features}, kind={self.kind}, compute={self.compute_dtype}"
@@ -291,6 +324,21 @@ class QuantLinear(nn.Module):
         else:
             s += f", double_quant={self.double_quant}"
         return s
+
+
+def standard_4bit_layout(data: torch.Tensor, quant_state) -> tuple[torch.Tensor, object]:
+    """A 4-bit weight in bitsandbytes' CPU inference layout (`packing_format_for_cpu`) back in the standard layout,
+    computing with the same weights: the 4-bit codes in their original order (bitsandbytes' inverse) and the absmax
+    the CPU layout holds (bf16 values, one per block) as fp32, not double-quantized. bitsandbytes' own inverse
+    re-quantizes a nested absmax (the weights change) and leaves a plain one transposed in bf16 (the weights are
+    wrong). The quantization state is updated in place and returned with the weight data."""
+    inverse = _bnb().functional._convert_weight_packed_for_cpu_inverse
+    absmax = quant_state.absmax  # (in_features / blocksize, out_features), bf16
+    quant_state.original_nested = False  # the inverse then leaves absmax alone
+    data, quant_state = inverse(data, quant_state)
+    quant_state.absmax = absmax.t().reshape(-1).to(torch.float32).contiguous()
+    quant_state.nested, quant_state.offset, quant_state.state2 = False, None, None
+    return data, quant_state
 
 
 def _dtype_name(dt: torch.dtype) -> str:
