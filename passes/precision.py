@@ -13,7 +13,8 @@ intent apart from capability). Four parts, each a small function over the graph:
    The state_dict changes for swapped layers only: `<path>.weight` becomes `<path>.inner.weight` (int8 / uint8
    packed) plus bitsandbytes' own state keys (`<path>.inner.SCB`, `<path>.inner.weight.absmax`, ...); every other
    name is kept. QLoRA wraps the 4-bit base in `LoRALinear` (`<path>.lora_A`, `<path>.lora_B`) and freezes every
-   other parameter.
+   other parameter. A targeted linear whose 4-bit weights the guard reverts keeps its adapter, on its own weight
+   (`FrozenLinear`, `<path>.base.weight`): the adapters train as asked; QLoRA with no adapter is a PolicyError.
 2. Compute precision (`compute: bf16 | fp16`): every call node is classified
    - LOW: matmul-class ops (`fxmem.ops` category MATMUL, and SDPA, which stays one fused node): inputs cast to
      the low dtype;
@@ -663,6 +664,56 @@ def swap_linear(gm: fx.GraphModule, site: LinearSite, mod: nn.Module) -> str:
     return target
 
 
+def lora_module(base: nn.Module, qlora: QLoRAOptions, device, seed: int) -> nn.Module:
+    """A LoRA adapter (`fxmem.nn.lowbit.LoRALinear`) around a frozen base linear."""
+    from fxmem.nn.lowbit import LoRALinear
+    return LoRALinear(base, base.in_features, base.out_features, rank=qlora.rank, alpha=qlora.alpha,
+                      dropout=qlora.dropout, device=device, seed=seed)
+
+
+def add_dense_lora(gm: fx.GraphModule, site: LinearSite, opts: PrecisionOptions, compute: torch.dtype,
+                   seed: int) -> Change:
+    """A LoRA adapter on a targeted linear whose 4-bit weights the guard reverted: its own weight, frozen (stored
+    in bf16 with `params: bf16`, else not copied), computing in `compute` as the 4-bit base would have, is the base
+    (`fxmem.nn.lowbit.FrozenLinear`), so the adapters still train where QLoRA was asked."""
+    from fxmem.nn.lowbit import FrozenLinear
+    qlora = opts.qlora
+    stored = torch.bfloat16 if opts.params == "bf16" else None
+    w = _get_attr(gm, site.weight)
+    b = _get_attr(gm, site.bias) if site.bias else None
+    w_base, b_base = (t if t is None or stored is None else t.detach().to(stored) for t in (w, b))
+    base = FrozenLinear(w_base, b_base, transposed=site.transposed, compute_dtype=compute)
+    mod = lora_module(base, qlora, w.device, seed)
+    name_before = site.node.name
+    target = swap_linear(gm, site, mod)
+    return Change("precision.lora", site.path, [name_before], [target],
+                  f"LoRA rank {qlora.rank} on the original-precision weights (the guard reverted the 4-bit ones); "
+                  f"weights frozen; state_dict: {site.weight} -> {target}.base.weight", 0,
+                  {"base": "dense", "rank": qlora.rank})
+
+
+def freeze_for_lora(gm: fx.GraphModule, changes: list[Change], sites: list[LinearSite], skipped: list[dict],
+                    qlora: QLoRAOptions) -> Change:
+    """Freeze every base parameter for QLoRA; a PolicyError when no adapter was added (nothing would train)."""
+    adapted = [c for c in changes if c.kind in ("precision.quantize+lora", "precision.lora")]
+    if not adapted:
+        if sites:
+            names = ", ".join(s.path for s in sites[:6]) + (", ..." if len(sites) > 6 else "")
+            why = f"matched none of the {len(sites)} linear(s) that can take one ({names})"
+        else:
+            kept = [f"{sk['module']}: {sk['why']}" for sk in skipped[:3]] + (["..."] if len(skipped) > 3 else [])
+            why = f"found no linear that can take one ({', '.join(kept) or 'the model has no linear'})"
+        raise PolicyError(f"passes.precision.qlora.targets {qlora.targets} {why}: no LoRA adapter, so nothing "
+                          f"would train")
+    frozen = replace_params(gm, lambda p: nn.Parameter(p.detach(), requires_grad=False))
+    n_lora = sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n and p.requires_grad)
+    n_dense = sum(1 for c in adapted if c.kind == "precision.lora")
+    return Change("precision.freeze", "", [], [], f"QLoRA: {len(frozen)} base parameter(s) frozen; {n_lora} adapter "
+                  f"weights train on {len(adapted)} linear(s)" + (f", {n_dense} of them on original-precision "
+                                                                   f"weights" if n_dense else ""),
+                  None, {"frozen": frozen, "lora_params": n_lora, "adapted": [c.module for c in adapted]})
+
+
 # ============================================================================================ measuring
 
 class _Recorder(fx.Interpreter):
@@ -881,19 +932,18 @@ class PrecisionPass:
             rec = {"site": s.node.name, "module": s.path, "decision": kind, "max_abs": mx, "rel": rel,
                    "reverted": False}
             sites_rec.append(rec)
+            lora = opts.qlora is not None and _matches(s.path, qlora_targets) is not None
             if values and not (rel <= tol):
                 rec["reverted"] = True
                 changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name],
                                       f"{kind} weights: relative error {rel:.3g} of this linear's output exceeds "
                                       f"the tolerance {tol:g}; kept in its original precision",
                                       0, {"max_abs": mx, "rel": rel, "decision": kind}))
+                if lora:
+                    changes.append(add_dense_lora(gm, s, opts, qcompute, getattr(ctx, "seed", 0)))
                 continue
-            lora = opts.qlora is not None and _matches(s.path, qlora_targets) is not None
             if lora:
-                from fxmem.nn.lowbit import LoRALinear
-                mod = LoRALinear(mod, mod.in_features, mod.out_features, rank=opts.qlora.rank,
-                                 alpha=opts.qlora.alpha, dropout=opts.qlora.dropout, device=w.device,
-                                 seed=ctx.seed if hasattr(ctx, "seed") else 0)
+                mod = lora_module(mod, opts.qlora, w.device, getattr(ctx, "seed", 0))
             name_before = s.node.name
             target = swap_linear(gm, s, mod)
             swapped += 1
@@ -978,11 +1028,13 @@ class PrecisionPass:
 
         # ---- QLoRA: only the adapters train
         if opts.qlora is not None:
-            frozen = replace_params(gm, lambda p: nn.Parameter(p.detach(), requires_grad=False))
-            n_lora = sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n and p.requires_grad)
-            changes.append(Change("precision.freeze", "", [], [], f"QLoRA: {len(frozen)} base parameter(s) frozen; "
-                                  f"{n_lora} adapter weights train", None, {"frozen": frozen}))
-            metrics["lora_params"] = n_lora
+            changes.append(freeze_for_lora(gm, changes, lsites, skipped, opts.qlora))
+            metrics["lora_params"] = changes[-1].details["lora_params"]
+            dense_sites = [c.module for c in changes if c.kind == "precision.lora"]
+            if dense_sites:
+                notes.append(f"qlora: {len(dense_sites)} targeted linear(s) whose {kind} weights the accuracy "
+                             f"guard reverted keep their original weights, frozen, under a LoRA adapter "
+                             f"(adapter training as asked, no 4-bit saving there): {', '.join(dense_sites)}")
         program.refresh()
 
         # ---- whole-model record

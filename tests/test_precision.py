@@ -329,6 +329,49 @@ def test_qlora_trains_only_adapters():
     assert res.metrics["lora_params"] == sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n)
 
 
+def test_qlora_adapters_stay_on_sites_whose_nf4_the_guard_reverted():
+    """With the default tolerance the guard reverts nf4 sites (about 9% error per linear); the targeted ones keep a
+    LoRA adapter on their original weights (frozen, FrozenLinear base), so adapters train, said in a Change per site
+    and a note; the model starts unchanged (compute fp32: exactly) and its loss falls."""
+    from fxmem.nn.lowbit import FrozenLinear
+    ex, prog = _example("gpt")
+    res = _run(prog, loss_fn=ex.loss_fn, compute="fp32", qlora=P.QLoRAOptions(rank=8, alpha=16,
+                                                                             targets=["*.attn.*", "*.mlp.*"]))
+    reverted = {c.module for c in res.changes if c.kind == "precision.reverted"}
+    dense = {c.module for c in res.changes if c.kind == "precision.lora"}
+    assert reverted and dense == {m for m in reverted if ".attn." in m or ".mlp." in m} and dense
+    assert any("guard reverted keep their original weights" in n for n in res.notes)
+    gm = copy.deepcopy(res.program.module)
+    loras = [m for m in gm.modules() if isinstance(m, LoRALinear)]
+    assert len(loras) == len(dense) + res.metrics["linears_quantized"]
+    assert sum(isinstance(m.base, FrozenLinear) for m in loras) == len(dense)
+    trainable = [n for n, p in gm.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    freeze = next(c for c in res.changes if c.kind == "precision.freeze")
+    assert freeze.details["lora_params"] == res.metrics["lora_params"] > 0
+    gm.eval()
+    with torch.no_grad():
+        assert torch.equal(_call(prog, gm), _call(prog, copy.deepcopy(prog.module).eval()))
+    gm.train()
+    opt = make_optimizer(gm, "adamw", lr=1e-2)
+    losses = []
+    torch.manual_seed(0)
+    for _ in range(8):
+        loss = ex.loss_fn(gm(*prog.example_args), prog.example_args)
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert losses[-1] < losses[0] - 0.2, losses
+
+
+def test_qlora_that_adds_no_adapter_is_a_policy_error():
+    """Targets that match no linear would freeze every parameter with nothing to train: refused, naming the key."""
+    ex, prog = _example("gpt")
+    with pytest.raises(PolicyError, match=r"passes.precision.qlora.targets \['nothing.\*'\] matched none of the"):
+        _run(prog, loss_fn=ex.loss_fn, compute="fp32", tolerance=0.5, qlora=P.QLoRAOptions(targets=["nothing.*"]))
+
+
 # ============================================================================================ optimizers
 
 def test_adamw8bit_trains_and_state_size():

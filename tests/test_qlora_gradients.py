@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.nn.lowbit import LoRALinear, QuantLinear
+from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
 
 warnings.filterwarnings("ignore")
 bnb = pytest.importorskip("bitsandbytes")
@@ -239,3 +239,22 @@ def test_transformed_model_gradients_after_eval_calls(qlora, verify):
     assert torch.equal(eval_out, y)
     assert torch.allclose(y, y_dense, rtol=1e-5, atol=1e-5)
 
+
+def test_frozen_linear_matches_the_linear_it_replaces():
+    """The base of an adapter on a reverted site: nn.Linear's (out, in) weight and HF Conv1D's (in, out) weight
+    (aten.addmm) give the original outputs; bf16 compute casts in and back; the weights are held, not copied."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    x = torch.randn(5, 16)
+    base = FrozenLinear(lin.weight, lin.bias)
+    assert torch.equal(base(x), lin(x)) and base.weight.data_ptr() == lin.weight.data_ptr()
+    w_t = lin.weight.detach().t().contiguous()
+    conv1d = FrozenLinear(w_t, lin.bias, transposed=True)
+    assert (conv1d.in_features, conv1d.out_features) == (16, 24)
+    assert torch.allclose(conv1d(x), torch.addmm(lin.bias, x, w_t), rtol=1e-6, atol=1e-6)
+    low = FrozenLinear(lin.weight, lin.bias, compute_dtype=torch.bfloat16)
+    y = low(x)
+    assert y.dtype == torch.float32
+    want = torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    assert torch.equal(y, want.float())
+    assert not any(p.requires_grad for p in low.parameters())

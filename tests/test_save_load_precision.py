@@ -13,7 +13,7 @@ from torch import fx, nn
 
 import fxmem
 from fxmem.errors import FxmemError
-from fxmem.nn.lowbit import QuantLinear
+from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
 
 warnings.filterwarnings("ignore")
 
@@ -187,6 +187,35 @@ def test_cpu_layout_saved_by_older_versions_loads_in_standard_layout(double_quan
         assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
     assert not saved.inner.weight.quant_state.packing_format_for_cpu  # the layer put itself back on its call
     assert (grads[1][0] - lin(x)).norm() / lin(x).norm() < 0.2
+
+
+@pytest.mark.parametrize("tolerance,base", [(0.5, QuantLinear), (0.05, FrozenLinear)],
+                         ids=["nf4_base", "reverted_base"])
+def test_qlora_round_trip_after_eval_keeps_gradients(tmp_path, tolerance, base):
+    """A QLoRA result saved after an eval-mode call loads with the same outputs and the same input and adapter
+    gradients (4-bit bases, and the original-weight bases of sites the guard reverted)."""
+    pytest.importorskip("bitsandbytes")
+    res, x = _transform(_flat(), compute="fp32", tolerance=tolerance, qlora={"rank": 4})
+    gm = res.module
+    assert {type(m.base) for m in gm.modules() if isinstance(m, LoRALinear)} == {base}
+    with torch.no_grad():
+        for name, p in gm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # as after training: lora_A gets a gradient
+    gm.eval()
+    with torch.no_grad():
+        gm(x)
+    lm, _ = _round_trip(res, tmp_path)
+    _same_outputs(gm, lm, x)
+    grads = []
+    for m in (gm, lm):
+        m.train()
+        xi = x.clone().requires_grad_(True)
+        (m(xi) ** 2).sum().backward()
+        grads.append({"input": xi.grad, **{n: p.grad for n, p in m.named_parameters() if p.requires_grad}})
+    assert list(grads[0]) == list(grads[1]) and any("lora_B" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0 and torch.equal(grads[1][name], g), name
 
 
 # ============================================================================================ weight offload

@@ -24,6 +24,8 @@ double quantization) built from an fp32 weight. It exists so that
 
 `LoRALinear` adds a trainable low-rank update to a frozen base (QLoRA when the base is a 4-bit `QuantLinear`):
 `y = base(x) + dropout(x) @ A^T @ B^T * alpha / rank`, B initialised to zero so the model starts unchanged.
+`FrozenLinear` is the base where the 4-bit weights were not kept (the precision pass's accuracy guard reverted
+them): the original weight, frozen, computing in the dtype the 4-bit layer would have used.
 
 The weights of a quantized linear are frozen (bitsandbytes' int8/4-bit weights take no gradient); the input
 gradient flows through.
@@ -350,6 +352,36 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"not a torch dtype: {name!r}")
     return dt
+
+
+class FrozenLinear(nn.Module):
+    """A frozen dense linear computing in `compute_dtype` (input cast to it, output cast back, as `QuantLinear`):
+    weight (out, in), or (in, out) with `transposed` (HF Conv1D, `aten.addmm`); the given tensors are held, not
+    copied."""
+
+    fxmem_dtype_follow = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool = False,
+                 compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"FrozenLinear needs a 2-D weight, got shape {tuple(weight.shape)}")
+        self.transposed = bool(transposed)
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        rows, cols = (int(d) for d in weight.shape)
+        self.in_features, self.out_features = (rows, cols) if transposed else (cols, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        y = torch.nn.functional.linear(x.to(self.compute_dtype), weight.t() if self.transposed else weight, bias)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}, "
+                f"transposed={self.transposed}")
 
 
 class LoRALinear(nn.Module):
