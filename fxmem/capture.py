@@ -16,6 +16,7 @@ import contextvars
 import functools
 import inspect
 import os
+import re
 import sys
 import threading
 import traceback
@@ -30,8 +31,9 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .guards import DimSpec, InputGuard, InputSpec
-from .nn.modes import ModeFlag, count_batch
-from .program import Program, SpecializedDim, buffers_kept, module_path
+from .mode_graphs import attach_mode_graph, attach_mode_refusal
+from .nn.modes import ModeFlag, count_batch, tensor_at
+from .program import Program, SpecializedDim, buffers_kept, module_stack
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +91,10 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
 
     mode: "train" keeps dropout and batch statistics (switchable later with `.eval()`); "inference" captures the
     eval behaviour. dynamic: every input dim is dynamic unless the model forces it (listed in
-    `Program.specialized`). check: run the captured module once and compare outputs with the model.
+    `Program.specialized`). check: run the captured module and compare outputs with the model, in the captured mode
+    and in the other one; where the other mode differs (the model's python reads `self.training`), that mode is
+    captured too and `.train()`/`.eval()` switch graphs (`_serve_other_mode`). check=False skips both, so such a
+    program's other mode is only as faithful as its train-flag ops.
     """
     if mode not in ("train", "inference"):
         raise CaptureError(f"mode must be 'train' or 'inference', got {mode!r}")
@@ -102,23 +107,9 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
     if check:
         _refuse_meta(model, args, kwargs)
 
-    was_training = model.training
-    model.train(mode == "train")
     notes: list[str] = []
     functions = _FunctionCalls()
-    try:
-        ep = None
-        if dynamic and dynamic_shapes is None:
-            try:
-                ds = _auto_dynamic_shapes(model, args, kwargs)
-                ep = _export(model, args, kwargs, ds, functions)
-            except CaptureError as e:
-                notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {e}")
-        if ep is None:
-            ep = _export(model, args, kwargs, dynamic_shapes, functions)
-    finally:
-        model.train(was_training)
-
+    ep = _export_in_mode(model, args, kwargs, mode, dynamic, dynamic_shapes, functions, notes)
     program = _program_from_export(ep, model, args, kwargs, mode, notes)
     if check:
         _check_outputs(program, model, args, kwargs, mode)
@@ -129,7 +120,25 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
             program.notes.append(
                 f"the model uses {functions.describe()}; {_DROPPED}, and check=False skipped the gradient "
                 "comparison: the captured module's gradients may differ from the model's")
+    if check:
+        _serve_other_mode(program, model, args, kwargs, dynamic, dynamic_shapes)
     return program
+
+
+def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shapes, functions: _FunctionCalls,
+                    notes: list[str]):
+    """Export `model` in `mode`: with dynamic dims when asked (static shapes, with a note, when that fails)."""
+    was_training = model.training
+    model.train(mode == "train")
+    try:
+        if dynamic and dynamic_shapes is None:
+            try:
+                return _export(model, args, kwargs, _auto_dynamic_shapes(model, args, kwargs), functions)
+            except CaptureError as e:
+                notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {e}")
+        return _export(model, args, kwargs, dynamic_shapes, functions)
+    finally:
+        model.train(was_training)
 
 
 # --------------------------------------------------------------------------------------------- export helpers
@@ -463,7 +472,9 @@ def _flat_input_names(model, args, kwargs) -> list[str]:
     return names
 
 
-def _program_from_export(ep, model, args, kwargs, mode, notes) -> Program:
+def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bool = True) -> Program:
+    """switchable=False keeps export's literal train flags: a graph that only ever runs in the mode it was captured
+    in (`fxmem.nn.modes.ModeGraph`)."""
     unlifted = ep.module()
     graph = unlifted.graph
     gm = torch.fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
@@ -498,7 +509,8 @@ def _program_from_export(ep, model, args, kwargs, mode, notes) -> Program:
 
     _copy_buffer_persistence(model, gm)
     _replace_guards(gm, specs)
-    _make_mode_switchable(gm)
+    if switchable:
+        _make_mode_switchable(gm)
     gm.graph.lint()
     gm.recompile()
     gm.train(mode == "train")
@@ -563,12 +575,38 @@ def _make_mode_switchable(gm: torch.fx.GraphModule) -> None:
         flag.meta["fxmem_mode_flag"] = True
     for n in users:
         _set_flag_arg(n, MODE_ARGS[n.target], flag)
+    counted = {str(n.args[0].target) for n in bn_counters}
     for n in bn_counters:
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(count_batch, (n.args[0], flag))
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
+    _count_eval_batch_norms(gm, flag, counted)
+
+
+def _count_eval_batch_norms(gm: torch.fx.GraphModule, flag: torch.fx.Node, counted: set[str]) -> None:
+    """A batch norm captured in eval mode has no `num_batches_tracked += 1` (nn.BatchNorm adds it in training
+    only): give it the counter, so `.train()` counts batches as the model does."""
+    attrs = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _STATS_ARG or "batch_norm" not in n.target.name():
+            continue
+        stats = n.args[_STATS_ARG[n.target]] if _STATS_ARG[n.target] < len(n.args) else None
+        if not isinstance(stats, torch.fx.Node) or stats.op != "get_attr" or \
+                not str(stats.target).endswith("running_mean"):
+            continue
+        counter = str(stats.target)[:-len("running_mean")] + "num_batches_tracked"
+        try:
+            if counter in counted or not isinstance(tensor_at(gm, counter), torch.Tensor):
+                continue
+        except AttributeError:
+            continue  # no counter (a batch norm without num_batches_tracked)
+        counted.add(counter)
+        with gm.graph.inserting_before(n):
+            if counter not in attrs:
+                attrs[counter] = gm.graph.get_attr(counter)
+            gm.graph.call_function(count_batch, (attrs[counter], flag)).meta.update(n.meta)
 
 
 def _has_running_stats(n: torch.fx.Node) -> bool:
@@ -603,70 +641,147 @@ def _set_flag_arg(n: torch.fx.Node, i: int, flag: torch.fx.Node) -> None:
         n.args = tuple(a + fill + [flag])
 
 
-def _literal_mode_flags(gm: torch.fx.GraphModule) -> list[str]:
-    """Ops left with a literal train flag (any aten op with a bool `train`/`training` argument): what
-    `.train()`/`.eval()` cannot switch. Norms without running statistics use batch statistics in both modes."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        i = _flag_index(n.target)
-        if i is None or not _has_running_stats(n):
-            continue
-        if "norm" in n.target.name() and n.target not in _STATS_ARG:
-            continue  # no running statistics: batch statistics in both modes
-        name = n.target._schema.arguments[i].name
-        v = n.args[i] if i < len(n.args) else n.kwargs.get(name, False)
-        if isinstance(v, bool):
-            out.append(f"{n.target} ({module_path(n) or '<root>'})")
-    return out
-
-
 def _check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) -> None:
-    """The captured module must compute what the model computes.
+    """The captured module must compute what the model computes in the captured mode (train mode with the same RNG
+    seed, so dropout draws the same masks)."""
+    err = _mode_difference(program.module, model, args, kwargs, mode, buffers=False)
+    if err is not None:
+        raise CaptureError(
+            f"captured {type(model).__name__} does not reproduce the model's outputs in {mode} mode "
+            f"({err}); the model may depend on python state that torch.export specialised")
 
-    Compared in the captured mode (train mode with the same RNG seed, so dropout draws the same masks) and, for
-    a train capture, in eval mode too: every train-flag op follows `.eval()` (MODE_ARGS), so a difference there
-    comes from python code that reads `self.training` (which export evaluated once) and is recorded as a note
-    rather than an error.
-    """
+
+def _mode_difference(gm: nn.Module, model: nn.Module, args, kwargs, mode: str, *, buffers: bool) -> str | None:
+    """How `gm` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers after
+    the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same seed."""
     from .compare import compare_outputs
-    was = model.training
+    ref_out, ref_buffers = _seeded_call(model, mode, args, kwargs)
+    got_out, got_buffers = _seeded_call(gm, mode, args, kwargs)
+    err = compare_outputs(ref_out, got_out, atol=1e-5, rtol=1e-4)
+    if err is None and buffers:
+        for name, value in got_buffers.items():
+            ref = ref_buffers.get(name)
+            if ref is not None and compare_outputs(ref, value, atol=1e-5, rtol=1e-4) is not None:
+                return f"buffer '{name}' differs after the call"
+    return err
+
+
+def _seeded_call(module: nn.Module, mode: str, args, kwargs) -> tuple[Any, dict]:
+    """Outputs and buffers of one no-grad call in `mode` with seed 1234; the buffers, mode and RNG are put back."""
+    was = module.training
+    module.train(mode == "train")
     try:
-        with buffers_kept(model, program.module):
-            for check_mode in ([mode] if mode == "inference" else ["train", "inference"]):
-                model.train(check_mode == "train")
-                program.module.train(check_mode == "train")
-                with torch.no_grad():
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(1234)
-                        ref = model(*args, **kwargs)
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(1234)
-                        got = program.module(*args, **kwargs)
-                err = compare_outputs(ref, got, atol=1e-5, rtol=1e-4)
-                if err is None:
-                    continue
-                if check_mode == mode:
-                    raise CaptureError(
-                        f"captured {type(model).__name__} does not reproduce the model's outputs in {mode} mode "
-                        f"({err}); the model may depend on python state that torch.export specialised")
-                program.notes.append(_eval_note(program.module, err))
+        with buffers_kept(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            out = module(*args, **kwargs)
+            out = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
+            after = {name: b.detach().clone() for name, b in module.named_buffers()}
     finally:
-        model.train(was)
-        program.module.train(mode == "train")
+        module.train(was)
+    return out, after
 
 
-def _eval_note(gm: torch.fx.GraphModule, err: str) -> str:
-    literal = _literal_mode_flags(gm)
-    head = f"eval() of this train-mode capture differs from model.eval() ({err}): "
-    if literal:
-        return head + (f"these ops keep the train flag they were captured with: {', '.join(literal[:5])}; capture "
-                       "with mode='inference' for inference")
-    return head + ("every train-flag op in the graph (dropout, batch norm, ...) follows .train()/.eval(), so the "
-                   "model's python reads self.training (an `if self.training:` branch, or a flag passed as a "
-                   "constant such as F.dropout(x, training=True)), which torch.export evaluated once in train "
-                   "mode; capture with mode='inference' for inference")
+def _serve_other_mode(program: Program, model: nn.Module, args, kwargs, dynamic: bool, dynamic_shapes) -> None:
+    """Every train-flag op follows `.train()`/`.eval()` (MODE_ARGS); when the captured module still differs from
+    the model in the other mode, the model's python reads `self.training` (a branch, noise added in training only,
+    a mode-dependent value passed to an op without a train flag), which export evaluated once. Models without such
+    a branch pay one call per mode, no second capture.
+
+    A train capture then captures eval mode too, served by a graph of its own (`fxmem.mode_graphs`); when that
+    fails or does not reproduce the model, a CaptureError. An inference capture (whose passes, int8 weights or
+    pruning, would leave a train graph nothing it can run on) makes a call in train mode raise a CaptureError that
+    says why (`fxmem.nn.modes.ModeRefusal`)."""
+    other = "inference" if program.mode == "train" else "train"
+    diff = _mode_difference(program.module, model, args, kwargs, other, buffers=True)
+    if diff is None:
+        return
+    name, word = type(model).__name__, _MODE_WORDS[other]
+    found = (f"captured in {_MODE_WORDS[program.mode]} mode, {name} computes something else than {name} in {word} "
+             f"mode ({diff}): its python reads self.training, which torch.export evaluates once")
+    if program.mode == "inference":
+        child = attach_mode_refusal(program, True, f"this result of {name} runs in eval mode only: {found}. Train "
+                                                   f"{name} itself, or transform it with a train-mode policy")
+        program.notes.append(f"{found}: .train() makes a call of the result raise a CaptureError that says so (the "
+                             f"submodule '{child}'); train {name} itself, or transform it with a train-mode policy")
+        return
+    second, where = _capture_other_mode(program, model, args, kwargs, other, found, dynamic, dynamic_shapes)
+    child = attach_mode_graph(program, second, {n for n, _ in model.named_parameters(remove_duplicate=False)}
+                              | {n for n, _ in model.named_buffers(remove_duplicate=False)})
+    program.specialized.extend(s for s in second.specialized if s not in program.specialized)
+    program.notes.extend(f"{word}-mode capture: {n}" for n in second.notes)
+    program.notes.append(
+        f"{found}{where}. fxmem captured {word} mode too: .train()/.eval() switch between the two graphs "
+        f"(.{word}() runs the submodule '{child}'). "
+        f"Passes rewrite the {_MODE_WORDS[program.mode]}-mode graph; the {word}-mode graph runs as captured, on the "
+        "same parameters and buffers, and is checked after every pass")
+
+
+def _capture_other_mode(program: Program, model: nn.Module, args, kwargs, other: str, found: str, dynamic: bool,
+                        dynamic_shapes) -> tuple[Program, str]:
+    """The capture of `other` mode, checked against the model, and where it parts from the program's graph (for
+    messages); a CaptureError that starts with `found` when it fails or differs."""
+    word = _MODE_WORDS[other]
+    functions = _FunctionCalls()
+    notes: list[str] = []
+    try:
+        ep = _export_in_mode(model, args, kwargs, other, dynamic, dynamic_shapes, functions, notes)
+    except CaptureError as e:
+        raise CaptureError(f"{found}; capturing {word} mode as well failed: {e}") from e
+    second = _program_from_export(ep, model, args, kwargs, other, notes, switchable=False)
+    where = _branch_location(program.module, second.module)
+    err = _mode_difference(second.module, model, args, kwargs, other, buffers=True)
+    if err is not None:
+        raise CaptureError(f"{found}{where}; a capture in {word} mode does not reproduce the model either ({err})")
+    if functions.uses:
+        try:
+            _check_gradients(second, model, args, kwargs, other, functions)
+        except CaptureError as e:
+            raise CaptureError(f"{found}{where}; its {word}-mode capture: {e}") from e
+    return second, where
+
+
+_MODE_WORDS = {"train": "train", "inference": "eval"}
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+
+
+def _user_line(node: torch.fx.Node) -> str | None:
+    """file:line and code of the innermost model-code frame that made `node` (its stack trace), or None."""
+    found = None
+    for m in _FRAME.finditer(node.meta.get("stack_trace") or ""):
+        if _is_user_file(m["file"]):
+            found = f"{m['file']}:{m['line']}: {m['code'].strip()}"
+    return found
+
+
+def _branch_location(first: torch.fx.GraphModule, second: torch.fx.GraphModule) -> str:
+    """Where the two captures part (for the message): the first model source line that made ops in one graph and
+    none in the other, else the first op whose target or constant arguments differ; '' when neither is found."""
+    ops = [[n for n in g.graph.nodes if n.op == "call_function"] for g in (first, second)]
+    lines = [[_user_line(n) for n in nodes] for nodes in ops]
+    for mine, theirs, nodes in ((lines[0], lines[1], ops[0]), (lines[1], lines[0], ops[1])):
+        other_lines = set(theirs)
+        for line, node in zip(mine, nodes):
+            if line is not None and line not in other_lines:
+                return _located(node, line)
+    for a, b in zip(*ops):
+        if a.target != b.target or _constants(a) != _constants(b):
+            return _located(a, _user_line(a))
+    return ""
+
+
+def _constants(node: torch.fx.Node) -> list:
+    """The constant arguments of an op, train flags (bools) left out: one graph has them routed to the mode flag."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if not isinstance(x, (torch.fx.Node, bool))]
+
+
+def _located(node: torch.fx.Node, line: str | None) -> str:
+    stack = module_stack(node)
+    path = stack[-1][0] if stack else ""
+    kind = f" ({stack[-1][1]})" if stack and path else ""
+    return f" (in module '{path or '<root>'}'{kind}" + (f" at {line}" if line else "") + ")"
 
 
 def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .compare import Deviation, compare_outputs, deviation
 from .errors import FxmemError, PassError, PolicyError
+from .nn.modes import mode_dispatch, mode_graph
 from .program import Program, buffers_kept
 
 CANONICAL_ORDER = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
@@ -289,6 +290,8 @@ class PassManager:
         self.loss_fn = loss_fn
         self.log = log or (lambda msg: None)
         self._train_ref: Reference | None = None  # the current program's seeded training step (`_verify_train`)
+        # outputs of the other mode's graph (`run_other_mode`): [the captured program's, the current program's]
+        self._other_refs: list | None = None
         self.model_file = model_file
         self.records: list[PassRecord] = []
 
@@ -313,7 +316,9 @@ class PassManager:
         return names
 
     def run(self, program: Program, baseline) -> Program:
-        with long_lived_frozen():
+        # passes rewrite and evaluate the main graph, in whatever mode they run it: a program with one graph per mode
+        # (`fxmem.nn.modes.ModeGraph`) does not switch graphs here; `_verify_other_mode` checks the other one
+        with long_lived_frozen(), mode_dispatch(False):
             return self._run(program, baseline)
 
     def _run(self, program: Program, baseline) -> Program:
@@ -324,6 +329,7 @@ class PassManager:
         original = run_reference(program, mode, self.loss_fn, verify.seed) if verify.enabled else None
         current_ref = original
         self._train_ref = self._train_step(program) if verify.enabled and mode == "train" else None
+        self._other_refs = [run_other_mode(program, verify.seed)] * 2 if verify.enabled else None
         current_est = baseline
         for name in names:
             cls = REGISTRY[name]
@@ -369,6 +375,9 @@ class PassManager:
             new_train = self._verify_train(rec, new, result.draws_differ, verify, t0)
             if new_train is False:
                 continue
+            new_other = self._verify_other_mode(rec, new, verify, t0)
+            if new_other is False:
+                continue
             est = estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
             rec.peak_after = est.peak
             rec.status = "applied"
@@ -378,6 +387,8 @@ class PassManager:
             program, current_est = new, est
             if new_train is not None:
                 self._train_ref = new_train
+            if new_other is not None:
+                self._other_refs[1] = new_other
             if verify.enabled:
                 current_ref = run_reference(program, mode, self.loss_fn, verify.seed,
                                             want_grads=_grads_comparable(rec))
@@ -469,6 +480,52 @@ class PassManager:
             self._rollback(rec, f"exact pass changed the training-mode step: {err}", t0)
             return False
         return got
+
+
+    def _verify_other_mode(self, rec, new, verify, t0):
+        """A program with one graph per mode: passes leave the other mode's graph as captured, but it reads the
+        root's parameters and buffers, which a pass may replace. It must still run, and give the same outputs as
+        before the pass (an exact pass) or stay within the lossy tolerance of the captured program's (a lossy one).
+        Returns its outputs, None when the program has no such graph, or False after a rollback."""
+        if self._other_refs is None or self._other_refs[0] is None:
+            return None
+        branch = mode_graph(new.module)
+        word = "train" if branch.serves_training else "eval"
+        try:
+            got = run_other_mode(new, verify.seed)
+        except Exception as e:  # noqa: BLE001 - the pass broke what the other graph reads
+            self._rollback(rec, f"the {word}-mode graph (the model reads self.training) fails after the pass: "
+                                f"{type(e).__name__}: {e}", t0)
+            return False
+        if rec.exact:
+            err = compare_outputs(self._other_refs[1], got, atol=verify.atol, rtol=verify.rtol)
+            why = f"exact pass changed the {word}-mode graph's result: {err}"
+        else:
+            dev = deviation(self._other_refs[0], got)
+            err = None if dev.rel <= verify.lossy_tolerance else dev.rel
+            why = (f"relative output error {dev.rel:.3g} of the {word}-mode graph vs the original exceeds the "
+                   f"tolerance {verify.lossy_tolerance:g} (verify.lossy_tolerance)")
+        if err is not None:
+            self._rollback(rec, why, t0)
+            return False
+        return got
+
+
+def run_other_mode(program: Program, seed: int = 0):
+    """Outputs of a program's other mode's graph (`fxmem.nn.modes.ModeGraph`) on the example inputs, without
+    gradients and with a fixed seed, or None when it has none. Buffers, the mode and the RNG state are put back."""
+    gm = program.module
+    branch = mode_graph(gm)
+    if branch is None:
+        return None
+    was = gm.training
+    gm.train(branch.serves_training)
+    try:
+        with mode_dispatch(True), buffers_kept(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return gm(*program.example_args, **program.example_kwargs)
+    finally:
+        gm.train(was)
 
 
 def pass_is_exact(cls, options) -> bool:

@@ -265,9 +265,9 @@ def test_other_train_flag_ops_follow_train_eval(name, mode):
     _assert_modes_follow(model, program, x)
 
 
-def test_eval_note_names_python_branch_not_dropout():
-    """A real python-level `self.training` branch still gets a note, and it says that every train-flag op
-    follows the mode."""
+def test_python_branch_on_training_gets_a_graph_per_mode_and_a_note():
+    """A python-level `self.training` branch (beside an in-place dropout, whose flag follows the mode anyway): the
+    eval mode is captured too, so the captured module's eval() computes the model's eval(), and a note says why."""
     class Branchy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -280,9 +280,11 @@ def test_eval_note_names_python_branch_not_dropout():
             return y * 2 if self.training else y
 
     torch.manual_seed(0)
-    program = fxmem.capture(Branchy(), (torch.randn(4, 8),))
+    model, x = Branchy(), torch.randn(4, 8)
+    program = fxmem.capture(copy.deepcopy(model), (x,))
     assert len(program.notes) == 1 and "self.training" in program.notes[0]
-    assert "follows .train()/.eval()" in program.notes[0]
+    assert "return y * 2 if self.training else y" in program.notes[0] and "captured eval mode too" in program.notes[0]
+    _assert_modes_follow(model, program, x)
 
 
 def test_meta_device_model_or_inputs_are_refused_clearly():
