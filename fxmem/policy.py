@@ -567,8 +567,77 @@ def _plain(value: Any) -> Any:
 
 
 # ============================================================================================ YAML reading
+# Every policy text (files, `extends:` parents, presets, `--set` values) is read with these limits: a policy is a few
+# KB, and a hostile document (a "billion laughs" of nested aliases, nesting thousands deep, a huge file) is refused
+# in milliseconds, before it is expanded, with a PolicyError naming the file and line.
+MAX_POLICY_BYTES = 1 << 20
+MAX_DEPTH = 64  # nested mappings and lists
+MAX_ALIASES = 256  # `*name` uses in one document
+MAX_VALUES = 10_000  # values in one document once its aliases and merge keys (`<<: *base`) are expanded
+MAX_EXTENDS = 32  # files in one `extends:` chain
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-5 as a float (YAML 1.1 wants 1.0e-5)."""
+    """SafeLoader that also reads 1e-5 as a float (YAML 1.1 wants 1.0e-5), and holds the limits above: depth while
+    scanning and composing, aliases while composing, the size of merged mappings before they are built (`_walk`
+    counts the values)."""
+
+    def __init__(self, text: str, display: str = "<policy>"):
+        super().__init__(text)
+        self.fxmem_display, self.fxmem_depth, self.fxmem_aliases, self.fxmem_values = display, 0, 0, 0
+        self.fxmem_entries: dict[int, int] = {}  # merged size of each mapping node (`fxmem_merged_entries`)
+        self.fxmem_top: tuple[str, int] | None = None  # the top-level key being read, and its line
+
+    def fxmem_refuse(self, line: int, what: str) -> PolicyError:
+        return PolicyError(f"{self.fxmem_display}:{line}: {what}; policies are read with limits (nesting "
+                           f"{MAX_DEPTH}, aliases {MAX_ALIASES}, values {MAX_VALUES}, size {MAX_POLICY_BYTES} bytes)")
+
+    def compose_node(self, parent, index):
+        line = self.peek_event().start_mark.line + 1
+        if self.check_event(yaml.AliasEvent):
+            self.fxmem_aliases += 1
+            if self.fxmem_aliases > MAX_ALIASES:
+                raise self.fxmem_refuse(line, f"more than {MAX_ALIASES} YAML aliases")
+            return super().compose_node(parent, index)
+        self.fxmem_depth += 1
+        try:
+            if self.fxmem_depth > MAX_DEPTH:
+                raise self.fxmem_refuse(line, f"nested more than {MAX_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self.fxmem_depth -= 1
+
+    def fetch_flow_collection_start(self, token_class):
+        # the scanner looks ahead up to 1024 characters with a cost per token that grows with the flow nesting
+        # (`[[[[...`): refused here, before the composer sees the first of them
+        if self.flow_level >= MAX_DEPTH:
+            raise self.fxmem_refuse(self.get_mark().line + 1, f"nested more than {MAX_DEPTH} levels deep")
+        super().fetch_flow_collection_start(token_class)
+
+    def flatten_mapping(self, node):
+        if self.fxmem_merged_entries(node) > MAX_VALUES:
+            raise self.fxmem_refuse(node.start_mark.line + 1, f"its merge keys (<<) expand a mapping to more than "
+                                                              f"{MAX_VALUES} entries")
+        super().flatten_mapping(node)
+
+    def fxmem_merged_entries(self, node) -> int:
+        """Entries of the mapping `node` once its merge keys are expanded, counted without building them."""
+        known = self.fxmem_entries.get(id(node))
+        if known is not None:
+            return known
+        self.fxmem_entries[id(node)] = 0  # (a mapping merged into itself adds nothing more)
+        count = 0
+        for key, value in node.value:
+            if key.tag != _MERGE_TAG:
+                count += 1
+                continue
+            sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            count += sum(self.fxmem_merged_entries(m) for m in sources if isinstance(m, yaml.MappingNode))
+            if count > MAX_VALUES:
+                break
+        self.fxmem_entries[id(node)] = count
+        return count
 
 
 _Loader.add_implicit_resolver(
@@ -577,8 +646,15 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"))
 
 
+def _check_size(text: str, display: str) -> None:
+    size = len(text.encode("utf-8"))
+    if size > MAX_POLICY_BYTES:
+        raise PolicyError(f"{display}: {size} bytes; a policy is read only up to {MAX_POLICY_BYTES} bytes (1 MiB)")
+
+
 def _parse_yaml(text: str, display: str) -> tuple[dict, dict[Path_, Loc]]:
-    loader = _Loader(text)
+    _check_size(text, display)
+    loader = _Loader(text, display)
     try:
         try:
             root = loader.get_single_node()
@@ -620,6 +696,11 @@ def _node_value_show(loader, node) -> str:
 def _walk(loader, node, path: Path_, locs: dict, display: str, active: set) -> Any:
     if id(node) in active:
         raise PolicyError(f"{display}:{node.start_mark.line + 1} {_fmt_path(path)}: recursive YAML alias")
+    loader.fxmem_values += 1
+    if loader.fxmem_values > MAX_VALUES:  # aliases share nodes: this is where a document would grow
+        key, line = loader.fxmem_top or (None, node.start_mark.line + 1)
+        raise loader.fxmem_refuse(line, f"{'' if key is None else key + ': '}expands to more than {MAX_VALUES} "
+                                        "values (nested YAML aliases)")
     if isinstance(node, yaml.MappingNode):
         active = active | {id(node)}
         flattened = loader.__dict__.setdefault("_fxmem_flattened", set())
@@ -642,6 +723,8 @@ def _walk(loader, node, path: Path_, locs: dict, display: str, active: set) -> A
                                   f"expected a string key, got a {'list' if isinstance(k, yaml.SequenceNode) else 'mapping'}")
             key = k.value  # keys are names: 'on', 'yes', '1' stay strings
             p = path + (key,)
+            if not path:
+                loader.fxmem_top = (key, k.start_mark.line + 1)  # where a document too large to read is said
             out[key] = _walk(loader, v, p, locs, display, active)
             locs[p] = Loc(display, k.start_mark.line + 1, v.start_mark.line + 1)
         return out
@@ -747,7 +830,14 @@ def _file_src(p: Path, display: str) -> _Src:
 
     def read() -> str:
         try:
-            return resolved.read_text(encoding="utf-8")
+            with open(resolved, "rb") as f:
+                data = f.read(MAX_POLICY_BYTES + 1)  # never more: a huge file is refused, not read into memory
+                if len(data) > MAX_POLICY_BYTES:
+                    size = os.fstat(f.fileno()).st_size
+                    shown = f"{size} bytes" if size > MAX_POLICY_BYTES else f"more than {MAX_POLICY_BYTES} bytes"
+                    raise PolicyError(f"{display}: {shown}; a policy is read only up to {MAX_POLICY_BYTES} bytes "
+                                      "(1 MiB)")
+            return data.decode("utf-8")
         except FileNotFoundError:
             raise PolicyError(f"{display}: no such policy file") from None
         except UnicodeDecodeError as e:
@@ -849,6 +939,8 @@ def _load_chain(src: _Src, search_dirs, stack: tuple[_Src, ...]) -> tuple[dict, 
 
     parent = _resolve_ref(ext, src.base_dir, search_dirs, fail)
     chain = stack + (src,)
+    if len(chain) >= MAX_EXTENDS:
+        fail(f"the extends chain is longer than {MAX_EXTENDS} files")
     if any(s.ident == parent.ident for s in chain):
         start = next(i for i, s in enumerate(chain) if s.ident == parent.ident)
         names = [s.display for s in chain[start:]] + [parent.display]
@@ -883,7 +975,7 @@ def _apply_override(data: dict, locs: dict, text: str) -> None:
     if parts[0] in ("extends", "source"):
         raise PolicyError(f"{where} {parts[0]}: cannot be set with --set; choose the policy file instead")
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
+        value = _parse_value(raw, where) if raw.strip() else None
     except yaml.MarkedYAMLError as e:
         raise PolicyError(f"{where}: cannot read the value {raw!r}: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
@@ -917,6 +1009,17 @@ def _apply_override(data: dict, locs: dict, text: str) -> None:
         mark(value, p)
     if p[:1] == ("passes",) and n == 2:
         _normalize_passes(data, locs)
+
+
+def _parse_value(raw: str, where: str) -> Any:
+    """A `--set` value, read as a policy file's values are (same limits; keys stay strings)."""
+    _check_size(raw, where)
+    loader = _Loader(raw, where)
+    try:
+        node = loader.get_single_node()
+        return None if node is None else _walk(loader, node, (), {}, where, set())
+    finally:
+        loader.dispose()
 
 
 def _dict_data(spec: Mapping) -> tuple[dict, dict]:

@@ -713,3 +713,107 @@ def test_presets_treat_their_budget_as_a_target_and_explicit_budgets_are_strict(
         assert load_policy(name).budget_strict is False
     assert load_policy("low", overrides=["budget=2GiB", "budget_strict=true"]).budget_strict is True
     assert load_policy({"version": 1}).budget_strict is True
+
+
+# ----------------------------------------------------------------------------------------- reading with limits
+def _laughs(levels: int, flow: bool = False) -> str:
+    """A "billion laughs" document: each level a list of 9 aliases to the level before (9**levels values); as a
+    policy file, or (`flow`) as one flow mapping for a --set value."""
+    names = "abcdefghijklmnop"
+    entries = ["a: &a [x,x,x,x,x,x,x,x,x]"]
+    entries += [f"{names[i]}: &{names[i]} [{','.join(['*' + names[i - 1]] * 9)}]" for i in range(1, levels)]
+    return "{" + ", ".join(entries) + "}" if flow else "\n".join(["version: 1"] + entries) + "\n"
+
+
+def _refused_fast(spec, **kw) -> str:
+    """The PolicyError message; the refusal takes well under a second, and little memory (nothing is expanded)."""
+    import time
+    import tracemalloc
+    t0 = time.perf_counter()
+    msg = error(spec, **kw)
+    seconds = time.perf_counter() - t0
+    assert seconds < 1.0, (seconds, msg)
+    tracemalloc.start()
+    try:
+        assert error(spec, **kw) == msg
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2 ** 20, (peak, msg)
+    return msg
+
+
+def test_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    p = write(tmp_path, "laughs.yaml", _laughs(9))  # 9**9 = 387 million strings once expanded
+    assert p.stat().st_size < 350
+    msg = _refused_fast(str(p))
+    assert msg.startswith(f"{p}:") and "expands to more than 10000 values (nested YAML aliases)" in msg, msg
+    line = int(msg.split(":")[1].split()[0])
+    assert p.read_text().splitlines()[line - 1].startswith(msg.split(":")[2].strip()), msg  # the key on that line
+    # the same document as a --set value, and merge keys (<<) that double a mapping at each level
+    msg = _refused_fast("low", overrides=["passes.checkpoint.keep=" + _laughs(9, flow=True)])
+    assert msg.startswith("--set 'passes.checkpoint.keep=") and "expands to more than 10000 values" in msg, msg
+    merges = ["version: 1", "m0: &m0 {a: 1, b: 2}"]
+    merges += [f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, 40)]
+    q = write(tmp_path, "merges.yaml", "\n".join(merges) + "\n")
+    msg = _refused_fast(str(q))
+    assert msg.startswith(f"{q}:") and "merge keys (<<) expand a mapping to more than 10000 entries" in msg, msg
+
+
+@pytest.mark.parametrize("style", ["flow", "block", "flow-mapping"])
+def test_deep_nesting_is_refused_naming_the_line(tmp_path, style):
+    depth = 5000 if style != "block" else 200
+    if style == "flow":
+        text = "version: 1\nx: " + "[" * depth + "]" * depth + "\n"
+    elif style == "flow-mapping":
+        text = "version: 1\nx: " + "{a: " * depth + "1" + "}" * depth + "\n"
+    else:
+        text = "version: 1\n" + "".join("  " * i + f"k{i}:\n" for i in range(depth)) + "  " * depth + "v: 1\n"
+    p = write(tmp_path, "deep.yaml", text)
+    msg = _refused_fast(str(p))
+    assert msg.startswith(f"{p}:") and "nested more than 64 levels deep" in msg, msg
+    assert int(msg.split(":")[1]) == (2 if style != "block" else 65)
+
+
+def test_huge_policy_file_and_value_are_refused_unread(tmp_path, monkeypatch):
+    p = tmp_path / "huge.yaml"
+    with open(p, "wb") as f:  # sparse: 64 MiB that nothing should read
+        f.write(b"version: 1\n")
+        f.truncate(64 * 2 ** 20)
+    msg = _refused_fast(str(p))
+    assert msg == f"{p}: {64 * 2 ** 20} bytes; a policy is read only up to 1048576 bytes (1 MiB)", msg
+    msg = _refused_fast("low", overrides=["passes.checkpoint.keep=[" + "1," * 600_000 + "1]"])
+    assert msg.startswith("--set ") and "bytes; a policy is read only up to 1048576 bytes" in msg
+
+
+def test_many_aliases_and_long_extends_chains_are_refused(tmp_path):
+    refs = ", ".join(["*a"] * 300)
+    p = write(tmp_path, "refs.yaml", f"version: 1\na: &a 1\nb: [{refs}]\n")
+    msg = _refused_fast(str(p))
+    assert msg.startswith(f"{p}:3:") and "more than 256 YAML aliases" in msg, msg
+    write(tmp_path, "c0.yaml", "version: 1\n")
+    for i in range(1, 40):
+        write(tmp_path, f"c{i}.yaml", f"version: 1\nextends: ./c{i - 1}.yaml\n")
+    msg = error(str(tmp_path / "c39.yaml"))
+    assert "extends: the extends chain is longer than 32 files" in msg, msg
+    assert load_policy(str(tmp_path / "c20.yaml")).version == 1  # 21 files: fine
+
+
+def test_presets_read_the_same_with_limits():
+    """What the limited reader makes of each preset is what PyYAML's safe loader makes of it (with the policy
+    reader's float rule): limits change nothing for real policies."""
+    from fxmem.policy import _Loader, _parse_yaml
+    for name in list_presets():
+        text = preset_path(name).read_text()
+        data, _ = _parse_yaml(text, name)
+        assert data == yaml.load(text, Loader=_Loader)
+    # a realistic user file with anchors, merge keys and a --set value using them reads as before
+    text = textwrap.dedent("""
+        version: 1
+        extends: high
+        base: &base {enabled: true, solver: greedy}
+        passes:
+          checkpoint: {<<: *base, solver: auto}
+    """)
+    data, _ = _parse_yaml(text, "user.yaml")
+    assert data == yaml.load(text, Loader=_Loader)
