@@ -1,9 +1,11 @@
 """`fxmem optimize | estimate | diff | policies`.
 
 A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
-Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path), 1 internal error,
-130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like an exception, so every
-cleanup runs: scratch files are removed and `--out` is left as it was, or holds the complete result.
+Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path, a result that cannot be
+written), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like
+an exception, so every cleanup runs: scratch files are removed and `--out` is left as it was, or holds the complete
+result. The exit status says which: once the result is complete on disk a signal no longer changes the outcome (exit
+0), and a run that was interrupted before is never reported as a success.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import traceback
 from pathlib import Path
@@ -21,6 +24,7 @@ from .errors import FxmemError
 
 MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
                    "calibration_data(), evaluate(module)); it is user code and runs as such")
+_FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class Terminated(KeyboardInterrupt):
@@ -28,46 +32,117 @@ class Terminated(KeyboardInterrupt):
     context managers: scratch files, the output's temp dir); the CLI then exits 143."""
 
 
+class _Signals:
+    """SIGINT and SIGTERM while a command runs (main thread only). Until the command's outcome is settled they are
+    raised (KeyboardInterrupt, `Terminated`) so every cleanup runs; once it is settled (the result it writes is
+    complete on disk, or the command has finished) they are only noted, so a result on disk is never reported as
+    interrupted, and no traceback comes from a signal that arrives while the process ends."""
+
+    def __init__(self):
+        self.output = None  # the OutputDir the command writes into (optimize)
+        self.raised: int | None = None  # a signal raised as an exception before the outcome was settled
+        self.noted: list[int] = []  # signals that came after
+        self.finished = False
+
+    def settled(self) -> bool:
+        return self.finished or bool(self.output is not None and self.output.committed)
+
+    def written(self) -> bool:
+        return bool(self.output is not None and self.output.committed)
+
+    def handle(self, signum, frame):
+        if self.settled():
+            self.noted.append(signum)
+            return
+        self.raised = signum
+        raise Terminated() if signum == getattr(signal, "SIGTERM", None) else KeyboardInterrupt()
+
+    @contextlib.contextmanager
+    def installed(self, *, for_the_process: bool):
+        """Handle SIGINT (unless the process was started ignoring it) and SIGTERM. After the block: the previous
+        handlers back, or with `for_the_process` (main() reading sys.argv: the process exits next) both ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {}
+        for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+            h = signal.getsignal(s) if s is not None else None
+            if h is None or (s == signal.SIGINT and h == signal.SIG_IGN):
+                continue  # not a Python handler, or an interrupt the parent asked this process to ignore
+            old[s] = h
+            signal.signal(s, self.handle)
+        try:
+            yield
+        finally:
+            self.finished = True
+            for s, h in old.items():
+                signal.signal(s, signal.SIG_IGN if for_the_process else h)
+
+
 def main(argv=None) -> int:
+    """The command line. `argv=None` reads sys.argv: the process's own command, which ends when main returns, so
+    SIGINT and SIGTERM stay ignored after the outcome is decided (a late Ctrl-C cannot turn it into a traceback)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "cmd", None):
         parser.print_help()
         return 2
-    with _sigterm_as_interrupt():
-        try:
-            return args.func(args)
-        except FxmemError as e:
-            print(f"fxmem: error: {e}", file=sys.stderr)
-            return e.exit_code
-        except KeyboardInterrupt as e:
-            what = "terminated" if isinstance(e, Terminated) else "interrupted"
-            print(f"fxmem: {what}; {getattr(e, 'fxmem_outcome', None) or 'nothing was written'}", file=sys.stderr)
-            return 143 if isinstance(e, Terminated) else 130
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            print(f"fxmem: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
+    args.signals = signals = _Signals()
+    with signals.installed(for_the_process=argv is None):
+        code, message = _run(args, signals)
+    if message:
+        print(message, file=sys.stderr)
+    late = signals.noted + ([signals.raised] if signals.raised is not None else [])
+    if code == 0 and late:  # (a signal raised before the outcome was settled gives 0 only when the result is on disk)
+        what = "terminated (SIGTERM)" if late[0] != signal.SIGINT else "interrupted"
+        kept = f": the result is complete in {signals.output.shown}" if signals.written() else ""
+        print(f"fxmem: {what} after the run had completed{kept}; exit status 0", file=sys.stderr)
+    return code
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """While the CLI runs (main thread only), SIGTERM raises `Terminated`; the previous handler is restored after."""
-    sigterm = getattr(signal, "SIGTERM", None)
-    if sigterm is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(sigterm)
-    signal.signal(sigterm, _raise_terminated)
+def _run(args, signals: _Signals) -> tuple[int, str]:
+    """Run the command: (exit status, the line for stderr). Tracebacks (internal errors) are printed here."""
+    code, error = 0, None
     try:
-        yield
-    finally:
-        if old is not None:
-            signal.signal(sigterm, old)
+        code = args.func(args)
+        signals.finished = True  # the outcome is decided: a signal from here on is noted, not raised
+    except BaseException as e:  # noqa: BLE001 - sorted below
+        signals.finished = True
+        error = e
+    # what is on disk decides: a complete result is never reported as interrupted, and an interrupt that some code
+    # turned into another error (or swallowed) still makes an interrupted run
+    if not signals.written() and (signals.raised is not None or isinstance(error, KeyboardInterrupt)):
+        term = isinstance(error, Terminated) or signals.raised == getattr(signal, "SIGTERM", None)
+        out = signals.output
+        unchanged = f" ({out.shown} is unchanged)" if out is not None and out.overwrite else ""
+        word = "terminated" if term else "interrupted"
+        return (143 if term else 130), f"fxmem: {word}; nothing was written{unchanged}"
+    if error is None or isinstance(error, KeyboardInterrupt):
+        return code, ""
+    if isinstance(error, FxmemError):
+        return error.exit_code, f"fxmem: error: {error}"
+    if isinstance(error, SystemExit):
+        site = _exit_site(error)
+        if site is not None:
+            return 2, (f"fxmem: error: {site}: the model's code raised SystemExit({error.code!r}) (sys.exit(), exit() "
+                       "or quit()) while fxmem ran it; nothing was written")
+    traceback.print_exception(error)
+    return 1, f"fxmem: internal error: {type(error).__name__}: {error}"
+
+
+def _exit_site(error: SystemExit) -> str | None:
+    """`file:line` of the code outside fxmem and the standard library that raised `error` (the model's code: the
+    innermost such frame); None when it is fxmem's own."""
+    paths = sysconfig.get_paths()
+    stdlib = os.path.abspath(paths["stdlib"]) + os.sep
+    installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
+    for fr in reversed(traceback.extract_tb(error.__traceback__)):
+        f = os.path.abspath(fr.filename)
+        if f.startswith(_FXMEM_DIR + os.sep):
+            return None
+        if not f.startswith(stdlib) or f.startswith(installed):
+            return f"{fr.filename}:{fr.lineno}"
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -227,7 +302,7 @@ def cmd_optimize(a) -> int:
     if a.policy and os.path.isfile(a.policy):
         protect.append(("the policy file", a.policy))
     # checked and reserved before any work: a run that cannot write its result fails now, not after the transform
-    out = OutputDir(out_arg, overwrite=a.overwrite, protect=protect)
+    a.signals.output = out = OutputDir(out_arg, overwrite=a.overwrite, protect=protect)
     try:
         mf = load_model_file(a.model)
         check_inputs(mf)
@@ -240,10 +315,6 @@ def cmd_optimize(a) -> int:
         out.write(res)
         _print_summary(a, res, out)
         return 0
-    except KeyboardInterrupt as e:  # say what is on disk: the message "nothing was written" must be true
-        e.fxmem_outcome = (f"the result was written completely to {out.shown}" if out.committed else
-                           f"nothing was written{' (' + out.shown + ' is unchanged)' if out.overwrite else ''}")
-        raise
     finally:
         out.discard()
 
