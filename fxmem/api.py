@@ -91,6 +91,10 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         program = capture(model, args, kwargs, mode=pol.mode)
     t_capture = time.perf_counter() - t0
     program.refresh()
+    if pol.mode == "train":  # a loss backward cannot run from is the user's error, said before any work
+        from .step import check_trainable
+        check_trainable(program.module, program.example_args, program.example_kwargs, loss_fn,
+                        _model_named(program, model_file))
     original = program.snapshot()
     before = estimate(program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
     if pol.budget is not None:
@@ -121,6 +125,12 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     return TransformResult(module=result_program.module, report=report, before=before, after=after,
                            program=result_program, original=original, policy=pol,
                            measured_before=measured_before, measured_after=measured_after, records=pm.records)
+
+
+def _model_named(program: Program, model_file) -> str:
+    """How errors about the model name it: its model file when there is one, else its class."""
+    path = getattr(model_file, "__file__", None)
+    return str(path) if path else f"the model ({program.model_name})"
 
 
 def _require_budgets(report, records) -> None:

@@ -18,6 +18,11 @@ class PolicyError(FxmemError): ...
 class ModelFileError(FxmemError): ...
 
 
+class LossFnError(ModelFileError):
+    """The model file's `loss_fn` raised, has the wrong signature or returned something that is not a loss a training
+    step can use: the user's error, wherever in fxmem the loss was computed (cost model, measurement, a pass)."""
+
+
 class BudgetError(FxmemError): ...
 
 

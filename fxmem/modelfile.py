@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import FxmemError, ModelFileError
+from .errors import FxmemError, LossFnError, ModelFileError
 
 
 @dataclass
@@ -38,28 +38,31 @@ class ModelFile:
     def calibration(self, limit: int | None = None) -> list | None:
         if self.calibration_data is None:
             return None
-        try:
-            data = self.calibration_data()
+
+        def take() -> list:
             out = []
-            for i, item in enumerate(data):
+            for i, item in enumerate(self.calibration_data()):
                 if limit is not None and i >= limit:
                     break
                 out.append(item)
             return out
-        except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"{self.path}: calibration_data() failed: {type(e).__name__}: {e}") from e
+        return call_user(self.path, "calibration_data()", take)
 
 
-def _user_line(exc: BaseException, path: Path) -> str:
-    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-        if Path(fr.filename).resolve() == path.resolve():
-            return f"{path.name}:{fr.lineno}"
-    return str(path.name)
-
-
-class LossFnError(ModelFileError):
-    """The model file's `loss_fn` raised, has the wrong signature or returned something that is not a scalar loss:
-    the user's error, wherever in fxmem the loss was computed (cost model, measurement, verification, a pass)."""
+def call_user(path: Path, what: str, fn: Callable, *args, **kwargs) -> Any:
+    """Run model-file code (`what`, e.g. "build_model()"): an exception it raises is the user's error, one line naming
+    the file, its line and `what`. So is SystemExit (`sys.exit()`, `exit()`, `quit()`), which would otherwise end
+    fxmem silently with the model's exit status. KeyboardInterrupt passes through (130/143 stay interruptions)."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as e:
+        raise ModelFileError(f"{_user_path_line(e, path)}: {what} raised SystemExit({e.code!r}) (sys.exit(), exit() "
+                             "or quit()), which would end fxmem's run; fxmem imports the model file and calls its "
+                             "functions, so script code belongs under `if __name__ == \"__main__\":`") from None
+    except FxmemError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code
+        raise ModelFileError(f"{_user_path_line(e, path)}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -82,6 +85,10 @@ class UserLossFn:
     def __call__(self, output, inputs):
         try:
             loss = self.fn(output, inputs)
+        except SystemExit as e:
+            raise LossFnError(f"{_user_path_line(e, self.path)}: loss_fn(output, inputs) raised "
+                              f"SystemExit({e.code!r}) (sys.exit(), exit() or quit()), which would end fxmem's run"
+                              ) from None
         except FxmemError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code
@@ -156,9 +163,7 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(p.resolve().parent))
     try:
-        spec.loader.exec_module(mod)
-    except Exception as e:  # noqa: BLE001
-        raise ModelFileError(f"{_user_line(e, p)}: importing the model file failed: {type(e).__name__}: {e}") from e
+        call_user(p, "importing the model file", spec.loader.exec_module, mod)
     finally:
         try:
             sys.path.remove(str(p.resolve().parent))
@@ -167,16 +172,10 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
     for fn in ("build_model", "example_inputs"):
         if not callable(getattr(mod, fn, None)):
             raise ModelFileError(f"{p}: the model file must define {fn}() (see examples/ for the protocol)")
-    try:
-        model = mod.build_model(**build_kwargs)
-    except Exception as e:  # noqa: BLE001
-        raise ModelFileError(f"{_user_line(e, p)}: build_model() failed: {type(e).__name__}: {e}") from e
+    model = call_user(p, "build_model()", mod.build_model, **build_kwargs)
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{p}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
-    try:
-        inputs = mod.example_inputs()
-    except Exception as e:  # noqa: BLE001
-        raise ModelFileError(f"{_user_line(e, p)}: example_inputs() failed: {type(e).__name__}: {e}") from e
+    inputs = call_user(p, "example_inputs()", mod.example_inputs)
     args, kwargs = split_inputs(inputs, p)
     loss_fn = getattr(mod, "loss_fn", None)
     if loss_fn is not None:
@@ -187,21 +186,22 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
 
 
 def check_inputs(mf: ModelFile, mode: str | None = None) -> None:
-    """Run the model once on its example inputs, so a rejection is reported as the user's error. With
-    mode="train" and no loss_fn, the output must hold a floating-point tensor to build the default loss from."""
+    """Run the model once on its example inputs (eval mode), so a rejection is reported as the user's error. With
+    mode="train" the run has autograd on, and its loss must be one a training step can take back to the parameters
+    (`step.require_trainable_loss`). Buffers, the RNG state and the mode are left as they were."""
+    from .program import buffers_kept
+    from .step import require_trainable_loss
+    train = mode == "train"
+    was = mf.model.training
     try:
-        with torch.no_grad():
-            was = mf.model.training
+        with torch.set_grad_enabled(train), torch.random.fork_rng(devices=[]), buffers_kept(mf.model):
             mf.model.eval()
             try:
                 out = mf.model(*mf.args, **mf.kwargs)
-            finally:
-                mf.model.train(was)
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ModelFileError(f"{mf.path}: the model rejects example_inputs(): {type(e).__name__}: {first}") from e
-    if mode == "train" and mf.loss_fn is None:
-        from torch.utils import _pytree as pytree
-        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in pytree.tree_leaves(out)):
-            raise ModelFileError(f"{mf.path}: the model's output has no floating-point tensor to build the default "
-                                 "loss from; define loss_fn(output, inputs) in the model file")
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(f"{mf.path}: the model rejects example_inputs(): {type(e).__name__}: "
+                                     f"{_first_line(e)}") from e
+            if train:
+                require_trainable_loss(mf.model, out, mf.args, mf.kwargs, mf.loss_fn, str(mf.path))
+    finally:
+        mf.model.train(was)

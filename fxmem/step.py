@@ -11,15 +11,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .errors import LossFnError, ModelFileError
+
 OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "paged_adamw8bit")
 
 
+def _floating_leaves(output: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
 def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
-    terms = [t.float().mean() for t in pytree.tree_leaves(output)
-             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not terms:
-        terms = [t.float().mean() for t in pytree.tree_leaves(output)
-                 if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floating = _floating_leaves(output)
+    terms = [t.float().mean() for t in floating if t.requires_grad] or [t.float().mean() for t in floating]
     if not terms:
         raise ValueError("the model's output has no floating-point tensor to build a default loss from; "
                          "pass loss_fn=")
@@ -65,6 +68,55 @@ def compute_loss(loss_fn, output, args, kwargs):
     # the model file's protocol: loss_fn(output, inputs) with inputs as example_inputs() returned them
     inputs = kwargs if (kwargs and not args) else args
     return loss_fn(output, inputs)
+
+
+def check_trainable(model: nn.Module, args: tuple, kwargs: dict, loss_fn, where: str) -> None:
+    """`require_trainable_loss` on one forward of `model` with autograd on, before any work. In eval mode, as the
+    pipeline's reference step runs (a training-mode forward may fail where that one does not); the buffers, the RNG
+    state and the mode are left as they were."""
+    from .program import buffers_kept
+    was = model.training
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), buffers_kept(model):
+            model.eval()
+            output = model(*args, **kwargs)
+            require_trainable_loss(model, output, args, kwargs, loss_fn, where)
+    finally:
+        model.train(was)
+
+
+def require_trainable_loss(model: nn.Module, output: Any, args: tuple, kwargs: dict, loss_fn, where: str) -> None:
+    """A training step runs `loss.backward()`: the loss must be a floating-point tensor that autograd can take back
+    to a trainable parameter. `output` is the model's, computed with autograd on. A user error naming `where` (the
+    model file, or the model) otherwise: an output with no floating-point tensor (the default loss), a model with
+    no trainable parameter, an output that does not depend on one, a constant, detached or integer loss."""
+    if loss_fn is None and not _floating_leaves(output):
+        raise ModelFileError(f"{where}: the model's output has no floating-point tensor to build the default loss "
+                             "from; define loss_fn(output, inputs) in the model file")
+    loss = compute_loss(loss_fn, output, args, kwargs)
+    said = "loss_fn(output, inputs)"
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # (the model file's loss_fn says so itself)
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise LossFnError(f"{where}: {said} must return a scalar tensor, got {got}")
+    if loss.requires_grad:
+        return
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        frozen = f" (all {len(params)} are frozen: requires_grad=False)" if params else ""
+        raise ModelFileError(f"{where}: the model has no trainable parameters{frozen}, so a training step has "
+                             "nothing to update; use inference mode (a policy with mode: inference, e.g. --policy "
+                             "inference; fxmem estimate --mode inference)")
+    if loss_fn is None:
+        raise ModelFileError(f"{where}: the model's output does not depend on its trainable parameters (computed "
+                             "under torch.no_grad() or detached?), so the default loss cannot be backpropagated; "
+                             "define loss_fn(output, inputs) in the model file")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        dtype = str(loss.dtype).replace("torch.", "")
+        raise LossFnError(f"{where}: {said} returned a loss of dtype {dtype}; backward needs a floating-point loss "
+                          "computed from the output (e.g. a cross-entropy, not an argmax)")
+    raise LossFnError(f"{where}: {said} returned a loss that does not depend on the model's parameters (a constant or "
+                      "a detached tensor: requires_grad is False), so backward cannot run; compute it from `output` "
+                      "without .detach(), .item() or torch.no_grad()")
 
 
 def training_step(model, args, kwargs, optimizer, loss_fn=None, marks: Callable[[str], None] | None = None):

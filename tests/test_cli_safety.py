@@ -428,6 +428,108 @@ def test_default_loss_needs_a_floating_point_output(tmp_path, capsys):
     assert code == 0, err
 
 
+def _module_file(forward: str, init: str = "self.lin = torch.nn.Linear(4, 3)", extra: str = "") -> str:
+    return textwrap.dedent(f"""
+        import torch
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                {init}
+            def forward(self, x):
+                {forward}
+        def build_model():
+            return M()
+        def example_inputs():
+            return (torch.randn(2, 4),)
+    """) + extra
+
+
+UNTRAINABLE = {  # a model file a training step cannot run backward from: (text, words of the one-line error)
+    "constant_loss": (MODEL_HEAD + "def loss_fn(output, inputs):\n    return torch.tensor(1.0)\n",
+                      "loss_fn(output, inputs) returned a loss that does not depend on the model's parameters"),
+    "detached_loss": (MODEL_HEAD + "def loss_fn(output, inputs):\n    return output.pow(2).mean().detach()\n",
+                      "loss_fn(output, inputs) returned a loss that does not depend on the model's parameters"),
+    "integer_loss": (MODEL_HEAD + "def loss_fn(output, inputs):\n    return output.argmax()\n",
+                     "loss_fn(output, inputs) returned a loss of dtype int64"),
+    "no_parameters": (_module_file("return x.relu()", init="pass"), "the model has no trainable parameters, so"),
+    "frozen_parameters": (_module_file("return self.lin(x)",
+                                       init="self.lin = torch.nn.Linear(4, 3).requires_grad_(False)"),
+                          "the model has no trainable parameters (all 2 are frozen: requires_grad=False)"),
+    "integer_output": (_module_file("return self.lin(x).argmax(-1)"),
+                       "the model's output has no floating-point tensor to build the default loss from"),
+    "output_under_no_grad": (_module_file("return self.lin(x).detach()"),
+                             "the model's output does not depend on its trainable parameters"),
+}
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "optimize"])
+@pytest.mark.parametrize("kind", sorted(UNTRAINABLE))
+def test_a_loss_backward_cannot_run_from_is_a_user_error(tmp_path, capsys, kind, cmd):
+    """Constant, detached or integer losses, models with no trainable parameter, outputs with nothing to
+    differentiate: exit 2 with one line naming the model file, before any work, nothing written; in inference
+    mode (no backward) the same model file is fine."""
+    path = tmp_path / "m.py"
+    text, expect = UNTRAINABLE[kind]
+    path.write_text(text)
+    out = tmp_path / "o"
+    extra = ["--policy", "low", "--quiet", "--out", out] if cmd == "optimize" else []
+    code, _, err = run(capsys, cmd, path, *extra)
+    line = one_line(err)
+    assert code == 2 and line.startswith(f"fxmem: error: {path}: "), line
+    assert expect in line, line
+    assert os.listdir(tmp_path) == ["m.py"], os.listdir(tmp_path)
+    if cmd == "estimate":
+        code, _, err = run(capsys, "estimate", path, "--mode", "inference")
+    else:
+        code, _, err = run(capsys, "optimize", path, "--policy", "inference", "--quiet", "--out", out)
+    assert code == 0, err
+
+
+def test_transform_names_the_model_whose_loss_backward_cannot_run_from():
+    class Parameterless(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    x = torch.randn(2, 4)
+    with pytest.raises(fxmem.FxmemError, match=r"^the model \(Parameterless\): the model has no trainable parameters"):
+        fxmem.transform(Parameterless(), (x,), policy={"version": 1, "passes": {}})
+    lin = torch.nn.Linear(4, 3)
+    with pytest.raises(fxmem.FxmemError, match="returned a loss of dtype int64"):
+        fxmem.transform(lin, (x,), policy={"version": 1, "passes": {}}, loss_fn=lambda out, inp: out.argmax())
+    with pytest.raises(fxmem.FxmemError, match=r"must return a scalar tensor, got shape \(2, 3\)"):
+        fxmem.transform(lin, (x,), policy={"version": 1, "passes": {}}, loss_fn=lambda out, inp: out)
+    res = fxmem.transform(Parameterless(), (x,), policy={"version": 1, "mode": "inference", "passes": {}})
+    torch.testing.assert_close(res(x), x * 2)
+
+
+EXITS = {  # model code that calls sys.exit(): (text, what the line says, the line of the call)
+    "import": ("import sys\nsys.exit(3)\n", "importing the model file raised SystemExit(3)", 2),
+    "build_model": ("import torch\ndef build_model():\n    exit()\ndef example_inputs():\n    return ()\n",
+                    "build_model() raised SystemExit(None)", 3),
+    "example_inputs": ("import torch\ndef build_model():\n    return torch.nn.Linear(4, 3)\n"
+                       "def example_inputs():\n    raise SystemExit('bye')\n",
+                       "example_inputs() raised SystemExit('bye')", 5),
+    "loss_fn": (MODEL_HEAD + "import sys\ndef loss_fn(output, inputs):\n    sys.exit(0)\n",
+                "loss_fn(output, inputs) raised SystemExit(0)", 8),
+    "forward": (_module_file("sys.exit(4)", extra="import sys\n"), "the model's code raised SystemExit(4)", 8),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXITS))
+def test_model_code_calling_sys_exit_is_a_user_error_naming_the_line(tmp_path, capsys, kind):
+    """sys.exit(), exit() or raise SystemExit in a model file (at import, in its functions, in the model's forward)
+    would end fxmem with the model's exit status and nothing on stderr: exit 2 with one line naming file:line."""
+    path = tmp_path / "m.py"
+    text, expect, line_no = EXITS[kind]
+    path.write_text(text)
+    assert path.read_text().splitlines()[line_no - 1].strip().startswith(("sys.exit", "exit(", "raise SystemExit"))
+    for argv in (["estimate", path], ["optimize", path, "--policy", "low", "--quiet", "--out", tmp_path / "o"]):
+        code, _, err = run(capsys, *argv)
+        line = one_line(err)
+        assert code == 2 and line.startswith(f"fxmem: error: {path}:{line_no}: ") and expect in line, line
+        assert os.listdir(tmp_path) == ["m.py"] or sorted(os.listdir(tmp_path)) == ["__pycache__", "m.py"]
+
+
 # ============================================================================================ B7/B8: sizes, budgets
 
 def test_sizes_that_overflow_are_user_errors(tmp_path, capsys, no_work):
