@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from .capture import capture
 from .errors import BudgetError, FxmemError
+from .files import write_text, writing
 from .program import Program, deep_copy
 
 SAVE_FORMAT = 1
@@ -391,9 +392,8 @@ class OutputDir:
         try:
             new.mkdir()
             _write_result_files(result, new)
-        except OSError as e:
-            where = f" ({e.filename})" if isinstance(e.filename, str) else ""
-            raise self._error(f"writing the result failed: {e.strerror or e}{where}") from e
+        except OSError as e:  # a full disk, a quota, a read-only file system (`files.writing` names the file)
+            raise self._error(f"writing the result failed{_written_file(e, new)}: {e.strerror or e}") from e
         with _signals_deferred():  # a signal during the swap is handled once the scratch directory is gone too
             self._commit(new)
             self.discard()
@@ -469,6 +469,16 @@ class OutputDir:
         self.discard()
 
 
+def _written_file(e: OSError, result_dir: Path) -> str:
+    """" at NAME" for the file of the result that `e` names (its path inside the result), "" when it names none."""
+    if not isinstance(e.filename, str):
+        return ""
+    try:
+        return f" at {Path(e.filename).relative_to(result_dir)}"
+    except ValueError:
+        return f" at {e.filename}"
+
+
 def _not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
     """None when `d` is a result fxmem wrote holding only the files it wrote; else why not (for a message)."""
     if "manifest.json" not in entries:
@@ -528,7 +538,8 @@ def _write_result_files(result: TransformResult, d: Path) -> None:
         if clash:
             raise FxmemError(f"cannot save: {clash[0]} names both a tensor and a quantized layer's state")
         weights.update(quant_weights)
-        save_file(weights, str(d / "weights.safetensors"))
+        with writing(d / "weights.safetensors"):
+            save_file(weights, str(d / "weights.safetensors"))
         ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
         # pickle the structure with tensors swapped for meta tensors, then put the real ones back
         originals = []
@@ -544,8 +555,8 @@ def _write_result_files(result: TransformResult, d: Path) -> None:
         finally:
             for mod, kind, n, t in originals:
                 getattr(mod, kind)[n] = t
-    (d / "transformed.py").write_text(_full_code(gm))
-    (d / "original.py").write_text(_full_code(result.original.module))
+    write_text(d / "transformed.py", _full_code(gm))
+    write_text(d / "original.py", _full_code(result.original.module))
     if result.report is not None:
         result.report.save(d)
     manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT_QUANTIZED if quantized else SAVE_FORMAT,
@@ -554,7 +565,7 @@ def _write_result_files(result: TransformResult, d: Path) -> None:
                 "inputs": list(result.program.input_names), "ties": ties, "quantized": quantized,
                 "files": sorted(set(os.listdir(d)) | {"manifest.json"}),
                 "module_sha256": _sha256(d / "module.pt"), "weights_sha256": _sha256(d / "weights.safetensors")}
-    (d / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_text(d / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def _require_plain(module: nn.Module) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import write_bytes, write_text
 from .units import format_bytes as _format_bytes
 
 SCHEMA_VERSION = 1
@@ -572,11 +573,11 @@ class Report:
         paths = {"markdown": d / "report.md", "html": d / "report.html", "json": d / "report.json",
                  "png": d / "memory_timeline.png", "svg": d / "memory_timeline.svg"}
         svg = timeline_svg(self)
-        paths["markdown"].write_text(self.to_markdown(deterministic), encoding="utf-8")
-        paths["html"].write_text(self.to_html(deterministic, svg=svg), encoding="utf-8")
-        paths["json"].write_text(self.to_json(deterministic), encoding="utf-8")
-        paths["svg"].write_text(svg, encoding="utf-8")
-        paths["png"].write_bytes(timeline_png(self))
+        write_text(paths["markdown"], self.to_markdown(deterministic))
+        write_text(paths["html"], self.to_html(deterministic, svg=svg))
+        write_text(paths["json"], self.to_json(deterministic))
+        write_text(paths["svg"], svg)
+        write_bytes(paths["png"], timeline_png(self))
         return paths
 
 

@@ -26,6 +26,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _get_graph_module_cls
 from torch.fx.graph_module import _CodeOnlyModule
 
+from .files import write_bytes
 from .program import ROOT_HOOK_ATTRS
 
 _META_KEEP = ("nn_module_stack", "stack_trace", "fxmem_mode_flag")
@@ -177,7 +178,9 @@ pickle_module = types.SimpleNamespace(Pickler=_Pickler, Unpickler=pickle.Unpickl
 
 
 def save_module(module: torch.nn.Module, path) -> None:
-    torch.save(module, path, pickle_module=pickle_module)
+    """Pickled in memory (the structure: small), then written by Python, so a failed write is an OSError naming the
+    file; torch.save's own writer reports it as a bare RuntimeError."""
+    write_bytes(path, dumps(module))
 
 
 def dumps(module: torch.nn.Module) -> bytes:

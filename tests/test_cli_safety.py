@@ -666,6 +666,95 @@ def test_diff_of_a_damaged_result_names_the_missing_file(tmp_path, capsys):
     assert code == 2 and f"{d / 'transformed.py'}: missing" in one_line(err)
 
 
+# ============================================================================================ B11: full disks
+
+@pytest.fixture(scope="module")
+def small_result():
+    """A result of a small model (no passes), to write again and again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    return fxmem.transform(model, (torch.randn(2, 4),), policy={"version": 1, "passes": {}})
+
+
+def _fill_disk_at(monkeypatch, name: str) -> None:
+    """The disk fills up while the result's file `name` is written: the real writer fails the way a full disk makes
+    it fail, after writing part of the file (safetensors: SafetensorError with the OS error in its text; Python's
+    writes: OSError ENOSPC without a file name, as a write to an open file raises it)."""
+    if name == "weights.safetensors":
+        import safetensors.torch
+        from safetensors import SafetensorError
+
+        def save_file(tensors, filename, metadata=None):
+            Path(filename).write_bytes(b"\0" * 64)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        return
+
+    def failing(real):
+        def write(self, data, *args, **kwargs):
+            if self.name != name:
+                return real(self, data, *args, **kwargs)
+            with open(self, "wb") as f:
+                f.write(b"partial")
+            raise OSError(28, "No space left on device")
+        return write
+    monkeypatch.setattr(Path, "write_text", failing(Path.write_text))
+    monkeypatch.setattr(Path, "write_bytes", failing(Path.write_bytes))
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "module.pt", "transformed.py", "report.html",
+                                  "memory_timeline.png", "manifest.json"])
+def test_a_full_disk_while_writing_any_file_is_a_user_error_naming_it(tmp_path, monkeypatch, small_result, name):
+    """Whichever file the disk fills up on: one-line FxmemError naming the file and the system's reason, the
+    previous result byte for byte as it was, no scratch left."""
+    out = tmp_path / "X"
+    api.OutputDir(out).write(small_result)
+    before, ino = _snapshot(out), out.stat().st_ino
+    _fill_disk_at(monkeypatch, name)
+    with pytest.raises(fxmem.FxmemError) as ei:
+        with api.OutputDir(out, overwrite=True) as o:
+            o.write(small_result)
+    monkeypatch.undo()
+    assert str(ei.value) == (f"{out}: writing the result failed at {name}: No space left on device; nothing was "
+                             "written"), str(ei.value)
+    assert _snapshot(out) == before and out.stat().st_ino == ino
+    assert os.listdir(tmp_path) == ["X"]
+
+
+def test_a_full_disk_in_the_cli_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m.py"
+    model.write_text(MODEL_HEAD)
+    out = tmp_path / "o" / "X"
+    _fill_disk_at(monkeypatch, "weights.safetensors")
+    code, _, err = run(capsys, "optimize", model, *FAST, "--out", out)
+    assert code == 2 and one_line(err) == (f"fxmem: error: {out}: writing the result failed at weights.safetensors: "
+                                           "No space left on device; nothing was written")
+    assert os.listdir(tmp_path) == ["m.py"]
+
+
+def test_real_failing_writes_in_a_real_process_exit_2(tmp_path):
+    """No fake: the process may write no file larger than 256 KiB (RLIMIT_FSIZE), so writing 1 MiB of weights
+    really fails (EFBIG, the way a quota or a full disk does): exit 2, one line naming the file, nothing left."""
+    resource = pytest.importorskip("resource")
+    model = tmp_path / "m.py"
+    model.write_text(MODEL_HEAD.replace("Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)",
+                                        "Linear(4, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)"))
+    limit = 256 * 1024
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    r = subprocess.run([sys.executable, "-m", "fxmem.cli", "optimize", str(model), *FAST, "--out", "X"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert r.returncode == 2, r.stderr
+    assert one_line(r.stderr) == ("fxmem: error: X: writing the result failed at weights.safetensors: File too "
+                                  "large; nothing was written"), r.stderr
+    assert sorted(os.listdir(tmp_path)) in (["m.py"], ["__pycache__", "m.py"])
+
+
 # ========================================================================================== B12: signals at the edges
 
 def _env() -> dict:
