@@ -6,10 +6,8 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +21,8 @@ from .capture import capture
 from .errors import BudgetError, FxmemError
 from .files import write_text, writing
 from .program import Program, deep_copy
+from .staging import claim_scratch, release_scratch, remove_abandoned
+from .staging import remove_path as _remove_path
 
 SAVE_FORMAT = 1
 # a result holding quantized linears (their bitsandbytes state in weights.safetensors + the manifest's "quantized"):
@@ -237,7 +237,6 @@ RESULT_KIND = "fxmem-result"  # manifest.json's "kind": how fxmem recognises a d
 _LEGACY_RESULT_FILES = frozenset({"module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
                                   "report.md", "report.html", "report.json", "memory_timeline.png",
                                   "memory_timeline.svg"})
-_TMP_TAG = ".fxmem-tmp-"
 
 
 def save_result(result: TransformResult, path, *, overwrite: bool = False) -> Path:
@@ -265,11 +264,12 @@ class OutputDir:
     only files fxmem wrote; it must not be a file or a symbolic link, be or contain the current working directory,
     or contain one of `protect` (`(label, path)` pairs: the model file, the policy file). Missing parent directories
     are created, and a hidden scratch directory `.NAME.fxmem-tmp-*` beside the target (same file system, so the
-    final move is a rename) proves the place writable. `write` fills it and moves the result into place:
-    the swap with a previous result is atomic (an exchange where the system has one), and SIGINT/SIGTERM are held
-    back during it, so the target is always the old result or the new one. `discard` (also on leaving a `with`
-    block) removes the scratch directory and the parents this object created unless the result was written.
-    Errors are `FxmemError`s naming the path, one line each."""
+    final move is a rename) proves the place writable; the ones earlier runs to the same target left behind (killed
+    by SIGKILL, a crash) are removed first, never a live run's (`fxmem.staging`). `write` fills it and moves the
+    result into place: the swap with a previous result is atomic (an exchange where the system has one), and
+    SIGINT/SIGTERM are held back during it, so the target is always the old result or the new one. `discard` (also
+    on leaving a `with` block) removes the scratch directory and the parents this object created unless the result
+    was written. Errors are `FxmemError`s naming the path, one line each (a failed write names the file)."""
 
     def __init__(self, path, *, overwrite: bool = False, protect=()):
         self.given = os.fspath(path)
@@ -279,6 +279,7 @@ class OutputDir:
         self.staging: Path | None = None
         self._created: list[Path] = []  # parent directories made here (removed again if nothing is written)
         self._keep_staging = False  # it holds the previous result (a failed swap could not put it back)
+        self._claim: int | None = None  # the locked marker file of the scratch directory (see fxmem.staging)
         self.shown = self.given
         if not self.given.strip():
             raise FxmemError("--out: the output path is empty; nothing was written")
@@ -376,9 +377,9 @@ class OutputDir:
                 self.discard()
                 raise self._error(f"cannot create the directory {d}: {e.strerror or e}") from None
             self._created.append(d)
+        remove_abandoned(parent, name)  # what earlier runs to this output left (killed by SIGKILL, ...)
         try:
-            # a short prefix, so the name fits however long the target's is (NAME_MAX is 255 bytes on most systems)
-            self.staging = Path(tempfile.mkdtemp(prefix="." + name[:48] + _TMP_TAG, dir=parent))
+            self.staging, self._claim = claim_scratch(parent, name)
         except OSError as e:
             self.discard()
             raise self._error(f"cannot write in {parent}: {e.strerror or e}") from None
@@ -454,6 +455,9 @@ class OutputDir:
             if self.staging is not None and not self._keep_staging:
                 _remove_path(self.staging)
                 self.staging = None
+            if self._claim is not None:
+                release_scratch(self._claim, self.staging if self._keep_staging else None)
+                self._claim = None
             if not self.committed:
                 for d in reversed(self._created):
                     try:
@@ -580,21 +584,6 @@ def _require_plain(module: nn.Module) -> None:
                     raise FxmemError(f"cannot save {qual}: it is a {type(t).__module__}.{type(t).__qualname__}, "
                                      "which fxmem does not know how to store (only plain tensors and fxmem's "
                                      "quantized linears are saved)")
-
-
-def _remove_path(p: Path) -> None:
-    """Remove a file, a link (not what it points to) or a directory tree; a leftover is said, never silent."""
-    try:
-        if os.path.islink(p) or not os.path.isdir(p):
-            os.unlink(p)
-        else:
-            shutil.rmtree(p)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        import warnings
-        warnings.warn(f"fxmem: could not remove the scratch directory {p}: {e.strerror or e}", RuntimeWarning,
-                      stacklevel=2)
 
 
 @contextlib.contextmanager

@@ -582,7 +582,8 @@ def test_unusable_out_paths_fail_before_the_work(tmp_path, monkeypatch, capsys, 
 
     def read_only(*a, **k):
         raise OSError(30, "Read-only file system")
-    monkeypatch.setattr(api.tempfile, "mkdtemp", read_only)
+    from fxmem import staging
+    monkeypatch.setattr(staging.tempfile, "mkdtemp", read_only)
     code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", "deep/er/out")
     line = one_line(err)
     assert code == 2 and line.startswith("fxmem: error: deep/er/out") and "Read-only file system" in line
@@ -853,3 +854,98 @@ def test_an_interrupt_turned_into_something_else_is_still_an_interruption(tmp_pa
     code, _, err = run(capsys, "optimize", model, *FAST, "--out", tmp_path / "X")
     assert code == 130 and one_line(err) == "fxmem: interrupted; nothing was written"
     assert os.listdir(tmp_path) == ["m.py"]
+
+
+# ======================================================================================== B13: leftovers of killed runs
+
+_HOLD_SCRATCH = textwrap.dedent("""
+    import sys, time
+    from fxmem.api import OutputDir
+    out = OutputDir(sys.argv[1])  # a run to sys.argv[1] with its scratch directory, half written
+    (out.staging / "result").mkdir()
+    (out.staging / "result" / "weights.safetensors").write_bytes(b"partial")
+    print(out.staging, flush=True)
+    time.sleep(120)
+""")
+
+
+def _alike(parent: Path, name: str, marker: str | None) -> Path:
+    """A directory named like fxmem's scratch for `name`, holding `marker` as its marker file's text."""
+    d = parent / f".{name}.fxmem-tmp-{abs(hash(marker)) % 10 ** 6}"
+    d.mkdir()
+    (d / "data").write_text("someone's data")
+    if marker is not None:
+        (d / ".fxmem-staging").write_text(marker)
+    return d
+
+
+def test_scratch_left_by_a_killed_run_is_removed_by_the_next_run_and_only_that(tmp_path, capsys):
+    """SIGKILL leaves the scratch directory of a run beside --out. The next run to that output removes it, and only
+    what fxmem made (its name AND its marker naming that output) for a run that is over: never a live run's, in
+    another process or this one, nor a directory merely named alike, nor one whose marker names another output."""
+    out = tmp_path / "X"
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_SCRATCH, str(out)], env=_env(), stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        killed = Path(p.stdout.readline().strip())
+        assert killed.name.startswith(".X.fxmem-tmp-") and (killed / "result").is_dir()
+        named_alike = _alike(tmp_path, "X", None)
+        other_output = _alike(tmp_path, "X", json.dumps({"kind": "fxmem-staging", "output": "Y", "pid": 1}))
+        not_json = _alike(tmp_path, "X", "junk")
+        with api.OutputDir(out) as live:  # a second run while the first is alive: the first's scratch stays
+            assert killed.is_dir() and live.staging.is_dir()
+            p.kill()
+            p.wait(timeout=30)
+            assert killed.is_dir()  # nobody removes anything by itself
+            model = tmp_path / "m.py"
+            model.write_text(MODEL_HEAD)
+            code, _, err = run(capsys, "optimize", model, *FAST, "--out", out)
+            assert code == 0, err
+            assert not killed.exists(), "the killed run's scratch directory is still there"
+            assert live.staging.is_dir(), "a live run's scratch directory was removed"
+        for d in (named_alike, other_output, not_json):
+            assert (d / "data").read_text() == "someone's data"
+        assert sorted(os.listdir(tmp_path)) == sorted(["X", "m.py", named_alike.name, other_output.name,
+                                                       not_json.name] + (["__pycache__"] if (tmp_path / "__pycache__")
+                                                                         .exists() else []))
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_previous_result_in_a_leftover_scratch_directory_is_never_removed(tmp_path, result_dir, capsys,
+                                                                            monkeypatch):
+    """A scratch directory can hold the only copy of the previous result: when neither rename of a replacement can
+    be undone (the error says where it is), or when a run was killed between the two renames (systems without an
+    atomic exchange). Later runs never remove it; the second case is said."""
+    from fxmem.staging import claim_scratch, release_scratch
+    real_replace = os.replace
+    calls = []
+
+    def second_and_back_fail(a, b):
+        calls.append((a, b))
+        if len(calls) >= 2 and Path(b) == result_dir:  # the new result into place, then the previous one back
+            raise OSError(28, "No space left on device")
+        return real_replace(a, b)
+    monkeypatch.setattr(api, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "replace", second_and_back_fail)
+    code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
+    monkeypatch.undo()
+    assert code == 2 and "the previous result is in" in one_line(err), err
+    kept = Path(one_line(err).split("the previous result is in ")[1].split(";")[0])
+    assert (kept / "manifest.json").exists() and not result_dir.exists()
+    api.OutputDir(result_dir).discard()
+    assert (kept / "manifest.json").exists()
+    # killed between the renames: fxmem's marker, nobody holding its lock, the previous result inside, no target
+    shutil.rmtree(kept.parent)
+    other = tmp_path / "Y"
+    scratch, claim = claim_scratch(tmp_path, "Y")
+    release_scratch(claim)  # (what the system does when the process dies)
+    (scratch / "previous").mkdir()
+    (scratch / "previous" / "manifest.json").write_text("{}")
+    with pytest.warns(RuntimeWarning, match="holds the previous result of"):
+        api.OutputDir(other).discard()
+    assert (scratch / "previous" / "manifest.json").exists()
+    shutil.rmtree(scratch / "previous")  # once the output exists again, or without a previous result: removed
+    api.OutputDir(other).discard()
+    assert not scratch.exists()
