@@ -44,7 +44,7 @@ from .nn.recast import active_scope as recast_active, aside as recast_aside, cas
     group_of, installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from .nn.regions import names_op, region_info
 from .outline import region_boundary
-from .program import Program, deep_copy, module_path
+from .program import Program, buffers_kept, deep_copy, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
 
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (bnb's min_8bit_size)
@@ -555,7 +555,8 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None):
                   if not isinstance(t, torch._subclasses.FakeTensor)}.values())
     fake_mode = _SHARED_FAKES.mode_for(reals)
     try:
-        out = _trace_forward_in(fake_mode, program, flat, args, kwargs, mode, loss_fn)
+        with buffers_kept(gm):  # in-place ops on real buffers alone run for real under the fake mode
+            out = _trace_forward_in(fake_mode, program, flat, args, kwargs, mode, loss_fn)
     except BaseException:
         _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
         raise

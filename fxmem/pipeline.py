@@ -229,7 +229,7 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
     gm.train(training)
     buffers = None
     try:
-        with torch.random.fork_rng(devices=[]), buffers_kept(gm) if training else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=[]), buffers_kept(gm):
             torch.manual_seed(seed)
             if training or mode == "train" and want_grads:
                 out = gm(*args, **kwargs)
@@ -347,7 +347,8 @@ class PassManager:
             t0 = time.perf_counter()
             candidate = program.snapshot()
             try:
-                result = cls().run(candidate, ctx)
+                with buffers_kept(candidate.module):  # what a pass runs (calibration, guards) leaves them as given
+                    result = cls().run(candidate, ctx)
             except FxmemError:
                 raise
             except Exception as e:  # noqa: BLE001 - a pass bug must not lose the user's model

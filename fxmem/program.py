@@ -179,7 +179,7 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
     was_training = gm.training
     gm.train(mode == "train")
     try:
-        with fake_mode, grad_ctx:
+        with buffers_kept(gm), fake_mode, grad_ctx:
             _Prop(gm).run(*fake_inputs, enable_io_processing=False)
     finally:
         gm.train(was_training)
@@ -205,8 +205,10 @@ def as_list(x: Any) -> list:
 
 @contextlib.contextmanager
 def buffers_kept(*modules: torch.nn.Module):
-    """Running a module changes buffers (batch-norm statistics): their values are put back afterwards (each buffer
-    once, however many of `modules` share it)."""
+    """Running a module changes buffers (batch-norm statistics, step counters, EMAs), and so does tracing it under
+    FakeTensorMode (an in-place op whose inputs are all real tensors, `steps += 1`, runs for real there): their
+    values are put back afterwards (each buffer once, however many of `modules` share it; all of them: a kernel
+    that updates running statistics does not bump the version counter)."""
     saved, seen = [], set()
     for m in modules:
         for b in m.buffers():
