@@ -23,6 +23,7 @@ from .files import write_text, writing
 from .program import Program, deep_copy
 from .staging import claim_scratch, release_scratch, remove_abandoned
 from .staging import remove_path as _remove_path
+from .userstate import keeps_model_state
 
 SAVE_FORMAT = 1
 # a result holding quantized linears (their bitsandbytes state in weights.safetensors + the manifest's "quantized"):
@@ -52,6 +53,7 @@ class TransformResult:
         return save_result(self, path, overwrite=overwrite)
 
 
+@keeps_model_state
 def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any = "high", budget: Any = None,
               activation_budget: Any = None, calibration=None, loss_fn=None, measure: bool = False,
               strict: bool = False, overrides=(), log=None, model_file=None, **option_overrides) -> TransformResult:

@@ -29,6 +29,7 @@ from torch import fx
 from .depgroups import probe_nodes
 from .errors import FxmemError
 from .program import Program
+from .userstate import keeps_model_state
 
 __all__ = ["calibrate", "CalibrationStats", "LayerStats", "normalize_item"]
 
@@ -168,6 +169,7 @@ class _Watcher(fx.Interpreter):
         return out
 
 
+@keeps_model_state
 def calibrate(program: Program, data: Iterable, *, max_batches: int | None = 16, eps: float = 0.01,
               nodes: dict | None = None, progress: bool = True, stats: CalibrationStats | None = None) \
         -> CalibrationStats:

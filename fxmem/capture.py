@@ -34,6 +34,7 @@ from .guards import DimSpec, InputGuard, InputSpec
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
 from .nn.modes import ModeFlag, count_batch, tensor_at
 from .program import Program, SpecializedDim, buffers_kept, module_stack
+from .userstate import keeps_model_state, mode_set
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -85,6 +86,7 @@ def _mode_ops() -> tuple[dict, dict]:
 MODE_ARGS, _STATS_ARG = _mode_ops()
 
 
+@keeps_model_state
 def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mode: str = "train",
             dynamic: bool = True, dynamic_shapes: Any = None, check: bool = True) -> Program:
     """Capture `model(*args, **kwargs)` as a Program.
@@ -128,17 +130,13 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
 def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shapes, functions: _FunctionCalls,
                     notes: list[str]):
     """Export `model` in `mode`: with dynamic dims when asked (static shapes, with a note, when that fails)."""
-    was_training = model.training
-    model.train(mode == "train")
-    try:
+    with mode_set(model, mode == "train"):
         if dynamic and dynamic_shapes is None:
             try:
                 return _export(model, args, kwargs, _auto_dynamic_shapes(model, args, kwargs), functions)
             except CaptureError as e:
                 notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {e}")
         return _export(model, args, kwargs, dynamic_shapes, functions)
-    finally:
-        model.train(was_training)
 
 
 # --------------------------------------------------------------------------------------------- export helpers
@@ -510,7 +508,7 @@ def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bo
     _copy_buffer_persistence(model, gm)
     _replace_guards(gm, specs)
     if switchable:
-        _make_mode_switchable(gm)
+        _make_mode_switchable(gm, training=mode == "train")
     gm.graph.lint()
     gm.recompile()
     gm.train(mode == "train")
@@ -559,12 +557,15 @@ def _replace_guards(gm: torch.fx.GraphModule, specs: list[InputSpec]) -> None:
         gm.graph.call_module("input_guard", tuple(placeholders))
 
 
-def _make_mode_switchable(gm: torch.fx.GraphModule) -> None:
-    """Route literal train flags of dropout/batch-norm (every op in MODE_ARGS) to the module's `training` flag."""
+def _make_mode_switchable(gm: torch.fx.GraphModule, training: bool) -> None:
+    """Route literal train flags of dropout/batch-norm (every op in MODE_ARGS) that hold the capture mode
+    (`training`) to the module's `training` flag. A flag holding the other value stays literal: it comes from a
+    submodule the user left in the other mode (a batch norm frozen in eval inside a training model), which
+    `model.train()` / `model.eval()` of the whole model never reached either."""
     users = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MODE_ARGS
-             and _has_running_stats(n)]
+             and _has_running_stats(n) and _captured_flag(n) is training]
     bn_counters = [n for n in gm.graph.nodes
-                   if n.op == "call_function" and n.target == torch.ops.aten.add_.Tensor
+                   if training and n.op == "call_function" and n.target == torch.ops.aten.add_.Tensor
                    and n.args[0].op == "get_attr" and str(n.args[0].target).endswith("num_batches_tracked")]
     if not users and not bn_counters:
         return
@@ -618,6 +619,17 @@ def _has_running_stats(n: torch.fx.Node) -> bool:
     return v is not None
 
 
+def _captured_flag(n: torch.fx.Node):
+    """The train flag export wrote for `n` (the schema's default where it left the flag out)."""
+    i = MODE_ARGS[n.target]
+    arg = n.target._schema.arguments[i]
+    if i < len(n.args):
+        return n.args[i]
+    if arg.name in n.kwargs:
+        return n.kwargs[arg.name]
+    return arg.default_value if arg.has_default_value() else None
+
+
 def _set_flag_arg(n: torch.fx.Node, i: int, flag: torch.fx.Node) -> None:
     """Set argument i (the train flag) of n to `flag`, positionally or by keyword as export wrote it. An eval
     capture may omit a flag whose default is False (rrelu): the missing positions are filled with the defaults."""
@@ -668,16 +680,12 @@ def _mode_difference(gm: nn.Module, model: nn.Module, args, kwargs, mode: str, *
 
 def _seeded_call(module: nn.Module, mode: str, args, kwargs) -> tuple[Any, dict]:
     """Outputs and buffers of one no-grad call in `mode` with seed 1234; the buffers, mode and RNG are put back."""
-    was = module.training
-    module.train(mode == "train")
-    try:
-        with buffers_kept(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1234)
-            out = module(*args, **kwargs)
-            out = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
-            after = {name: b.detach().clone() for name, b in module.named_buffers()}
-    finally:
-        module.train(was)
+    with mode_set(module, mode == "train"), buffers_kept(module), torch.no_grad(), \
+            torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        out = module(*args, **kwargs)
+        out = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
+        after = {name: b.detach().clone() for name, b in module.named_buffers()}
     return out, after
 
 
@@ -794,10 +802,8 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
     gparams = dict(gm.named_parameters())
     params = [(n, p, gparams[n]) for n, p in model.named_parameters() if p.requires_grad and n in gparams]
     used = f"the model uses {functions.describe()}"
-    was = model.training
     try:
-        with buffers_kept(model, gm):
-            model.train(mode == "train")
+        with buffers_kept(model, gm), mode_set(model, mode == "train"):
             gm.train(mode == "train")
             try:
                 ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=True)
@@ -820,7 +826,6 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
             except Exception as e:  # noqa: BLE001 - reported in the CaptureError below
                 got = e
     finally:
-        model.train(was)
         gm.train(mode == "train")
 
     diff = None
@@ -872,14 +877,15 @@ class _Grads:
 
 
 def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -> _Grads:
-    """One forward with a fixed RNG seed, then a backward of fixed random cotangents."""
+    """One forward with a fixed RNG seed from the buffers as they are (put back after it: the model and the
+    captured module share them), then a backward of fixed random cotangents."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     idx = [i for i, x in enumerate(flat) if inputs and isinstance(x, torch.Tensor) and x.is_floating_point()]
     flat = list(flat)
     for i in idx:
         flat[i] = flat[i].detach().clone().requires_grad_(True)
     a, k = pytree.tree_unflatten(flat, spec)
-    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]), buffers_kept(module):
         torch.manual_seed(1234)
         out = module(*a, **k)
     leaves = pytree.tree_leaves(out)

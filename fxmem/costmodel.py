@@ -46,6 +46,7 @@ from .nn.regions import names_op, region_info
 from .outline import region_boundary
 from .program import Program, buffers_kept, deep_copy, module_path
 from .step import OPTIMIZERS, compute_loss, make_torch_optimizer
+from .userstate import keeps_model_state
 
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (bnb's min_8bit_size)
 BNB_MIN_8BIT_SIZE = 4096
@@ -93,6 +94,7 @@ class MemoryEstimate:
 
 # ============================================================================================ entry points
 
+@keeps_model_state
 def estimate(model_or_program, args=(), kwargs=None, *, mode: str | None = None, optimizer: str = "adamw",
              method: str = "static", world_size: int = 1, zero_stage: int = 0, loss_fn=None,
              device: str | None = None) -> MemoryEstimate:
@@ -2035,6 +2037,7 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
 
 # ============================================================================================ batch planning
 
+@keeps_model_state
 def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str | None = None,
                optimizer: str = "adamw", loss_fn=None, batch_dim: int = 0, device: str = "cpu",
                context_bytes: int | None = None, fragmentation: float | None = None, max_batch: int = 1 << 16,

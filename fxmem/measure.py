@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .step import make_torch_optimizer, training_step
+from .userstate import keeps_model_state, mode_set
 
 
 @dataclass
@@ -321,24 +322,23 @@ class _nullcontext:
         return False
 
 
+@keeps_model_state(parameter_values=True)
 def measure(model, args=(), kwargs=None, *, mode: str = "train", optimizer: str = "adamw", loss_fn=None,
             steps: int = 2) -> MemoryProfile:
     """Measure one steady-state step of `model` on its device (the last of `steps`).
 
-    Runs real steps, so it changes the model's parameters (it trains) — pass a copy to keep the original.
-    A Program or a GraphModule from fxmem is measured the same way as the user's module.
+    Runs real steps (optimizer steps included); the model comes back as it was given (parameter values, `.grad`,
+    buffers, modes, RNG state: `fxmem.userstate`), so measuring needs no copy of it; its trainable parameters are
+    copied aside while it runs (outside the measured bytes). A Program or a GraphModule from fxmem is measured the
+    same way as the user's module.
     """
     from .program import Program
     if isinstance(model, Program):
         model = model.module
     args, kwargs = _as_call(args, kwargs)
-    was = model.training
-    model.train(mode == "train")
-    try:
+    with mode_set(model, mode == "train"):
         return run_profiled_step(model, args, kwargs, mode=mode, optimizer_name=optimizer, loss_fn=loss_fn,
                                  steps=steps)
-    finally:
-        model.train(was)
 
 
 def saved_bytes(model, args=(), kwargs=None) -> int:
@@ -349,6 +349,7 @@ def saved_bytes(model, args=(), kwargs=None) -> int:
     return sum(t.untyped_storage().nbytes() for t in saved_tensors(model, args, kwargs))
 
 
+@keeps_model_state
 def saved_tensors(model, args=(), kwargs=None) -> list:
     """One saved tensor per storage `saved_bytes` counts (the first saved view of it), for callers that tell them
     apart (benchmarks/compile_saved_breakdown.py: inductor's weight-layout copies).
@@ -370,8 +371,7 @@ def saved_tensors(model, args=(), kwargs=None) -> list:
             seen.setdefault(st.data_ptr(), t.detach())
         return t
 
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with mode_set(model, True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             observing(lambda ts: [pack(t) for t in ts]):
         out = model(*args, **(kwargs or {}))
     del out

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .errors import FxmemError, LossFnError, ModelFileError
+from .userstate import mode_set, model_state_kept
 
 
 @dataclass
@@ -189,19 +190,13 @@ def check_inputs(mf: ModelFile, mode: str | None = None) -> None:
     """Run the model once on its example inputs (eval mode), so a rejection is reported as the user's error. With
     mode="train" the run has autograd on, and its loss must be one a training step can take back to the parameters
     (`step.require_trainable_loss`). Buffers, the RNG state and the mode are left as they were."""
-    from .program import buffers_kept
     from .step import require_trainable_loss
     train = mode == "train"
-    was = mf.model.training
-    try:
-        with torch.set_grad_enabled(train), torch.random.fork_rng(devices=[]), buffers_kept(mf.model):
-            mf.model.eval()
-            try:
-                out = mf.model(*mf.args, **mf.kwargs)
-            except Exception as e:  # noqa: BLE001
-                raise ModelFileError(f"{mf.path}: the model rejects example_inputs(): {type(e).__name__}: "
-                                     f"{_first_line(e)}") from e
-            if train:
-                require_trainable_loss(mf.model, out, mf.args, mf.kwargs, mf.loss_fn, str(mf.path))
-    finally:
-        mf.model.train(was)
+    with model_state_kept(mf.model), mode_set(mf.model, False), torch.set_grad_enabled(train):
+        try:
+            out = mf.model(*mf.args, **mf.kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise ModelFileError(f"{mf.path}: the model rejects example_inputs(): {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
+        if train:
+            require_trainable_loss(mf.model, out, mf.args, mf.kwargs, mf.loss_fn, str(mf.path))
