@@ -583,15 +583,17 @@ def _make_mode_switchable(gm: torch.fx.GraphModule, training: bool) -> None:
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
-    _count_eval_batch_norms(gm, flag, counted)
+    _count_eval_batch_norms(gm, flag, counted, routed=set(users))
 
 
-def _count_eval_batch_norms(gm: torch.fx.GraphModule, flag: torch.fx.Node, counted: set[str]) -> None:
+def _count_eval_batch_norms(gm: torch.fx.GraphModule, flag: torch.fx.Node, counted: set[str],
+                            routed: set[torch.fx.Node]) -> None:
     """A batch norm captured in eval mode has no `num_batches_tracked += 1` (nn.BatchNorm adds it in training
-    only): give it the counter, so `.train()` counts batches as the model does."""
+    only): give it the counter, so `.train()` counts batches as the model does. Only batch norms whose train flag
+    follows the mode (`routed`): one the user froze in eval keeps its literal flag and counts nothing."""
     attrs = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in _STATS_ARG or "batch_norm" not in n.target.name():
+        if n not in routed or n.target not in _STATS_ARG or "batch_norm" not in n.target.name():
             continue
         stats = n.args[_STATS_ARG[n.target]] if _STATS_ARG[n.target] < len(n.args) else None
         if not isinstance(stats, torch.fx.Node) or stats.op != "get_attr" or \
