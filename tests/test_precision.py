@@ -315,16 +315,7 @@ def test_qlora_trains_only_adapters():
     assert loras and all(isinstance(m.base, QuantLinear) and m.base.kind == "nf4" for m in loras)
     trainable = [n for n, p in gm.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    gm.train()
-    opt = make_optimizer(gm, "adamw", lr=1e-2)
-    losses = []
-    torch.manual_seed(0)
-    for _ in range(12):
-        loss = ex.loss_fn(gm(*prog.example_args), prog.example_args)
-        losses.append(float(loss))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    losses = _adamw_losses(gm, ex.loss_fn, prog, steps=12)
     assert losses[-1] < losses[0] - 0.2, losses
     assert res.metrics["lora_params"] == sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n)
 
@@ -352,16 +343,7 @@ def test_qlora_adapters_stay_on_sites_whose_nf4_the_guard_reverted():
     gm.eval()
     with torch.no_grad():
         assert torch.equal(_call(prog, gm), _call(prog, copy.deepcopy(prog.module).eval()))
-    gm.train()
-    opt = make_optimizer(gm, "adamw", lr=1e-2)
-    losses = []
-    torch.manual_seed(0)
-    for _ in range(8):
-        loss = ex.loss_fn(gm(*prog.example_args), prog.example_args)
-        losses.append(float(loss))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    losses = _adamw_losses(gm, ex.loss_fn, prog, steps=8)
     assert losses[-1] < losses[0] - 0.2, losses
 
 
@@ -625,3 +607,18 @@ def test_recast_module_under_torch_compile_has_no_graph_breaks():
     for k in r:
         torch.testing.assert_close(g[k], r[k], atol=5e-3, rtol=5e-2, msg=k)
     torch._dynamo.reset()
+
+
+def _adamw_losses(gm, loss_fn, prog, steps: int) -> list[float]:
+    """The losses of `steps` seeded AdamW training steps of `gm` on the program's example inputs."""
+    gm.train()
+    opt = make_optimizer(gm, "adamw", lr=1e-2)
+    losses = []
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss = loss_fn(gm(*prog.example_args), prog.example_args)
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
