@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOWRANK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def sdpa_dropout(q, k, v, attn_mask, dropout_p: float, training: bool, is_causal: bool, scale, enable_gqa: bool):
@@ -255,7 +255,7 @@ class SemiseparableAttention(nn.Module):
             qpos = torch.arange(nq * b, device=q.device).reshape(nq, b)
             s = s.masked_fill(kpos[:, None, :] > qpos[:, :, None], float("-inf"))
         # ---- low-rank: per-block states of phi(k) v and phi(k), outside the band
-        dt = _DTYPES[self.lowrank_dtype]
+        dt = LOWRANK_DTYPES[self.lowrank_dtype]
         levels = [(self.features, None, 2)]  # (features, ring distance, far-field start distance)
         if self.hierarchical:
             levels = [(self.features_near, 2, 2), (self.features, 3, None)]

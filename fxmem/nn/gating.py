@@ -59,6 +59,7 @@ class GatedResidual(nn.Module):
             self.gate[2].bias.fill_(float(init_bias))
         self.x_index = int(x_index)
         self.features = int(features)
+        self.reduction = int(reduction)  # (the gate's hidden width is features // reduction)
         self.feature_dim = int(feature_dim)
         self.threshold = float(threshold)
         self.per_sample = bool(per_sample)

@@ -13,8 +13,9 @@ double quantization) built from an fp32 weight. It exists so that
 - a saved result keeps it exactly (`fxmem.load`): `quantized_state()` gives the weight and its quantization state
   as tensors named as in the state_dict (bitsandbytes' own format: the int8 weight and `SCB`; the packed 4-bit
   weight and `QuantState.as_dict(packed=True)`, whose non-tensor fields are JSON in a uint8 tensor) plus JSON
-  fields, `without_quantized_state()` takes them out while the module structure is pickled, and
-  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`);
+  fields, `without_quantized_state()` takes them out while the module structure is described, and
+  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`)
+  in an empty layer (`QuantLinear.for_loading`);
 - a 4-bit weight keeps one layout in every mode. `Linear4bit.forward` re-lays the weight out for its CPU inference
   kernel on an eval-mode CPU call whose input needs no grad (`packing_format_for_cpu`, bitsandbytes 0.50): that
   kernel computes in bf16 and records no autograd, so later training-mode calls give no input gradient. The 4-bit matmul is
@@ -63,24 +64,17 @@ class QuantLinear(nn.Module):
             raise ValueError(f"QuantLinear kind must be one of {QUANT_KINDS}, got {kind!r}")
         if weight.dim() != 2:
             raise ValueError(f"QuantLinear needs a 2-D weight, got shape {tuple(weight.shape)}")
-        bnb = _bnb()
         out_f, in_f = weight.shape
-        self.kind = kind
-        self.in_features, self.out_features = int(in_f), int(out_f)
-        self.compute_dtype = compute_dtype
-        self.threshold = float(threshold)
-        self.double_quant = bool(double_quant)
+        self._set_shape(kind, int(in_f), int(out_f), threshold, double_quant, compute_dtype)
+        inner = self._empty_inner()
         device = weight.device
         w = weight.detach().to(torch.float32).clone()
+        bnb = _bnb()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kind == "int8":
-                inner = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False,
-                                            threshold=threshold, device="meta")
                 inner.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             else:
-                inner = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=compute_dtype,
-                                          compress_statistics=double_quant, quant_type=kind, device="meta")
                 inner.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant,
                                                  quant_type=kind)
             inner = inner.to(device)  # quantizes
@@ -92,6 +86,43 @@ class QuantLinear(nn.Module):
         self._keep_standard_layout()
         with torch.no_grad():  # bitsandbytes caches state on the first call (int8): make that call a real one
             self(torch.zeros(1, in_f, dtype=compute_dtype, device=device))
+
+    @classmethod
+    def for_loading(cls, in_features: int, out_features: int, kind: str = "int8", *, threshold: float = 6.0,
+                    double_quant: bool = True, compute_dtype: torch.dtype = torch.float32,
+                    bias: bool = False) -> "QuantLinear":
+        """A layer of this shape with no weight yet, for a saved result (`fxmem.load`): `load_quantized_state` gives
+        it its bitsandbytes weight, the loader its bias (a meta placeholder until then)."""
+        if kind not in QUANT_KINDS:
+            raise ValueError(f"QuantLinear kind must be one of {QUANT_KINDS}, got {kind!r}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._set_shape(kind, int(in_features), int(out_features), threshold, double_quant, compute_dtype)
+        self.inner = self._empty_inner()
+        self.inner._parameters["weight"] = None
+        self.bias = (nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False) if bias
+                     else None)
+        return self
+
+    def _set_shape(self, kind: str, in_features: int, out_features: int, threshold: float, double_quant: bool,
+                   compute_dtype: torch.dtype) -> None:
+        self.kind = kind
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.threshold = float(threshold)
+        self.double_quant = bool(double_quant)
+
+    def _empty_inner(self) -> nn.Module:
+        """The bitsandbytes layer for this kind and shape, its weight still on the meta device."""
+        bnb = _bnb()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if self.kind == "int8":
+                return bnb.nn.Linear8bitLt(self.in_features, self.out_features, bias=False, has_fp16_weights=False,
+                                           threshold=self.threshold, device="meta")
+            return bnb.nn.Linear4bit(self.in_features, self.out_features, bias=False,
+                                     compute_dtype=self.compute_dtype, compress_statistics=self.double_quant,
+                                     quant_type=self.kind, device="meta")
 
     # ---------------------------------------------------------------------------------------- bookkeeping
     def aux_tensors(self) -> dict[str, torch.Tensor]:
@@ -198,7 +229,8 @@ class QuantLinear(nn.Module):
     @contextlib.contextmanager
     def without_quantized_state(self):
         """Within: the bitsandbytes weight (None), its quantization state and the aux buffers are taken out of the
-        module, so pickling it stores the structure only (`quantized_state()` has the data); put back on exit."""
+        module, so describing (or pickling) it stores the structure only (`quantized_state()` has the data); put
+        back on exit."""
         inner = self.inner
         weight = inner._parameters.get("weight")
         aux = {n: t for n, t in self._buffers.items() if n.startswith(self._AUX_PREFIXES)}

@@ -1,0 +1,287 @@
+"""fxmem's runtime modules in a saved result: each class's configuration as JSON, and how loading rebuilds it.
+
+    kind = kind_of(module)                                  # saving: None for a class not listed here
+    data = kind.config(module)                              # JSON: the constructor's arguments
+    module = KINDS[name].build(Config(data, where), children, runtimes)   # loading; ConfigError names the key
+
+`children` are the submodules the result describes (built first: a region's body, a LoRA layer's base); `built`
+names the submodules a class makes itself (a gate's layers, bitsandbytes' inner layer), which are not described.
+Parameters and buffers are not part of a configuration: the loader puts every one in place from the weights file
+afterwards (`fxmem.structure`). These classes, plain containers and GraphModules are all a result may hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .graphdata import DTYPES
+from .guards import DimSpec, InputGuard, InputSpec
+from .nn.attention import LOWRANK_DTYPES, HybridAttention, SemiseparableAttention
+from .nn.checkpoint import CheckpointRegion
+from .nn.gating import GatedResidual
+from .nn.lowbit import QUANT_KINDS, LoRALinear, QuantLinear
+from .nn.modes import ModeFlag
+from .nn.offload import TIERS, OffloadRegion, OffloadRuntime
+
+
+class ConfigError(ValueError):
+    """A configuration that does not describe a module of its class (the message names the key)."""
+
+
+class Config:
+    """A module's configuration as read from a result: typed access, unknown keys refused."""
+
+    def __init__(self, data, where: str):
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: config must be an object")
+        self.data, self.where, self.read = data, where, set()
+
+    def get(self, key: str, kind, *, optional: bool = False):
+        """The value of `key`, of type `kind` (a type or a tuple; float accepts int; None only if optional)."""
+        self.read.add(key)
+        if key not in self.data:
+            if optional:
+                return None
+            raise ConfigError(f"{self.where}: config has no {key!r}")
+        v = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if v is None and optional:
+            return None
+        ok = any(isinstance(v, k) and not (isinstance(v, bool) and k is not bool) for k in kinds) or \
+            (float in kinds and isinstance(v, int) and not isinstance(v, bool))
+        if not ok:
+            raise ConfigError(f"{self.where}: config {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                              f"got {type(v).__name__}")
+        return float(v) if float in kinds and isinstance(v, int) and int not in kinds else v
+
+    def choice(self, key: str, allowed) -> str:
+        v = self.get(key, str)
+        if v not in allowed:
+            raise ConfigError(f"{self.where}: config {key!r} must be one of {', '.join(allowed)}, got {v!r}")
+        return v
+
+    def ints(self, key: str) -> tuple[int, ...]:
+        v = self.get(key, list)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ConfigError(f"{self.where}: config {key!r} must be a list of integers")
+        return tuple(v)
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        v = self.get(key, list)
+        if not all(isinstance(x, str) for x in v):
+            raise ConfigError(f"{self.where}: config {key!r} must be a list of strings")
+        return tuple(v)
+
+    def done(self) -> None:
+        extra = sorted(set(self.data) - self.read)
+        if extra:
+            raise ConfigError(f"{self.where}: config has unknown keys {', '.join(map(repr, extra))}")
+
+
+@dataclass(frozen=True)
+class ModuleKind:
+    name: str  # as saved: the class's module and name
+    cls: type
+    config: Callable[[nn.Module], dict]
+    build: Callable  # (Config, children: dict[str, nn.Module], runtimes: dict[int, OffloadRuntime]) -> module
+    children: tuple[str, ...] = ()  # described submodules the builder takes
+    built: tuple[str, ...] = ()  # submodules the class makes itself
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(cfg: Config, key: str) -> torch.dtype:
+    name = cfg.get(key, str)
+    if name not in DTYPES:
+        raise ConfigError(f"{cfg.where}: config {key!r} is not a torch dtype: {name[:40]!r}")
+    return DTYPES[name]
+
+
+# ============================================================================================ per class
+
+def _guard_config(m: InputGuard) -> dict:
+    return {"specs": [{"name": s.name, "dtype": s.dtype,
+                       "dims": None if s.dims is None else [[d.static, d.symbol, d.lower, d.upper] for d in s.dims]}
+                      for s in m.specs]}
+
+
+def _guard_build(cfg: Config, children, runtimes) -> InputGuard:
+    specs = []
+    for s in cfg.get("specs", list):
+        if not isinstance(s, dict) or set(s) != {"name", "dtype", "dims"} or not isinstance(s["name"], str) or \
+                not isinstance(s["dtype"], (str, type(None))) or not isinstance(s["dims"], (list, type(None))):
+            raise ConfigError(f"{cfg.where}: each input spec is an object with name, dtype and dims")
+        dims = None
+        if s["dims"] is not None:
+            dims = tuple(_dim_spec(d, cfg.where) for d in s["dims"])
+        specs.append(InputSpec(s["name"], dims, s["dtype"]))
+    return InputGuard(specs)
+
+
+def _dim_spec(d, where: str) -> DimSpec:
+    def opt_int(x):
+        return x is None or (isinstance(x, int) and not isinstance(x, bool))
+    if not (isinstance(d, list) and len(d) == 4 and opt_int(d[0]) and isinstance(d[1], (str, type(None)))
+            and opt_int(d[2]) and opt_int(d[3])):
+        raise ConfigError(f"{where}: a dim spec is [static size, symbol, lower, upper]")
+    return DimSpec(*d)
+
+
+def _checkpoint_config(m: CheckpointRegion) -> dict:
+    return {"keep_ops": sorted(m.keep_ops), "label": m.label, "restore_args": list(m.restore_args)}
+
+
+def _checkpoint_build(cfg: Config, children, runtimes) -> CheckpointRegion:
+    return CheckpointRegion(children["body"], cfg.strings("keep_ops"), label=cfg.get("label", str),
+                            restore_args=cfg.ints("restore_args"))
+
+
+def _offload_config(m: OffloadRegion) -> dict:
+    rt, info = m.runtime, m.fxmem_region
+    model_body = None
+    if info.kind == "recompute":  # around a checkpoint region: the cost model runs that region's body
+        model_body = next((p for p, sub in m.named_modules() if sub is info.body and p), None)
+        if model_body is None:
+            raise ValueError("its modelled body is not one of its submodules")
+    # (not its scratch directory: a path of the saving machine; the loading one uses its temp dir)
+    return {"runtime": {"id": id(rt), "tier": rt.tier, "prefetch": rt.prefetch, "min_bytes": rt.min_bytes,
+                        "unlink_early": bool(rt.unlink_early)},
+            "index": m.index, "last": m.last, "param_args": list(m.param_args), "inputs_too": m.inputs_too,
+            "label": m.label, "model_body": model_body, "keep_ops": sorted(info.keep_ops)}
+
+
+def _offload_build(cfg: Config, children, runtimes) -> OffloadRegion:
+    body = children["body"]
+    rt_cfg = Config(cfg.get("runtime", dict), cfg.where + " runtime")
+    key = rt_cfg.get("id", int)
+    args = (rt_cfg.choice("tier", TIERS), rt_cfg.get("prefetch", int), rt_cfg.get("min_bytes", int))
+    unlink_early = rt_cfg.get("unlink_early", bool)
+    rt_cfg.done()
+    if args[1] < 0 or args[2] < 0:
+        raise ConfigError(f"{cfg.where}: runtime prefetch and min_bytes must be >= 0")
+    runtime = runtimes.get(key)
+    if runtime is None:
+        runtime = runtimes[key] = OffloadRuntime(*args, unlink_early=unlink_early)
+    elif (runtime.tier, runtime.prefetch, runtime.min_bytes, runtime.unlink_early) != args + (unlink_early,):
+        raise ConfigError(f"{cfg.where}: runtime {key} is configured differently by another region")
+    path = cfg.get("model_body", str, optional=True)
+    model_body = None
+    if path is not None:
+        head, _, rest = path.partition(".")
+        if head != "body":
+            raise ConfigError(f"{cfg.where}: model_body must be a submodule of body, got {path!r}")
+        try:
+            model_body = body.get_submodule(rest) if rest else body
+        except AttributeError:
+            raise ConfigError(f"{cfg.where}: model_body {path!r} is not a submodule") from None
+    return OffloadRegion(body, runtime, index=cfg.get("index", int), last=cfg.get("last", bool),
+                         param_args=cfg.ints("param_args"), inputs_too=cfg.get("inputs_too", bool),
+                         label=cfg.get("label", str), model_body=model_body,
+                         keep_ops=frozenset(cfg.strings("keep_ops")))
+
+
+def _quant_config(m: QuantLinear) -> dict:
+    return {"kind": m.kind, "in_features": m.in_features, "out_features": m.out_features,
+            "compute_dtype": _dtype_name(m.compute_dtype), "threshold": m.threshold, "double_quant": m.double_quant,
+            "bias": m.bias is not None}
+
+
+def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
+    kind = cfg.choice("kind", QUANT_KINDS)
+    shape = (cfg.get("in_features", int), cfg.get("out_features", int))
+    if min(shape) < 1:
+        raise ConfigError(f"{cfg.where}: in_features and out_features must be positive")
+    return QuantLinear.for_loading(*shape, kind, threshold=cfg.get("threshold", float),
+                                   double_quant=cfg.get("double_quant", bool),
+                                   compute_dtype=_dtype(cfg, "compute_dtype"), bias=cfg.get("bias", bool))
+
+
+def _lora_config(m: LoRALinear) -> dict:
+    p = m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0
+    return {"in_features": int(m.lora_A.shape[1]), "out_features": int(m.lora_B.shape[0]), "rank": m.rank,
+            "alpha": m.alpha, "dropout": float(p)}
+
+
+def _lora_build(cfg: Config, children, runtimes) -> LoRALinear:
+    p = cfg.get("dropout", float)
+    if not 0 <= p < 1:
+        raise ConfigError(f"{cfg.where}: dropout must be in [0, 1)")
+    return LoRALinear(children["base"], cfg.get("in_features", int), cfg.get("out_features", int),
+                      rank=cfg.get("rank", int), alpha=cfg.get("alpha", float), dropout=p)
+
+
+def _gated_config(m: GatedResidual) -> dict:
+    return {"x_index": m.x_index, "features": m.features, "feature_dim": m.feature_dim, "reduction": m.reduction,
+            "threshold": m.threshold, "per_sample": m.per_sample, "row_safe": m.row_safe, "label": m.label,
+            "force_open": bool(m.force_open)}
+
+
+def _gated_build(cfg: Config, children, runtimes) -> GatedResidual:
+    features, reduction = cfg.get("features", int), cfg.get("reduction", int)
+    if features < 1 or reduction < 1:
+        raise ConfigError(f"{cfg.where}: features and reduction must be positive")
+    m = GatedResidual(children["body"], cfg.get("x_index", int), features, feature_dim=cfg.get("feature_dim", int),
+                      reduction=reduction, threshold=cfg.get("threshold", float),
+                      per_sample=cfg.get("per_sample", bool), label=cfg.get("label", str),
+                      row_safe=cfg.get("row_safe", bool))
+    m.force_open = cfg.get("force_open", bool)
+    return m
+
+
+def _hybrid_config(m: HybridAttention) -> dict:
+    return {"scale": m.scale, "causal": m.causal, "top_k": m.top_k, "chunk_size": m.chunk_size, "heads": m.heads,
+            "rank": m.rank, "in_features": None if m.q_proj is None else int(m.q_proj.in_features)}
+
+
+def _hybrid_build(cfg: Config, children, runtimes) -> HybridAttention:
+    m = HybridAttention(cfg.get("scale", float), cfg.get("causal", bool), cfg.get("top_k", int),
+                        cfg.get("chunk_size", int))
+    heads, rank, d = cfg.get("heads", int), cfg.get("rank", int), cfg.get("in_features", int, optional=True)
+    if d is not None:
+        if min(heads, rank, d) < 1:
+            raise ConfigError(f"{cfg.where}: heads, rank and in_features must be positive")
+        m.q_proj, m.k_proj = nn.Linear(d, heads * rank), nn.Linear(d, heads * rank)
+        m.heads, m.rank = heads, rank
+    return m
+
+
+def _semisep_config(m: SemiseparableAttention) -> dict:
+    return {"scale": m.scale, "causal": m.causal, "rank": m.rank, "band": m.band, "hierarchical": m.hierarchical,
+            "lowrank_dtype": m.lowrank_dtype, "head_dim": int(m.features.shape[-1])}
+
+
+def _semisep_build(cfg: Config, children, runtimes) -> SemiseparableAttention:
+    rank, head_dim = cfg.get("rank", int), cfg.get("head_dim", int)
+    if min(rank, head_dim) < 1:
+        raise ConfigError(f"{cfg.where}: rank and head_dim must be positive")
+    return SemiseparableAttention(cfg.get("scale", float), cfg.get("causal", bool), rank=rank,
+                                  band=cfg.get("band", int), hierarchical=cfg.get("hierarchical", bool),
+                                  lowrank_dtype=cfg.choice("lowrank_dtype", tuple(LOWRANK_DTYPES)),
+                                  head_dim=head_dim)
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+KINDS: dict[str, ModuleKind] = {k.name: k for k in (
+    ModuleKind(_name(ModeFlag), ModeFlag, lambda m: {}, lambda cfg, children, runtimes: ModeFlag()),
+    ModuleKind(_name(InputGuard), InputGuard, _guard_config, _guard_build),
+    ModuleKind(_name(CheckpointRegion), CheckpointRegion, _checkpoint_config, _checkpoint_build, ("body",)),
+    ModuleKind(_name(OffloadRegion), OffloadRegion, _offload_config, _offload_build, ("body",)),
+    ModuleKind(_name(QuantLinear), QuantLinear, _quant_config, _quant_build, (), ("inner",)),
+    ModuleKind(_name(LoRALinear), LoRALinear, _lora_config, _lora_build, ("base",), ("dropout",)),
+    ModuleKind(_name(GatedResidual), GatedResidual, _gated_config, _gated_build, ("body",), ("gate",)),
+    ModuleKind(_name(HybridAttention), HybridAttention, _hybrid_config, _hybrid_build, (), ("q_proj", "k_proj")),
+    ModuleKind(_name(SemiseparableAttention), SemiseparableAttention, _semisep_config, _semisep_build),
+)}
+_BY_CLASS = {k.cls: k for k in KINDS.values()}
+
+
+def kind_of(module: nn.Module) -> ModuleKind | None:
+    return _BY_CLASS.get(type(module))
