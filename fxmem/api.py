@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import signal
@@ -21,15 +20,10 @@ from .capture import capture
 from .errors import BudgetError, FxmemError
 from .files import write_text, writing
 from .program import Program, deep_copy
+from .resultdir import RESULT_KIND
 from .staging import claim_scratch, release_scratch, remove_abandoned
 from .staging import remove_path as _remove_path
 from .userstate import keeps_model_state
-
-SAVE_FORMAT = 1
-# a result holding quantized linears (their bitsandbytes state in weights.safetensors + the manifest's "quantized"):
-# a format of its own, so an fxmem that predates it refuses it rather than load a module without those weights
-SAVE_FORMAT_QUANTIZED = 2
-READ_FORMATS = (SAVE_FORMAT, SAVE_FORMAT_QUANTIZED)
 
 
 @dataclass
@@ -182,12 +176,9 @@ def _measure(program: Program, pol, loss_fn):
 
 def _full_code(gm: nn.Module) -> str:
     """The generated code of a GraphModule and of every GraphModule inside it, readable."""
-    parts = []
-    for name, mod in [("", gm)] + list(gm.named_modules())[1:]:
-        if isinstance(mod, fx.GraphModule):
-            title = f"# ---- {type(gm).__name__}" + (f".{name}" if name else "") + " ----"
-            parts.append(title + "\n" + mod.code.strip() + "\n")
-    return "\n".join(parts)
+    from .structure import format_code
+    return format_code(type(gm).__name__, [(name, mod.code) for name, mod in [("", gm)] + list(gm.named_modules())[1:]
+                                           if isinstance(mod, fx.GraphModule)])
 
 
 # ============================================================================================ save / load
@@ -221,20 +212,6 @@ def _unsaveable(module: nn.Module) -> str | None:
     return None
 
 
-def _plain_tensors(module: nn.Module):
-    """(owner module, attr name, qualified name, tensor) for every plain parameter/buffer."""
-    out = []
-    for mname, mod in module.named_modules():
-        for kind in ("_parameters", "_buffers"):
-            for n, t in getattr(mod, kind).items():
-                if t is None:
-                    continue
-                if type(t) in (torch.Tensor, nn.Parameter):
-                    out.append((mod, kind, n, f"{mname}.{n}" if mname else n, t))
-    return out
-
-
-RESULT_KIND = "fxmem-result"  # manifest.json's "kind": how fxmem recognises a directory it wrote
 # what a result held before its manifest listed its files ("files"); such results are recognised by their keys
 _LEGACY_RESULT_FILES = frozenset({"module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
                                   "report.md", "report.html", "report.json", "memory_timeline.png",
@@ -242,11 +219,12 @@ _LEGACY_RESULT_FILES = frozenset({"module.pt", "weights.safetensors", "transform
 
 
 def save_result(result: TransformResult, path, *, overwrite: bool = False) -> Path:
-    """Directory layout: module.pt (structure, tensors on meta), weights.safetensors (all plain tensors),
-    transformed.py, original.py, the report files, and manifest.json (written last; it lists the files and marks the
-    directory as a result fxmem wrote). Written to a temp dir beside `path` and renamed into place. Quantized linears
+    """Directory layout: module.json (the module structure and graphs as data, `fxmem.structure`),
+    weights.safetensors (every parameter and buffer), transformed.py (the code module.json generates), original.py,
+    the report files, and manifest.json (written last: it lists the files with their sha256 and marks the directory as
+    a result fxmem wrote). Written to a temp dir beside `path` and renamed into place. Quantized linears
     (`fxmem.nn.lowbit.QuantLinear`) keep their bitsandbytes weights and quantization state as tensors in
-    weights.safetensors and JSON fields in the manifest ("quantized").
+    weights.safetensors and JSON fields in module.json ("quantized"). `fxmem.load` reads it without running pickles.
 
     An existing `path` is replaced only when it is an empty directory, or a result fxmem wrote and `overwrite=True`;
     never a file, a link, a directory holding anything else, or the current working directory. See `OutputDir`.
@@ -511,12 +489,15 @@ def _not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
 
 def _write_result_files(result: TransformResult, d: Path) -> None:
     from safetensors.torch import save_file
+
+    from .resultdir import STRUCTURE, WEIGHTS, write_manifest
+    from .structure import describe, generated_code
     gm = result.module
     why = _unsaveable(gm)  # (OutputDir.write comes here directly: the CLI; it removes its scratch directory)
     if why is not None:
         raise FxmemError(f"{why}; nothing was written")
     # quantized linears: their bitsandbytes weight and state as tensors + JSON fields; taken out of the modules
-    # while the plain tensors are collected and the structure is pickled
+    # while the structure and its plain tensors are described
     quant_weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, dict] = {}
     quant_mods = _quantized_modules(gm)
@@ -524,68 +505,35 @@ def _write_result_files(result: TransformResult, d: Path) -> None:
         try:
             tensors, fields = mod.quantized_state()
         except ValueError as e:
-            raise FxmemError(f"cannot save the quantized layer {qual}: {e}") from None
+            raise FxmemError(f"cannot save the quantized layer {qual}: {e}; nothing was written") from None
         for k, t in tensors.items():
             quant_weights[f"{qual}.{k}"] = t.detach().contiguous().cpu()
         quantized[qual] = fields
     with contextlib.ExitStack() as stack:
         for _, mod in quant_mods:
             stack.enter_context(mod.without_quantized_state())
-        entries = _plain_tensors(gm)
-        _require_plain(gm)
-        weights, seen = {}, {}
-        for mod, kind, n, qual, t in entries:
-            key = id(t)
-            if key in seen:
-                continue  # tied weights: stored once under the first name
-            seen[key] = qual
-            weights[qual] = t.detach().contiguous().cpu()
-        clash = sorted(set(weights) & set(quant_weights))
-        if clash:
-            raise FxmemError(f"cannot save: {clash[0]} names both a tensor and a quantized layer's state")
-        weights.update(quant_weights)
-        with writing(d / "weights.safetensors"):
-            save_file(weights, str(d / "weights.safetensors"))
-        ties = {qual: seen[id(t)] for _, _, _, qual, t in entries if seen[id(t)] != qual}
-        # pickle the structure with tensors swapped for meta tensors, then put the real ones back
-        originals = []
         try:
-            for mod, kind, n, qual, t in entries:
-                meta = torch.empty_like(t, device="meta")
-                if isinstance(t, nn.Parameter):
-                    meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-                originals.append((mod, kind, n, t))
-                getattr(mod, kind)[n] = meta
-            from .serialize import save_module
-            save_module(gm, d / "module.pt")
-        finally:
-            for mod, kind, n, t in originals:
-                getattr(mod, kind)[n] = t
-    write_text(d / "transformed.py", _full_code(gm))
+            doc, weights = describe(gm, mode=result.policy.mode, quantized=quantized)
+            code = generated_code(doc)  # what loading will generate: checks the description as loading does
+        except ValueError as e:
+            raise FxmemError(f"cannot save the result: {e}; nothing was written") from None
+    expected = _full_code(gm)
+    if code != expected:  # the description would load as another module: a bug, never written
+        line = next((f"{a!r} != {b!r}" for a, b in zip(code.splitlines(), expected.splitlines()) if a != b), "")
+        raise RuntimeError(f"the saved description of the module does not generate the module's code ({line})")
+    clash = sorted(set(weights) & set(quant_weights))
+    if clash:
+        raise FxmemError(f"cannot save: {clash[0]} names both a tensor and a quantized layer's state")
+    weights.update(quant_weights)
+    with writing(d / WEIGHTS):
+        save_file(weights, str(d / WEIGHTS))
+    write_text(d / STRUCTURE, json.dumps(doc, indent=1) + "\n")
+    write_text(d / "transformed.py", code)
     write_text(d / "original.py", _full_code(result.original.module))
     if result.report is not None:
         result.report.save(d)
-    manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT_QUANTIZED if quantized else SAVE_FORMAT,
-                "fxmem": _version(), "torch": torch.__version__,
-                "model": result.program.model_name, "mode": result.policy.mode,
-                "inputs": list(result.program.input_names), "ties": ties, "quantized": quantized,
-                "files": sorted(set(os.listdir(d)) | {"manifest.json"}),
-                "module_sha256": _sha256(d / "module.pt"), "weights_sha256": _sha256(d / "weights.safetensors")}
-    write_text(d / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def _require_plain(module: nn.Module) -> None:
-    """Every parameter/buffer left is a plain tensor (weights.safetensors holds those only): a tensor subclass
-    would be pickled into module.pt with its data and come back as a plain tensor, so refuse it when saving rather
-    than fail (or compute something else) when loading."""
-    for mname, mod in module.named_modules():
-        for kind in ("_parameters", "_buffers"):
-            for n, t in getattr(mod, kind).items():
-                if t is not None and type(t) not in (torch.Tensor, nn.Parameter):
-                    qual = f"{mname}.{n}" if mname else n
-                    raise FxmemError(f"cannot save {qual}: it is a {type(t).__module__}.{type(t).__qualname__}, "
-                                     "which fxmem does not know how to store (only plain tensors and fxmem's "
-                                     "quantized linears are saved)")
+    write_manifest(d, {"fxmem": _version(), "torch": torch.__version__, "model": result.program.model_name,
+                       "mode": result.policy.mode, "inputs": list(result.program.input_names)})
 
 
 @contextlib.contextmanager
@@ -650,65 +598,14 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def load(path, *, map_location="cpu", trust_code: bool = False) -> fx.GraphModule:
+    """Load a saved result's module (a trainable GraphModule in the mode it was transformed for).
 
-
-def load(path, *, map_location="cpu") -> fx.GraphModule:
-    """Load a saved result's module.
-
-    Loading runs code: the module structure is a pickle (like `torch.load(weights_only=False)`), so load only
-    results you trust. Weights come from weights.safetensors; the module's integrity is checked against the
-    manifest's hash first. Quantized linears get their bitsandbytes weights back from weights.safetensors and the
-    manifest's JSON fields (`QuantLinear.load_quantized_state`).
+    Loading runs no pickle and no code from the result: the structure is JSON data (module.json) whose classes and
+    call targets must be on fxmem's allow-list, weights come from weights.safetensors, and every file read is
+    checked against the manifest's sha256 first. A damaged or changed result is an FxmemError naming the file.
+    `trust_code=True` also loads results of older fxmem versions (formats 1-2), whose structure is a pickle:
+    that runs code, like `torch.load(weights_only=False)`; use it only for results you trust.
     """
-    from safetensors.torch import load_file
-    d = Path(path)
-    man_p = d / "manifest.json"
-    if not man_p.exists():
-        raise FxmemError(f"{d}: not an fxmem result (no manifest.json)")
-    manifest = json.loads(man_p.read_text())
-    if manifest.get("format") not in READ_FORMATS:
-        raise FxmemError(f"{d}: saved with format {manifest.get('format')}, this fxmem reads "
-                         f"{' and '.join(map(str, READ_FORMATS))}")
-    if _sha256(d / "module.pt") != manifest.get("module_sha256"):
-        raise FxmemError(f"{d / 'module.pt'}: does not match the manifest's hash; refusing to load it")
-    gm = torch.load(d / "module.pt", weights_only=False, map_location="cpu")
-    weights = load_file(str(d / "weights.safetensors"), device=str(map_location))
-    ties = manifest.get("ties", {})
-    by_name = {qual: (mod, kind, n, t) for mod, kind, n, qual, t in _plain_tensors(gm)}
-    for qual, (mod, kind, n, t) in by_name.items():
-        src = weights.get(ties.get(qual, qual))
-        if src is None:
-            raise FxmemError(f"{d}: weights.safetensors has no tensor for {qual}")
-        val = src.to(t.dtype)
-        if isinstance(t, nn.Parameter):
-            val = nn.Parameter(val, requires_grad=t.requires_grad)
-        getattr(mod, kind)[n] = val
-    # re-tie: tied names must share one tensor
-    for qual, first in ties.items():
-        mod, kind, n, _ = by_name[qual]
-        fm, fk, fn, _ = by_name[first]
-        getattr(mod, kind)[n] = getattr(fm, fk)[fn]
-    # quantized linears (after the plain tensors: their rebuilt aux buffers are not in weights.safetensors)
-    quantized = manifest.get("quantized", {})
-    found = dict(_quantized_modules(gm))
-    for qual in found:
-        if qual not in quantized:
-            raise FxmemError(f"{d}: the manifest has no quantized state for {qual}")
-    for qual, fields in quantized.items():
-        mod = found.get(qual)
-        if mod is None:
-            raise FxmemError(f"{d}: module.pt has no quantized layer {qual} (the manifest lists one)")
-        prefix = qual + "."
-        tensors = {k[len(prefix):]: t for k, t in weights.items() if k.startswith(prefix)}
-        try:
-            mod.load_quantized_state(tensors, fields)
-        except ValueError as e:
-            raise FxmemError(f"{d}: cannot rebuild the quantized layer {qual}: {e}") from None
-    gm.train(manifest.get("mode") == "train")
-    return gm
+    from .resultdir import load_result
+    return load_result(path, map_location=map_location, trust_code=trust_code)

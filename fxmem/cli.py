@@ -183,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=cmd_optimize)
 
-    d = sub.add_parser("diff", help="graph diff of two saved results, or of a saved result and its original")
+    d = sub.add_parser("diff", help="graph diff of two saved results, or of a saved result and its original (the "
+                       "code generated from each result's checked module.json: what fxmem.load loads)")
     d.add_argument("a", help="a directory written by fxmem optimize")
     d.add_argument("b", nargs="?", help="another result directory (default: A's original graph)")
     d.set_defaults(func=cmd_diff)
@@ -344,30 +345,18 @@ def _print_summary(a, res, out) -> None:
 # ============================================================================================ diff / policies
 
 def cmd_diff(a) -> int:
+    """The code a result's module runs, generated from its checked module.json (what `fxmem.load` loads; the
+    transformed.py beside it is a readable copy), against another result's or against its captured original."""
     from .report import diff_text
+    from .resultdir import original_code, transformed_code
     A = Path(a.a)
-    for d in [A] + ([Path(a.b)] if a.b else []):
-        if not (d / "manifest.json").exists():
-            raise FxmemError(f"{d}: not a result directory written by fxmem optimize (no manifest.json)")
     if a.b:
         B = Path(a.b)
-        text = diff_text(_result_text(A, "transformed.py"), _result_text(B, "transformed.py"),
-                         f"{A}/transformed.py", f"{B}/transformed.py")
+        text = diff_text(transformed_code(A), transformed_code(B), f"{A}/transformed.py", f"{B}/transformed.py")
     else:
-        text = diff_text(_result_text(A, "original.py"), _result_text(A, "transformed.py"),
-                         f"{A}/original.py", f"{A}/transformed.py")
+        text = diff_text(original_code(A), transformed_code(A), f"{A}/original.py", f"{A}/transformed.py")
     print(text if text.strip() else "no differences")
     return 0
-
-
-def _result_text(d: Path, name: str) -> str:
-    p = d / name
-    try:
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FxmemError(f"{p}: missing; {d} is not a complete result written by fxmem optimize") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise FxmemError(f"{p}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
 
 
 def cmd_policies(a) -> int:

@@ -1,10 +1,13 @@
-"""Saving GraphModules whose graphs came from torch.export.
+"""The module.pt pickle of results saved by fxmem's formats 1-2 (before module.json).
+
+`fxmem.load` reads such a result only with `trust_code=True`: unpickling runs code. The reconstructors below are
+what those pickles name (`fxmem.serialize._new_graph_module`, ...), so they stay importable here; `dumps` writes the
+same pickle (for tests of the legacy path). New results describe their structure as JSON data (`fxmem.structure`).
 
 `GraphModule`'s own pickling re-traces the generated code with the graph's tracer class, which fails for
-exported graphs (pytree codegen, export's module-stack tracer). fxmem pickles the graph as data instead: nodes as
-(op, name, target, args, kwargs) with targets named (`aten.add.Tensor`, `operator.getitem`,
-`fxmem.nn.modes.count_batch`) and resolved again on load. Loading still unpickles the module structure, which
-runs code: `fxmem.load` says so.
+exported graphs (pytree codegen, export's module-stack tracer). This format pickles the graph as data instead: nodes
+as (op, name, target, args, kwargs) with targets named (`aten.add.Tensor`, `operator.getitem`,
+`fxmem.nn.modes.count_batch`) and resolved again on load (by import: this path trusts its input).
 
 A GraphModule is pickled in two steps, as objects with a `__setstate__` are: first an empty instance (which the
 pickle memoizes), then its state (its `__dict__` and graph), filled in by `_fill_graph_module`. Anything inside
@@ -26,7 +29,6 @@ from torch import fx
 from torch.fx._lazy_graph_module import _get_graph_module_cls
 from torch.fx.graph_module import _CodeOnlyModule
 
-from .files import write_bytes
 from .program import ROOT_HOOK_ATTRS
 
 _META_KEEP = ("nn_module_stack", "stack_trace", "fxmem_mode_flag")
@@ -175,12 +177,6 @@ class _Pickler(pickle.Pickler):
 
 pickle_module = types.SimpleNamespace(Pickler=_Pickler, Unpickler=pickle.Unpickler, dump=None, load=pickle.load,
                                       __name__="fxmem.serialize")
-
-
-def save_module(module: torch.nn.Module, path) -> None:
-    """Pickled in memory (the structure: small), then written by Python, so a failed write is an OSError naming the
-    file; torch.save's own writer reports it as a bare RuntimeError."""
-    write_bytes(path, dumps(module))
 
 
 def dumps(module: torch.nn.Module) -> bytes:

@@ -1,0 +1,241 @@
+"""Reading a saved result directory: the manifest, the hash of every file read, and the module.
+
+    gm = load_result(path)                      # module.json (data, checked) + weights.safetensors: runs no pickle
+    gm = load_result(path, trust_code=True)     # also results of fxmem's formats 1-2, whose module.pt is a pickle
+    code = transformed_code(path)               # the code the loaded module runs (what `fxmem diff` shows)
+
+manifest.json lists the result's files with their sha256 (`sha256`) and carries the sha256 of its own other fields
+(`manifest_sha256`); a file is checked against it before it is parsed. A damaged or changed result is an FxmemError
+naming the file, never a raw decoding error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import fx, nn
+
+from .errors import FxmemError
+from .files import write_text
+from .structure import StructureError, build, generated_code, load_quantized, plain_tensors
+
+RESULT_KIND = "fxmem-result"  # manifest.json's "kind": how fxmem recognises a directory it wrote
+SAVE_FORMAT = 3  # module.json (the structure as data) + weights.safetensors, every file hashed in the manifest
+LEGACY_FORMATS = (1, 2)  # module.pt, a pickle (2: with quantized linears); read only with trust_code=True
+MANIFEST, STRUCTURE, WEIGHTS = "manifest.json", "module.json", "weights.safetensors"
+LEGACY_MODULE, ORIGINAL_CODE = "module.pt", "original.py"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+# ============================================================================================ hashes
+
+def file_sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """The sha256 of a manifest's fields other than `manifest_sha256` (canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def write_manifest(d: Path, fields: dict) -> None:
+    """manifest.json for the files now in `d` (written last: it marks the directory as a complete result)."""
+    files = sorted(set(os.listdir(d)) | {MANIFEST})
+    manifest = {"kind": RESULT_KIND, "format": SAVE_FORMAT, **fields, "files": files,
+                "sha256": {f: file_sha256(d / f) for f in files if f != MANIFEST}}
+    manifest["manifest_sha256"] = manifest_sha256(manifest)
+    write_text(d / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+# ============================================================================================ reading
+
+def read_manifest(d: Path) -> dict:
+    p = d / MANIFEST
+    if not d.is_dir():
+        raise FxmemError(f"{d}: {'not a directory' if d.exists() else 'no such directory'} (a result fxmem wrote "
+                         "is a directory)")
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise FxmemError(f"{d}: not an fxmem result (no {MANIFEST})") from None
+    except OSError as e:
+        raise FxmemError(f"{p}: cannot read it: {e.strerror or e}") from None
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise FxmemError(f"{p}: not valid JSON; the result is damaged") from None
+    if not isinstance(manifest, dict):
+        raise FxmemError(f"{p}: not an fxmem manifest (a JSON object)")
+    return manifest
+
+
+def _check_manifest(d: Path, manifest: dict) -> None:
+    """A format-3 manifest: fxmem's kind, its own hash, a sha256 per file."""
+    p = d / MANIFEST
+    if manifest.get("kind") != RESULT_KIND:
+        raise FxmemError(f"{p}: not a result manifest written by fxmem (kind {manifest.get('kind')!r})")
+    if manifest.get("manifest_sha256") != manifest_sha256(manifest):
+        raise FxmemError(f"{p}: does not match its own sha256 (manifest_sha256): it was changed after saving; "
+                         "refusing to load the result")
+    hashes = manifest.get("sha256")
+    if not isinstance(hashes, dict) or not all(isinstance(k, str) and isinstance(v, str) and _HEX64.match(v)
+                                               for k, v in hashes.items()):
+        raise FxmemError(f"{p}: sha256 must map each file to its hex digest")
+
+
+def _verified_path(d: Path, manifest: dict, name: str) -> Path:
+    """`d/name`, after checking its sha256 against the manifest."""
+    p = d / name
+    expected = manifest["sha256"].get(name)
+    if expected is None:
+        raise FxmemError(f"{p}: the manifest has no sha256 for it; the result is incomplete")
+    try:
+        actual = file_sha256(p)
+    except FileNotFoundError:
+        raise FxmemError(f"{p}: missing; the result is incomplete") from None
+    except OSError as e:
+        raise FxmemError(f"{p}: cannot read it: {e.strerror or e}") from None
+    if actual != expected:
+        raise FxmemError(f"{p}: does not match the manifest's sha256 (changed or damaged since it was saved); "
+                         "refusing to load it")
+    return p
+
+
+def _read_verified_json(d: Path, manifest: dict, name: str):
+    p = _verified_path(d, manifest, name)
+    try:
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise FxmemError(f"{p}: not valid JSON") from None
+    except OSError as e:
+        raise FxmemError(f"{p}: cannot read it: {e.strerror or e}") from None
+
+
+def _read_weights(p: Path, map_location) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(p), device=str(map_location))
+    except Exception as e:  # noqa: BLE001  (SafetensorError, OSError, a bad device: all say the file)
+        raise FxmemError(f"{p}: cannot read the weights: {type(e).__name__}: {e}") from None
+
+
+def _format(d: Path, manifest: dict, trust_code: bool, what: str) -> int:
+    fmt = manifest.get("format")
+    if fmt == SAVE_FORMAT:
+        return fmt
+    if fmt in LEGACY_FORMATS and isinstance(fmt, int):
+        if trust_code:
+            return fmt
+        raise FxmemError(f"{d}: saved by an older fxmem (format {fmt}), whose module structure ({LEGACY_MODULE}) is a "
+                         f"pickle: {what} runs code. Load it with fxmem.load(path, trust_code=True) only if you trust "
+                         f"where it came from; saving the loaded result again writes format {SAVE_FORMAT}, which loads "
+                         "without running code")
+    raise FxmemError(f"{d / MANIFEST}: format {fmt!r}; this fxmem reads format {SAVE_FORMAT} (and, with "
+                     f"trust_code=True, {' and '.join(map(str, LEGACY_FORMATS))})")
+
+
+def load_result(path, *, map_location="cpu", trust_code: bool = False) -> fx.GraphModule:
+    """The module of the result at `path` (see the module docstring)."""
+    d = Path(path)
+    manifest = read_manifest(d)
+    if _format(d, manifest, trust_code, "loading it") != SAVE_FORMAT:
+        return _load_legacy(d, manifest, map_location)
+    _check_manifest(d, manifest)
+    doc = _read_verified_json(d, manifest, STRUCTURE)
+    tensors = _read_weights(_verified_path(d, manifest, WEIGHTS), map_location)
+    try:
+        gm = build(doc, tensors)
+    except StructureError as e:
+        raise FxmemError(f"{d / STRUCTURE}: {e}") from None
+    if manifest.get("mode") != doc["mode"]:
+        raise FxmemError(f"{d / MANIFEST}: mode {manifest.get('mode')!r} differs from {STRUCTURE}'s {doc['mode']!r}")
+    return gm
+
+
+def transformed_code(path) -> str:
+    """The code of the module `load_result(path)` gives, generated from the checked module.json (not read from
+    transformed.py, which is a readable copy)."""
+    d = Path(path)
+    manifest = read_manifest(d)
+    _format(d, manifest, False, "showing its module would mean unpickling it, which")
+    _check_manifest(d, manifest)
+    try:
+        return generated_code(_read_verified_json(d, manifest, STRUCTURE))
+    except StructureError as e:
+        raise FxmemError(f"{d / STRUCTURE}: {e}") from None
+
+
+def original_code(path) -> str:
+    """The captured model's code (original.py), checked against the manifest."""
+    d = Path(path)
+    manifest = read_manifest(d)
+    _format(d, manifest, False, "showing its module would mean unpickling it, which")
+    _check_manifest(d, manifest)
+    p = _verified_path(d, manifest, ORIGINAL_CODE)
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FxmemError(f"{p}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+
+
+# ============================================================================================ formats 1-2
+
+def _load_legacy(d: Path, manifest: dict, map_location) -> fx.GraphModule:
+    """A result of fxmem's formats 1-2 (trust_code=True): the pickled structure, then the weights."""
+    p = d / LEGACY_MODULE
+    for name, key in ((LEGACY_MODULE, "module_sha256"), (WEIGHTS, "weights_sha256")):
+        try:
+            ok = file_sha256(d / name) == manifest.get(key)
+        except OSError as e:
+            raise FxmemError(f"{d / name}: cannot read it: {e.strerror or e}") from None
+        if not ok:
+            raise FxmemError(f"{d / name}: does not match the manifest's {key}; refusing to load it")
+    try:
+        gm = torch.load(p, weights_only=False, map_location="cpu")
+    except ModuleNotFoundError as e:
+        package = (e.name or "").split(".")[0] or "a module"
+        raise FxmemError(f"{p}: needs the package {package}, which is not installed ({e})") from None
+    except Exception as e:  # noqa: BLE001  (a damaged pickle raises anything)
+        raise FxmemError(f"{p}: cannot unpickle it: {type(e).__name__}: {e}") from None
+    if not isinstance(gm, fx.GraphModule):
+        raise FxmemError(f"{p}: holds a {type(gm).__name__}, not a GraphModule")
+    ties, quantized = manifest.get("ties", {}), manifest.get("quantized", {})
+    if not isinstance(ties, dict) or not isinstance(quantized, dict):
+        raise FxmemError(f"{d / MANIFEST}: ties and quantized must be objects")
+    tensors = _read_weights(d / WEIGHTS, map_location)
+    _place_legacy_tensors(gm, tensors, ties, d)
+    try:
+        load_quantized(gm, quantized, tensors)
+    except StructureError as e:
+        raise FxmemError(f"{d}: {e}") from None
+    gm.train(manifest.get("mode") == "train")
+    return gm
+
+
+def _place_legacy_tensors(gm: fx.GraphModule, tensors: dict, ties: dict, d: Path) -> None:
+    by_name = {qual: (mod, kind, n, t) for mod, kind, n, qual, t in plain_tensors(gm)
+               if type(t) in (torch.Tensor, nn.Parameter)}
+    for qual, (mod, kind, n, t) in by_name.items():
+        src = tensors.get(ties.get(qual, qual))
+        if src is None:
+            raise FxmemError(f"{d / WEIGHTS}: no tensor for {qual}")
+        val = src.to(t.dtype)
+        if isinstance(t, nn.Parameter):
+            val = nn.Parameter(val, requires_grad=t.requires_grad)
+        (mod._parameters if kind == "parameter" else mod._buffers)[n] = val
+    for qual, first in ties.items():  # tied names share one tensor
+        if qual not in by_name or first not in by_name:
+            raise FxmemError(f"{d / MANIFEST}: ties names {qual} -> {first}, which the module does not have")
+        mod, kind, n, _ = by_name[qual]
+        fm, fk, fn, _ = by_name[first]
+        (mod._parameters if kind == "parameter" else mod._buffers)[n] = \
+            (fm._parameters if fk == "parameter" else fm._buffers)[fn]
