@@ -126,9 +126,10 @@ def test_overwrite_replaces_an_fxmem_result_but_not_files_added_to_it(result_dir
     code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     assert code == 2 and "my_notes.txt" in one_line(err)
     assert (result_dir / "my_notes.txt").read_text() == "mine"
-    # a result written before manifests listed their files is still recognised
+    # a result written before manifests listed their files (and before module.json) is still recognised
     (result_dir / "my_notes.txt").unlink()
-    del man["kind"], man["files"]
+    (result_dir / "module.json").rename(result_dir / "module.pt")
+    man = {"fxmem": man["fxmem"], "format": 1, "module_sha256": "0" * 64}
     (result_dir / "manifest.json").write_text(json.dumps(man))
     code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     assert code == 0, err
@@ -656,15 +657,17 @@ def test_python_api_save_follows_the_same_rules(tmp_path, monkeypatch):
 
 # ============================================================================================ B10: diff
 
-def test_diff_of_a_damaged_result_names_the_missing_file(tmp_path, capsys):
-    d = tmp_path / "fake"
-    d.mkdir()
-    (d / "manifest.json").write_text("{}")
+def test_diff_of_a_damaged_result_names_the_missing_file(result_dir, capsys):
+    d = result_dir
+    (d / "original.py").unlink()
     code, _, err = run(capsys, "diff", d)
     assert code == 2 and f"{d / 'original.py'}: missing" in one_line(err)
-    (d / "original.py").write_text("x = 1\n")
+    (d / "module.json").unlink()  # the code diff shows is generated from module.json (what fxmem.load loads)
+    code, _, err = run(capsys, "diff", d, d)
+    assert code == 2 and f"{d / 'module.json'}: missing" in one_line(err)
+    (d / "manifest.json").write_text("{}")
     code, _, err = run(capsys, "diff", d)
-    assert code == 2 and f"{d / 'transformed.py'}: missing" in one_line(err)
+    assert code == 2 and f"{d / 'manifest.json'}: format None" in one_line(err)
 
 
 # ============================================================================================ B11: full disks
@@ -707,7 +710,7 @@ def _snapshot(d: Path) -> dict:
     return {p.name: p.read_bytes() for p in d.iterdir()}
 
 
-@pytest.mark.parametrize("name", ["weights.safetensors", "module.pt", "transformed.py", "report.html",
+@pytest.mark.parametrize("name", ["weights.safetensors", "module.json", "transformed.py", "report.html",
                                   "memory_timeline.png", "manifest.json"])
 def test_a_full_disk_while_writing_any_file_is_a_user_error_naming_it(tmp_path, monkeypatch, small_result, name):
     """Whichever file the disk fills up on: one-line FxmemError naming the file and the system's reason, the

@@ -225,7 +225,7 @@ def test_transform_save_load_roundtrip(tmp_path):
     model, args, kwargs, loss_fn = example("hf_gpt2")
     res = fxmem.transform(model, args, kwargs, policy={"version": 1, "passes": {}}, loss_fn=loss_fn)
     path = res.save(tmp_path / "r")
-    for f in ("module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
+    for f in ("module.json", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
               "report.md", "report.html", "report.json"):
         assert (path / f).exists(), f
     loaded = fxmem.load(path)
@@ -241,9 +241,9 @@ def test_load_refuses_tampered_module(tmp_path):
     model, args, kwargs, _ = example("mlp_digits")
     res = fxmem.transform(model, args, kwargs, policy={"version": 1, "passes": {}})
     path = res.save(tmp_path / "r")
-    with open(path / "module.pt", "ab") as f:
-        f.write(b"x")
-    with pytest.raises(fxmem.FxmemError, match="hash"):
+    with open(path / "module.json", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(fxmem.FxmemError, match="module.json: does not match the manifest's sha256"):
         fxmem.load(path)
 
 
@@ -300,7 +300,7 @@ def test_cli_optimize_writes_everything(tmp_path, capsys):
                  "--quiet", "--set", "passes.checkpoint.enabled=false", "--set", "passes.attention.enabled=false"])
     assert code == 0, capsys.readouterr().err
     names = set(os.listdir(out))
-    assert {"report.md", "report.html", "report.json", "transformed.py", "module.pt", "manifest.json"} <= names
+    assert {"report.md", "report.html", "report.json", "transformed.py", "module.json", "manifest.json"} <= names
     assert json.loads((out / "report.json").read_text())["schema_version"] == 1
     code = main(["diff", str(out)])
     assert code == 0

@@ -411,20 +411,27 @@ def test_metrics_bytes_and_timing_keys():
     assert not is_timing_key("bins") and not is_timing_key("time_limit")
 
 
+class _Act(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc1, self.act = nn.Linear(4, 4, bias=False), act
+
+    def forward(self, x):
+        return self.act(self.fc1(x)) * 2.0
+
+
 def test_cli_diff_two_results(tmp_path, capsys):
+    import fxmem
     from fxmem.cli import main
     a, b = tmp_path / "a", tmp_path / "b"
-    for d, code in ((a, CODE_BEFORE), (b, CODE_AFTER)):
-        d.mkdir()
-        (d / "manifest.json").write_text("{}")
-        (d / "transformed.py").write_text(code)
-        (d / "original.py").write_text(CODE_BEFORE)
+    for d, act in ((a, nn.GELU()), (b, nn.ReLU())):
+        fxmem.transform(_Act(act), (torch.randn(2, 4),), policy={"version": 1, "passes": {}}).save(d)
     capsys.readouterr()
     assert main(["diff", str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"--- {a}/transformed.py\n+++ {b}/transformed.py\n")
     assert "+    relu = torch.ops.aten.relu.default(linear)" in out and "= None" not in out
-    assert main(["diff", str(a)]) == 0
+    assert main(["diff", str(a)]) == 0  # no pass ran: the result's code is the original's
     assert capsys.readouterr().out.strip() == "no differences"
     assert main(["diff", str(tmp_path)]) == 2  # not a result directory: a clear error
     assert "no manifest.json" in capsys.readouterr().err
