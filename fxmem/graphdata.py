@@ -7,8 +7,8 @@ A node is `{"op", "name", "target", "args", "kwargs", "meta"}`. Call targets are
 `fxmem.targets` (the allow-list); arguments are JSON with tagged values (`{"$node": name}`, `{"$tuple": [...]}`,
 `{"$dtype": "float32"}`, ...); meta keeps the module stack, stack trace and mode flag. Names that fx's code
 generator writes into the module's source (node names, placeholder and attribute targets, the forward's argument
-names and keyword keys) must be plain identifiers, so the generated code is only ever what fx itself generates for
-such a graph. The input/output structure (pytree specs) is decoded here too, without `treespec_loads` (which would
+names and keyword keys, the child a mode dispatch calls) must be plain identifiers, so the generated code is only
+ever what fx itself generates for such a graph. The input/output structure (pytree specs) is decoded here too, without `treespec_loads` (which would
 import modules named in its data): builtin containers, and output classes of the libraries in
 `PYTREE_LIBRARIES` that register themselves with torch's pytree (Hugging Face `ModelOutput`s).
 """
@@ -25,6 +25,7 @@ from torch import fx
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
+from .nn.modes import ModeDispatchCodeGen
 from .targets import TargetError, check_attribute_name, check_op_name_args, resolve_target, target_name
 
 OPS = ("placeholder", "get_attr", "call_function", "call_module", "call_method", "output")
@@ -255,18 +256,25 @@ def _meta_from_data(d) -> dict:
 def _codegen_to_data(codegen) -> dict | None:
     if type(codegen) is CodeGen:
         return None
-    if type(codegen) is not _PyTreeCodeGen:
+    if type(codegen) not in (_PyTreeCodeGen, ModeDispatchCodeGen):
         raise ValueError(f"the graph's code generator is a {type(codegen).__qualname__}, which fxmem does not save")
     info = codegen.pytree_info
-    return {"orig_args": list(info.orig_args), "in_spec": spec_to_data(info.in_spec),
-            "out_spec": None if info.out_spec is None else spec_to_data(info.out_spec)}
+    d = {"orig_args": list(info.orig_args), "in_spec": spec_to_data(info.in_spec),
+         "out_spec": None if info.out_spec is None else spec_to_data(info.out_spec)}
+    if type(codegen) is ModeDispatchCodeGen:
+        d["dispatch"] = codegen.branch  # the child serving the other mode (`fxmem.nn.modes`)
+    return d
 
 
 def _codegen_from_data(d):
     if d is None:
         return CodeGen()
-    if not isinstance(d, dict) or set(d) != {"orig_args", "in_spec", "out_spec"}:
-        raise GraphDataError("pytree must hold orig_args, in_spec and out_spec")
+    if not isinstance(d, dict) or not {"orig_args", "in_spec", "out_spec"} <= set(d) <= {"orig_args", "in_spec",
+                                                                                        "out_spec", "dispatch"}:
+        raise GraphDataError("pytree must hold orig_args, in_spec and out_spec (and dispatch)")
+    branch = d.get("dispatch")
+    if "dispatch" in d and not (is_identifier(branch) and is_path(branch)):
+        raise GraphDataError(f"dispatch {_short(branch)} is not a submodule name")
     orig = d["orig_args"]
     if not isinstance(orig, list) or not all(is_identifier(a) for a in orig):
         raise GraphDataError("the forward's argument names (orig_args) must be identifiers")
@@ -276,7 +284,8 @@ def _codegen_from_data(d):
         if not all(is_identifier(k) for k in in_spec.child(1).context):
             raise GraphDataError("keyword input names must be identifiers")
     out_spec = None if d["out_spec"] is None else spec_from_data(d["out_spec"])
-    return _PyTreeCodeGen(_PyTreeInfo(orig, in_spec, out_spec))
+    info = _PyTreeInfo(orig, in_spec, out_spec)
+    return _PyTreeCodeGen(info) if branch is None else ModeDispatchCodeGen(info, branch)
 
 
 def spec_to_data(spec: pytree.TreeSpec) -> dict:

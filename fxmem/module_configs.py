@@ -17,13 +17,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .graphdata import DTYPES
+from .graphdata import DTYPES, GraphDataError, is_path, spec_from_data, spec_to_data
 from .guards import DimSpec, InputGuard, InputSpec
 from .nn.attention import LOWRANK_DTYPES, HybridAttention, SemiseparableAttention
 from .nn.checkpoint import CheckpointRegion
 from .nn.gating import GatedResidual
-from .nn.lowbit import QUANT_KINDS, LoRALinear, QuantLinear
-from .nn.modes import ModeFlag
+from .nn.lowbit import QUANT_KINDS, FrozenLinear, LoRALinear, QuantLinear
+from .nn.modes import ModeFlag, ModeGraph, ModeRefusal
 from .nn.offload import TIERS, OffloadRegion, OffloadRuntime
 
 
@@ -201,6 +201,41 @@ def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
                                    compute_dtype=_dtype(cfg, "compute_dtype"), bias=cfg.get("bias", bool))
 
 
+def _frozen_config(m: FrozenLinear) -> dict:
+    return {"in_features": m.in_features, "out_features": m.out_features, "transposed": m.transposed,
+            "compute_dtype": _dtype_name(m.compute_dtype), "bias": m.bias is not None}
+
+
+def _frozen_build(cfg: Config, children, runtimes) -> FrozenLinear:
+    shape = (cfg.get("in_features", int), cfg.get("out_features", int))
+    if min(shape) < 1:
+        raise ConfigError(f"{cfg.where}: in_features and out_features must be positive")
+    transposed = cfg.get("transposed", bool)
+    weight = torch.empty(shape if transposed else shape[::-1], device="meta")  # (the weights file gives both)
+    bias = torch.empty(shape[1], device="meta") if cfg.get("bias", bool) else None
+    return FrozenLinear(weight, bias, transposed=transposed, compute_dtype=_dtype(cfg, "compute_dtype"))
+
+
+def _mode_graph_config(m: ModeGraph) -> dict:
+    return {"serves_training": m.serves_training, "attr_paths": list(m.attr_paths),
+            "out_spec": spec_to_data(m.out_spec)}
+
+
+def _mode_graph_build(cfg: Config, children, runtimes) -> ModeGraph:
+    paths = cfg.strings("attr_paths")
+    if not all(is_path(p) for p in paths):
+        raise ConfigError(f"{cfg.where}: attr_paths must be dotted names of the root's tensors")
+    try:
+        out_spec = spec_from_data(cfg.get("out_spec", dict))
+    except GraphDataError as e:
+        raise ConfigError(f"{cfg.where}: out_spec: {e}") from None
+    return ModeGraph(children["module"], cfg.get("serves_training", bool), list(paths), out_spec)
+
+
+def _mode_refusal_build(cfg: Config, children, runtimes) -> ModeRefusal:
+    return ModeRefusal(cfg.get("serves_training", bool), cfg.get("reason", str))
+
+
 def _lora_config(m: LoRALinear) -> dict:
     p = m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0
     return {"in_features": int(m.lora_A.shape[1]), "out_features": int(m.lora_B.shape[0]), "rank": m.rank,
@@ -271,10 +306,14 @@ def _name(cls: type) -> str:
 
 KINDS: dict[str, ModuleKind] = {k.name: k for k in (
     ModuleKind(_name(ModeFlag), ModeFlag, lambda m: {}, lambda cfg, children, runtimes: ModeFlag()),
+    ModuleKind(_name(ModeGraph), ModeGraph, _mode_graph_config, _mode_graph_build, ("module",)),
+    ModuleKind(_name(ModeRefusal), ModeRefusal, lambda m: {"serves_training": m.serves_training, "reason": m.reason},
+               _mode_refusal_build),
     ModuleKind(_name(InputGuard), InputGuard, _guard_config, _guard_build),
     ModuleKind(_name(CheckpointRegion), CheckpointRegion, _checkpoint_config, _checkpoint_build, ("body",)),
     ModuleKind(_name(OffloadRegion), OffloadRegion, _offload_config, _offload_build, ("body",)),
     ModuleKind(_name(QuantLinear), QuantLinear, _quant_config, _quant_build, (), ("inner",)),
+    ModuleKind(_name(FrozenLinear), FrozenLinear, _frozen_config, _frozen_build),
     ModuleKind(_name(LoRALinear), LoRALinear, _lora_config, _lora_build, ("base",), ("dropout",)),
     ModuleKind(_name(GatedResidual), GatedResidual, _gated_config, _gated_build, ("body",), ("gate",)),
     ModuleKind(_name(HybridAttention), HybridAttention, _hybrid_config, _hybrid_build, (), ("q_proj", "k_proj")),

@@ -27,6 +27,7 @@ from .graphdata import GraphDataError, graph_from_data, graph_to_data, is_identi
 from .module_configs import KINDS, Config, ConfigError, kind_of
 from .nn import recast
 from .nn.lowbit import QuantLinear
+from .nn.modes import ModeGraph, ModeRefusal
 
 STRUCTURE_KIND = "fxmem-structure"
 STRUCTURE_VERSION = 1
@@ -162,8 +163,20 @@ def build(doc, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
                 mod.graph.lint()  # now with its owner: get_attr/call_module targets must exist
             except Exception as e:  # noqa: BLE001  (fx's consistency check, whatever it raises)
                 raise StructureError(f"{_where(path)}: {e}") from None
+        if isinstance(mod, ModeGraph):
+            _check_mode_graph(root, path, mod)
     root.train(doc["mode"] == "train")
     return root
+
+
+def _check_mode_graph(root: nn.Module, path: str, mod: ModeGraph) -> None:
+    """The tensors a mode's graph reads from the module that dispatches to it are that module's."""
+    owner = root.get_submodule(path.rpartition(".")[0])
+    names = {n for n, _ in owner.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in owner.named_buffers(remove_duplicate=False)}
+    missing = [p for p in mod.attr_paths if p not in names]
+    if missing:
+        raise StructureError(f"{_where(path)}: reads {missing[0]}, which is not a tensor of the module it serves")
 
 
 def _check_document(doc) -> None:
@@ -263,6 +276,9 @@ def _build_graph_module(d: dict, children: dict, where: str) -> fx.GraphModule:
     info = getattr(graph._codegen, "pytree_info", None)
     if info is not None:
         gm._in_spec, gm._out_spec = info.in_spec, info.out_spec
+    branch = getattr(graph._codegen, "branch", None)  # the forward starts by calling this child in its mode
+    if branch is not None and not isinstance(children.get(branch), (ModeGraph, ModeRefusal)):
+        raise ConfigError(f"{where}: its forward dispatches to {branch}, which is not a ModeGraph or ModeRefusal")
     if installed:
         recast.install(gm)
     if plan is not None:
