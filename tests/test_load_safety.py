@@ -133,6 +133,17 @@ def test_every_preset_round_trips_on_the_safe_path_with_equal_outputs(preset_res
         assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
 
 
+def test_a_hugging_face_result_loads_in_a_fresh_process(preset_results):
+    """Its output class (a transformers ModelOutput) is found though nothing imported transformers before."""
+    import subprocess
+    path = preset_results["hf_llama", "low"][1]
+    code = ("import sys, fxmem; assert 'transformers' not in sys.modules; m = fxmem.load(sys.argv[1]); "
+            "print(m._out_spec.type.__name__)")
+    env = dict(os.environ, PYTHONPATH=str(Path(fxmem.__file__).parents[1]))
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "CausalLMOutputWithPast", r.stderr
+
+
 def test_loading_unpickles_nothing(preset_results, monkeypatch):
     """The default path never reaches pickle (a quantized, checkpointed, recast result included)."""
     def no_pickle(*a, **k):
@@ -275,6 +286,9 @@ PAYLOADS = {
     "an output type": (_set(lambda d: (d["root"]["graph"]["pytree"], "out_spec"),
                             lambda m: {"type": "os.system", "context": [f"touch {m}"], "children": [
                                 {"type": None, "context": None, "children": []}]}), "pytree type"),
+    "a mode dispatch": (_set(lambda d: (d["root"]["graph"]["pytree"], "dispatch"),
+                             lambda m: f"b.takes(self) or __import__('os').system('touch {m}') or self.b"),
+                        "dispatch"),
     "a recompute op name": (_set(lambda d: (_nodes(d, "call_function")[0], "target"),
                                  lambda m: "fxmem.nn.recast.remat_call"), "not an aten operator name"),
     "a method": (_set(lambda d: (_nodes(d, "call_function")[0], "op"), lambda m: "call_method"), "call_method"),
@@ -459,12 +473,13 @@ def _body(d):
 
 
 def _zoo():
-    """A GraphModule holding every runtime module class a result may hold, with non-default settings."""
+    """A GraphModule holding the runtime module classes a result may hold, with non-default settings (the mode
+    graphs are saved and loaded in tests/test_capture_training_branches.py)."""
     from fxmem.guards import DimSpec, InputGuard, InputSpec
     from fxmem.nn.attention import HybridAttention, SemiseparableAttention
     from fxmem.nn.checkpoint import CheckpointRegion
     from fxmem.nn.gating import GatedResidual
-    from fxmem.nn.lowbit import LoRALinear, QuantLinear
+    from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
     from fxmem.nn.modes import ModeFlag
     from fxmem.nn.offload import OffloadRegion, OffloadRuntime
     torch.manual_seed(0)
@@ -479,6 +494,7 @@ def _zoo():
     root.off2 = OffloadRegion(_body(d), runtime, index=1, last=True, param_args=(1, 2), label="off2")
     root.gate = GatedResidual(_body(d), 0, d, reduction=8, threshold=0.3, per_sample=False, label="gate")
     root.q8 = QuantLinear(torch.randn(d, d), torch.randn(d), "int8", threshold=5.0)
+    root.frozen = FrozenLinear(torch.randn(d, d) / 8, torch.randn(d), transposed=True, compute_dtype=torch.bfloat16)
     root.lora = LoRALinear(QuantLinear(torch.randn(d, d), None, "nf4", double_quant=False), d, d, rank=4, alpha=8.0,
                            dropout=0.1)
     root.hab = HybridAttention(0.25, causal=True, top_k=4, chunk_size=4)
@@ -495,7 +511,7 @@ def _zoo():
     h = g.call_module("off", (x, w, b))
     h = g.call_module("off2", (h, w, b))
     h = g.call_module("gate", (h, w, b))
-    h = g.call_module("lora", (g.call_module("q8", (h,)),))
+    h = g.call_module("lora", (g.call_module("frozen", (g.call_module("q8", (h,)),)),))
     h = g.call_function(torch.ops.aten.mul.Tensor, (h, g.get_attr("scale")))
     q = g.call_function(torch.ops.aten.transpose.int, (g.call_function(torch.ops.aten.view.default,
                                                                        (h, [B, T, 2, d // 2])), 1, 2))
