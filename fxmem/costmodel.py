@@ -860,7 +860,8 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
         cur, peak, peak_at, peak_phase, peak_mod = _static_backward(
             R, sb, base_keys, kept_by_outputs, saved_until, live, cur, (peak, peak_at, peak_phase, peak_mod),
             timeline, regions, region_first, region_last, recompute_bytes, offloaded, program, recast_at,
-            recompute_keys, (held_from, held_until), created_in, recompute_over, off_loss)
+            recompute_keys, (held_from, held_until), created_in, recompute_over, off_loss,
+            seed_gradient(R, getattr(rec, "loss_key", None)))
         unmeasured = {f"{r.func} (backward temporaries not measured)" for r in R
                       if r.call is not None and r.call in FORMULA_UNMEASURED}
         est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
@@ -1200,15 +1201,27 @@ def off_loss_path(R: list, loss_key: int | None) -> set[int]:
     return off
 
 
+def seed_gradient(R, loss_key: int | None) -> tuple[int | None, int]:
+    """(the loss's storage, bytes of the gradient `loss.backward()` seeds it with): `torch.autograd.backward` makes
+    it (ones_like) and holds it in its frame until the whole backward has run; views of it (a sum's expanded
+    gradient) add nothing."""
+    made = next((b for r in reversed(R) for k, b in zip(r.out_keys, r.out_bytes) if k == loss_key), 0)
+    return (loss_key, made) if loss_key is not None else (None, 0)
+
+
 def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_state, timeline, regions,
                      region_first, region_last, recompute_bytes, offloaded, program, recast_at=None,
                      recompute_keys=None, recast_held=None, created_in=None, recompute_over=None,
-                     off_loss=frozenset()):
+                     off_loss=frozenset(), seed=(None, 0)):
     """The backward walk. `out_keys`: storages referenced until the step ends (its outputs, and what ops off the
-    loss's path saved); `off_loss`: records whose backward never runs."""
+    loss's path saved); `off_loss`: records whose backward never runs; `seed`: the loss's storage and the bytes of
+    the gradient backward starts from (`seed_gradient`), live from its start to its end."""
     peak, peak_at, peak_phase, peak_mod = peak_state
     param_keys = {k for k, v in base_keys.items() if v == "param"}
     grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+    if seed[0] is not None:
+        grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
+        cur += seed[1]
     created_in = created_in or {}
     free_saved_at: dict[int, list[int]] = defaultdict(list)
     for k, i in saved_until.items():
@@ -1425,6 +1438,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
     for k in list(grad_live):
         if k not in param_keys:
             cur -= grad_live.pop(k)
+    cur -= seed[1]
     return cur, peak, peak_at, peak_phase, peak_mod
 
 

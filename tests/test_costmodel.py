@@ -549,3 +549,32 @@ def test_static_backward_runs_only_what_the_loss_reaches():
         static = fxmem.estimate(prog, mode="train", loss_fn=_logits_loss)
         measured = fxmem.measure(copy.deepcopy(prog.module), x, loss_fn=_logits_loss)
         assert abs(static.peak - measured.peak) <= 0.002 * measured.peak, (static.peak, measured.peak)
+
+
+def _static_and_measured(model, x, optimizer="adamw", program=None):
+    """(static estimate, measurement) of one training step of the captured `model` (or of `program`)."""
+    if program is None:
+        program = fxmem.capture(copy.deepcopy(model), (x,))
+        program.refresh()
+    static = fxmem.estimate(program, mode="train", optimizer=optimizer)
+    return static, fxmem.measure(copy.deepcopy(program.module), (x,), optimizer=optimizer)
+
+
+class _ConvPoolHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.max_pool2d(self.conv(x), 2).flatten(1))
+
+
+def test_static_backward_holds_the_seed_gradient_until_backward_ends():
+    """`loss.backward()` seeds backward with ones_like(loss), which `torch.autograd.backward` keeps in its frame
+    until the whole backward has run. The walk made it at the loss's backward and dropped it there: every later
+    backward point 4 bytes low, the step's peak (max pooling's backward) too."""
+    torch.manual_seed(0)
+    static, measured = _static_and_measured(_ConvPoolHead(), torch.randn(4, 3, 8, 8), optimizer="sgd")
+    assert static.peak_at == "max_pool2d (backward)", static.peak_at
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+
