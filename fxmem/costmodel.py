@@ -207,15 +207,17 @@ def optimizer_state_bytes(optimizer: str, params: list[torch.Tensor]) -> int:
 
 
 def optimizer_step_workspace(optimizer: str, params: list[torch.Tensor]) -> int:
-    """Temporaries of optimizer.step().
+    """What optimizer.step() holds above the walk's end of backward: the gradients, and its temporaries.
 
-    torch's foreach Adam/AdamW keep one params-sized list (sqrt of the second moment) for the whole step, and the
-    per-tensor kernels add about two transients the size of the largest parameter (measured: 2.55x params on a
-    one-group MLP where the largest weight is 77% of the model)."""
+    Adam/AdamW on CPU run torch's per-tensor loop (foreach kernels are for CUDA devices): for each parameter
+    `denom = (exp_avg_sq.sqrt() / c).add_(eps)`, two tensors of its size at once, while the previous parameter's
+    `denom` is still referenced until the assignment (a weight following a weight of its size: three at once)."""
     trainable = [p for p in params if p.requires_grad]
     sizes = [p.numel() * p.element_size() for p in trainable]
     if not sizes:
         return 0
+    if optimizer in ("adam", "adamw") and not all(p.device.type == "cuda" for p in trainable):
+        return sum(sizes) + max(prev + 2 * size for prev, size in zip([0] + sizes, sizes))
     if optimizer in ("adam", "adamw"):
         return sum(sizes) + 2 * max(sizes)
     if optimizer == "sgd-momentum":

@@ -578,3 +578,16 @@ def test_static_backward_holds_the_seed_gradient_until_backward_ends():
     assert static.peak_at == "max_pool2d (backward)", static.peak_at
     assert static.peak == measured.peak, (static.peak, measured.peak)
 
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_adamw_step_holds_the_previous_parameters_denominator_on_cpu(bias):
+    """torch's per-tensor AdamW (CPU: foreach kernels are for CUDA) makes `denom = (exp_avg_sq.sqrt() / c).add_(eps)`
+    for each parameter, two tensors of its size at once, while the previous parameter's denom is still referenced:
+    a weight after a weight of its size holds three. The estimate took twice the largest parameter: 16 KiB (7%)
+    under the measured step peak on three bias-free 64x64 linears; with biases between them, 256 bytes under."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=bias) for _ in range(3)])
+    static, measured = _static_and_measured(model, torch.randn(2, 64))
+    assert static.peak_at == "optimizer.step" and measured.peak_phase == "optimizer"
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+
