@@ -337,6 +337,19 @@ class _Recorder(TorchDispatchMode):
                 total += self.storage_bytes[self.key(a)[0]] + int(a.numel()) * a.element_size()
         return total
 
+    def save_original_copy(self, rec, func) -> None:
+        """An in-place op whose backward reads its input's value from before the write (clamp_, silu_, pow_) saves
+        the copy autograd makes of it first (`original_self`: a clone dispatched just before it, in the same node):
+        the op saves that copy, not the storage it writes, and the copy has no backward of its own."""
+        written = {rec.in_keys[i] for i in written_positions(func) if i < len(rec.in_keys)}
+        for q in reversed(self.records):
+            if q.step != rec.step:
+                return
+            if q.func is torch.ops.aten.clone.default and q.new_keys and q.in_keys[0] in written:
+                q.out_rg, q.call, q.saved = False, None, []
+                rec.saved = [k for k in rec.saved if k != q.in_keys[0]] + [q.out_keys[0]]
+                return
+
     def hold_recipe_args(self, rec) -> None:
         for k in rec.recast:
             for h in self.recipe_holds.get(k, ()):
@@ -389,7 +402,8 @@ class _Recorder(TorchDispatchMode):
                        out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
                        list_keys=list_keys, int_outs=int_outs, step=self.step)
         if out_rg:
-            rec.call = call_signature(func, args, kwargs)
+            # (an in-place op's backward holds what its out-of-place variant's formula holds)
+            rec.call = call_signature(optable.functional_variant(func) or func, args, kwargs)
             rec.copy_slices = self.copy_slices_bytes(func, args)
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
@@ -397,6 +411,8 @@ class _Recorder(TorchDispatchMode):
                 keys = in_keys if kind == "in" else out_keys
                 if i < len(keys) and keys[i] is not None:
                     rec.saved.append(keys[i])
+            if written_positions(func):
+                self.save_original_copy(rec, func)
             if self.recast_enabled and self.recast_keys and self.region is None:
                 # casts of parameters/inputs are saved as their source and cast again in backward; inside a
                 # region the region's own hooks decide (checkpoint recomputes, offload moves them)
@@ -1355,6 +1371,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 cur -= buf  # every input had a gradient already
             ins = [t for t in ins if t[0] not in r.list_keys]
         accumulated = 0
+        renewed: list = []  # (key, bytes): an in-place op's input gradients, new buffers under its output's key
         handed_expanded = False
         if r.grad_alias == "expanded" and r.in_rg and r.in_rg[0] and r.in_keys[0] is not None \
                 and r.in_keys[0] not in param_keys \
@@ -1395,6 +1412,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                         continue
                     # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient
                     # is that slice, released below; the input's is a new buffer, as for any in-place op
+                if k in r.out_keys and written_positions(r.func):
+                    # in place: the output's gradient goes below, the input's stays (on a view, CopySlices's copy
+                    # of the whole base's gradient, the view's part written into it)
+                    renewed.append((k, sb.get(k, tmp) if r.copy_slices else tmp))
                 accumulated += tmp
                 continue
             if passthrough and not handed_over and r.out_keys and r.out_keys[0] in grad_live \
@@ -1423,6 +1444,9 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             if k is not None and k in grad_live and k not in param_keys and k not in same:
                 cur -= grad_live.pop(k)
                 grad_views.discard(k)
+        for k, b in renewed:
+            grad_live[k] = b
+            cur += b
         cur = free_saved(r, cur)
         for k, b in sums:
             # old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer

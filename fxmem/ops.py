@@ -392,8 +392,38 @@ def lookup(op) -> OpInfo | None:
     info = OPS.get(op)
     if info is None and hasattr(op, "overloadpacket"):
         info = OPS.get(getattr(op.overloadpacket, "default", None))
+    if info is None and functional_variant(op) is not None:
+        info = lookup(functional_variant(op))  # clamp_ as clamp: what autograd saves of self is its value before
     _LOOKED_UP[op] = info
     return info
+
+
+_FUNCTIONAL: dict = {}
+
+
+def functional_variant(op):
+    """The out-of-place overload an in-place op computes in place (aten.pow_.Scalar -> aten.pow.Tensor_Scalar: the
+    same argument types, no mutation), or None. Its backward runs the same formula (on the value before the
+    write, which autograd copies first when the formula reads it)."""
+    try:
+        return _FUNCTIONAL[op]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return None
+    schema = getattr(op, "_schema", None)
+    name = schema.name.split("::")[-1] if schema is not None else ""
+    found = None
+    if schema is not None and schema.is_mutable and name.endswith("_") and not name.startswith("_"):
+        packet_ = getattr(aten, name[:-1], None)
+        types = [str(a.type) for a in schema.arguments]
+        for overload in packet_.overloads() if packet_ is not None else ():
+            candidate = getattr(packet_, overload)
+            if not candidate._schema.is_mutable and [str(a.type) for a in candidate._schema.arguments] == types:
+                found = candidate
+                break
+    _FUNCTIONAL[op] = found
+    return found
 
 
 def category(op) -> str:
