@@ -774,17 +774,21 @@ def _static(program: Program, args, kwargs, mode, optimizer, loss_fn, traced=Non
                 offloaded[r.region].add(k)
             first = saved_until.get(k)
             saved_until[k] = r.idx if first is None else min(first, r.idx)
-    # selective regions cache every output of their keep ops until the region's backward, saved or not; outputs
-    # the region holds (a draw tape's masks), until its backward is done
+    # selective regions cache every output of their keep ops, saved or not, until the recomputation takes it from
+    # the cache (at the region's first unpack); what keep ops the recomputation never runs cached stays in the
+    # cache until the region's backward is done, as outputs the region holds (a draw tape's masks) do; whoever
+    # else saves it (an op after the region) may hold it longer
     for name, info in regions.items():
         if info is None or info.kind != "recompute" or not info.keep_ops:
             continue
         lo, hi = region_first[name], region_last[name]
+        unpack = _first_unpack(R, lo, hi)
         for r in R[lo:hi + 1]:
             if info.keeps(r.func):
                 for k in r.new_keys:
-                    if base_keys.get(k) is None and k not in saved_until and k not in out_keys:
-                        saved_until[k] = lo if info.holds(r.func) else hi
+                    if base_keys.get(k) is None and k not in out_keys:
+                        cached = unpack if _recomputed(r, unpack) and not info.holds(r.func) else lo
+                        saved_until[k] = min(saved_until.get(k, cached), cached)
     # inputs of a recompute region are held by the region until its backward
     savers: dict[int, list[int]] = defaultdict(list)  # key -> records saving it (for offloaded region inputs)
     if any(getattr(i, "offload_inputs", False) for i in regions.values()):
@@ -915,6 +919,13 @@ def _first_unpack(R, lo: int, hi: int) -> int:
     recomputes at the first unpack of anything the region saved (parameters too), in the backward of its last op
     that saves; the ops after it save nothing, their backward runs before (hi when none saves)."""
     return max((r.idx for r in R[lo:hi + 1] if r.out_rg and r.saved), default=hi)
+
+
+def _recomputed(r, stop: int) -> bool:
+    """Whether the op of record `r` runs again in its region's recomputation, which stops at record `stop` (the
+    last op that saves): non-reentrant checkpoint stops once the last saved tensor is packed, and autograd packs an
+    op's saved inputs before the op runs, its saved outputs after (an addmm last runs no more, a relu last does)."""
+    return r.idx < stop or r.idx == stop and any(k in r.out_keys for k in r.saved)
 
 
 def _recompute_high(R, step_end: dict, lo: int, hi: int, info, saved: dict, made_again: dict, sb: dict,
