@@ -246,7 +246,8 @@ class OpRecord:
     region: str | None
     known: bool = True
     saved: list = field(default_factory=list)  # storage keys saved for backward
-    list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack)
+    list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack) or
+    # by keyword
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
     grad_alias: str = ""  # the op table's grad_alias for this call ("shared" when add's alpha is 1, "expanded" when
     # sum keeps the input's dtype)
@@ -377,6 +378,8 @@ class _Recorder(TorchDispatchMode):
                 in_keys.append(None)
                 in_bytes.append(0)
                 in_rg.append(False)
+        # tensors passed by keyword (SDPA's attn_mask on CPU) are read too: held to here, like list members
+        list_keys.extend(self.key(v)[0] for v in kwargs.values() if isinstance(v, torch.Tensor))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if self.step_each:
             self.step += 1
@@ -408,6 +411,9 @@ class _Recorder(TorchDispatchMode):
             ctx = optable.SaveCtx(tuple(args), kwargs, tuple(in_rg))
             slots, rec.known = optable.saved(func, ctx)
             for kind, i in slots:
+                if kind == "kw":
+                    rec.saved.append(self.key(kwargs[i])[0])
+                    continue
                 keys = in_keys if kind == "in" else out_keys
                 if i < len(keys) and keys[i] is not None:
                     rec.saved.append(keys[i])
@@ -1274,6 +1280,7 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         reload_at[at].extend(offloaded[name])
 
     node_high = [0]  # the highest live bytes inside the current op's backward (transients included)
+    read_until = {k: r.idx for r in R for k in r.in_keys + r.list_keys if k is not None}  # last forward reader
     # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a cat's
     # ("sliced" below), a sum's one-element gradient expanded ("expanded")
     grad_views: set[int] = set()
@@ -1337,9 +1344,10 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
         cur += again  # parameter copies cast again, recipes recomputed for this op's backward (fxmem.nn.recast)
         if recast_held is not None:
             cur += recast_held[0].get(r.idx, 0)  # a shared recipe, recomputed here for this and earlier savers
-        # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss)
+        # grad of outputs (allocated by consumers; outputs of the graph get theirs from the loss); an output no
+        # later op reads (SDPA's logsumexp, a norm's mean) gets none
         for k, b in zip(r.out_keys, r.out_bytes):
-            if k is not None and k not in grad_live and b and k not in r.int_outs:
+            if k is not None and k not in grad_live and b and k not in r.int_outs and read_until.get(k, -1) > r.idx:
                 grad_live[k] = sb.get(k, b)
                 cur += grad_live[k]
         grad_mask = tuple(k is not None and k in grad_live for k in r.out_keys)  # (before a view hands one on)
@@ -1381,7 +1389,16 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
             if buf is not None:
                 cur -= buf  # every input had a gradient already
             ins = [t for t in ins if t[0] not in r.list_keys]
+        if r.grad_alias == "joined" and r.in_keys[0] in grad_live and r.in_keys[0] not in param_keys:
+            # split/unbind: backward joins its outputs' gradients (the views' under the storage's key) into a new
+            # gradient of the input's size, alive with them
+            k = r.in_keys[0]
+            cur += r.in_bytes[0]
+            bump(r.node, r.module)
+            cur -= grad_live[k]
+            grad_live[k] = r.in_bytes[0]
         accumulated = 0
+        covered: set = set()  # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
         renewed: list = []  # (key, bytes): an in-place op's input gradients, new buffers under its output's key
         handed_expanded = False
         if r.grad_alias == "expanded" and r.in_rg and r.in_rg[0] and r.in_keys[0] is not None \
@@ -1405,6 +1422,8 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 grad_live[k] = 0  # the same buffer the first input got
                 if handed_expanded:
                     expanded_view(k)
+                continue
+            if k in covered:
                 continue
             if k in grad_live:
                 # accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's
@@ -1440,6 +1459,8 @@ def _static_backward(R, sb, base_keys, out_keys, saved_until, live, cur, peak_st
                 continue
             grad_live[k] = sb.get(k, b) if k not in param_keys else b
             cur += grad_live[k]
+            if k not in param_keys and sum(b2 for k2, b2, rg2 in ins if k2 == k and rg2) <= grad_live[k]:
+                covered.add(k)  # views of one storage, together within it: a gradient each, as many bytes
         # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
         # (the gradients it makes for inputs that have one already are added to theirs once it returns)
         temps = formula_temps(r.call, grad_mask) + r.copy_slices

@@ -51,7 +51,7 @@ class SaveCtx:
         return i < len(self.args) and isinstance(self.args[i], torch.Tensor)
 
 
-Saved = list  # of ("in", i) / ("out", i)
+Saved = list  # of ("in", i) / ("out", i) / ("kw", name): a positional input, an output, a keyword input
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class OpInfo:
     # how backward hands grad_out to tensor inputs without new buffers: "shared" (add: the same tensor to every
     # input of the output's shape, when alpha is 1), "sliced" (cat, stack: each input a slice of it), "expanded"
     # (sum keeping the input's dtype: grad_out expanded to the input's shape; the static walk hands it on when every
-    # stride is 0)
+    # stride is 0), "joined" (split, unbind: the outputs' gradients joined into a new one of the input's size)
     grad_alias: str = ""
     no_grad: bool = False  # the output never requires grad, whatever the inputs (x.new_zeros(...), zeros_like(x))
 
@@ -154,8 +154,9 @@ def _group_norm(c):
     return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
 
 
-def _sdpa_flash_cpu(c):  # q, k, v, out, logsumexp
-    return [("in", 0), ("in", 1), ("in", 2), ("out", 0), ("out", 1)]
+def _sdpa_flash_cpu(c):  # q, k, v, out, logsumexp (+ the CPU kernel's keyword attn_mask)
+    mask = [("kw", "attn_mask")] if isinstance(c.kwargs.get("attn_mask"), torch.Tensor) else []
+    return [("in", 0), ("in", 1), ("in", 2), ("out", 0), ("out", 1)] + mask
 
 
 def _sdpa_math(c):
@@ -291,8 +292,10 @@ def _reg(ops, info):
 _reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "movedim", "swapaxes",
       "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "alias", "detach", "lift_fresh",
       "contiguous"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_view=True))
-_reg(["expand", "expand_as", "slice", "select", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
-      "narrow", "diagonal", "unfold", "tensor_split"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
+_reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold"],
+     OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
+_reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split"],
+     OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_alias="joined"))
 
 _reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
 _reg(["bmm"], OpInfo(MATMUL, _mm, _flops_bmm))

@@ -724,3 +724,50 @@ def test_a_selective_regions_cache_lives_as_long_as_recomputation_leaves_it():
     assert traced.peak == measured.peak
 
 
+
+class _MaskedSDPA(nn.Module):
+    """qkv = linear(x) split into q, k, v (views of one storage), SDPA with an additive float mask (on CPU the flash
+    kernel takes it by keyword and keeps it for backward), output projection."""
+
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.proj, self.head = heads, nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x, mask):
+        b, t, c = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask * 1.0)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+def test_static_backward_of_masked_attention_on_split_views():
+    """The rules one attention block meets: a tensor passed by keyword (the CPU flash kernel's attn_mask) is an
+    input, held to its reader (inference: the walk dropped it after its maker, 64 KiB low at the kernel), and this
+    one is saved for backward (64 KiB low through backward); an output no op reads (the kernel's logsumexp) gets no
+    gradient; q, k and v, views of one storage, get a gradient each that together fill it (the walk gave the first
+    the whole storage and counted the others as accumulations: 2 views high); split's backward joins the views'
+    gradients into a new one of the input's size (uncounted: an input-sized tensor low there)."""
+    torch.manual_seed(0)
+    model = _MaskedSDPA()
+    x, mask = torch.randn(4, 128, 32), torch.randn(128, 128)
+    program = fxmem.capture(copy.deepcopy(model), (x, mask))
+    program.refresh()
+    static = fxmem.estimate(program, mode="train")
+    measured = fxmem.measure(copy.deepcopy(program.module), (x, mask))
+    assert any("flash_attention_for_cpu" in str(r) for r in _dispatched(program, (x, mask)))
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+    assert _assert_backward_peaks_traced(program, static, ("scaled_dot_product", "split")) >= 2
+    # inference saves nothing: the mask is held to the kernel by its use alone
+    program.module.eval()
+    static = fxmem.estimate(program, mode="inference")
+    measured = fxmem.measure(copy.deepcopy(program.module), (x, mask), mode="inference")
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+
+
+def _dispatched(program, args) -> list:
+    """The aten ops one forward of `program` dispatches."""
+    from .conftest import OpCounter
+    with OpCounter() as counter:
+        program.module(*args)
+    return list(counter.ops)
