@@ -5,8 +5,8 @@ multiplies, so autograd saves a float mask (4 bytes per element for fp32). `bool
 numbers into a bool tensor (the CPU generator's Bernoulli stream does not depend on the tensor's dtype), multiplies
 by it (viewed as uint8: CPU converts that to floats far faster than bool), then by the value 1/(1-p) the float mask
 held (rounded in the input's dtype, as the mask was): outputs and gradients are bit-identical, and the mask autograd
-saves takes 1 byte per element. A non-contiguous input runs the
-original dropout (its mask is filled in the input's memory order).
+saves takes 1 byte per element, drawn in the input's memory order as the float mask is (a transposed input too).
+An input with gaps or overlaps runs the original dropout.
 
     y = bool_mask_dropout(x, 0.1, training, 1.1111111640930176, torch.float32)
 
@@ -64,7 +64,21 @@ class DrawTape:
 
 
 def _draw(x: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.ops.aten.bernoulli.p(torch.empty_like(x, dtype=torch.bool), 1 - p)
+    """A bool mask with x's shape and strides, drawn in x's memory order, as aten.dropout fills its float mask
+    (`empty_like(x)`): drawn contiguous over x's dims ordered as in memory, then permuted back."""
+    order = _memory_order(x)
+    dense = torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device)
+    return torch.ops.aten.bernoulli.p(dense, 1 - p).permute(sorted(range(x.dim()), key=order.__getitem__))
+
+
+def _memory_order(x: torch.Tensor) -> list[int]:
+    """x's dims, outermost in memory first (a transposed tensor's swapped back)."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """x fills its memory without gaps or overlaps in some order of its dims (contiguous, transposed, permuted)."""
+    return x.permute(_memory_order(x)).is_contiguous()
 
 
 def dropout_scale(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -77,10 +91,12 @@ def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | Non
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
     if not train or p == 0 or x.numel() == 0:
         return x
-    if p == 1 or not x.is_contiguous() or torch.compiler.is_compiling():
+    if p == 1 or not _dense(x) or torch.compiler.is_compiling():
         # under torch.compile the compiler's own dropout (its RNG, fused; eager's masks are not reproduced anyway)
-        # a strided input: the float mask (empty_like(x)) is filled in x's memory order, which a contiguous bool
-        # draw would not follow; the original dropout keeps it exact
+        # an input with gaps or overlaps: the float mask (empty_like(x)) would be contiguous, filled in another
+        # order than a bool draw follows; the original dropout keeps it exact. (A transposed input is dense: its
+        # mask is drawn in its memory order. Its strides can differ between a fake trace and the real run, a batch
+        # norm's output, so deciding on contiguity made the cost model plan a bool mask the run did not draw.)
         return torch.ops.aten.dropout(x, p, True)
     tape = _TAPE.get()
     keep = tape.draw(x, p) if tape is not None else _draw(x, p)
