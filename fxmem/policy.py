@@ -1024,6 +1024,9 @@ def _parse_value(raw: str, where: str) -> Any:
 
 def _dict_data(spec: Mapping) -> tuple[dict, dict]:
     def plain(v, path):
+        if len(path) > MAX_DEPTH:  # the YAML reader's limit; a dict that holds itself reaches it too
+            raise PolicyError(f"<dict> {_fmt_path(path[:3])}...: nested more than {MAX_DEPTH} levels deep "
+                              "(a dict or list that contains itself?)")
         if isinstance(v, Mapping):
             out = {}
             for k, sub in v.items():

@@ -817,3 +817,14 @@ def test_presets_read_the_same_with_limits():
     """)
     data, _ = _parse_yaml(text, "user.yaml")
     assert data == yaml.load(text, Loader=_Loader)
+
+
+def test_a_dict_policy_that_contains_itself_is_refused_naming_the_key():
+    spec = {"version": 1, "passes": {}}
+    spec["passes"]["checkpoint"] = spec
+    msg = _refused_fast(spec)
+    assert msg.startswith("<dict> passes.checkpoint.passes") and "nested more than 64 levels deep" in msg, msg
+    loop = []
+    loop.append(loop)
+    msg = _refused_fast({"version": 1, "passes": {"checkpoint": {"keep": loop}}})
+    assert msg.startswith("<dict> passes.checkpoint.keep") and "contains itself" in msg, msg
