@@ -3,7 +3,10 @@
 What capture adds on top of a bare `ep.module()`:
 - `.train()` / `.eval()` work: dropout and batch-norm read the module's own `training` flag (`fxmem.nn.modes`);
 - dynamic shapes by default (`Dim.AUTO` on every input dim); dims the model forces static are listed;
-- `InputGuard` instead of export's guard function, so a bad call names the input and the dim;
+- `InputGuard` instead of export's guard function, so a bad call names the input and the dim (or the python value
+  the graph holds as a constant);
+- the result is called exactly as the model was: what capture adds to the call (`use_cache=False`) is bound inside
+  the graph (`fxmem.capture_defaults`), and tensors export lifts out of forward stay out of `state_dict()`;
 - `CaptureError` that names the module path and the source line that could not be captured, with a hint;
 - custom `torch.autograd.Function`s are recorded while export traces: non-strict export inlines a Function's
   forward and drops its custom backward (see `_FunctionCalls`), so when one was called, the captured module's
@@ -29,11 +32,13 @@ from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from .capture_defaults import capture_defaults, defaults_bound, describe_defaults
 from .errors import CaptureError
-from .guards import DimSpec, InputGuard, InputSpec
+from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
 from .nn.modes import ModeFlag, count_batch, tensor_at
-from .program import Program, SpecializedDim, buffers_kept, module_stack
+from .program import (Program, SpecializedDim, buffers_kept, copy_buffer_persistence, keep_persistence_when_copied,
+                      module_stack)
 from .userstate import keeps_model_state, mode_set
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -105,10 +110,19 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
     if not isinstance(args, tuple):
         args = (args,) if not isinstance(args, list) else tuple(args)
     kwargs = dict(kwargs or {})
-    _disable_hf_cache(model, kwargs)
     if check:
         _refuse_meta(model, args, kwargs)
+    added = capture_defaults(model, args, kwargs)
+    with defaults_bound(model, added):
+        program = _capture_checked(model, args, kwargs, mode, dynamic, dynamic_shapes, check)
+    if added:
+        program.notes.append(describe_defaults(added))
+    return program
 
+
+def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dynamic: bool, dynamic_shapes,
+                     check: bool) -> Program:
+    """Export `model` in `mode` into a Program and, with `check`, compare it with the model (see `capture`)."""
     notes: list[str] = []
     functions = _FunctionCalls()
     ep = _export_in_mode(model, args, kwargs, mode, dynamic, dynamic_shapes, functions, notes)
@@ -124,6 +138,7 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
                 "comparison: the captured module's gradients may differ from the model's")
     if check:
         _serve_other_mode(program, model, args, kwargs, dynamic, dynamic_shapes)
+    keep_persistence_when_copied(program.module)
     return program
 
 
@@ -140,18 +155,6 @@ def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shape
 
 
 # --------------------------------------------------------------------------------------------- export helpers
-
-def _disable_hf_cache(model: nn.Module, kwargs: dict) -> None:
-    """HF models return a DynamicCache when use_cache is on, which export cannot output."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "use_cache", False):
-        try:
-            params = inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "use_cache" in params and "use_cache" not in kwargs:
-            kwargs["use_cache"] = False
-
 
 def _bound_arguments(model: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
     try:
@@ -488,7 +491,7 @@ def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bo
     for ph, name in zip(placeholders, names):
         val = ph.meta.get("val")
         if not isinstance(val, torch.Tensor):
-            specs.append(InputSpec(name, None))
+            specs.append(InputSpec(name, None, constant=(val,) if type(val) in CONSTANT_TYPES else ()))
             continue
         dims = []
         for i, s in enumerate(val.shape):
@@ -505,7 +508,8 @@ def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bo
                 dims.append(DimSpec(static=None, symbol=sym, lower=lo, upper=hi))
         specs.append(InputSpec(name, tuple(dims), str(val.dtype)))
 
-    _copy_buffer_persistence(model, gm)
+    copy_buffer_persistence(model, gm)
+    _keep_constants_out_of_state(ep, gm)
     _replace_guards(gm, specs)
     if switchable:
         _make_mode_switchable(gm, training=mode == "train")
@@ -516,19 +520,18 @@ def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bo
                    input_specs=specs, specialized=specialized, notes=notes, model_name=type(model).__name__)
 
 
-def _copy_buffer_persistence(model: nn.Module, gm: nn.Module) -> None:
-    """Buffers registered with persistent=False stay out of state_dict(), as in the user's model."""
-    for path, mod in model.named_modules():
-        names = getattr(mod, "_non_persistent_buffers_set", None)
-        if not names:
-            continue
+def _keep_constants_out_of_state(ep, gm: nn.Module) -> None:
+    """Tensors export lifts out of forward (a `torch.tensor(...)` the model makes, a plain tensor attribute) are
+    constants of the graph, not the model's state: GraphModule holds them as buffers, made non-persistent here, so
+    `state_dict()` has exactly the model's keys and checkpoints load both ways with strict=True."""
+    for name in ep.graph_signature.lifted_tensor_constants:
+        owner_path, _, leaf = name.rpartition(".")
         try:
-            target = gm.get_submodule(path) if path else gm
+            owner = gm.get_submodule(owner_path) if owner_path else gm
         except AttributeError:
             continue
-        for n in names:
-            if n in target._buffers:
-                target._non_persistent_buffers_set.add(n)
+        if leaf in owner._buffers:
+            owner._non_persistent_buffers_set.add(leaf)
 
 
 def _as_int(v):

@@ -2,7 +2,8 @@
 
 A bare `torch.export` module fails a call with an unsupported shape with `Guard failed: x.size()[1] == 8`.
 `InputGuard` checks the same constraints itself (static dims, shared symbolic dims, value ranges) and says which
-input, which dim, what was expected and why the dim is fixed.
+input, which dim, what was expected and why the dim is fixed. A python value (an int, a flag) is a constant of the
+graph, which a call with another value would silently ignore: the guard refuses it, naming the input.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ class InputSpec:
     name: str  # user-facing path, e.g. "args[0]" or "kwargs['attention_mask']"
     dims: tuple[DimSpec, ...] | None  # None: not a tensor
     dtype: str | None = None
+    constant: tuple = ()  # (value,): a python value (bool, int, float, str) the graph holds as a constant
+
+
+# python values an input may hold as a constant of the graph (torch.export specialises them)
+CONSTANT_TYPES = (bool, int, float, str)
 
 
 class InputGuard(nn.Module):
@@ -41,6 +47,8 @@ class InputGuard(nn.Module):
     def forward(self, *flat):
         bound: dict[str, tuple[int, str, int]] = {}
         for spec, value in zip(self.specs, flat):
+            if spec.constant:
+                _check_constant(spec, value)
             if spec.dims is None or not isinstance(value, torch.Tensor):
                 continue
             if value.dim() != len(spec.dims):
@@ -68,3 +76,15 @@ class InputGuard(nn.Module):
                         f"(size {other_size}): the model uses them together")
                 bound.setdefault(d.symbol, (size, spec.name, i))
         return None
+
+
+def _check_constant(spec: InputSpec, value) -> None:
+    """A python value is a constant of the captured graph: another value would be silently ignored."""
+    expected = spec.constant[0]
+    same_nan = isinstance(value, float) and isinstance(expected, float) and value != value and expected != expected
+    if isinstance(value, CONSTANT_TYPES) and isinstance(value, bool) == isinstance(expected, bool) \
+            and (value == expected or same_nan):
+        return
+    raise InputShapeError(
+        f"input {spec.name}: the captured model holds the value {expected!r} it was captured with as a constant "
+        f"(torch.export fixes python values), got {value!r}; capture again with that value, or pass a tensor")

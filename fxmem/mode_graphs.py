@@ -13,7 +13,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen
 
 from .errors import CaptureError
 from .nn.modes import ModeDispatchCodeGen, ModeGraph, ModeRefusal, tensor_at
-from .program import Program
+from .program import Program, copy_buffer_persistence
 
 
 
@@ -30,6 +30,7 @@ def attach_mode_graph(program: Program, other: Program, state_names: set[str]) -
     paths = _inputs_from_root(gm, root, state_names)
     gm.graph._codegen = CodeGen()  # flat inputs, flat outputs: ModeGraph restores the structure
     flat = fx.GraphModule(gm, gm.graph, class_name=f"{program.model_name}{'Train' if training else 'Eval'}")
+    copy_buffer_persistence(gm, flat)
     return _dispatch_to(program, ModeGraph(flat, training, paths, gm._out_spec))
 
 

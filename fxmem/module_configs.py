@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .graphdata import DTYPES, GraphDataError, is_path, spec_from_data, spec_to_data
-from .guards import DimSpec, InputGuard, InputSpec
+from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .nn.attention import LOWRANK_DTYPES, HybridAttention, SemiseparableAttention
 from .nn.checkpoint import CheckpointRegion
 from .nn.gating import GatedResidual
@@ -105,22 +105,35 @@ def _dtype(cfg: Config, key: str) -> torch.dtype:
 # ============================================================================================ per class
 
 def _guard_config(m: InputGuard) -> dict:
-    return {"specs": [{"name": s.name, "dtype": s.dtype,
-                       "dims": None if s.dims is None else [[d.static, d.symbol, d.lower, d.upper] for d in s.dims]}
-                      for s in m.specs]}
+    specs = []
+    for s in m.specs:
+        spec = {"name": s.name, "dtype": s.dtype,
+                "dims": None if s.dims is None else [[d.static, d.symbol, d.lower, d.upper] for d in s.dims]}
+        if s.constant:
+            spec["constant"] = list(s.constant)
+        specs.append(spec)
+    return {"specs": specs}
 
 
 def _guard_build(cfg: Config, children, runtimes) -> InputGuard:
     specs = []
     for s in cfg.get("specs", list):
-        if not isinstance(s, dict) or set(s) != {"name", "dtype", "dims"} or not isinstance(s["name"], str) or \
-                not isinstance(s["dtype"], (str, type(None))) or not isinstance(s["dims"], (list, type(None))):
-            raise ConfigError(f"{cfg.where}: each input spec is an object with name, dtype and dims")
+        if not isinstance(s, dict) or not {"name", "dtype", "dims"} <= set(s) <= {"name", "dtype", "dims", "constant"} \
+                or not isinstance(s["name"], str) or not isinstance(s["dtype"], (str, type(None))) \
+                or not isinstance(s["dims"], (list, type(None))):
+            raise ConfigError(f"{cfg.where}: each input spec is an object with name, dtype and dims (and constant)")
         dims = None
         if s["dims"] is not None:
             dims = tuple(_dim_spec(d, cfg.where) for d in s["dims"])
-        specs.append(InputSpec(s["name"], dims, s["dtype"]))
+        specs.append(InputSpec(s["name"], dims, s["dtype"], _constant(s.get("constant", []), cfg.where)))
     return InputGuard(specs)
+
+
+def _constant(data, where: str) -> tuple:
+    """An input spec's constant: [] (none) or [value], a JSON bool, number or string."""
+    if not isinstance(data, list) or len(data) > 1 or (data and type(data[0]) not in CONSTANT_TYPES):
+        raise ConfigError(f"{where}: an input spec's constant is [] or [a bool, number or string]")
+    return tuple(data)
 
 
 def _dim_spec(d, where: str) -> DimSpec:

@@ -93,6 +93,7 @@ class Program:
         new_gm._parameters = dict(gm._parameters)
         new_gm._buffers = dict(gm._buffers)
         new_gm._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
+        keep_persistence_when_copied(new_gm)
         # module hooks a pass installed on the root (e.g. fxmem.nn.recast's scope) belong to the program
         for attr in ROOT_HOOK_ATTRS:
             if hasattr(gm, attr):
@@ -183,6 +184,38 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
             _Prop(gm).run(*fake_inputs, enable_io_processing=False)
     finally:
         gm.train(was_training)
+
+
+def copy_buffer_persistence(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Buffers that are non-persistent in `source` (registered with persistent=False, or a graph's constants) are
+    non-persistent in `target` at the same paths: GraphModule registers every tensor it copies as a persistent
+    buffer, which would add keys to `state_dict()`."""
+    for path, mod in source.named_modules():
+        names = getattr(mod, "_non_persistent_buffers_set", None)
+        if not names:
+            continue
+        try:
+            owner = target.get_submodule(path) if path else target
+        except AttributeError:
+            continue
+        for name in names:
+            if name in owner._buffers:
+                owner._non_persistent_buffers_set.add(name)
+
+
+# GraphModule.__deepcopy__ rebuilds a module's own buffers as persistent ones; it sets again the attributes named
+# under this key of the module's `meta` (torch.fx.graph_module._USER_PRESERVED_ATTRIBUTES_KEY)
+_PRESERVED_ON_COPY = "_user_preserved_attributes"
+
+
+def keep_persistence_when_copied(module: torch.nn.Module) -> None:
+    """`copy.deepcopy` of every GraphModule in `module` keeps which of its buffers are non-persistent (so a copy's
+    `state_dict()` has the keys the module's has): each one's `meta` names its own set of non-persistent buffers,
+    which deepcopy copies and sets on the copy. Call again after replacing a module's set."""
+    for sub in module.modules():
+        if isinstance(sub, fx.GraphModule):
+            sub.meta.setdefault(_PRESERVED_ON_COPY, {})["_non_persistent_buffers_set"] = \
+                sub._non_persistent_buffers_set
 
 
 def tensor_bytes(t) -> int:

@@ -28,6 +28,7 @@ from .module_configs import KINDS, Config, ConfigError, kind_of
 from .nn import recast
 from .nn.lowbit import QuantLinear
 from .nn.modes import ModeGraph, ModeRefusal
+from .program import keep_persistence_when_copied
 
 STRUCTURE_KIND = "fxmem-structure"
 STRUCTURE_VERSION = 1
@@ -165,6 +166,7 @@ def build(doc, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
                 raise StructureError(f"{_where(path)}: {e}") from None
         if isinstance(mod, ModeGraph):
             _check_mode_graph(root, path, mod)
+    keep_persistence_when_copied(root)
     root.train(doc["mode"] == "train")
     return root
 
