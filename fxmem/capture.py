@@ -7,7 +7,8 @@ What capture adds on top of a bare `ep.module()`:
   the graph holds as a constant);
 - the result is called exactly as the model was: what capture adds to the call (`use_cache=False`) is bound inside
   the graph (`fxmem.capture_defaults`), and tensors export lifts out of forward stay out of `state_dict()`;
-- `CaptureError` that names the module path and the source line that could not be captured, with a hint;
+- `CaptureError` that names the module path and the source line that could not be captured, with a hint
+  (`fxmem.capture_hints`); torch's long output goes to a file the message names (`fxmem.capture_output`);
 - custom `torch.autograd.Function`s are recorded while export traces: non-strict export inlines a Function's
   forward and drops its custom backward (see `_FunctionCalls`), so when one was called, the captured module's
   gradients are compared with the model's and a difference is a `CaptureError`, never a silent wrong gradient.
@@ -33,6 +34,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from .capture_defaults import capture_defaults, defaults_bound, describe_defaults
+from .capture_hints import hint_for
+from .capture_output import export_output_kept, write_details
 from .errors import CaptureError
 from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
@@ -113,11 +116,31 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
     if check:
         _refuse_meta(model, args, kwargs)
     added = capture_defaults(model, args, kwargs)
-    with defaults_bound(model, added):
-        program = _capture_checked(model, args, kwargs, mode, dynamic, dynamic_shapes, check)
+    try:
+        with defaults_bound(model, added):
+            program = _capture_checked(model, args, kwargs, mode, dynamic, dynamic_shapes, check)
+    except CaptureError as e:
+        _write_details(e, type(model).__name__)
+        raise
     if added:
         program.notes.append(describe_defaults(added))
     return program
+
+
+def _write_details(error: CaptureError, model_name: str) -> None:
+    """The long text behind a CaptureError (the first in its chain that has one) goes to a file; the message, one
+    line, names it."""
+    cause: BaseException | None = error
+    while cause is not None and getattr(cause, "details", None) is None:
+        cause = cause.__cause__
+    if cause is None:
+        return
+    try:
+        path = write_details(model_name, str(error), cause.details)
+    except OSError as e:
+        error.args = (f"{error}; torch's full error could not be written to a file ({e})",)
+        return
+    error.args = (f"{error}; torch's full error, traceback and partial graph: {path}",)
 
 
 def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dynamic: bool, dynamic_shapes,
@@ -366,12 +389,17 @@ def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | Non
     tracker = _ModuleTracker(model)
     functions = functions if functions is not None else _FunctionCalls()
     functions.tracker = tracker
+    output = None
     try:
-        with warnings_quiet(), _record_function_calls(functions):
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        with export_output_kept() as output, warnings_quiet(), _record_function_calls(functions):
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        output.replay()
+        return ep
     except Exception as e:  # noqa: BLE001 - translated into a CaptureError that says where
         path = _failing_module(e, model)
-        raise _capture_error(e, [path] if path else (tracker.deepest or tracker.stack), model) from e
+        error = _capture_error(e, [path] if path else (tracker.deepest or tracker.stack), model)
+        error.details = output.details(e) if output is not None else None
+        raise error from e
     finally:
         functions.tracker = None
         tracker.close()
@@ -426,20 +454,6 @@ def _user_frame(exc: BaseException) -> str | None:
     return best
 
 
-def _hint(msg: str) -> str:
-    m = msg.lower()
-    if "cache" in m:
-        return "pass use_cache=False (Hugging Face models) so the model does not return a cache object"
-    if "data-dependent" in m or "datadependent" in m or "guardondatadependent" in m or ".item()" in m:
-        return ("the model branches on a tensor's value; make the branch static (python values), use "
-                "torch.cond, or move it out of forward")
-    if "constraint" in m or "specializ" in m or "dynamic" in m:
-        return "a dynamic dim conflicts with the model; pass dynamic=False to capture static shapes"
-    if "unsupported" in m or "not supported" in m:
-        return "an operation torch.export cannot trace; rewrite it with torch ops"
-    return "see the underlying error below (raise ... from) for the full torch traceback"
-
-
 def _capture_error(e: Exception, module_stack: list[str], model: nn.Module) -> CaptureError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = _user_frame(e)
@@ -454,7 +468,7 @@ def _capture_error(e: Exception, module_stack: list[str], model: nn.Module) -> C
     if where:
         parts.append(f"at {where}")
     parts.append(f"{type(e).__name__}: {first[:300]}")
-    parts.append(f"hint: {_hint(str(e))}")
+    parts.append(f"hint: {hint_for(e)}")
     return CaptureError("; ".join(parts))
 
 

@@ -6,7 +6,10 @@ class FxmemError(Exception):
     exit_code = 2
 
 
-class CaptureError(FxmemError): ...
+class CaptureError(FxmemError):
+    """The model could not be captured. `details`: torch's full error text, traceback and the output export printed
+    (a partial graph), too long for one line: `capture` writes it to a file the message names."""
+    details: str | None = None
 
 
 class InputShapeError(FxmemError): ...
