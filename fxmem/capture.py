@@ -9,6 +9,7 @@ What capture adds on top of a bare `ep.module()`:
   the graph (`fxmem.capture_defaults`), and tensors export lifts out of forward stay out of `state_dict()`;
 - `CaptureError` that names the module path and the source line that could not be captured, with a hint
   (`fxmem.capture_hints`); torch's long output goes to a file the message names (`fxmem.capture_output`);
+- sizes PyG computes from tensor values (pooling without `size=`) stay symbolic (`fxmem.library_sizes`);
 - custom `torch.autograd.Function`s are recorded while export traces: non-strict export inlines a Function's
   forward and drops its custom backward (see `_FunctionCalls`), so when one was called, the captured module's
   gradients are compared with the model's and a difference is a `CaptureError`, never a silent wrong gradient.
@@ -38,6 +39,7 @@ from .capture_hints import hint_for
 from .capture_output import export_output_kept, write_details
 from .errors import CaptureError
 from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
+from .library_sizes import library_sizes_symbolic
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
 from .nn.modes import ModeFlag, count_batch, tensor_at
 from .program import (Program, SpecializedDim, buffers_kept, copy_buffer_persistence, keep_persistence_when_copied,
@@ -391,7 +393,8 @@ def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | Non
     functions.tracker = tracker
     output = None
     try:
-        with export_output_kept() as output, warnings_quiet(), _record_function_calls(functions):
+        with export_output_kept() as output, warnings_quiet(), _record_function_calls(functions), \
+                library_sizes_symbolic():
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         output.replay()
         return ep
