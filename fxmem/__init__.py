@@ -10,7 +10,7 @@
 import importlib as _importlib
 
 from .errors import (BudgetError, CaptureError, FxmemError, InputShapeError, ModelFileError, PassError,
-                     PolicyError)
+                     PolicyError, StrictError)
 from .program import Program
 from .capture import capture
 from .measure import MemoryProfile, measure  # noqa: E402  (rebinds fxmem.measure to the function)
@@ -35,7 +35,7 @@ _LAZY = {
 }
 
 __all__ = ["BudgetError", "CaptureError", "FxmemError", "InputShapeError", "ModelFileError", "PassError",
-           "PolicyError", "Program", "capture", "MemoryProfile", "measure", *_LAZY]
+           "PolicyError", "StrictError", "Program", "capture", "MemoryProfile", "measure", *_LAZY]
 
 
 def __getattr__(name):

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from .capture import capture
-from .errors import BudgetError, FxmemError
+from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
 from .program import Program, deep_copy
 from .resultdir import RESULT_KIND
@@ -60,7 +60,8 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     arguments override policy keys with dots written as double underscores, e.g.
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
     strict=True: a pass that fails or is rolled back, or a result over its budget (the estimate, and the measurement
-    when measured, beyond the checkpoint pass's stated slack), raises instead of being reported.
+    when measured, beyond the checkpoint pass's stated slack), raises a StrictError (PassError, StrictBudgetError;
+    CLI exit 3) instead of being reported.
     """
     from .costmodel import estimate
     from .pipeline import PassManager, load_passes
@@ -148,7 +149,7 @@ def _require_budgets(report, records) -> None:
         if max(acts) > ab * (1 + slack):
             misses.append(report.activation_budget_line())
     if misses:
-        raise BudgetError("strict: the result is over its budget (" + "; ".join(misses)
+        raise StrictBudgetError("strict: the result is over its budget (" + "; ".join(misses)
                           + f"; tolerance {slack:.0%}). The report's notes say what each pass reached: run without "
                             "--strict to write it, raise the budget, or enable a pass that can take the rest")
 

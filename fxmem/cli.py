@@ -2,7 +2,8 @@
 
 A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
 Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path, a result that cannot be
-written), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like
+written), 3 refused by --strict (a pass failed or was rolled back, or the result is over its budget), 1 internal
+error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like
 an exception, so every cleanup runs: scratch files are removed and `--out` is left as it was, or holds the complete
 result. The exit status says which: once the result is complete on disk a signal no longer changes the outcome (exit
 0), and a run that was interrupted before is never reported as a success.
@@ -25,6 +26,9 @@ from .errors import FxmemError
 MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
                    "calibration_data(), evaluate(module)); it is user code and runs as such")
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
+EXIT_CODES_HELP = ("exit codes: 0 success; 2 user error (policy, model file, inputs, budget, output path); 3 refused "
+                   "by --strict (a pass failed or was rolled back, or the result is over its budget); 1 internal "
+                   "error; 130 interrupted (SIGINT); 143 terminated (SIGTERM)")
 
 
 class Terminated(KeyboardInterrupt):
@@ -147,7 +151,8 @@ def _exit_site(error: SystemExit) -> str | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxmem", description="A model-surgery compiler that makes PyTorch models "
-                                "fit in memory. " + MODEL_FILE_HELP[0].upper() + MODEL_FILE_HELP[1:] + ".")
+                                "fit in memory. " + MODEL_FILE_HELP[0].upper() + MODEL_FILE_HELP[1:] + ".",
+                                epilog=EXIT_CODES_HELP)
     sub = p.add_subparsers(dest="cmd")
 
     e = sub.add_parser("estimate", help="estimate (and optionally measure) the memory of a training step")
@@ -163,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     e.set_defaults(func=cmd_estimate)
 
-    o = sub.add_parser("optimize", help="transform a model under a policy and write the result and a report")
+    o = sub.add_parser("optimize", help="transform a model under a policy and write the result and a report",
+                       epilog=EXIT_CODES_HELP)
     o.add_argument("model", help=MODEL_FILE_HELP)
     o.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
     o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak")
@@ -177,8 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
     o.add_argument("--strict", action="store_true",
-                   help="a pass that fails or is rolled back, or a result over its budget, is an error (nothing is "
-                        "written)")
+                   help="a pass that fails or is rolled back, or a result over its budget, is an error: exit 3, "
+                        "nothing is written")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=cmd_optimize)

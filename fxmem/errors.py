@@ -29,5 +29,16 @@ class LossFnError(ModelFileError):
 class BudgetError(FxmemError): ...
 
 
-class PassError(FxmemError):
-    exit_code = 1
+class StrictError(FxmemError):
+    """`strict=True` (`--strict`) refused a result the run would otherwise have written and reported: neither a
+    user error in the input nor an internal error, so the CLI gives it an exit code of its own."""
+    exit_code = 3
+
+
+class PassError(StrictError):
+    """strict: a pass failed or was rolled back."""
+
+
+class StrictBudgetError(BudgetError, StrictError):
+    """strict: the result is over its budget."""
+    exit_code = 3

@@ -142,7 +142,7 @@ def test_optimize_prints_only_its_own_output(tmp_path):
 def test_optimize_over_budget_is_said_and_strict_makes_it_an_error(tmp_path, capsys):
     """The U-Net at 30% of its peak is out of reach on CPU (checkpointing's lowest is above it, and offloading to the
     CPU frees no CPU memory): the run succeeds and its summary says OVER the budget; with --strict the miss is an
-    error (exit 2, the budget named) and nothing is written."""
+    error (exit 3, --strict's own code; the budget named) and nothing is written."""
     unet = str(ROOT / "examples" / "unet.py")
     out = tmp_path / "out"
     code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "30%", "--out", str(out))
@@ -153,7 +153,7 @@ def test_optimize_over_budget_is_said_and_strict_makes_it_an_error(tmp_path, cap
     strict = tmp_path / "strict"
     code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "30%", "--out", str(strict),
                             "--strict")
-    assert code == 2
+    assert code == 3
     assert "strict: the result is over its budget" in err and "OVER the budget by" in err
     assert not strict.exists()
     # a budget that is met passes --strict

@@ -4,6 +4,7 @@ Ctrl-C, and user errors (a failing loss_fn, a size that overflows, an empty budg
 result) exit 2 with one line naming what is wrong."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -345,6 +346,66 @@ def test_loss_fn_errors_are_user_errors(tmp_path, capsys, kind, cmd):
     for e in expect:
         assert e in line, line
     assert not (tmp_path / "o").exists() and not scratch_left(tmp_path)
+
+
+class _WrongPass:
+    """Test-only: scales the graph's output and claims to be exact (verification rolls it back), or, with
+    `crash`, raises (the pass manager records a failure)."""
+    name = "test_wrong_output"
+    exact = True
+    test_only = True
+
+    @dataclasses.dataclass
+    class Options:
+        crash: bool = False
+
+    def run(self, program, ctx):
+        from fxmem.pipeline import PassResult
+        if ctx.options.crash:
+            raise RuntimeError("deliberate bug in a pass")
+        graph = program.graph
+        out = next(n for n in graph.nodes if n.op == "output")
+        first = out.args[0][0]
+        with graph.inserting_before(out):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (first, 1.5))
+        out.args = ((scaled, *out.args[0][1:]),)
+        return PassResult(program, True)
+
+
+@pytest.fixture
+def wrong_pass():
+    from fxmem import pipeline
+    from fxmem.policy import unregister_options
+    pipeline.register(_WrongPass)
+    yield
+    pipeline.REGISTRY.pop(_WrongPass.name, None)
+    unregister_options(_WrongPass.name)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["rolled_back", "failed"])
+def test_strict_refusing_a_pass_exits_3_not_internal_error_and_writes_nothing(tmp_path, capsys, wrong_pass, crash):
+    """Without --strict the pass is rolled back (or its failure recorded) and the run succeeds; --strict refuses the
+    result with its own exit code (3, documented), one line naming the pass, nothing written."""
+    model = tmp_path / "m.py"
+    model.write_text(MODEL_HEAD)
+    policy = tmp_path / "p.yaml"
+    policy.write_text(f"version: 1\npasses:\n  test_wrong_output:\n    enabled: true\n    crash: {str(crash).lower()}\n")
+    code, _, err = run(capsys, "optimize", model, "--policy", policy, "--quiet", "--out", tmp_path / "lenient")
+    assert code == 0, err
+    code, _, err = run(capsys, "optimize", model, "--policy", policy, "--quiet", "--strict", "--out", tmp_path / "o")
+    line = one_line(err)
+    assert code == 3, err
+    assert "test_wrong_output" in line and ("failed" if crash else "rolled back") in line
+    assert not (tmp_path / "o").exists() and not scratch_left(tmp_path)
+
+
+def test_exit_codes_are_documented_in_the_cli_help_and_readme(capsys):
+    with pytest.raises(SystemExit):
+        main(["optimize", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "3 refused by --strict" in help_text and "1 internal error" in help_text
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "3 refused by `--strict`" in readme
 
 
 def test_loss_fn_error_inside_a_pass_is_not_taken_for_a_pass_bug(tmp_path):
