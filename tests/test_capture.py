@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -175,6 +176,9 @@ def test_capture_error_names_module_and_line():
     assert "test_capture.py" in msg and "if h.sum() > 0" in msg
     assert "hint:" in msg
     assert len(msg.splitlines()) == 1
+    details = msg.rsplit("torch's full error, traceback and partial graph: ", 1)[1]
+    assert "if h.sum() > 0" in open(details, encoding="utf-8").read()  # the full error, in the file it names
+    os.remove(details)
 
 
 def test_frozen_params_stay_frozen_and_to_device():

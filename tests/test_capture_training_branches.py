@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -391,6 +392,9 @@ def test_other_mode_that_cannot_be_captured_is_a_capture_error():
     assert "\n" not in msg
     assert "computes something else than DataDependentInEval in eval mode" in msg
     assert "capturing eval mode as well failed" in msg
+    details = msg.rsplit("torch's full error, traceback and partial graph: ", 1)[1]  # the eval capture's, kept
+    assert "GuardOnDataDependentSymNode" in open(details, encoding="utf-8").read()
+    os.remove(details)
 
 
 MODEL_FILE = """
