@@ -25,7 +25,7 @@ def test_ci_runs_the_readme_test_command():
     assert install_and_test in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_links_exist():
-    text = (ROOT / "README.md").read_text()
-    for link in re.findall(r"\]\(((?!http)[^)#]+)\)", text):
-        assert (ROOT / link).exists(), link
+def test_readme_and_docs_links_exist():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for link in re.findall(r"\]\(((?!http)[^)#]+)\)", page.read_text()):
+            assert (page.parent / link).exists(), f"{page.relative_to(ROOT)}: {link}"
