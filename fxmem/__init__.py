@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute), loaded on first use so `import fxmem` stays light
 _LAZY = {
-    "estimate": ("costmodel", "estimate"),
+    "estimate": ("api", "estimate"),
     "MemoryEstimate": ("costmodel", "MemoryEstimate"),
-    "plan_batch": ("costmodel", "plan_batch"),
+    "plan_batch": ("api", "plan_batch"),
     "transform": ("api", "transform"),
     "TransformResult": ("api", "TransformResult"),
     "load": ("api", "load"),

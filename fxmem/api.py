@@ -1,4 +1,5 @@
-"""The Python API: `fxmem.transform(...)`, `TransformResult`, `fxmem.load(...)`."""
+"""The Python API: `fxmem.transform(...)`, `TransformResult`, `fxmem.estimate(...)`, `fxmem.plan_batch(...)`,
+`fxmem.load(...)`."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from . import costmodel
 from .capture import capture
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
@@ -63,7 +65,6 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     when measured, beyond the checkpoint pass's stated slack), raises a StrictError (PassError, StrictBudgetError;
     CLI exit 3) instead of being reported.
     """
-    from .costmodel import estimate
     from .pipeline import PassManager, load_passes
     from .policy import load_policy
     load_passes()  # passes register their option classes, so the policy validates their sections
@@ -94,7 +95,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         check_trainable(program.module, program.example_args, program.example_kwargs, loss_fn,
                         _model_named(program, model_file))
     original = program.snapshot()
-    before = estimate(program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
+    before = costmodel.estimate(program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
     if pol.budget is not None:
         b = pol.budget.resolve(before.peak) if hasattr(pol.budget, "resolve") else int(pol.budget)
         if b <= 0:
@@ -105,7 +106,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     t1 = time.perf_counter()
     result_program = pm.run(program, before)
     t_passes = time.perf_counter() - t1
-    after = estimate(result_program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
+    after = costmodel.estimate(result_program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
     measured_after = _measure(result_program, pol, loss_fn) if measure else None
     result_program.module.train(pol.mode == "train")
     report = Report(
@@ -129,6 +130,40 @@ def _model_named(program: Program, model_file) -> str:
     """How errors about the model name it: its model file when there is one, else its class."""
     path = getattr(model_file, "__file__", None)
     return str(path) if path else f"the model ({program.model_name})"
+
+
+def as_program(model_or_program, args=(), kwargs=None, mode: str | None = None) -> Program:
+    """A Program as it is, or a model captured at (args, kwargs) in `mode` (default train)."""
+    if isinstance(model_or_program, Program):
+        return model_or_program
+    return capture(model_or_program, args, kwargs, mode=mode or "train")
+
+
+# (ten parameters: keyword options of the cost model's estimate, passed through)
+@keeps_model_state
+def estimate(model_or_program, args=(), kwargs=None, *, mode: str | None = None, optimizer: str = "adamw",
+             method: str = "static", world_size: int = 1, zero_stage: int = 0, loss_fn=None,
+             device: str | None = None) -> costmodel.MemoryEstimate:
+    """Estimate the memory of a training step (or an inference forward) without allocating real tensors: a model
+    is captured at (args, kwargs) first, a Program is estimated as it is (see `fxmem.costmodel.estimate`)."""
+    costmodel.check_estimate_options(method, optimizer, world_size, zero_stage)
+    program = as_program(model_or_program, args, kwargs, mode)
+    return costmodel.estimate(program, args, kwargs, mode=mode, optimizer=optimizer, method=method,
+                              world_size=world_size, zero_stage=zero_stage, loss_fn=loss_fn, device=device)
+
+
+# (thirteen parameters: keyword options of the cost model's plan_batch, passed through)
+@keeps_model_state
+def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str | None = None,
+               optimizer: str = "adamw", loss_fn=None, batch_dim: int = 0, device: str = "cpu",
+               context_bytes: int | None = None, fragmentation: float | None = None, max_batch: int = 1 << 16,
+               method: str = "static") -> dict:
+    """The largest batch size whose estimated peak fits `budget` bytes: a model is captured at (args, kwargs)
+    first (see `fxmem.costmodel.plan_batch`)."""
+    program = as_program(model_or_program, args, kwargs, mode)
+    return costmodel.plan_batch(program, args, kwargs, budget=budget, mode=mode, optimizer=optimizer,
+                                loss_fn=loss_fn, batch_dim=batch_dim, device=device, context_bytes=context_bytes,
+                                fragmentation=fragmentation, max_batch=max_batch, method=method)
 
 
 def _require_budgets(report, records) -> None:

@@ -207,8 +207,8 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_estimate(a) -> int:
     import torch  # noqa: F401
 
+    from . import costmodel
     from .capture import capture
-    from .costmodel import estimate, plan_batch
     from .modelfile import check_inputs, load_model_file
     from .step import OPTIMIZERS
     from .units import format_bytes, parse_size
@@ -228,8 +228,8 @@ def cmd_estimate(a) -> int:
     check_inputs(mf, mode=a.mode)
     program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
     program.refresh()
-    est = estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
-                   world_size=a.world_size, zero_stage=a.zero_stage)
+    est = costmodel.estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
+                             world_size=a.world_size, zero_stage=a.zero_stage)
     measured = None
     if a.measure:
         from .measure import measure
@@ -238,8 +238,8 @@ def cmd_estimate(a) -> int:
                            loss_fn=mf.loss_fn)
     plan = None
     if budget is not None:
-        plan = plan_batch(program, budget=budget, mode=a.mode, optimizer=a.optimizer, loss_fn=mf.loss_fn,
-                          device=a.device)
+        plan = costmodel.plan_batch(program, budget=budget, mode=a.mode, optimizer=a.optimizer,
+                                    loss_fn=mf.loss_fn, device=a.device)
     if a.json:
         out = {"model": str(a.model), "estimate": est.to_dict(), "specialized": [str(s) for s in program.specialized]}
         if measured is not None:

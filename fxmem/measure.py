@@ -253,11 +253,11 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
                 tracker.seed(buffers)
                 tracker.seed((args, kwargs))
                 if optimizer is not None:
-                    tracker.seed(_optimizer_state(optimizer))
+                    tracker.seed(optimizer_state_tensors(optimizer))
                 prof.params = tracker.bytes_of(params)
                 prof.buffers = tracker.bytes_of(buffers)
                 prof.inputs = tracker.bytes_of((args, kwargs))
-                prof.optimizer_state = tracker.bytes_of(_optimizer_state(optimizer)) if optimizer else 0
+                prof.optimizer_state = tracker.bytes_of(optimizer_state_tensors(optimizer)) if optimizer else 0
                 base = tracker.current
                 tracker.reset_peak()
                 tracker.record = True
@@ -303,7 +303,8 @@ def _train_step_with_grad_capture(model, args, kwargs, optimizer, loss_fn, mark,
     training_step(model, args, kwargs, optimizer, loss_fn, m)
 
 
-def _optimizer_state(optimizer) -> list:
+def optimizer_state_tensors(optimizer) -> list:
+    """The tensors of an optimizer's state (bitsandbytes keeps some inside state objects)."""
     out = []
     for st in optimizer.state.values():
         for v in st.values():

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from .fake import with_data_dependent_fallback
 from .nn.recast import op_call
 
 
@@ -76,7 +77,6 @@ class Program:
             g.eliminate_dead_code(is_impure_node=_is_impure)
         g.lint()
         self.module.recompile()
-        from .costmodel import with_data_dependent_fallback
         with_data_dependent_fallback(lambda: propagate_meta(self.module, self.flat_inputs(), self.mode))
 
     def snapshot(self) -> "Program":

@@ -184,7 +184,7 @@ def test_unknown_op_is_reported_conservatively():
 def test_static_traces_share_fakes_and_notice_changed_tensors():
     # the static trace keeps one fake mode across traces (parameters convert once); a parameter a pass casts,
     # resizes or replaces in place, or a changed tensor attribute, must start afresh: the estimate follows it
-    from fxmem import costmodel
+    from fxmem.costmodel import trace as costmodel
 
     class M(nn.Module):
         def __init__(self):
@@ -381,7 +381,7 @@ def test_formula_temporaries_are_measured_per_call():
 def test_a_formula_that_cannot_be_measured_is_listed_among_unknown_ops(monkeypatch):
     """A backward formula that does not run on fresh fake tensors counts no temporaries; the estimate says so."""
     from benchmarks.static_backward_ops import estimates, one_op_program
-    from fxmem import costmodel
+    from fxmem.costmodel import formula as costmodel
 
     def fails(func, *rest):
         if func is torch.ops.aten.erf.default:

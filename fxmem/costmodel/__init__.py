@@ -1,0 +1,31 @@
+"""The memory cost model: how much memory each part of the graph costs, and when.
+
+Two methods, same result type (`MemoryEstimate`), both on fake tensors (no real memory):
+- `static` (static.py): the forward trace (trace.py: every dispatch-level op's storages and what autograd saves)
+  and a liveness walk of forward, backward and the optimizer step (liveness.py, static.py); what a backward formula
+  holds above the gradients it makes is measured once per call signature (formula.py).
+- `traced` (traced.py): the real training step under the storage tracker `fxmem.measure` uses.
+
+Regions that passes insert (checkpoint, offload) declare themselves through `fxmem.nn.regions.RegionInfo`; the
+static walk models them. Before any region exists the checkpoint pass plans with regions.py (what recomputing each
+candidate frees and costs, a plan's peak) and recompute.py; costs.py prices recomputation and nodes; batch.py
+searches for what fits a budget. `estimate` takes a Program: `fxmem.estimate(model, args)` captures first.
+"""
+from .batch import plan_batch, smallest_fitting_prefix
+from .costs import (CPU_BALANCE, DRAW_COST_PER_BYTE_CPU, SLOW_KERNELS_CPU, NodeCost, default_balance, node_costs,
+                    op_cost)
+from .estimator import check_estimate_options, estimate, estimate_from_trace, program_key
+from .formula import TensorMeta, call_signature, formula_temps
+from .liveness import off_loss_path
+from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
+from .recompute import RecomputeWalk
+from .regions import CandidateRegion, RegionModel, build_region_model, measure_regions, value_key
+from .trace import ForwardTrace, OpRecord, as_recipes, trace_forward
+from .trace_index import TraceIndex
+
+__all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "ForwardTrace",
+           "MemoryEstimate", "NodeCost", "OpRecord", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex", "as_recipes",
+           "build_region_model", "call_signature", "check_estimate_options", "default_balance", "estimate",
+           "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path", "op_cost",
+           "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",
+           "smallest_fitting_prefix", "trace_forward", "value_key"]

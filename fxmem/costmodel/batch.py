@@ -1,0 +1,75 @@
+"""Searches for what fits a budget: the largest batch (`plan_batch`), the shortest prefix of candidates."""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..program import Program
+from ..userstate import keeps_model_state
+from .estimator import estimate
+
+
+# (thirteen parameters: the public plan_batch's keyword options, passed through unchanged)
+@keeps_model_state
+def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str | None = None,
+               optimizer: str = "adamw", loss_fn=None, batch_dim: int = 0, device: str = "cpu",
+               context_bytes: int | None = None, fragmentation: float | None = None, max_batch: int = 1 << 16,
+               method: str = "static") -> dict:
+    """The largest batch size whose estimated peak fits `budget` bytes (`fxmem.plan_batch` captures a model first).
+
+    Reserve: on CUDA 500 MB for the context and 10% for fragmentation by default; on CPU none.
+    Inputs are scaled along `batch_dim` (every tensor input whose size there equals the example's batch).
+    Returns {"batch": n, "peak": bytes, "usable": bytes, "per_sample": bytes}.
+    """
+    if context_bytes is None:
+        context_bytes = 500 * 10 ** 6 if str(device).startswith("cuda") else 0
+    if fragmentation is None:
+        fragmentation = 0.10 if str(device).startswith("cuda") else 0.0
+    usable = int((budget - context_bytes) * (1.0 - fragmentation))
+    args, kwargs = (args or program.example_args), (kwargs or program.example_kwargs)
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    example_batch = next((t.shape[batch_dim] for t in flat if isinstance(t, torch.Tensor) and t.dim() > batch_dim),
+                         None)
+    if example_batch is None:
+        raise ValueError("no tensor input has a batch dim to scale")
+
+    def peak_at(batch: int) -> int:
+        scaled = []
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > batch_dim \
+                    and tensor.shape[batch_dim] == example_batch:
+                rows = torch.arange(batch) % example_batch
+                scaled.append(tensor.index_select(batch_dim, rows))
+            else:
+                scaled.append(tensor)
+        scaled_args, scaled_kwargs = pytree.tree_unflatten(scaled, spec)
+        return estimate(program, scaled_args, scaled_kwargs, mode=mode, optimizer=optimizer, method=method,
+                        loss_fn=loss_fn).peak
+
+    peak_one = peak_at(1)
+    if peak_one > usable:
+        return {"batch": 0, "peak": peak_one, "usable": usable, "per_sample": None}
+    per_sample = max(1, peak_at(2) - peak_one)
+    guess = max(1, min(max_batch, 1 + (usable - peak_one) // per_sample))
+    # verify and walk down if the linear guess was optimistic
+    lowest, batch = 1, guess
+    while batch > lowest:
+        if peak_at(batch) <= usable:
+            break
+        batch = max(lowest, int(batch * 0.9) if batch > 20 else batch - 1)
+    return {"batch": batch, "peak": peak_at(batch), "usable": usable, "per_sample": per_sample}
+
+
+def smallest_fitting_prefix(count: int, peak_of, budget: int) -> int:
+    """The smallest k in 1..count with peak_of(k) <= budget, by bisection (a pass applies its candidates in order,
+    so the peak falls as k grows); count when even all do not fit. Passes call this with their own peak_of."""
+    if peak_of(count) > budget:
+        return count
+    lo, hi = 1, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak_of(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,481 @@
+"""The static estimate: a liveness walk over the forward trace, then backward, then the optimizer step.
+
+The forward walk adds each op's new storages and frees a value after its last use unless something saved it
+(`SavePlan`); the backward walk runs the records in reverse, making each op's gradients (with the buffers autograd
+shares: a view's, a join's slices, add's one gradient for both inputs), the temporaries its formula holds
+(`formula_temps`), what regions recompute or bring back, and frees what the op saved. Works for models far bigger
+than RAM: nothing real is allocated.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .. import ops as optable
+from ..measure import TimelinePoint
+from ..nn.regions import region_info
+from ..ops import written_positions
+from ..program import Program
+from .formula import covers_storage, formula_temps, formula_unmeasured
+from .liveness import SavePlan, first_unpack, off_loss_path, seed_gradient
+from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
+from .trace import ForwardTrace
+
+
+class Peak:
+    """The highest live bytes seen so far, with where (node or node's backward), in which phase and module."""
+
+    def __init__(self, live: int):
+        self.bytes, self.at, self.phase, self.module = live, "start", "forward", ""
+
+    def see(self, live: int, at: str, phase: str, module: str) -> None:
+        if live > self.bytes:
+            self.bytes, self.at, self.phase, self.module = live, at, phase, module
+
+
+def static_estimate(program: Program, traced: ForwardTrace, mode: str, optimizer: str) -> MemoryEstimate:
+    """The static estimate of `program` from its forward trace `traced` (same mode; in train mode with the loss)."""
+    records = traced.recorder.records
+    est = _step_counts(program, traced, mode, optimizer)
+    trainable = [p for p in traced.params if p.requires_grad] if mode == "train" else []
+    plan = SavePlan(program, traced)
+    baseline = est.params + est.buffers + est.inputs + est.optimizer_state
+    walk = ForwardWalk(plan, baseline)
+    walk.run()
+    est.activations = walk.live_bytes - baseline
+    live_bytes, peak, timeline = walk.live_bytes, walk.peak, walk.timeline
+    if mode == "train":
+        loss_key = getattr(traced.recorder, "loss_key", None)
+        backward = StaticBackward(plan, walk, off_loss_path(records, loss_key), seed_gradient(records, loss_key))
+        backward.run()
+        live_bytes = backward.live_bytes
+        unmeasured = {f"{record.func} (backward temporaries not measured)" for record in records
+                      if formula_unmeasured(record.call)}
+        est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
+        # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
+        est.grads = sum(p.numel() * p.element_size() for p in trainable)
+        step_peak = live_bytes + optimizer_step_workspace(optimizer, trainable)
+        peak.see(step_peak, "optimizer.step", "optimizer", "")
+        timeline.append(TimelinePoint("optimizer", "optimizer.step", live_bytes, step_peak))
+    est.peak = peak.bytes
+    est.peak_at, est.peak_phase, est.peak_module = peak.at, peak.phase, peak.module
+    est.timeline = timeline
+    est.by_module = _saved_by_module(plan)
+    return est
+
+
+def _step_counts(program: Program, traced: ForwardTrace, mode: str, optimizer: str) -> MemoryEstimate:
+    """The estimate's fixed parts: parameters, buffers, inputs, optimizer state, unknown ops and FLOPs."""
+    records, storage_bytes, base_keys = traced.recorder.records, traced.recorder.storage_bytes, traced.base_keys
+    est = MemoryEstimate(mode=mode, optimizer=optimizer, method="static")
+    est.params = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "param")
+    est.buffers = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "buffer")
+    est.inputs = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "input")
+    trainable = [p for p in traced.params if p.requires_grad] if mode == "train" else []
+    est.optimizer_state = optimizer_state_bytes(optimizer, trainable) if mode == "train" else 0
+    est.unknown_ops = sorted({str(r.func) for r in records if not r.known and not optable.ignored(r.func)})
+    est.flops_forward = sum(record.flops for record in records)
+    est.flops_backward = 2 * sum(record.flops for record in records if record.out_rg)
+    # recompute regions run their forward again in backward (selective regions skip the ops they keep)
+    for record in records:
+        if record.region and record.out_rg:
+            info = region_info(program.module.get_submodule(record.region))
+            if info is not None and info.kind == "recompute" and not info.keeps(record.func):
+                est.flops_backward += record.flops
+    return est
+
+
+def _saved_by_module(plan: SavePlan) -> list:
+    """[(module path, bytes saved for backward)], the ten heaviest."""
+    saved: dict[str, int] = defaultdict(int)
+    for key, until in plan.saved_until.items():
+        saved[plan.records[plan.created_in.get(key, until)].module or "<root>"] += plan.storage_bytes[key]
+    return sorted(saved.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+
+
+def _timeline_add(timeline: list, phase: str, label: str, live: int, peak: int) -> None:
+    if timeline and timeline[-1].phase == phase and timeline[-1].label == label:
+        timeline[-1].live = live
+        timeline[-1].peak = max(timeline[-1].peak, peak)
+    else:
+        timeline.append(TimelinePoint(phase, label, live, peak))
+
+
+class ForwardWalk:
+    """Forward: each op's new storages go live; a value dies after its last use (as the graph frees it) unless
+    saved for backward or handed back; offloaded storages leave at their region's end."""
+
+    def __init__(self, plan: SavePlan, baseline: int):
+        self.plan = plan
+        self.live_bytes = baseline
+        self.peak = Peak(baseline)
+        self.timeline: list[TimelinePoint] = []
+        self.live: set[int] = set()
+
+    def run(self) -> None:
+        plan = self.plan
+        storage_bytes, base_keys = plan.storage_bytes, plan.base_keys
+        frees_at = self._frees_at()
+        offload_free_at: dict[int, list[int]] = defaultdict(list)
+        for name, keys in plan.offloaded.items():
+            for key in keys:
+                offload_free_at[max(plan.region_last[name], plan.last_use.get(key, 0))].append(key)
+        for record in plan.records:
+            for key in record.new_keys:
+                if key not in base_keys:
+                    self.live.add(key)
+                    self.live_bytes += storage_bytes[key]
+            node_peak = self.live_bytes
+            self.peak.see(self.live_bytes, record.node, "forward", record.module)
+            for key in frees_at.get(record.idx, ()):
+                self._drop(key)
+            for key in offload_free_at.get(record.idx, ()):
+                self._drop(key)
+            _timeline_add(self.timeline, "forward", record.node, self.live_bytes, node_peak)
+
+    def _frees_at(self) -> dict[int, list[int]]:
+        """Record index -> the storages freed after it (values nobody saves or hands back)."""
+        plan = self.plan
+        frees_at: dict[int, list[int]] = defaultdict(list)
+        for key, last in plan.last_use.items():
+            if key in plan.base_keys or key in plan.out_keys or key in plan.saved_until:
+                continue
+            made = plan.created_in.get(key, last)
+            frees_at[plan.liveness.dies_at(max(last, made), made)].append(key)
+        return frees_at
+
+    def _drop(self, key: int) -> None:
+        if key in self.live:
+            self.live.discard(key)
+            self.live_bytes -= self.plan.storage_bytes[key]
+
+
+@dataclass
+class _OpGrads:
+    """One op's backward in the walk: its inputs still to get a gradient, and what was handed on so far."""
+    record: object
+    ins: list  # (key, bytes, requires grad) per input
+    same: object = ()  # inputs whose gradient is the output's (a view, an in-place op passing it through)
+    shares: bool = False  # add's one gradient for both inputs
+    passthrough: bool = False
+    grad_view: bool = False  # the op table says the input's gradient may be a view of the output's
+    handed_over: bool = False
+    handed_expanded: bool = False
+    accumulated: int = 0  # bytes added into existing gradients once the formula returns
+    sums: list = field(default_factory=list)  # (key, bytes): gradients this op adds to a join's gradient slice
+    # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
+    covered: set = field(default_factory=set)
+    renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
+    # its output's key
+
+
+class StaticBackward:
+    """The backward walk, from the last record to the first. Its live bytes continue the forward walk's.
+
+    What stays referenced until the step ends: its outputs, and what ops off the loss's path saved (`off_loss`:
+    records whose backward never runs; their graph stays referenced by the outputs they make). `seed`: the loss's
+    storage and the bytes of the gradient backward starts from (`seed_gradient`), live from its start to its
+    end."""
+
+    def __init__(self, plan: SavePlan, forward: ForwardWalk, off_loss: set, seed: tuple = (None, 0)):
+        self.plan = plan
+        self.storage_bytes = plan.storage_bytes
+        self.live, self.live_bytes = forward.live, forward.live_bytes
+        self.peak, self.timeline = forward.peak, forward.timeline
+        self.off_loss = off_loss
+        self.kept_by_outputs = set(plan.out_keys) | {key for record in plan.records if record.idx in off_loss
+                                                     for key in record.saved}
+        self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
+        self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+        self.seed = seed
+        if seed[0] is not None:
+            self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
+            self.live_bytes += seed[1]
+        # last forward reader of each storage
+        self.read_until = {key: record.idx for record in plan.records for key in record.in_keys + record.list_keys
+                           if key is not None}
+        # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a
+        # cat's ("sliced"), a sum's one-element gradient expanded ("expanded")
+        self.grad_views: set[int] = set()
+        self.grad_expanded: set[int] = set()  # of those, the expanded ones: every stride 0, views of them are views
+        self.node_high = 0  # the highest live bytes inside the current op's backward (transients included)
+        self.free_saved_at: dict[int, list[int]] = defaultdict(list)
+        for key, until in plan.saved_until.items():
+            self.free_saved_at[until].append(key)
+        self.recomputed_live: dict[str, int] = {}
+        # region -> the record in whose backward it recomputes
+        self.recompute_at = {name: first_unpack(plan.records, plan.region_first[name], plan.region_last[name])
+                             for name, info in plan.regions.items() if info is not None and info.kind == "recompute"}
+        # a recomputed tensor is freed once the last op (in backward order) that saved it has run its backward
+        self.recomputed_free_at: dict[int, list] = defaultdict(list)  # record index -> [(region, bytes)]
+        for name, recomputed in plan.recompute_keys.items():
+            for key, until in recomputed.items():
+                self.recomputed_free_at[until].append((name, self.storage_bytes[key]))
+        self.reload_at = self._reloads()
+
+    def _reloads(self) -> dict[int, list[int]]:
+        """Offloaded tensors come back one region ahead (prefetch) of the region's backward."""
+        plan = self.plan
+        reload_at: dict[int, list[int]] = defaultdict(list)
+        order = sorted(plan.offloaded, key=lambda name: plan.region_first[name])
+        for position, name in enumerate(order):
+            later = order[position + 1] if position + 1 < len(order) else None
+            at = plan.region_last[later] if later is not None else plan.region_last[name]
+            reload_at[at].extend(plan.offloaded[name])
+        return reload_at
+
+    def run(self) -> None:
+        for record in reversed(self.plan.records):
+            for key in self.reload_at.get(record.idx, ()):
+                self.live_bytes += self.storage_bytes[key]
+            if not record.out_rg or record.idx in self.off_loss:
+                self._recompute(record)
+                # an op without a backward still frees what is held until its position (a region input held
+                # until the region's first op, e.g. a mask built there), and a region whose first op needs no
+                # grad (e.g. prim.device) still ends its recomputation here
+                self._free_saved(record)
+                self._end_region(record)
+                continue
+            self._op_backward(record)
+        # end of backward: only parameter grads stay (plus the step's outputs, still referenced by the caller)
+        for key in list(self.grad_live):
+            if key not in self.param_keys:
+                self.live_bytes -= self.grad_live.pop(key)
+        self.live_bytes -= self.seed[1]
+
+    def _bump(self, label: str, module: str) -> None:
+        self.node_high = max(self.node_high, self.live_bytes)
+        self.peak.see(self.live_bytes, f"{label} (backward)", "backward", module)
+
+    def _expanded_view(self, key: int) -> None:
+        self.grad_views.add(key)
+        self.grad_expanded.add(key)
+
+    def _free_saved(self, record) -> None:
+        """What the backward of `record` releases: tensors saved until it, recomputed tensors it saved."""
+        for key in self.free_saved_at.get(record.idx, ()):
+            if key in self.kept_by_outputs:
+                continue  # the step's outputs stay referenced by the caller until the step ends
+            if key in self.live:
+                self.live.discard(key)
+                self.live_bytes -= self.storage_bytes[key]
+            elif any(key in keys for keys in self.plan.offloaded.values()):
+                self.live_bytes -= self.storage_bytes[key]
+        for name, nbytes in self.recomputed_free_at.get(record.idx, ()):
+            if name in self.recomputed_live:
+                self.recomputed_live[name] -= nbytes
+                self.live_bytes -= nbytes
+
+    def _recompute(self, record) -> None:
+        """The region's recomputation, if it runs in this record's backward (`recompute_at`): what it leaves for
+        the backward stays, what it holds above that while it runs goes again."""
+        region = record.region
+        if region and record.idx == self.recompute_at.get(region) and region not in self.recomputed_live:
+            self.recomputed_live[region] = self.plan.recompute_bytes.get(region, 0)
+            self.live_bytes += self.recomputed_live[region]
+            during = self.plan.recompute_over.get(region, 0)
+            if during:  # what the recomputation holds while it runs and drops: its own temporaries, inputs it
+                self.live_bytes += during  # makes again that no op in it saves
+                self._bump(record.node, record.module)
+                self.live_bytes -= during
+
+    def _end_region(self, record) -> None:
+        """At a region's first record its recomputed tensors are all released."""
+        region = record.region
+        if region and record.idx == self.plan.region_first.get(region) and region in self.recomputed_live:
+            self.live_bytes -= self.recomputed_live.pop(region)
+
+    def _op_backward(self, record) -> None:
+        """One op's backward: its outputs' gradients, recomputations and recipes made for it, its inputs'
+        gradients and the formula's temporaries at once; then what it releases."""
+        plan = self.plan
+        node_peak_start = self.live_bytes
+        self.node_high = self.live_bytes
+        again = plan.recast_at.get(record.idx, 0)
+        self.live_bytes += again  # parameter copies cast again, recipes recomputed for this op's backward
+        self.live_bytes += plan.held_from.get(record.idx, 0)  # a shared recipe, made here for this and earlier savers
+        self._seed_output_grads(record)
+        grad_mask = tuple(key is not None and key in self.grad_live for key in record.out_keys)  # (before a view
+        # hands one on)
+        # the region's recomputation runs in the backward of its last op that saves a tensor (its first unpack),
+        # once the gradients of that op's outputs are made: with them live (a dropout's scaling after its mask
+        # multiply saves nothing, so its gradient is made before)
+        self._recompute(record)
+        op = self._op_grads(record)
+        self._hand_join_slices(op)
+        self._join_split_grads(record)
+        self._hand_expanded_sum(op)
+        self._input_grads(op)
+        # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
+        # (the gradients it makes for inputs that have one already are added to theirs once it returns)
+        temps = formula_temps(record.call, grad_mask) + record.copy_slices
+        self.live_bytes += temps
+        self._bump(record.node, record.module)
+        self.live_bytes -= temps + op.accumulated
+        node_peak = max(self.live_bytes, node_peak_start, self.node_high)  # (node_high: with the temporaries)
+        self.live_bytes -= again
+        self.live_bytes -= plan.held_until.get(record.idx, 0)  # a shared recipe's first saver: its last unpack
+        # the op's output grads die, and what it saved
+        for key in record.out_keys:
+            if key is not None and key in self.grad_live and key not in self.param_keys and key not in op.same:
+                self.live_bytes -= self.grad_live.pop(key)
+                self.grad_views.discard(key)
+        for key, nbytes in op.renewed:
+            self.grad_live[key] = nbytes
+            self.live_bytes += nbytes
+        self._free_saved(record)
+        node_peak = self._add_sums(op, node_peak)
+        self._end_region(record)
+        _timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
+
+    def _seed_output_grads(self, record) -> None:
+        """The gradients of the op's outputs (allocated by consumers; the graph's outputs get theirs from the
+        loss); an output no later op reads (SDPA's logsumexp, a norm's mean) gets none."""
+        for key, nbytes in zip(record.out_keys, record.out_bytes):
+            if key is not None and key not in self.grad_live and nbytes and key not in record.int_outs \
+                    and self.read_until.get(key, -1) > record.idx:
+                self.grad_live[key] = self.storage_bytes.get(key, nbytes)
+                self.live_bytes += self.grad_live[key]
+
+    def _op_grads(self, record) -> _OpGrads:
+        info = optable.lookup(record.func)
+        passthrough = info is not None and info.grad_passthrough
+        # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
+        # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
+        same = {key for key, rg in zip(record.in_keys, record.in_rg) if rg and key is not None
+                and key in record.out_keys} if passthrough else ()
+        ins = list(zip(record.in_keys, record.in_bytes, record.in_rg))
+        # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
+        # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
+        shares = record.grad_alias == "shared" and record.out_bytes and \
+            sum(1 for key, nbytes, rg in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
+        if shares:
+            ins.sort(key=lambda item: self.plan.created_in.get(item[0], -1) if item[0] is not None else 0)
+        return _OpGrads(record, ins, same=same, shares=shares, passthrough=passthrough,
+                        grad_view=bool(info is not None and info.grad_view))
+
+    def _accumulate_transient(self, record, key: int) -> None:
+        """A gradient added into an existing one: a transient of its size."""
+        self._bump(record.node, record.module)
+        self.live_bytes += self.storage_bytes[key]
+        self._bump(record.node, record.module)
+        self.live_bytes -= self.storage_bytes[key]
+
+    def _hand_join_slices(self, op: _OpGrads) -> None:
+        """cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
+        until the last slice is consumed, held by the earliest-created input (whose producer runs last)."""
+        record, grad_live = op.record, self.grad_live
+        if not (record.grad_alias == "sliced" and record.list_keys and any(record.in_rg) and record.out_keys
+                and record.out_keys[0] in grad_live and not any(key in self.param_keys for key in record.list_keys)):
+            return
+        buffer = grad_live.pop(record.out_keys[0])
+        for key in sorted(dict.fromkeys(record.list_keys), key=lambda k: self.plan.created_in.get(k, -1)):
+            if key in grad_live:  # accumulated into an existing gradient: a transient of its size
+                self._accumulate_transient(record, key)
+                continue
+            if buffer is not None:
+                grad_live[key], buffer = buffer, None
+            else:
+                grad_live[key] = 0
+            self.grad_views.add(key)
+        if buffer is not None:
+            self.live_bytes -= buffer  # every input had a gradient already
+        op.ins = [item for item in op.ins if item[0] not in record.list_keys]
+
+    def _join_split_grads(self, record) -> None:
+        """split/unbind: backward joins its outputs' gradients (the views' under the storage's key) into a new
+        gradient of the input's size, alive with them."""
+        key = record.in_keys[0] if record.in_keys else None
+        if record.grad_alias != "joined" or key not in self.grad_live or key in self.param_keys:
+            return
+        self.live_bytes += record.in_bytes[0]
+        self._bump(record.node, record.module)
+        self.live_bytes -= self.grad_live[key]
+        self.grad_live[key] = record.in_bytes[0]
+
+    def _hand_expanded_sum(self, op: _OpGrads) -> None:
+        """sum hands its input its own gradient expanded to the input's shape, a view: no new buffer when every
+        stride is 0 (the sum made one element, or its gradient was such a view already), and the input is its
+        whole storage (a slice's backward makes the storage's gradient whole). Between the storage's maker and the
+        sum only views of the whole storage can sit, and those of a tensor whose strides are all 0 are views again;
+        a partial sum's expanded gradient is not (a reshape of it copies): counted whole."""
+        record, grad_live = op.record, self.grad_live
+        if record.grad_alias == "expanded" and record.in_rg and record.in_rg[0] and record.in_keys[0] is not None \
+                and record.in_keys[0] not in self.param_keys \
+                and record.in_keys[0] not in grad_live and record.out_keys[0] in grad_live \
+                and record.call is not None \
+                and covers_storage(record.call[1][0], self.storage_bytes.get(record.in_keys[0], 0)) \
+                and (record.out_keys[0] in self.grad_expanded
+                     or record.out_bytes[0] == record.call[1][0].dtype.itemsize):
+            key = record.in_keys[0]
+            grad_live[key] = grad_live.pop(record.out_keys[0])
+            self._expanded_view(key)
+            op.ins = op.ins[1:]
+
+    def _input_grads(self, op: _OpGrads) -> None:
+        """Each input needing a gradient gets one: the output's handed on (a view, add's shared buffer), a new
+        buffer, or an addition into the one it has."""
+        record, grad_live = op.record, self.grad_live
+        for key, nbytes, rg in op.ins:
+            if not rg or key is None or key in op.same:
+                continue
+            if op.shares and op.handed_over and nbytes == record.out_bytes[0] and key not in grad_live \
+                    and key not in self.param_keys:
+                grad_live[key] = 0  # the same buffer the first input got
+                if op.handed_expanded:
+                    self._expanded_view(key)
+                continue
+            if key in op.covered:
+                continue
+            if key in grad_live:
+                self._accumulate(op, key, nbytes)
+                continue
+            out_key = record.out_keys[0] if record.out_keys else None
+            if op.passthrough and not op.handed_over and out_key in grad_live \
+                    and (nbytes <= grad_live[out_key] or out_key in self.grad_expanded and key not in self.param_keys
+                         and (key == record.in_keys[0] or op.shares) and op.grad_view):
+                op.handed_expanded = out_key in self.grad_expanded
+                grad_live[key] = grad_live.pop(out_key)  # the output's grad becomes the input's (a view)
+                if op.handed_expanded:
+                    self._expanded_view(key)
+                op.handed_over = True
+                continue
+            grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
+            self.live_bytes += grad_live[key]
+            views = sum(view_bytes for view_key, view_bytes, view_rg in op.ins if view_key == key and view_rg)
+            if key not in self.param_keys and views <= grad_live[key]:
+                op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
+
+    def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
+        """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
+        gradients and temporaries (it is added once the formula returns)."""
+        record = op.record
+        self._bump(record.node, record.module)
+        self.live_bytes += nbytes
+        self._bump(record.node, record.module)
+        if key in self.grad_views:
+            self.grad_views.discard(key)
+            if key not in record.out_keys:
+                # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not add
+                # into in place: the sum is a new buffer, made once this op's backward has released what it held
+                op.sums.append((key, nbytes))
+                return
+            # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that
+            # slice, released below; the input's is a new buffer, as for any in-place op
+        if key in record.out_keys and written_positions(record.func):
+            # in place: the output's gradient goes below, the input's stays (on a view, CopySlices's copy of the
+            # whole base's gradient, the view's part written into it)
+            op.renewed.append((key, self.storage_bytes.get(key, nbytes) if record.copy_slices else nbytes))
+        op.accumulated += nbytes
+
+    def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
+        """Old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer
+        when this input held it: the slices of inputs created later were consumed before, their producers ran
+        first). Returns the node's peak with them."""
+        for key, nbytes in op.sums:
+            self.live_bytes += nbytes
+            self._bump(op.record.node, op.record.module)
+            node_peak = max(node_peak, self.live_bytes)
+            self.live_bytes -= nbytes + self.grad_live[key]
+            self.grad_live[key] = nbytes
+        return node_peak

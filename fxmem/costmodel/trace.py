@@ -1,0 +1,495 @@
+"""The forward trace: every dispatch-level op of a forward (and its loss) under fake tensors, with storages.
+
+`trace_forward` runs the program under FakeTensorMode with a dispatch recorder: per op its input and output
+storages, their bytes, what autograd saves for backward (from the op table `fxmem.ops`), its FLOPs, the graph node
+and region that issued it, and how fxmem.nn.recast recipes stand in for saved tensors. No real memory is used. The
+static estimate, the node costs and the checkpoint planner all read this one `ForwardTrace`.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import ops as optable
+from ..fake import propagating_real_values, with_data_dependent_fallback
+from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
+    installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
+from ..nn.regions import region_info
+from ..ops import written_positions
+from ..program import Program, buffers_kept, module_path
+from ..step import compute_loss
+from .formula import call_signature
+
+
+@dataclass
+class OpRecord:
+    idx: int
+    func: Any
+    node: str
+    module: str
+    in_keys: list  # per positional arg: storage key or None
+    in_bytes: list  # per positional arg: tensor bytes (numel * itemsize)
+    in_rg: list
+    out_keys: list
+    out_bytes: list
+    out_rg: bool
+    new_keys: list  # storages this op created
+    flops: int
+    region: str | None
+    known: bool = True
+    saved: list = field(default_factory=list)  # storage keys saved for backward
+    list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack) or
+    # by keyword
+    recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
+    grad_alias: str = ""  # the op table's grad_alias for this call ("shared" when add's alpha is 1, "expanded" when
+    # sum keeps the input's dtype)
+    int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
+    step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
+    call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
+    # an in-place op on a view (relu_ on a linear's 3-D output, a view of its addmm's): autograd's CopySlices runs
+    # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
+    # runs: those bytes, held with the formula's
+    copy_slices: int = 0
+
+
+class DispatchRecorder(TorchDispatchMode):
+    """Records every dispatch-level op with storage identities (fake storages: no real memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[OpRecord] = []
+        self.node = "<input>"
+        # counts graph nodes run: a node's values stay referenced until it returns (a composite like matmul
+        # holds its inputs over all the ops it dispatches), then the graph drops those it no longer needs
+        self.step = 0
+        self.step_each = False  # outside a graph (the loss function): each op a step of its own
+        self.module = ""
+        self.region: str | None = None
+        self.storage_bytes: dict[int, int] = {}
+        self.keep_alive: list = []  # storages must not be freed and their ids reused during the trace
+        self.grad_enabled = True
+        self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
+        self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
+        self.recast_enabled = False  # the traced module runs under fxmem.nn.recast's scope
+        # recipe output storage -> storages its recipe holds (its tensor arguments, through nested recipes): a
+        # record that saves the recipe instead of the output keeps those alive (free only inside regions)
+        self.recipe_holds: dict[int, list[int]] = {}
+        self.recipe_at: dict[int, str] = {}  # recipe output storage -> the node that registered the recipe
+        self.recipe_of: dict[int, object] = {}  # recipe output storage -> the recipe (an in-place op replaces it)
+        # recipe output storages recomputed once for all their saves (held from the first unpack to the last)
+        self.recipe_shared: set[int] = set()
+        # nesting a pass plans without tracing it (`as_recipes`): recipe output -> {holder's output: whether the
+        # holder uses it through its shared value}
+        self.planned_nesting: dict[int, dict[int, bool]] = {}
+        # recipe outputs made by one shared run of a multi-output op (a max pooling's output and indices) -> a
+        # group id: held together from the group's first unpack to its last
+        self.recipe_group: dict[int, int] = {}
+        self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
+
+    def key(self, tensor) -> tuple[int, bool]:
+        """(the tensor's storage key, whether this is the first time the storage is seen)."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.storage_bytes:
+            self.storage_bytes[key] = int(storage.nbytes())
+            self.keep_alive.append(storage)
+            return key, True
+        return key, False
+
+    def recipe_holders(self) -> dict[int, list[int]]:
+        """Recipe output storage -> the recipe outputs whose recipes hold it as a nested recipe (a U-Net cat's
+        recipe holds its upsampling convolution's)."""
+        return {key: list(holders) for key, holders in self.nesting().items()}
+
+    def nesting(self) -> dict[int, dict[int, bool]]:
+        """Recipe output storage -> {output of a recipe holding it nested: whether that recipe uses it through its
+        shared value (a max pooling's recipes, recomputed right next to its input's own saves)}: as traced, with
+        what a pass planned (`planned_nesting`)."""
+        key_of = {id(recipe): key for key, recipe in self.recipe_of.items()}
+        out: dict[int, dict[int, bool]] = {}
+
+        def walk(recipe, holder: int) -> None:
+            for shared in (False, True):
+                for inner in nested_recipes(recipe, shared):
+                    if id(inner) in key_of:
+                        out.setdefault(key_of[id(inner)], {})[holder] = shared
+                    else:  # no output of its own (a chain member an in-place op replaced, a group's shared run):
+                        walk(inner, holder)  # recomputed with the holder, what it holds is used by its recomputations
+        for key, recipe in self.recipe_of.items():
+            walk(recipe, key)
+        for key, holders in self.planned_nesting.items():
+            out.setdefault(key, {}).update(holders)
+        return out
+
+    def copy_slices_bytes(self, func, args) -> int:
+        """What autograd's CopySlices holds in the backward of an in-place op writing views that need a gradient:
+        the base's gradient copied (its storage's bytes) and the view's slice cloned."""
+        total = 0
+        for position in written_positions(func):
+            arg = args[position] if position < len(args) else None
+            if isinstance(arg, torch.Tensor) and arg.requires_grad and arg._is_view():
+                total += self.storage_bytes[self.key(arg)[0]] + int(arg.numel()) * arg.element_size()
+        return total
+
+    def save_original_copy(self, record: OpRecord, func) -> None:
+        """An in-place op whose backward reads its input's value from before the write (clamp_, silu_, pow_) saves
+        the copy autograd makes of it first (`original_self`: a clone dispatched just before it, in the same node):
+        the op saves that copy, not the storage it writes, and the copy has no backward of its own."""
+        written = {record.in_keys[i] for i in written_positions(func) if i < len(record.in_keys)}
+        for earlier in reversed(self.records):
+            if earlier.step != record.step:
+                return
+            if earlier.func is torch.ops.aten.clone.default and earlier.new_keys and earlier.in_keys[0] in written:
+                earlier.out_rg, earlier.call, earlier.saved = False, None, []
+                record.saved = [key for key in record.saved if key != earlier.in_keys[0]] + [earlier.out_keys[0]]
+                return
+
+    def hold_recipe_args(self, record: OpRecord) -> None:
+        for key in record.recast:
+            for held in self.recipe_holds.get(key, ()):
+                if held not in record.saved:
+                    record.saved.append(held)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_keys, in_bytes, in_rg, list_keys = self._inputs(args)
+        # tensors passed by keyword (SDPA's attn_mask on CPU) are read too: held to here, like list members
+        list_keys.extend(self.key(value)[0] for value in kwargs.values() if isinstance(value, torch.Tensor))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if self.step_each:
+            self.step += 1
+        out_keys, out_bytes, new_keys, int_outs = self._outputs(outs)
+        float_out = any(key is not None and key not in int_outs for key in out_keys)
+        out_rg = self.grad_enabled and torch.is_grad_enabled() and float_out and any(in_rg) and \
+            not optable.grad_free(func)
+        record = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
+                          out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
+                          list_keys=list_keys, int_outs=int_outs, step=self.step)
+        if out_rg:
+            self._record_saves(record, func, args, kwargs)
+        else:
+            record.known = True
+        self._record_grad_alias(record, func, args, kwargs)
+        self.records.append(record)
+        return out
+
+    def _inputs(self, args) -> tuple[list, list, list, list]:
+        """(storage key, bytes, requires grad) per positional argument, and the storages inside list arguments."""
+        in_keys, in_bytes, in_rg, list_keys = [], [], [], []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key, _ = self.key(arg)
+                in_keys.append(key)
+                in_bytes.append(int(arg.numel()) * arg.element_size())
+                in_rg.append(bool(arg.requires_grad))
+            elif isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
+                # e.g. cat/stack: treat the list as one argument; keep the first as representative
+                keys = [self.key(tensor)[0] for tensor in arg]
+                list_keys.extend(keys)
+                in_keys.append(keys[0])
+                in_bytes.append(sum(int(tensor.numel()) * tensor.element_size() for tensor in arg))
+                in_rg.append(any(tensor.requires_grad for tensor in arg))
+            else:
+                in_keys.append(None)
+                in_bytes.append(0)
+                in_rg.append(False)
+        return in_keys, in_bytes, in_rg, list_keys
+
+    def _outputs(self, outs) -> tuple[list, list, list, list]:
+        """(storage key, bytes) per output, the storages new here, and the integer/bool outputs' storages."""
+        out_keys, out_bytes, new_keys, int_outs = [], [], [], []
+        for tensor in outs:
+            if isinstance(tensor, torch.Tensor):
+                key, new = self.key(tensor)
+                out_keys.append(key)
+                out_bytes.append(int(tensor.numel()) * tensor.element_size())
+                if not (tensor.is_floating_point() or tensor.is_complex()):
+                    int_outs.append(key)
+                if new:
+                    new_keys.append(key)
+                    if self.recast_node:
+                        self.recast_keys.add(key)
+            else:
+                out_keys.append(None)
+                out_bytes.append(0)
+        return out_keys, out_bytes, new_keys, int_outs
+
+    def _record_saves(self, record: OpRecord, func, args, kwargs) -> None:
+        """What an op with a backward saves (the op table's slots), its call signature and CopySlices bytes."""
+        # (an in-place op's backward holds what its out-of-place variant's formula holds)
+        record.call = call_signature(optable.functional_variant(func) or func, args, kwargs)
+        record.copy_slices = self.copy_slices_bytes(func, args)
+        ctx = optable.SaveCtx(tuple(args), kwargs, tuple(record.in_rg))
+        slots, record.known = optable.saved(func, ctx)
+        for kind, position in slots:
+            if kind == "kw":
+                record.saved.append(self.key(kwargs[position])[0])
+                continue
+            keys = record.in_keys if kind == "in" else record.out_keys
+            if position < len(keys) and keys[position] is not None:
+                record.saved.append(keys[position])
+        if written_positions(func):
+            self.save_original_copy(record, func)
+        if self.recast_enabled and self.recast_keys and self.region is None:
+            # casts of parameters/inputs are saved as their source and cast again in backward; inside a
+            # region the region's own hooks decide (checkpoint recomputes, offload moves them)
+            record.recast = [key for key in record.saved if key in self.recast_keys]
+            record.saved = [key for key in record.saved if key not in self.recast_keys]
+            self.hold_recipe_args(record)
+
+    @staticmethod
+    def _record_grad_alias(record: OpRecord, func, args, kwargs) -> None:
+        info = optable.lookup(func)
+        if info is None:
+            record.known = False
+        elif info.grad_alias == "shared":
+            record.grad_alias = info.grad_alias if kwargs.get("alpha", 1) == 1 else ""
+        elif info.grad_alias == "expanded":
+            same_dtype = kwargs.get("dtype") in (None, getattr(args[0], "dtype", None))
+            record.grad_alias = info.grad_alias if same_dtype else ""
+        elif info.grad_alias:
+            record.grad_alias = info.grad_alias
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    def __init__(self, module, recorder: DispatchRecorder):
+        super().__init__(module)
+        self.recorder = recorder
+
+    def run_node(self, n):
+        recorder = self.recorder
+        recorder.node = n.name
+        recorder.step += 1
+        recorder.module = module_path(n)
+        recorder.recast_node = n.op == "call_function" and n.target is cast_param
+        first = len(recorder.records)
+        out = super().run_node(n)
+        scope = recast_active()
+        recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
+        if recipe is not None and recorder.recipe_of.get(recorder.key(out)[0]) is not recipe:
+            # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout),
+            # or an in-place op re-registered a recipe's storage (relu_ after a batch norm): saved as the recipe,
+            # which holds its arguments, and recomputed in backward (a view of a recipe's output is not new)
+            self._as_recipe(recorder.key(out)[0], recipe, n, first)
+            # a tensor of the op's own making it saves besides its output (max pooling's indices), a recipe too
+            for record in recorder.records[first:]:
+                for saved in list(record.saved):
+                    other = scope.recipe_of_storage(saved)
+                    if other is not None and other is not recipe and recorder.recipe_of.get(saved) is not other:
+                        self._as_recipe(saved, other, n, first)
+        return out
+
+    def _as_recipe(self, key: int, recipe, n, first: int) -> None:
+        """Storage `key`, made by node `n` (its records from `first` on), saved as `recipe`."""
+        recorder = self.recorder
+        recorder.recast_keys.add(key)
+        recorder.recipe_holds[key] = list(dict.fromkeys(recorder.key(t)[0] for t in recipe_tensors(recipe)))
+        recorder.recipe_at[key] = n.name
+        recorder.recipe_of[key] = recipe
+        group = group_of(recipe)
+        if recipe.share or group is not None:
+            recorder.recipe_shared.add(key)
+        else:
+            recorder.recipe_shared.discard(key)
+        if group is not None:
+            recorder.recipe_group[key] = id(group)
+        for record in recorder.records[first:]:  # the op's own saves of it (ReLU's result, max pooling's indices)
+            if record.region is None and key in record.saved:
+                record.saved = [saved for saved in record.saved if saved != key]
+                record.recast = list(record.recast) + [key]
+                recorder.hold_recipe_args(record)
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        info = region_info(module)
+        if info is None:
+            return super().call_module(target, args, kwargs)
+        enclosing = self.recorder.region
+        self.recorder.region = target
+        try:
+            with recast_aside():  # as the region's forward does: its own hooks decide inside
+                if isinstance(info.body, fx.GraphModule) and not kwargs:  # its nodes counted, as the program's
+                    return _StepInterpreter(info.body, self.recorder).run(*args)
+                return info.body(*args, **kwargs)  # the region's computation, recorded op by op
+        finally:
+            self.recorder.region = enclosing
+
+
+class _StepInterpreter(fx.Interpreter):
+    """Runs a region's body node by node, counting its nodes as steps (labels stay the region's)."""
+
+    def __init__(self, module, recorder: DispatchRecorder):
+        super().__init__(module)
+        self.recorder = recorder
+
+    def run_node(self, n):
+        self.recorder.step += 1
+        return super().run_node(n)
+
+
+class ForwardTrace(NamedTuple):
+    """What `trace_forward` recorded: the recorder (its `records`, `storage_bytes`, recipes), the storages that
+    exist before the step ({key: "param" | "buffer" | "input"}), the storages the step hands back (outputs, and
+    the loss in train mode), and the traced module's parameters."""
+    recorder: DispatchRecorder
+    base_keys: dict
+    out_keys: set
+    params: list
+
+
+def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
+    """Run forward (+ loss in train mode) under FakeTensorMode, recording dispatch-level ops. Sizes that depend on
+    tensor values are taken from the example inputs (see `fxmem.fake.with_data_dependent_fallback`)."""
+    return with_data_dependent_fallback(lambda: _trace_forward(program, args, kwargs, mode, loss_fn))
+
+
+class _SharedFakes:
+    """One FakeTensorMode kept across static traces with the fakes it made of parameters, buffers, tensor
+    attributes and example inputs: a pass traces its program several times (snapshots share parameters), and
+    converting a tensor is a sizeable part of a trace. A tensor whose type, dtype, device, shape, strides, storage
+    or requires_grad changed since its fake was made (a pass cast or replaced it) starts a fresh mode. Not used when
+    fakes must carry real values (the data-dependent fallback)."""
+
+    def __init__(self):
+        self.mode: FakeTensorMode | None = None
+        self.fakes = WeakIdKeyDictionary()  # real tensor -> (signature, fake)
+
+    @staticmethod
+    def signature(tensor: torch.Tensor) -> tuple:
+        return (type(tensor), tensor.dtype, tensor.device, tuple(tensor.shape), tensor.stride(),
+                tensor.storage_offset(), tensor.requires_grad, tensor.untyped_storage()._cdata)
+
+    def mode_for(self, tensors: list) -> FakeTensorMode:
+        if propagating_real_values():
+            return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        stale = self.mode is None or any(
+            (entry := self.fakes.get(t)) is not None and entry[0] != self.signature(t) for t in tensors)
+        if stale:
+            self.mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+            self.fakes = WeakIdKeyDictionary()
+        return self.mode
+
+    def keep(self, mode: FakeTensorMode, tensors: list) -> None:
+        """Hold the fakes of `tensors` (the mode's memo holds them weakly only)."""
+        if mode is not self.mode:
+            return
+        for tensor in tensors:
+            if tensor not in self.fakes:
+                self.fakes[tensor] = (self.signature(tensor), mode.from_tensor(tensor))
+
+    def drop(self) -> None:
+        self.mode, self.fakes = None, WeakIdKeyDictionary()
+
+
+_SHARED_FAKES = _SharedFakes()
+
+
+def _module_tensors(module: nn.Module) -> list:
+    """Parameters, buffers and plain tensor attributes (graph constants) of every module under `module`."""
+    out = list(module.parameters()) + list(module.buffers())
+    for sub in module.modules():
+        out.extend(v for v in vars(sub).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter))
+    return out
+
+
+def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    reals = list({id(t): t for t in _module_tensors(program.module) + [x for x in flat if isinstance(x, torch.Tensor)]
+                  if not isinstance(t, FakeTensor)}.values())
+    fake_mode = _SHARED_FAKES.mode_for(reals)
+    try:
+        with buffers_kept(program.module):  # in-place ops on real buffers alone run for real under the fake mode
+            out = _trace_forward_in(fake_mode, program, flat, (args, kwargs), mode, loss_fn)
+    except BaseException:
+        _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
+        raise
+    _SHARED_FAKES.keep(fake_mode, reals)
+    return out
+
+
+def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: str, loss_fn=None) -> ForwardTrace:
+    """The trace in `fake_mode`; `flat` are `inputs` (args, kwargs) flattened."""
+    module = program.module
+    with fake_mode:
+        fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    recorder = DispatchRecorder()
+    recorder.grad_enabled = mode == "train"
+    recorder.recast_enabled = recast_installed(module)
+    was_training = module.training
+    module.train(mode == "train")
+    grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
+    try:
+        with fake_mode, grad_ctx:
+            params = list(module.parameters())
+            base_keys = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
+            with recorder, recast_scope(module):  # what the module's forward hooks enter (recipes register there)
+                out_flat = _RecordingInterpreter(module, recorder).run(*fake_flat, enable_io_processing=False)
+                output = module.graph.process_outputs(out_flat)
+                out_keys = {recorder.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
+                if mode == "train":
+                    recorder.node, recorder.module, recorder.step_each = "loss", "", True
+                    args, kwargs = inputs
+                    fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
+                    loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
+                    recorder.loss_key = recorder.key(loss)[0]
+                    out_keys.add(recorder.loss_key)
+    finally:
+        module.train(was_training)
+    return ForwardTrace(recorder, base_keys, out_keys, params)
+
+
+def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> dict:
+    """Parameters, buffers and inputs first, so they are known storages (the baseline): storage key -> "param" |
+    "buffer" | "input"."""
+    recorder.node = "<params>"
+    base_keys = {}
+    for tensor in state:
+        # the fake mode memoizes conversions: every use of this parameter sees this fake storage
+        base_keys[recorder.key(fake_mode.from_tensor(tensor))[0]] = "param" if isinstance(tensor, nn.Parameter) \
+            else "buffer"
+    for tensor in fake_flat:
+        if isinstance(tensor, torch.Tensor):
+            base_keys.setdefault(recorder.key(tensor)[0], "input")
+    return base_keys
+
+
+def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesting: dict | None = None,
+               groups: dict | None = None) -> ForwardTrace:
+    """`traced` as if the outputs under `keys` were saved as recipes (fxmem.nn.recast), without tracing the
+    rewritten program: their savers save the recipe instead (those under `shared` recomputed once for all their
+    saves; `nesting`, as `DispatchRecorder.nesting`: which recipes hold which nested, and use them through their
+    shared value; `groups`, as `DispatchRecorder.recipe_group`, outputs of one shared run). What a recipe holds is
+    not recorded (`recipe_holds` stays as traced): this is for outputs whose recipe arguments are kept anyway (remat
+    sites), where holding them adds nothing; a pass that emits the rewrite traces it for the real record."""
+    recorder = copy.copy(traced.recorder)
+    recorder.recipe_shared = set(recorder.recipe_shared) | (set(shared) & set(keys))
+    recorder.planned_nesting = {**recorder.planned_nesting, **(nesting or {})}
+    recorder.recipe_group = {**recorder.recipe_group, **(groups or {})}
+    records = []
+    for record in recorder.records:
+        if record.region is None and record.saved and any(key in keys for key in record.saved):
+            record = copy.copy(record)
+            record.recast = list(record.recast) + [key for key in record.saved if key in keys]
+            record.saved = [key for key in record.saved if key not in keys]
+        records.append(record)
+    recorder.records = records
+    return ForwardTrace(recorder, *traced[1:])
+
+
+def cached_per_trace(recorder: DispatchRecorder, name: str, make):
+    """`make()` once per trace, kept on its recorder under `name` (a copy of the recorder with other records, as
+    `as_recipes` makes, gets its own)."""
+    hit = recorder.__dict__.get(name)
+    if hit is None or hit[0] is not recorder.records:
+        hit = recorder.__dict__[name] = (recorder.records, make())
+    return hit[1]
