@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -17,14 +18,22 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from . import costmodel
+from . import __version__, costmodel
 from .capture import capture
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
+from .measure import measure as measure_memory
+from .nn.lowbit import QuantLinear
+from .nn.offload import WeightStreamer
+from .pipeline import PassManager, load_passes
+from .policy import load_policy
 from .program import Program, deep_copy
-from .resultdir import RESULT_KIND
+from .report import Report
+from .resultdir import RESULT_KIND, STRUCTURE, WEIGHTS, load_result, write_manifest
 from .staging import claim_scratch, release_scratch, remove_abandoned
 from .staging import remove_path as _remove_path
+from .step import check_trainable
+from .structure import describe, format_code, generated_code
 from .userstate import keeps_model_state
 
 
@@ -65,10 +74,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     when measured, beyond the checkpoint pass's stated slack), raises a StrictError (PassError, StrictBudgetError;
     CLI exit 3) instead of being reported.
     """
-    from .pipeline import PassManager, load_passes
-    from .policy import load_policy
     load_passes()  # passes register their option classes, so the policy validates their sections
-    from .report import Report
     t0 = time.perf_counter()
     ov = list(overrides)
     for k, v in option_overrides.items():
@@ -91,7 +97,6 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     t_capture = time.perf_counter() - t0
     program.refresh()
     if pol.mode == "train":  # a loss backward cannot run from is the user's error, said before any work
-        from .step import check_trainable
         check_trainable(program.module, program.example_args, program.example_kwargs, loss_fn,
                         _model_named(program, model_file))
     original = program.snapshot()
@@ -116,7 +121,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         specialized=[str(s) for s in program.specialized], notes=list(program.notes),
         budget=(pol.budget.resolve(before.peak) if pol.budget is not None and hasattr(pol.budget, "resolve")
                 else None),
-        versions={"fxmem": _version(), "torch": torch.__version__},
+        versions={"fxmem": __version__, "torch": torch.__version__},
         timing={"capture_s": round(t_capture, 3), "passes_s": round(t_passes, 3),
                 "total_s": round(time.perf_counter() - t0, 3)})
     if strict:
@@ -197,22 +202,15 @@ def _yaml_scalar(v) -> str:
     return str(v)
 
 
-def _version() -> str:
-    from . import __version__
-    return __version__
-
-
 def _measure(program: Program, pol, loss_fn):
     """Measure a copy (measuring trains the module: the user's parameters must not change)."""
-    from .measure import measure
     snap = deep_copy(program.module)
-    return measure(snap, program.example_args, program.example_kwargs, mode=pol.mode, optimizer=pol.optimizer,
-                   loss_fn=loss_fn)
+    return measure_memory(snap, program.example_args, program.example_kwargs, mode=pol.mode,
+                          optimizer=pol.optimizer, loss_fn=loss_fn)
 
 
 def _full_code(gm: nn.Module) -> str:
     """The generated code of a GraphModule and of every GraphModule inside it, readable."""
-    from .structure import format_code
     return format_code(type(gm).__name__, [(name, mod.code) for name, mod in [("", gm)] + list(gm.named_modules())[1:]
                                            if isinstance(mod, fx.GraphModule)])
 
@@ -222,7 +220,6 @@ def _full_code(gm: nn.Module) -> str:
 def _quantized_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) for every bitsandbytes layer wrapper (`fxmem.nn.lowbit.QuantLinear`): their weights
     are bitsandbytes parameters with state outside the tensor, saved by `quantized_state()`, not as plain tensors."""
-    from .nn.lowbit import QuantLinear
     return [(n, m) for n, m in module.named_modules() if isinstance(m, QuantLinear)]
 
 
@@ -230,7 +227,6 @@ def _unsaveable(module: nn.Module) -> str | None:
     """Why `module` cannot be saved (a one-line reason for an FxmemError), or None. Checked before anything is
     written: a module holding a WeightStreamer (weight offload: its weights live in a scratch file, and the hooks
     that make its owner's state_dict see them are local functions), or any module whose `__getstate__` refuses."""
-    from .nn.offload import WeightStreamer
     for name, mod in module.named_modules():
         where = f"{name or '<root>'} ({type(mod).__name__})"
         if isinstance(mod, WeightStreamer):
@@ -525,9 +521,6 @@ def _not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
 
 def _write_result_files(result: TransformResult, d: Path) -> None:
     from safetensors.torch import save_file
-
-    from .resultdir import STRUCTURE, WEIGHTS, write_manifest
-    from .structure import describe, generated_code
     gm = result.module
     why = _unsaveable(gm)  # (OutputDir.write comes here directly: the CLI; it removes its scratch directory)
     if why is not None:
@@ -568,7 +561,7 @@ def _write_result_files(result: TransformResult, d: Path) -> None:
     write_text(d / "original.py", _full_code(result.original.module))
     if result.report is not None:
         result.report.save(d)
-    write_manifest(d, {"fxmem": _version(), "torch": torch.__version__, "model": result.program.model_name,
+    write_manifest(d, {"fxmem": __version__, "torch": torch.__version__, "model": result.program.model_name,
                        "mode": result.policy.mode, "inputs": list(result.program.input_names)})
 
 
@@ -619,7 +612,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
@@ -643,5 +635,4 @@ def load(path, *, map_location="cpu", trust_code: bool = False) -> fx.GraphModul
     `trust_code=True` also loads results of older fxmem versions (formats 1-2), whose structure is a pickle:
     that runs code, like `torch.load(weights_only=False)`; use it only for results you trust.
     """
-    from .resultdir import load_result
     return load_result(path, map_location=map_location, trust_code=trust_code)

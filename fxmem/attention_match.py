@@ -21,6 +21,7 @@ lower-triangular ones, sliced from index 0 on both of its last two dims to exact
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import operator
 import re
@@ -862,7 +863,6 @@ def emit_scale(graph: fx.Graph, factors) -> float | fx.Node:
 
 
 def glob_match(path: str, patterns) -> bool:
-    import fnmatch
     return any(fnmatch.fnmatchcase(path, p) for p in patterns)
 
 

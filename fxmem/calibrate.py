@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 from torch import fx
 
+from .capture import capture
 from .depgroups import probe_nodes
 from .errors import FxmemError
 from .program import Program
@@ -120,7 +121,7 @@ class CalibrationStats:
 
     def plot(self, path_png=None, path_svg=None, bins: int = 20):
         """A figure with one coldness histogram per layer; saved to the given paths; returns the figure."""
-        import matplotlib
+        import matplotlib  # (heavy: loaded only to draw)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         names = [k for k, v in self.layers.items() if v.sum is not None]
@@ -186,7 +187,6 @@ def calibrate(program: Program, data: Iterable, *, max_batches: int | None = 16,
         data = list(data)
         if not data:
             raise FxmemError("calibrate: the calibration data is empty")
-        from .capture import capture
         args, kwargs = normalize_item(data[0])
         program = capture(program, args, kwargs, mode="inference")
     gm = program.module

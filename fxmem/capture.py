@@ -20,11 +20,13 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import os
 import re
 import sys
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ from torch.utils import _pytree as pytree
 from .capture_defaults import capture_defaults, defaults_bound, describe_defaults
 from .capture_hints import hint_for
 from .capture_output import export_output_kept, write_details
+from .compare import compare_outputs
 from .errors import CaptureError
 from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .library_sizes import library_sizes_symbolic
@@ -411,8 +414,6 @@ def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | Non
 @contextlib.contextmanager
 def warnings_quiet():
     """export warns about 0/1-specialised dims; fxmem reports specialised dims itself (Program.specialized)."""
-    import logging
-    import warnings
     log = logging.getLogger("torch._export.non_strict_utils")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -688,7 +689,6 @@ def _check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) 
 def _mode_difference(gm: nn.Module, model: nn.Module, args, kwargs, mode: str, *, buffers: bool) -> str | None:
     """How `gm` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers after
     the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same seed."""
-    from .compare import compare_outputs
     ref_out, ref_buffers = _seeded_call(model, mode, args, kwargs)
     got_out, got_buffers = _seeded_call(gm, mode, args, kwargs)
     err = compare_outputs(ref_out, got_out, atol=1e-5, rtol=1e-4)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from .errors import FxmemError
 
+# (each command imports what it uses when it runs: `fxmem --help` and flag errors answer without loading them)
+
 MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
                    "calibration_data(), evaluate(module)); it is user code and runs as such")
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))

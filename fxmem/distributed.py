@@ -32,6 +32,7 @@ shards of parameters and optimizer state, plus everything the step allocates).
 """
 from __future__ import annotations
 
+import gc
 import operator
 import warnings
 from dataclasses import dataclass
@@ -40,9 +41,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .costmodel import estimate
 from .errors import FxmemError
+from .measure import StorageTracker
 from .nn.regions import region_info
+from .outline import OutlineError, check_outline, outline
 from .program import Program, module_stack
+from .step import compute_loss
 
 __all__ = ["distribute", "declared_mode", "block_paths", "node_blocks", "ShardedBlock", "measure_rank", "estimate_rank",
            "DistributeOptions"]
@@ -136,7 +141,6 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
                 dry_run: bool = False) -> tuple[list[str], list[str]]:
     """Turn each block into a ShardedBlock call (in place). Returns (blocks made, notes). `dry_run`: the same
     answer without changing `gm` (what `estimate_rank` shards)."""
-    from .outline import OutlineError, check_outline, outline
     paths = block_paths(gm) if paths is None else list(paths)
     notes: list[str] = []
     made: list[str] = []
@@ -291,7 +295,7 @@ def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | 
     (their `distributed` field), or None (the plan the offload pass recorded on the module).
     Returns the DDP wrapper, or (FSDP2) the module itself, sharded in place.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # (only here: the rest of fxmem runs without a process group)
     if not dist.is_available() or not dist.is_initialized():
         raise FxmemError("fxmem.distribute: torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) first (one process per rank)")
@@ -336,12 +340,9 @@ def measure_rank(module: nn.Module, args: tuple, kwargs: dict | None = None, *, 
     allocates (all-gathered parameters, gradients, reduce buffers, activations) by the same storage tracker
     fxmem.measure uses. Returns {"peak", "params", "optimizer_state", "base"} in bytes.
     """
-    import gc
 
     from torch.utils import _pytree as pytree
 
-    from .measure import StorageTracker
-    from .step import compute_loss
     kwargs = dict(kwargs or {})
 
     def local(t):
@@ -411,7 +412,6 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     be at the per-rank input shapes.
     Returns {"peak", "base_estimate", "extra", "zero_stage"} in bytes and "blocks", the blocks sharded apart.
     """
-    from .costmodel import estimate
     stage = 0 if mode == "ddp" else 3
     paths: list[str] = []
     est = estimate(program, mode="train", optimizer=optimizer, world_size=world_size, zero_stage=stage,

@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .nn.recast import observing
+from .program import Program
 from .step import make_torch_optimizer, training_step
 from .userstate import keeps_model_state, mode_set
 
@@ -333,7 +335,6 @@ def measure(model, args=(), kwargs=None, *, mode: str = "train", optimizer: str 
     copied aside while it runs (outside the measured bytes). A Program or a GraphModule from fxmem is measured the
     same way as the user's module.
     """
-    from .program import Program
     if isinstance(model, Program):
         model = model.module
     args, kwargs = _as_call(args, kwargs)
@@ -359,7 +360,6 @@ def saved_tensors(model, args=(), kwargs=None) -> list:
     hooks, innermost; what those keep (the tensor, or a recipe's arguments instead of its output) is counted
     through `recast.observing`, and so is what a checkpoint region keeps outside any saved-tensor hook (the
     outputs a selective policy caches, the dropout masks its draw tape holds)."""
-    from .nn.recast import observing
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, torch.Tensor] = {}
 

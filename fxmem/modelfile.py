@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .errors import FxmemError, LossFnError, ModelFileError
+from .step import require_trainable_loss
 from .userstate import mode_set, model_state_kept
 
 
@@ -190,7 +191,6 @@ def check_inputs(mf: ModelFile, mode: str | None = None) -> None:
     """Run the model once on its example inputs (eval mode), so a rejection is reported as the user's error. With
     mode="train" the run has autograd on, and its loss must be one a training step can take back to the parameters
     (`step.require_trainable_loss`). Buffers, the RNG state and the mode are left as they were."""
-    from .step import require_trainable_loss
     train = mode == "train"
     with model_state_kept(mf.model), mode_set(mf.model, False), torch.set_grad_enabled(train):
         try:

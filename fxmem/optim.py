@@ -19,6 +19,7 @@ import warnings
 import torch
 from torch import nn
 
+from .nn.offload import OffloadedOptimizer
 from .step import OPTIMIZERS, make_torch_optimizer
 
 
@@ -102,7 +103,6 @@ def make_optimizer(module: nn.Module, policy="adamw", *, lr: float = 1e-3):
     device = params[0].device
     plan = getattr(module, "fxmem_offload", None) or {}
     if plan.get("grads"):
-        from .nn.offload import OffloadedOptimizer
         threshold = plan.get("grad_threshold")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -32,10 +32,14 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from . import costmodel
 from .compare import Deviation, compare_outputs, deviation
 from .errors import FxmemError, PassError, PolicyError
 from .nn.modes import mode_dispatch, mode_graph
+from .policy import register_options
 from .program import Program, buffers_kept
+from .step import compute_loss
+from .units import format_bytes
 
 CANONICAL_ORDER = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
 
@@ -116,8 +120,8 @@ class PassContext:
     budget_strict: bool = True  # False: the budget is a target (presets); unreachable -> as low as possible
 
     def estimate(self, program: Program, method: str = "static"):
-        from .costmodel import estimate
-        return estimate(program, mode=self.mode, optimizer=self.optimizer, method=method, loss_fn=self.loss_fn)
+        return costmodel.estimate(program, mode=self.mode, optimizer=self.optimizer, method=method,
+                                  loss_fn=self.loss_fn)
 
 
 # ============================================================================================ registry
@@ -132,7 +136,6 @@ def register(cls):
     REGISTRY[name] = cls
     opts = getattr(cls, "Options", None)
     if opts is not None:
-        from .policy import register_options
         register_options(name, opts)
     return cls
 
@@ -219,7 +222,6 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
     training with autograd on); the buffers after the step are returned too. Buffers, `.grad`, the mode and the
     global RNG state are left as they were.
     """
-    from .step import compute_loss
     gm = program.module
     was = gm.training
     prev_grads = {n: p.grad for n, p in gm.named_parameters()}
@@ -322,7 +324,6 @@ class PassManager:
             return self._run(program, baseline)
 
     def _run(self, program: Program, baseline) -> Program:
-        from .costmodel import estimate
         names = self.enabled_passes()
         verify = self.policy.verify
         mode, optimizer = self.policy.mode, self.policy.optimizer
@@ -379,12 +380,12 @@ class PassManager:
             new_other = self._verify_other_mode(rec, new, verify, t0)
             if new_other is False:
                 continue
-            est = estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
+            est = costmodel.estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
             rec.peak_after = est.peak
             rec.status = "applied"
             rec.seconds = time.perf_counter() - t0
             self.log(f"[{name}] applied: {len(rec.changes)} change(s), estimated peak "
-                     f"{_fmt(current_est.peak)} -> {_fmt(est.peak)}")
+                     f"{format_bytes(current_est.peak)} -> {format_bytes(est.peak)}")
             program, current_est = new, est
             if new_train is not None:
                 self._train_ref = new_train
@@ -546,11 +547,6 @@ def _src(policy, sec) -> str:
     src = getattr(policy, "source", "<policy>")
     line = getattr(sec, "line", None)
     return f"{Path(str(src)).name}:{line}" if line else str(Path(str(src)).name)
-
-
-def _fmt(n) -> str:
-    from .units import format_bytes
-    return format_bytes(n)
 
 
 def _jsonable(x):

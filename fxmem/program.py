@@ -74,7 +74,7 @@ class Program:
         """lint, dead-code elimination, recompile, and concrete metadata at the example inputs."""
         g = self.module.graph
         if dce:
-            g.eliminate_dead_code(is_impure_node=_is_impure)
+            g.eliminate_dead_code(is_impure_node=is_impure)
         g.lint()
         self.module.recompile()
         with_data_dependent_fallback(lambda: propagate_meta(self.module, self.flat_inputs(), self.mode))
@@ -112,7 +112,8 @@ ROOT_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_for
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_deepcopy_hooks")
 
 
-def _is_impure(node: fx.Node) -> bool:
+def is_impure(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep `node`: inputs and outputs, module calls, in-place ops, assertions."""
     if node.op in ("placeholder", "output"):
         return True
     if node.op == "call_module":

@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .costmodel import MemoryEstimate
 from .files import write_bytes, write_text
+from .measure import MemoryProfile, TimelinePoint
+from .pipeline import Change, PassRecord
 from .units import format_bytes as _format_bytes
 
 SCHEMA_VERSION = 1
@@ -213,9 +216,6 @@ class Report:
     @classmethod
     def from_dict(cls, d: dict) -> "Report":
         """Rebuild a report from `to_dict`/`report.json` (to re-render or compare saved results)."""
-        from .costmodel import MemoryEstimate
-        from .measure import MemoryProfile, TimelinePoint
-        from .pipeline import Change, PassRecord
         if d.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"report schema_version {d.get('schema_version')!r} is not {SCHEMA_VERSION}")
 
@@ -687,7 +687,7 @@ def timeline_figure(report: Report):
 
 
 def _render(report: Report, fmt: str) -> bytes:
-    import matplotlib
+    import matplotlib  # (heavy: loaded only to draw)
     with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
                                 "font.family": "DejaVu Sans"}):
         fig = timeline_figure(report)
@@ -708,7 +708,7 @@ def histograms_svg(hist, title: str = "coldness per layer", max_layers: int = 24
     if not layers or not isinstance(edges, (list, tuple)) or len(edges) < 2:
         return None
     shown = layers[:max_layers]
-    import matplotlib
+    import matplotlib  # (heavy: loaded only to draw)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cols = min(4, len(shown))

@@ -5,6 +5,7 @@ the sum of `.float().mean()` over every floating-point tensor in the flattened o
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import LossFnError, ModelFileError
+from .program import buffers_kept
 
 OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "paged_adamw8bit")
 
@@ -47,9 +49,7 @@ def make_torch_optimizer(name: str, params: list[nn.Parameter], lr: float = 1e-3
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name in ("adamw8bit", "adam8bit", "paged_adamw8bit"):
-        import warnings
-
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # (optional heavy dependency: loaded for the 8-bit optimizers only)
         cls = {"adamw8bit": bnb.optim.AdamW8bit, "adam8bit": bnb.optim.Adam8bit,
                "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
         with warnings.catch_warnings():
@@ -74,7 +74,6 @@ def check_trainable(model: nn.Module, args: tuple, kwargs: dict, loss_fn, where:
     """`require_trainable_loss` on one forward of `model` with autograd on, before any work. In eval mode, as the
     pipeline's reference step runs (a training-mode forward may fail where that one does not); the buffers, the RNG
     state and the mode are left as they were."""
-    from .program import buffers_kept
     was = model.training
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[]), buffers_kept(model):

@@ -39,9 +39,10 @@ from torch import fx
 
 from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, find_attention, glob_match,
                                    trace_projection, val)
+from fxmem.costmodel import node_costs
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
 from fxmem.pipeline import Change, PassResult, register
-from fxmem.program import Program
+from fxmem.program import Program, is_impure
 
 aten = torch.ops.aten
 
@@ -191,12 +192,10 @@ def _ensure_meta(program: Program) -> None:
     if any(n.op == "call_function" and "fxmem_val" not in n.meta for n in g.nodes):
         program.refresh()
     else:
-        from fxmem.program import _is_impure
-        g.eliminate_dead_code(is_impure_node=_is_impure)
+        g.eliminate_dead_code(is_impure_node=is_impure)
 
 
 def _saved_by_node(program: Program, mode: str) -> dict:
-    from fxmem.costmodel import node_costs
     try:
         return {k: v.saved_bytes for k, v in node_costs(program, mode).items()}
     except Exception:  # noqa: BLE001 - the estimate is informative only

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from fxmem.calibrate import normalize_item
 from fxmem.errors import PolicyError
 from fxmem.nn.gating import GatedResidual, reset_skip_stats, skip_stats
 from fxmem.outline import OutlineError, outline, region_boundary
@@ -312,7 +313,6 @@ class GatingPass:
 
     @staticmethod
     def _skip_rates(program: Program, items) -> dict:
-        from fxmem.calibrate import normalize_item
         gm = program.module
         was = gm.training
         gm.eval()

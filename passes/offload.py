@@ -32,16 +32,19 @@ graph: the pass records the plan on the module (`module.fxmem_offload`), and `fx
 """
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import fx
 
-from fxmem.costmodel import smallest_fitting_prefix, trace_forward
+from fxmem.costmodel import estimate, node_costs, smallest_fitting_prefix, trace_forward
+from fxmem.distributed import block_paths
 from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.recast import op_call
@@ -303,7 +306,6 @@ class OffloadPass:
                          "policy) wraps the optimizer in fxmem.nn.offload.OffloadedOptimizer, which moves gradients to "
                          "the host as they are accumulated")
         if o.distributed != "none":
-            from fxmem.distributed import block_paths
             plan["fsdp_blocks"] = block_paths(program.module)
             changes.append(Change("offload-plan", "", [], [], f"run under {o.distributed} (fxmem.distribute)", None,
                                   {"blocks": plan["fsdp_blocks"]}))
@@ -314,7 +316,6 @@ class OffloadPass:
 
 
 def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: int | None, ctx):
-    from fxmem.costmodel import estimate
     notes: list[str] = []
     costs = _saved_by_node(program)
     cands = candidates(program, costs, list(o.regions))
@@ -390,7 +391,6 @@ def _probe(tier: str, o: OffloadOptions, notes: list) -> float:
 
 def _probe_flops(program: Program) -> float:
     """Matmul FLOP/s on the model's device (a ~10 ms probe); compute time of a region = its FLOPs / this."""
-    import time
     dev = next((p.device for p in program.module.parameters()), torch.device("cpu"))
     try:
         a = torch.randn(256, 256, device=dev)
@@ -408,7 +408,6 @@ def _probe_flops(program: Program) -> float:
 
 
 def _saved_by_node(program: Program) -> dict[str, int]:
-    from fxmem.costmodel import node_costs
     return {k: v.saved_bytes for k, v in node_costs(program).items()}
 
 
@@ -542,7 +541,6 @@ def offload_weights(program: Program, o: OffloadOptions, tier: str):
 def _remove_attr(root: torch.nn.Module, target: str) -> None:
     """Delete a parameter from the module tree, copying the modules on its path first (copy-on-write), so the
     program this one was snapshotted from keeps its parameter."""
-    import copy
     *path, leaf = target.split(".")
     mod = root
     for name in path:

@@ -60,9 +60,12 @@ from torch.utils import _pytree as pytree
 from fxmem import ops as optable
 from fxmem.compare import deviation
 from fxmem.errors import PolicyError
+from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
 from fxmem.nn.recast import cast_param, install as install_recast
+from fxmem.optim import make_optimizer
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, deep_copy, module_path
+from fxmem.step import compute_loss
 
 aten = torch.ops.aten
 
@@ -613,7 +616,6 @@ def linear_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[Linea
 
 
 def build_quant(gm, site: LinearSite, opts: PrecisionOptions, kind: str, compute: torch.dtype) -> nn.Module:
-    from fxmem.nn.lowbit import QuantLinear
     w = _get_attr(gm, site.weight)
     b = _get_attr(gm, site.bias) if site.bias else None
     if site.transposed:
@@ -666,7 +668,6 @@ def swap_linear(gm: fx.GraphModule, site: LinearSite, mod: nn.Module) -> str:
 
 def lora_module(base: nn.Module, qlora: QLoRAOptions, device, seed: int) -> nn.Module:
     """A LoRA adapter (`fxmem.nn.lowbit.LoRALinear`) around a frozen base linear."""
-    from fxmem.nn.lowbit import LoRALinear
     return LoRALinear(base, base.in_features, base.out_features, rank=qlora.rank, alpha=qlora.alpha,
                       dropout=qlora.dropout, device=device, seed=seed)
 
@@ -676,7 +677,6 @@ def add_dense_lora(gm: fx.GraphModule, site: LinearSite, opts: PrecisionOptions,
     """A LoRA adapter on a targeted linear whose 4-bit weights the guard reverted: its own weight, frozen (stored
     in bf16 with `params: bf16`, else not copied), computing in `compute` as the 4-bit base would have, is the base
     (`fxmem.nn.lowbit.FrozenLinear`), so the adapters still train where QLoRA was asked."""
-    from fxmem.nn.lowbit import FrozenLinear
     qlora = opts.qlora
     stored = torch.bfloat16 if opts.params == "bf16" else None
     w = _get_attr(gm, site.weight)
@@ -836,8 +836,6 @@ def output_deviation(ref_gm, gm, inputs) -> dict:
 
 def losses_after_steps(gm: fx.GraphModule, args, kwargs, loss_fn, steps: int, seed: int = 0) -> list[float]:
     """Losses of `steps` training steps (AdamW, lr 1e-3) on a deep copy (the module is not changed)."""
-    from fxmem.optim import make_optimizer
-    from fxmem.step import compute_loss
     m = deep_copy(gm)
     m.train()
     opt = make_optimizer(m, "adamw", lr=1e-3)

@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 from torch import fx
 
+from fxmem import ops as optable
 from fxmem.calibrate import calibrate, normalize_item
 from fxmem.compare import deviation
 from fxmem.depgroups import Group, _get_attr_obj, find_groups, slice_group
@@ -406,7 +407,6 @@ class PruningPass:
 
 def node_flops(gm: fx.GraphModule) -> dict[str, int]:
     """Forward FLOPs per call_function node from `fxmem.ops` and the nodes' example-shape metadata."""
-    from fxmem import ops as optable
 
     def meta(a):
         return a.meta.get("fxmem_val", a.meta.get("val")) if isinstance(a, fx.Node) else a

@@ -48,7 +48,7 @@ QUANT_KINDS = ("int8", "nf4", "fp4")
 def _bnb():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # (optional heavy dependency: loaded when a quantized layer is made)
     return bnb
 
 

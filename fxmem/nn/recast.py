@@ -61,6 +61,7 @@ hold from the region's backward to some other save's).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -717,7 +718,6 @@ def installed(module: nn.Module) -> bool:
 
 def scope_for(module: nn.Module):
     """The scope forward would enter, for callers that run the graph through an fx.Interpreter."""
-    import contextlib
     return RecastScope() if installed(module) else contextlib.nullcontext()
 
 
