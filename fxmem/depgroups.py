@@ -83,7 +83,8 @@ def _size(n, d) -> int | None:
         return None
 
 
-def _get_attr_obj(gm: nn.Module, target: str):
+def attr_of(gm: nn.Module, target: str):
+    """The attribute a get_attr node's dotted `target` names (a parameter, a buffer, a submodule)."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -96,7 +97,7 @@ def _is_param_attr(gm, n) -> bool:
 
 def _safe_attr(gm, target):
     try:
-        return _get_attr_obj(gm, target)
+        return attr_of(gm, target)
     except AttributeError:
         return None
 
@@ -542,7 +543,7 @@ def slice_group(gm: fx.GraphModule, g: Group, keep: torch.Tensor, bias_delta: di
     shapes = {}
 
     def sl(target, dim, extra=None):
-        t = _get_attr_obj(gm, target)
+        t = attr_of(gm, target)
         with torch.no_grad():
             new = t.detach().index_select(dim, keep.to(t.device)).clone()
         shapes[target] = (tuple(t.shape), tuple(new.shape))
@@ -555,7 +556,7 @@ def slice_group(gm: fx.GraphModule, g: Group, keep: torch.Tensor, bias_delta: di
     for c in g.consumers:
         sl(c.weight, c.wdim)
         if bias_delta and c.node in bias_delta and c.bias is not None:
-            b = _get_attr_obj(gm, c.bias)
+            b = attr_of(gm, c.bias)
             with torch.no_grad():
                 nb = (b.detach() + bias_delta[c.node].to(b.dtype)).clone()
             _set_tensor(gm, c.bias, nb)

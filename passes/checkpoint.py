@@ -458,7 +458,7 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
     norm's input, which the norm saves; a join's upsampling transposed convolution from its input). Cheapest per
     byte first; a site's cost counts an input that is another site's output once per unpack (a nested recipe is
     recomputed with it)."""
-    rec, base_keys, out_keys = traced[0], traced[1], traced[2]
+    rec, base_keys, out_keys = traced.recorder, traced.base_keys, traced.out_keys
     R = [r for r in rec.records if r.region is None]
     sb = rec.storage_bytes
     by_node: dict[str, list] = {}
@@ -583,9 +583,9 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
 
 def remat_plan(sites: list[RematSite]) -> tuple[set, dict, dict, dict]:
     """For the sites applied together: the outputs recomputed once for all their uses (shared), which recipes hold
-    which nested and whether through the shared value (as `_Recorder.nesting`, by storage key), per holder the
+    which nested and whether through the shared value (as `DispatchRecorder.nesting`, by storage key), per holder the
     names of the sites it uses that way, and the outputs one shared run makes together (a grouped max pooling's
-    output and indices: output key -> group, as `_Recorder.recipe_group`). A nested site is used through its
+    output and indices: output key -> group, as `DispatchRecorder.recipe_group`). A nested site is used through its
     shared value by the holders adjacent to it that are applied too; a site is shared when it has more than one use
     that way or of its own."""
     chosen = {s.node.name: s for s in sites}
@@ -1354,7 +1354,7 @@ class CheckpointPass:
     @staticmethod
     def _candidate_sets(program: Program, traced, est0, opts, keep_ops: frozenset) -> list:
         """Candidate regions at each level (block, sub-block, segments), measured, with their memory models."""
-        rec, base_keys = traced[0], traced[1]
+        rec, base_keys = traced.recorder, traced.base_keys
         saved_by_node: dict[str, int] = {}
         seen: set = set()
         for r in rec.records:

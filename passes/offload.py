@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 from torch import fx
 
-from fxmem.costmodel import estimate, node_costs, smallest_fitting_prefix, trace_forward
+from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
 from fxmem.distributed import block_paths
 from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
@@ -202,38 +202,30 @@ def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[s
 
 def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int) -> None:
     """Bytes each candidate would offload and its FLOPs, from the cost model's forward trace."""
-    rec, base_keys, out_keys, _ = trace_forward(program, program.example_args, program.example_kwargs,
-                                                program.mode)
-    R, sb = rec.records, rec.storage_bytes
-    created_in = {k: r.idx for r in R for k in r.new_keys}
-    by_node: dict[str, list] = {}
-    for r in R:
-        by_node.setdefault(r.node, []).append(r)
-    savers: dict[int, set] = {}
-    for r in R:
-        if r.out_rg:
-            for k in r.saved:
-                savers.setdefault(k, set()).add(r.idx)
-    for c in cands:
-        recs = [r for n in c.nodes for r in by_node.get(n.name, [])]
-        if c.kind == "checkpoint":
+    traced = trace_forward(program, program.example_args, program.example_kwargs, program.mode)
+    recorder, base_keys = traced.recorder, traced.base_keys
+    index = TraceIndex.of(recorder)
+    created_in = index.created_in
+    for cand in cands:
+        records = [r for n in cand.nodes for r in index.by_node.get(n.name, [])]
+        if cand.kind == "checkpoint":
             # the region's recorded ops are its body's; what it keeps is its non-parameter inputs
-            call = c.nodes[0]
-            idxs = {r.idx for r in rec.records if r.region == call.target}
-            recs = [r for r in rec.records if r.idx in idxs]
+            call = cand.nodes[0]
+            idxs = {r.idx for r in recorder.records if r.region == call.target}
+            records = [r for r in recorder.records if r.idx in idxs]
             lo = min(idxs) if idxs else 0
             keys = set()
-            for r in recs:
-                for k in r.in_keys:
-                    if k is not None and base_keys.get(k) is None and created_in.get(k, -1) < lo \
-                            and not (savers.get(k, set()) - idxs):
-                        keys.add(k)
+            for record in records:
+                for key in record.in_keys:
+                    if key is not None and base_keys.get(key) is None and created_in.get(key, -1) < lo \
+                            and not (set(index.savers.get(key, ())) - idxs):
+                        keys.add(key)
         else:
-            idxs = {r.idx for r in recs}
-            keys = {k for r in recs if r.out_rg for k in r.saved
-                    if base_keys.get(k) is None and created_in.get(k) in idxs}
-        c.saved = sum(sb[k] for k in keys if sb[k] >= min_bytes)
-        c.flops = float(sum(r.flops for r in recs))
+            idxs = {r.idx for r in records}
+            keys = {key for r in records if r.out_rg for key in r.saved
+                    if base_keys.get(key) is None and created_in.get(key) in idxs}
+        cand.saved = sum(recorder.storage_bytes[key] for key in keys if recorder.storage_bytes[key] >= min_bytes)
+        cand.flops = float(sum(r.flops for r in records))
 
 
 def _parse_bandwidth(s: str) -> float:

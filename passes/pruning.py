@@ -47,7 +47,7 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.calibrate import calibrate, normalize_item
 from fxmem.compare import deviation
-from fxmem.depgroups import Group, _get_attr_obj, find_groups, slice_group
+from fxmem.depgroups import Group, attr_of, find_groups, slice_group
 from fxmem.errors import PolicyError
 from fxmem.pipeline import Change, PassResult, register
 from fxmem.program import Program, module_path
@@ -121,7 +121,7 @@ def unit_scores(gm: fx.GraphModule, g: Group, stats, score: str) -> torch.Tensor
         if score == "frequency":
             total += st.freq
             continue
-        w = _get_attr_obj(gm, c.weight).detach().to(torch.float64).movedim(c.wdim, 0).reshape(g.size, -1)
+        w = attr_of(gm, c.weight).detach().to(torch.float64).movedim(c.wdim, 0).reshape(g.size, -1)
         col = w.norm(dim=1)
         total += st.var * col * col if score == "fluctuation" else st.mean_abs * col
     return total
@@ -205,7 +205,7 @@ def _param_count(gm, targets) -> int:
     n = 0
     for t in dict.fromkeys(targets):
         try:
-            x = _get_attr_obj(gm, t)
+            x = attr_of(gm, t)
         except AttributeError:
             continue
         n += x.numel()
@@ -363,7 +363,7 @@ class PruningPass:
             if o.compensate and compensable(g):
                 for c in g.consumers:
                     st = stats.by_node[c.probe]
-                    w = _get_attr_obj(gm, c.weight).detach()
+                    w = attr_of(gm, c.weight).detach()
                     delta[c.node] = (w[:, pruned].to(torch.float64) @ st.mean[pruned]).to(w.dtype)
             before = _param_count(gm, _group_targets(g))
             shapes = slice_group(gm, g, keep, delta)

@@ -259,9 +259,9 @@ class _RegionMeasurer:
     def _node_time_costs(self, region: CandidateRegion, parts: _Breakdown, keep_sel: frozenset,
                          keep_rng: frozenset) -> None:
         """Recompute costs from measured seconds per node instead of the roofline."""
-        for n in region.nodes:
-            seconds = self.node_time.get(n.name, 0.0)
-            node_records = self.index.by_node.get(n.name, [])
+        for node in region.nodes:
+            seconds = self.node_time.get(node.name, 0.0)
+            node_records = self.index.by_node.get(node.name, [])
             if not any(optable.packet(r.func) in keep_rng for r in node_records):
                 parts.flops += seconds
             else:

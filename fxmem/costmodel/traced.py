@@ -132,12 +132,12 @@ def tag_grad_fns(out, label: str) -> None:
     """Name, in autograd's node metadata, the graph node that created each backward node (for timelines)."""
     todo = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while todo:
-        fn = todo.pop()
+        grad_fn = todo.pop()
         try:
-            metadata = fn.metadata
+            metadata = grad_fn.metadata
         except Exception:  # noqa: BLE001
             continue
         if "fxmem_label" in metadata:
             continue
         metadata["fxmem_label"] = label
-        todo.extend(f for f, _ in fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
+        todo.extend(f for f, _ in grad_fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad")
