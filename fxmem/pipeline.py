@@ -173,8 +173,8 @@ def load_passes() -> dict[str, type]:
         return REGISTRY
     pkg = _passes_package()
     for name in CANONICAL_ORDER:
-        path = Path(pkg.__path__[0]) / f"{name}.py"
-        if path.exists():
+        where = Path(pkg.__path__[0])
+        if (where / f"{name}.py").exists() or (where / name / "__init__.py").exists():  # a module or a package
             try:
                 importlib.import_module(f"fxmem.passes.{name}")
             except Exception as e:  # noqa: BLE001 - one broken pass must not take the others down

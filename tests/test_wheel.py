@@ -32,7 +32,7 @@ def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for preset in ("low", "medium", "high", "inference"):
         assert f"fxmem/policies/{preset}.yaml" in names
-    assert "fxmem/passes/checkpoint.py" in names and "fxmem/passes/__init__.py" in names
+    assert "fxmem/passes/checkpoint/__init__.py" in names and "fxmem/passes/__init__.py" in names
     assert not [n for n in names if n.startswith("passes/") or n.startswith("policies/")], \
         "no top-level passes/policies package may be installed"
 
