@@ -97,7 +97,7 @@ def test_outline_block_keeps_names_params_and_numerics(gpt_prog):
     p = p0.snapshot()
     ref = copy.deepcopy(p0.module)
     nodes = [n for n in p.graph.nodes if n.op == "call_function" and any(s == "h.1" for s, _ in module_stack(n))
-             and ck._is_region_node(n)]
+             and ck.is_region_node(n)]
     call = outline(p, nodes, "ckpt_h.1", wrap=lambda body: CheckpointRegion(body, label="h.1"))
     p.refresh()
     assert call.target == "ckpt_h_1" and "self.ckpt_h_1(" in p.module.code
@@ -488,7 +488,7 @@ def test_milp_prints_nothing():
     import subprocess
     import sys
     code = ("from fxmem.pipeline import pass_module\n"
-            "ck = pass_module('checkpoint')\n"
+            "ck = pass_module('checkpoint.solvers')\n"
             "x, optimal, bound = ck._highs([1.0, 2.0], [[1.0, 1.0]], [1.0], [2.0], [0, 0], [1, 1], [True, True], 5.0)\n"
             "assert optimal and list(x) == [1.0, 0.0], (x, optimal)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

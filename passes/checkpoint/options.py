@@ -1,0 +1,97 @@
+"""The checkpoint pass's options (`passes.checkpoint` in a policy) and the limits a plan must meet."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fxmem.errors import PolicyError
+from fxmem.nn.checkpoint import MATMUL_OPS
+from fxmem.units import Budget, format_bytes, parse_budget
+
+NO_PEAK = 1 << 62  # the planning budget of a peak nobody bounds (only activations are)
+
+
+@dataclass
+class CheckpointOptions:
+    """Options of `passes.checkpoint` in a policy."""
+    budget: Budget | None = None  # '4GiB', '40%' (of the baseline peak); None: the policy's budget
+    # activation bytes left saved at the end of forward: '6MiB', or '30%' of the baseline's (what torch.compile's
+    # activation_memory_budget bounds); None: no such bound. With a peak budget too, the plan meets both
+    activation_budget: Budget | None = None
+    solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
+    selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
+    # recompute cost: roofline (max of FLOPs and `balance` x bytes moved: pointwise and normalization ops are
+    # memory-bound), op-table FLOPs alone, or ops timed on the example inputs
+    cost: Literal["roofline", "flops", "profile"] = "roofline"
+    balance: float | None = None  # roofline: FLOPs per byte of memory traffic; None: 10 on CPU, 100 on CUDA
+    time_limit: float = 10.0  # seconds for the MILP before the greedy fallback
+    slack: float = 0.05  # stated tolerance: measured peak <= budget * (1 + slack)
+    keep_ops: list[str] = field(default_factory=lambda: sorted(MATMUL_OPS))  # what selective regions save
+    regions: list[str] = field(default_factory=list)  # module paths to use as candidates (default: automatic)
+    granularity: Literal["auto", "block", "sub-block"] = "auto"  # auto: plan at both levels, keep the cheaper
+    min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
+    verify: bool = True  # estimate the planned program with the cost model (one more trace) and re-plan if high
+    refine: int = 2  # at most this many re-plans when the cost model's estimate is above the budget
+    # CPU dropout saves a float mask; draw the same numbers into a bool mask instead (bit-identical, 1/4 the bytes),
+    # which recompute regions then keep rather than draw again (see compact_dropout)
+    compact_dropout: bool = True
+    # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
+    # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
+    remat: bool = True
+    # regions never join nodes of two repeated blocks (fxmem.distributed.block_paths: h.0, h.1, ...) or a block's
+    # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares
+    # `passes.offload.distributed: fsdp`
+    within_blocks: bool | None = None
+
+
+def resolve_budget(options: CheckpointOptions, ctx, baseline_peak: int) -> int | None:
+    """The peak budget in bytes: the pass's own, else the policy's (`ctx.budget`); None when neither is set."""
+    if options.budget is None:
+        return ctx.budget
+    return resolve_limit(options.budget, "budget", baseline_peak)
+
+
+def resolve_activation_budget(options: CheckpointOptions, baseline_activations: int) -> int | None:
+    """The activation budget in bytes, None when the pass has none."""
+    if options.activation_budget is None:
+        return None
+    return resolve_limit(options.activation_budget, "activation_budget", baseline_activations)
+
+
+def resolve_limit(budget, key: str, baseline: int) -> int:
+    """`budget` ('6MiB', '30%', a Budget) in bytes, a fraction taken of `baseline`; a bad value names its key."""
+    if not isinstance(budget, Budget):
+        try:
+            budget = parse_budget(budget)
+        except ValueError as e:
+            raise PolicyError(f"passes.checkpoint.{key}: {e}") from None
+    return int(budget.resolve(baseline))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the plan must meet: the estimated peak <= `peak` and the activations saved at the end of forward <=
+    `activations` (either may be None: unbounded)."""
+    peak: int | None
+    activations: int | None
+
+    def over(self, peak: int, activations: int) -> int:
+        """By how many bytes an estimate misses (0 when it meets both)."""
+        return max(0, peak - self.peak if self.peak is not None else 0,
+                   activations - self.activations if self.activations is not None else 0)
+
+    def fits(self, est) -> bool:
+        return self.over(est.peak, est.activations) == 0
+
+    def miss_metrics(self, metrics: dict) -> int:
+        """By how many bytes a pass result's estimate misses (an unchecked one, verify=False, counts as fitting)."""
+        return self.over(metrics.get("estimated_peak") or 0, metrics.get("estimated_activations") or 0)
+
+    def fits_note(self, est) -> str:
+        return (f"checkpoint: the estimate (peak {format_bytes(est.peak)}, activations "
+                f"{format_bytes(est.activations)}) already fits {self.describe()}; nothing recomputed")
+
+    def describe(self) -> str:
+        parts = ([f"the budget {format_bytes(self.peak)}"] if self.peak is not None else []) + \
+            ([f"the activation budget {format_bytes(self.activations)}"] if self.activations is not None else [])
+        return " and ".join(parts)
