@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .fake import with_data_dependent_fallback
-from .nn.recast import op_call
+from .nn.remat import op_call
 
 
 @dataclass(frozen=True)

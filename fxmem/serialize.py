@@ -32,6 +32,9 @@ from torch.fx.graph_module import _CodeOnlyModule
 from .program import ROOT_HOOK_ATTRS
 
 _META_KEEP = ("nn_module_stack", "stack_trace", "fxmem_mode_flag")
+# graph targets that moved to another module: (module, name) saved by earlier versions -> the module now
+_MOVED_TARGETS = {("fxmem.nn.recast", "remat"): "fxmem.nn.remat",
+                  ("fxmem.nn.recast", "remat_call"): "fxmem.nn.remat"}
 
 
 def _encode_target(t) -> tuple:
@@ -63,7 +66,7 @@ def _decode_target(e: tuple):
     if kind == "hop":
         return getattr(torch.ops.higher_order, e[1])
     _, mod, qual = e
-    obj: Any = importlib.import_module(mod)
+    obj: Any = importlib.import_module(_MOVED_TARGETS.get((mod, qual), mod))
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj

@@ -1,7 +1,7 @@
 """What a saved graph may call: the allow-list that `fxmem.load` resolves call targets against.
 
 A saved result names each call target by a qualified name (`torch.ops.aten.add.Tensor`, `operator.getitem`,
-`fxmem.nn.recast.remat`). Loading resolves a name only if it is on this list; nothing is imported by name and no
+`fxmem.nn.remat.remat`). Loading resolves a name only if it is on this list; nothing is imported by name and no
 attribute is looked up outside these tables, so a result cannot make `fxmem.load` call anything else
 (`builtins.eval`, `os.system`, `subprocess.run`, ...).
 
@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from .nn import attention, dropout, modes, recast
+from .nn import attention, dropout, modes, recast, remat
 
 ATEN_PREFIX = "torch.ops.aten."
 HOP_PREFIX = "torch.ops.higher_order."
@@ -45,7 +45,7 @@ def _table() -> dict[str, object]:
             fn = getattr(mod, n, None)
             if fn is not None:
                 table[f"{prefix}.{n}"] = fn
-    runtime = (recast.cast_param, recast.remat, recast.remat_call, modes.count_batch, dropout.bool_mask_dropout,
+    runtime = (recast.cast_param, remat.remat, remat.remat_call, modes.count_batch, dropout.bool_mask_dropout,
                dropout.bool_mask_dropout_remat, attention.sdpa_dropout)
     for fn in runtime:
         table[f"{fn.__module__}.{fn.__qualname__}"] = fn
@@ -53,6 +53,9 @@ def _table() -> dict[str, object]:
 
 
 PYTHON_TARGETS: dict[str, object] = _table()
+# names results saved by earlier versions give functions that moved since -> their name now
+MOVED_TARGETS = {"fxmem.nn.recast.remat": "fxmem.nn.remat.remat",
+                 "fxmem.nn.recast.remat_call": "fxmem.nn.remat.remat_call"}
 _NAME_OF = {id(fn): name for name, fn in PYTHON_TARGETS.items()}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -89,7 +92,7 @@ def resolve_target(name) -> object:
         if hop not in HIGHER_ORDER_OPS:
             raise TargetError(f"{name} is not a higher-order operator a saved graph may call")
         return getattr(torch.ops.higher_order, hop)
-    fn = PYTHON_TARGETS.get(name)
+    fn = PYTHON_TARGETS.get(MOVED_TARGETS.get(name, name))
     if fn is None:
         raise TargetError(f"{name} is not a function a saved graph may call")
     return fn
@@ -113,9 +116,9 @@ def check_op_name_args(target, args: tuple, kwargs: dict) -> None:
     """fxmem's recompute functions take the operator they run as a name (`remat(y, 'aten.gelu.default', ...)`): that
     name must be an aten operator too."""
     names = []
-    if target is recast.remat and len(args) > 1:
+    if target is remat.remat and len(args) > 1:
         names.append(args[1])
-    elif target is recast.remat_call and args:
+    elif target is remat.remat_call and args:
         names.append(args[0])
         for member in kwargs.get("_fxmem_chain") or ():
             names.append(member[0] if isinstance(member, (tuple, list)) and member else member)

@@ -47,7 +47,7 @@ from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_p
 from fxmem.distributed import block_paths
 from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
-from fxmem.nn.recast import op_call
+from fxmem.nn.remat import op_call
 from fxmem.nn.regions import region_info
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change, PassResult, register

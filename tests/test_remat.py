@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.nn.recast import RecastScope, remat, remat_call
+from fxmem.nn.recast import RecastScope
+from fxmem.nn.remat import remat, remat_call
 
 from fxmem.pipeline import pass_module
 
@@ -233,6 +234,51 @@ def test_saved_and_loaded_remat_module_still_recomputes(tmp_path):
     assert peaks[2] == peaks[1] < peaks[0], peaks
 
 
+def test_graph_saved_when_recipes_lived_in_recast_still_loads():
+    """remat and remat_call moved from fxmem.nn.recast to fxmem.nn.remat; a graph saved before names them by the old
+    module. It loads with the functions where they are now, and runs."""
+    from fxmem.serialize import graph_from_state, graph_state
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(remat_call, ("aten.relu.default", x))
+    graph.output(graph.call_function(remat, (relu, "aten.neg.default", relu)))
+    state = graph_state(graph)
+    for node in state["nodes"]:
+        if node["target"][:2] == ("py", "fxmem.nn.remat"):
+            node["target"] = ("py", "fxmem.nn.recast", node["target"][2])
+    loaded = graph_from_state(state)
+    assert [n.target for n in loaded.nodes if n.op == "call_function"] == [remat_call, remat]
+    module = torch.fx.GraphModule(nn.Module(), loaded)
+    y = torch.randn(5)
+    assert torch.equal(module(y), torch.relu(y))
+    state["nodes"][1]["target"] = ("py", "fxmem.nn.recast", "no_such_function")
+    with pytest.raises(AttributeError):
+        graph_from_state(state)
+
+
+def test_graph_data_naming_recipes_in_recast_loads_them_from_remat():
+    """A result saved as data (format 3) before remat and remat_call moved names them fxmem.nn.recast.*: the
+    allow-list resolves those names to the functions where they are now; other names there stay refused."""
+    from fxmem.graphdata import GraphDataError, graph_from_data, graph_to_data
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(remat_call, ("aten.relu.default", x))
+    graph.output(graph.call_function(remat, (relu, "aten.neg.default", relu)))
+    data = graph_to_data(graph)
+    assert [n["target"] for n in data["nodes"] if n["op"] == "call_function"] == [
+        "fxmem.nn.remat.remat_call", "fxmem.nn.remat.remat"]
+    for node in data["nodes"]:
+        if node["op"] == "call_function":
+            node["target"] = node["target"].replace("fxmem.nn.remat.", "fxmem.nn.recast.")
+    loaded = graph_from_data(data)
+    assert [n.target for n in loaded.nodes if n.op == "call_function"] == [remat_call, remat]
+    y = torch.randn(5)
+    assert torch.equal(torch.fx.GraphModule(nn.Module(), loaded)(y), torch.relu(y))
+    data["nodes"][1]["target"] = "fxmem.nn.recast.install"
+    with pytest.raises(GraphDataError, match="not a function a saved graph may call"):
+        graph_from_data(data)
+
+
 def test_unet_batch_norm_relu_chains_alone_fit_bit_exact_and_estimate_is_measured():
     """conv -> batch norm -> ReLU_: the ReLU output (saved by the ReLU itself and the next conv) is recomputed from
     the batch norm's input, which the norm saves anyway; neither output is kept. Running statistics are updated
@@ -341,7 +387,7 @@ def _compiled_step_matches(ref, mod, args, kwargs, loss_fn):
 def test_training_batch_norm_recomputed_without_running_statistics_is_bit_identical(threads):
     """recompute_form drops the running statistics of a training-mode batch norm (they are updated once, in
     forward); the output depends only on the batch statistics: the same bits with or without them."""
-    from fxmem.nn.recast import recompute_form
+    from fxmem.nn.remat import recompute_form
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -401,7 +447,7 @@ def test_gpt_remat_and_regions_planned_peak_is_the_estimate():
     recomputation's spike); keeping it peaks lower (24.16 MB measured, against 24.41 with it recomputed)."""
     from torch import fx
 
-    from fxmem.nn.recast import remat as remat_fn
+    from fxmem.nn.remat import remat as remat_fn
     from fxmem.nn.regions import region_info
     from fxmem.pipeline import PassContext
 
@@ -486,7 +532,7 @@ def test_batch_norm_affine_reproduces_the_cpu_kernel_bit_for_bit(threads):
     """A training-mode batch norm's output from its batch statistics (x * alpha + beta per channel, fused
     multiply-adds as the CPU kernel forms them) equals the kernel's, for the layouts a CNN has: NCHW, channels-last,
     odd plane sizes (vector tails), 3-d and 2-d inputs, with and without affine parameters."""
-    from fxmem.nn.recast import _affine_reproduces, batch_norm_affine
+    from fxmem.nn.remat import _affine_reproduces, batch_norm_affine
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -510,7 +556,7 @@ def test_batch_norm_recomputed_by_the_norm_where_the_affine_form_differs(monkeyp
     """Where the affine form does not give the kernel's bits (another build or layout), checked once on the real
     output, the chain recomputes the norm itself: gradients stay bit-identical; eval-mode norms (running
     statistics) are recomputed by the norm as well."""
-    from fxmem.nn import recast
+    from fxmem.nn import remat as recast
     _, [(g_ref, _)] = _bn_relu_chain(None)
     monkeypatch.setattr(recast, "_AFFINE_EXACT", {})
     exact = recast.batch_norm_affine
@@ -592,7 +638,7 @@ def test_no_region_writes_its_input_in_place_through_remat_call():
     static estimate missed the kept output: 1 MiB on the benchmark's U-Net). Remat + regions, the lowest peak;
     exact."""
     from fxmem.costmodel import estimate
-    from fxmem.nn.recast import op_call, remat_call as rc
+    from fxmem.nn.remat import op_call, remat_call as rc
     from fxmem.pipeline import PassContext
 
     assert op_call(rc, ("aten.relu_.default", "x"))[0]._schema.is_mutable

@@ -31,7 +31,7 @@ import contextvars
 
 import torch
 
-from .recast import register_recompute
+from .remat import register_recompute
 
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
 

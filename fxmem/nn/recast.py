@@ -1,63 +1,13 @@
-"""Low-precision copies of parameters (and inputs) that autograd does not keep: backward casts them again.
+"""The saved-tensor scope of a transformed module: what its forward's saves keep for backward.
 
-With fp32 master parameters and bf16/fp16 compute (autocast semantics), every matmul saves the low-precision copy
-of its weight for backward, so a training step holds a second, half-size copy of the weights from forward to
-backward. Those copies are a pure function of the parameter, which stays alive anyway: saving the parameter and
-casting it again in backward frees the copies at once, for the cost of one cast per use, with bit-identical
-gradients (the cast is deterministic and the parameter does not change between forward and backward: checked
-with its version counter, an in-place change in between is an error, as autograd's own saved tensors would be).
-The same holds for the step's inputs, which the caller holds during the step: a cast of a graph input is
-recast too (otherwise the low-precision copy of an image batch would be a new activation the fp32 graph never
-had).
-
-How: the precision pass emits `cast_param(weight, dtype)` instead of `aten._to_copy` for parameter casts and
-calls `install(module)`. While the module's forward runs, a `RecastScope` is the innermost
-`saved_tensors_hooks`: a tensor whose storage is one that `cast_param` created in this forward is packed as
-(parameter, dtype, view geometry) and unpacked by casting again; every other tensor is saved as usual. The
-scope is entered by a forward pre-hook and left by an always-called forward hook (also when forward raises).
-Inside regions with their own hooks (checkpoint, offload) those hooks are innermost and decide, as they should.
-Under torch.compile the hooks and the registration step aside (no graph breaks): the compiled graph's
-partitioner decides what it saves and recomputes casts by itself. `remat` and `remat_call` (below) are the
-exception: there they become checkpoints, which tag their outputs for the partitioner to recompute.
-
-The cost model reads `installed(module)` and leaves the outputs of `cast_param` nodes out of what is saved.
-
-Rematerialisation (`remat`), the same mechanism for activations. Some activations are cheap functions of
-tensors autograd keeps anyway: GELU's output (its input is saved by GELU itself), dropout's output (its input,
-a softmax output, is saved by the softmax, and its bool mask by the multiply), a layer norm's output (input,
-weight and bias are saved by the norm). A matmul that consumes such an activation saves it, holding a second
-tensor of the same size from forward to backward. The checkpoint pass rewrites `y = op(*args)` as
-`y = remat(op(*args), 'aten.op.overload', *args)`: the consumer's saved copy of `y` is packed as the recipe (op,
-args, view geometry) and unpacked by running the op again under no_grad, for the cost of one cheap op per use in
-backward (once for all uses when the pass marks them as running back to back), with bit-identical values (the op is
-deterministic; an input changed in place in between is an error, as for casts). This is what torch.compile's
-partitioner does for pointwise ops, without a compiler and without the dispatch-mode overhead of selective
-checkpointing in eager mode. Under torch.compile, `remat` runs the op again inside a one-op non-reentrant
-checkpoint; the partitioner recomputes what checkpoint tags, so the compiled module keeps what the pass planned
-instead of what the compiler's own budget keeps (benchmarks/checkpoint_pareto.py, gpt at 0.7: 61.2 vs 77.8 MiB
-saved, same step time). A `remat_call` chain is recomputed in one checkpoint at its last node (one checkpoint per
-member would not do: the partitioner keeps any value passed from one checkpoint to the next); a training-mode batch
-norm is checkpointed without running statistics, which the graph's own op updates once (U-Net at 0.7: 12.0 vs 16.8
-MiB saved). `fxmem.nn.dropout` registers its masked outputs the same way (`register_recompute`).
-
-`remat_call(op, *args)` is the form for ops that save their own output (ReLU keeps its result) and for chains: it
-runs the op while the scope defers the op's own saves, registers the recipe, then packs those saves as it. A tensor
-argument that is itself a recipe's output is held as that recipe (nested), so conv -> batch norm -> ReLU keeps
-neither the norm's nor the ReLU's output: backward recomputes ReLU(batch_norm(conv output)) from the conv output,
-which the norm saves anyway. A training-mode batch norm is recomputed without running statistics (updated once, in
-forward; the output is bit-identical); on CPU, from the batch statistics the forward computed (`batch_norm_affine`:
-x * alpha + beta per channel, one pass over x instead of three), wherever that was seen to give the kernel's output
-bit for bit. Max pooling's own save of its argmax indices (`INTERNAL_SAVES`) becomes a recipe too, the full op run
-again for that output; where the pooled output's unpack and the pooling's own run back to back (`_fxmem_group`),
-one shared run of the full op makes both, held from the first unpack to the last. A nested recipe that is shared
-can be used through its shared value (`_fxmem_nest`, where the pass saw the holder's unpacks next to the nested
-recipe's saves): each recomputation of the holder counts as one more use, so a max pooling's output, its indices,
-its input and the ReLU's result make the ReLU once. A registered output changed in place afterwards is saved as it
-is (the recipe would give the old values). Inside checkpoint and offload regions the scope steps aside (`aside`):
-the region's hooks decide there, and a recipe would hold arguments the region frees. Inputs of a non-reentrant
-checkpoint region are saved through the hooks outside it, so a region input that is a recipe's output is kept as
-the recipe, made again by and for the region's recomputation alone (never through a shared value, which it would
-hold from the region's backward to some other save's).
+While the module's forward runs (hooks `install` puts on it), a `RecastScope` is the innermost
+`saved_tensors_hooks`. A parameter (or input) cast by `cast_param` is saved as the parameter and cast again in
+backward (the precision pass); an output registered as a recipe (`fxmem.nn.remat`: remat, remat_call, bool-mask
+dropout) is saved as the recipe and recomputed in backward, once for all its saves when shared, nested recipes
+first. Values are bit-identical, and an input changed in place in between is an error. Inside checkpoint and
+offload regions the scope steps aside (`aside`); under torch.compile the hooks step aside too. The cost model reads
+`installed(module)` and the recipes (`recipe_tensors`, `nested_recipes`, `group_of`). Design:
+docs/design/recast.md.
 """
 from __future__ import annotations
 
@@ -68,8 +18,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils.checkpoint import checkpoint
 
 _state = threading.local()
 
@@ -173,213 +121,6 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 torch.fx.wrap("cast_param")
 
-def op_named(op: str):
-    """'aten.gelu.default' (`str` of an overload) -> torch.ops.aten.gelu.default; no cache, dynamo traces it."""
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
-
-
-_OPS: dict[str, object] = {}
-
-
-def _resolve(op: str):
-    """op_named, cached (eager only)."""
-    fn = _OPS.get(op)
-    if fn is None:
-        fn = _OPS[op] = op_named(op)
-    return fn
-
-
-def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None, share: bool = False) -> None:
-    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward; `share`:
-    once for all its saves, see `remat`)."""
-    if torch.compiler.is_compiling():
-        return
-    scope = active_scope()
-    if scope is not None and isinstance(out, torch.Tensor):
-        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}), share)
-
-
-def remat(y: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
-    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
-
-    `_fxmem_share` (the checkpoint pass sets it when the ops that save `y` run their backward one after another):
-    backward runs the op once for all of them, the value held from the first unpack to the last, instead of once
-    per save. A save that is never unpacked (a partial backward) leaves the value held until autograd frees the
-    graph.
-
-    Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
-    its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
-    kernels) rather than deciding alone at its own memory budget, which kept it; `y` goes dead and the compiler
-    drops it."""
-    if torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            # (y's op already updated any running statistics: the checkpointed one must not again)
-            return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
-        return y
-    if active_scope() is not None:
-        register_recompute(y, *recompute_form(op, args, kwargs), share=_fxmem_share)
-    return y
-
-
-torch.fx.wrap("remat")
-
-
-def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
-    """How backward recomputes `op(*args, **kwargs)`: a training-mode batch norm without running statistics
-    (they are updated once, in forward; the output depends only on the batch statistics, bit-identical with or
-    without them)."""
-    return _resolve(op), _stats_free(op, args), kwargs
-
-
-def _stats_free(op: str, args: tuple) -> tuple:
-    """A training-mode batch norm's arguments without its running statistics (the same output); `args` itself when
-    there are none to leave out (callers test identity: not `args` means the op updates statistics)."""
-    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True and \
-            (args[3] is not None or args[4] is not None):
-        return args[:3] + (None, None) + args[5:]
-    return args
-
-
-def batch_norm_affine(x: torch.Tensor, weight, bias, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    """A training-mode batch norm's output from its batch statistics, as the CPU kernel forms it: per channel
-    alpha = invstd * weight and beta = bias - mean * alpha, then x * alpha + beta, each a fused multiply-add
-    (addcmul; weight 1 and bias 0 when absent). One pass over x, where recomputing the norm passes over x twice
-    more for the statistics (mean, then variance). Used only where `_affine_reproduces` has seen it give the
-    kernel's output bit for bit."""
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    alpha = invstd if weight is None else invstd * weight
-    beta = torch.addcmul(torch.zeros_like(mean) if bias is None else bias, mean, alpha, value=-1)
-    return torch.addcmul(beta.view(shape), x, alpha.view(shape))
-
-
-def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
-    """A training-mode `aten.batch_norm` on plain CPU tensors: its output can be recomputed from the batch
-    statistics (`batch_norm_affine`) instead of by the norm. On CPU `batch_norm` runs `native_batch_norm`, which
-    returns those statistics; elsewhere (cuDNN) the kernels differ, so the norm is recomputed as before."""
-    if op != "aten.batch_norm.default" or kwargs or len(args) != 9 or args[5] is not True:
-        return False
-    x = args[0]
-    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and \
-        all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
-
-
-# (device, dtypes, shape, strides, affine) -> whether batch_norm_affine gave the kernel's output bit for bit
-_AFFINE_EXACT: dict[tuple, bool] = {}
-
-
-def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
-    """Whether `batch_norm_affine` reproduces `y` exactly for tensors laid out as these: checked once per layout on
-    the real output (the kernel's arithmetic, fused multiply-adds or not, depends on the build and the CPU; a
-    layout it does not cover, e.g. a non-contiguous input, takes another code path). Under a fake-tensor trace
-    (the cost model) nothing can be compared and the recipe's memory is the same either way: taken as reproduced."""
-    if isinstance(y, FakeTensor):
-        return True
-    if type(y) is not torch.Tensor or type(x) is not torch.Tensor:
-        return False
-    key = (x.device.type, x.dtype, mean.dtype, tuple(x.shape), tuple(x.stride()), None if weight is None else
-           weight.dtype, None if bias is None else bias.dtype)
-    ok = _AFFINE_EXACT.get(key)
-    if ok is None:
-        with torch.no_grad():
-            ok = _AFFINE_EXACT[key] = bool(torch.equal(batch_norm_affine(x, weight, bias, mean, invstd), y))
-    return ok
-
-
-def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _fxmem_nest: tuple = (),
-               _fxmem_group: bool = False, **kwargs) -> torch.Tensor:
-    """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
-    the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
-    themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
-    batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
-    form for ops that save only their inputs. An in-place op (relu_) on a chained output stays in place, in
-    forward and in the recomputation, which writes into the member's freshly recomputed output. `_fxmem_share`:
-    as for `remat`. `_fxmem_nest`: positions among the flattened `args` (list elements in their place) of nested
-    recipes this one uses through their shared value (the pass sets it where this recipe is recomputed right next to
-    the nested one's own saves, so the nested one runs once for all of them; see `RecastScope.as_recipe_args`).
-    `_fxmem_group` (an op with INTERNAL_SAVES whose output's and own saves are unpacked back to back): the full op
-    runs once for both, its outputs held from the first unpack to the last (`_Pick` of a shared recipe).
-
-    Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
-    arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
-    then recomputes; the members before it run as plain ops (their outputs go dead). One checkpoint per member
-    would not do: the partitioner keeps a value passed from one checkpoint to the next."""
-    if torch.compiler.is_compiling():
-        fn = op_named(op)
-        if _fxmem_chain is None or not torch.is_grad_enabled():
-            return fn(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
-        if _stats_free(op, args) is not args:
-            fn(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
-        return checkpoint(_run_chain, _fxmem_chain, use_reentrant=False)
-    scope = active_scope()
-    if scope is None:
-        return _resolve(op)(*args, **kwargs)
-    # before the op: an in-place op's output reuses its input's storage
-    rargs = scope.as_recipe_args(args, _fxmem_nest)
-    pending: list = []
-    prev, scope._pending = scope._pending, pending
-    stats = None
-    try:
-        if _affine_recomputable(op, args, kwargs):
-            y, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
-            stats = (mean, invstd)
-        else:
-            y = _resolve(op)(*args, **kwargs)
-    finally:
-        scope._pending = prev
-    if isinstance(y, torch.Tensor) and not any(
-            isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
-        # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
-        if stats is not None and _affine_reproduces(y, args[0], args[1], args[2], *stats):
-            fn, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
-        else:
-            fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
-        internal = INTERNAL_SAVES.get(op)
-        own = []
-        if internal is not None:
-            # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
-            # too, the op's full form run again for that output
-            known = {a.untyped_storage()._cdata for a in (y, *_arg_tensors(args))}
-            own = [t for t in (d.value for d in pending)
-                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and
-                   t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
-        if own and _fxmem_group:
-            # one run of the full op for both, shared: each output a pick of it
-            whole = _Recipe(_resolve(internal[0]), rargs, dict(kwargs),
-                            tuple(a._version for a in _arg_tensors(rargs)), None, share=True)
-            for i, t in ((0, y), (internal[1], own[0])):
-                part = _Remat(whole, None, None, None)
-                part.how = "shared"
-                scope.register_recipe(t, _Pick(i), (part,), {})
-        else:
-            scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
-            for t in own:
-                scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
-    for d in pending:  # the op's own saves, packed now that its output is a recipe
-        d.value = scope._pack_now(d.value, count=True)
-        _observe(d.value)
-    return y
-
-
-# ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
-# its dtype); max pooling keeps its argmax indices (int64: twice a float32 output's bytes)
-INTERNAL_SAVES = {
-    "aten.max_pool2d.default": ("aten.max_pool2d_with_indices.default", 1, torch.int64),
-    "aten.max_pool3d.default": ("aten.max_pool3d_with_indices.default", 1, torch.int64),
-}
-
-
-class _output_of:
-    """Output `i` of the op named `op` (a recipe's function: the indices of max_pool2d_with_indices)."""
-    __slots__ = ("op", "i", "__name__")
-
-    def __init__(self, op: str, i: int):
-        self.op, self.i, self.__name__ = op, i, f"{op}[{i}]"
-
-    def __call__(self, *args, **kwargs):
-        return _resolve(self.op)(*args, **kwargs)[self.i]
-
-
 class _Pick:
     """Output `i` of a tuple (a recipe's function: one output of a shared run of a multi-output op)."""
     __slots__ = ("i", "__name__")
@@ -398,30 +139,9 @@ def group_of(recipe: "_Recipe"):
     return None
 
 
-torch.fx.wrap("remat_call")
-
-
-def op_call(target, args: tuple) -> tuple:
-    """(op, args) a graph call of `target` with `args` runs: `remat_call('aten.relu_.default', x)` runs aten.relu_
-    on (x,), which writes x in place; other targets run themselves. Graph analyses that read an op's schema (does
-    it write an input in place?) look through remat_call with this."""
-    if target is remat_call:
-        return _resolve(args[0]), tuple(args[1:])
-    return target, tuple(args)
-
-
-def _run_chain(chain: tuple) -> torch.Tensor:
-    """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
-    statistics; the last member's output."""
-    outs: list = []
-    for op, args, kwargs in chain:
-        args = _map_args(args, lambda a: outs[int(a[1:])] if isinstance(a, str) and a[:1] == "@" else a)
-        outs.append(op_named(op)(*_stats_free(op, args), **kwargs))
-    return outs[-1]
-
-
 class RecastScope:
-    """saved_tensors_hooks that save registered parameter casts as their parameter (see the module docstring)."""
+    """saved_tensors_hooks that save registered parameter casts as their parameter and registered recipes as the
+    recipe (see the module docstring)."""
 
     def __init__(self):
         # storage id -> (weakref to the storage, parameter, dtype) or (weakref, _Recipe)
@@ -444,8 +164,28 @@ class RecastScope:
     def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict, share: bool = False) -> None:
         """`out` saved as fn(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
         e.g. relu_ on a batch norm's output) replaces that entry: `args` hold the earlier recipe, nested."""
-        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in _arg_tensors(args)), out._version,
+        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in arg_tensors(args)), out._version,
                                 share),))
+
+    def register_picks(self, fn, args: tuple, kwargs: dict, outputs) -> None:
+        """One shared run of fn(*args, **kwargs), a multi-output op, for several of its outputs (`outputs`: (index,
+        tensor) pairs): each saved as a pick of that run (a grouped max pooling's output and indices)."""
+        whole = _Recipe(fn, args, kwargs, tuple(a._version for a in arg_tensors(args)), None, share=True)
+        for i, t in outputs:
+            part = _Remat(whole, None, None, None)
+            part.how = "shared"
+            self.register_recipe(t, _Pick(i), (part,), {})
+
+    def deferring(self) -> "_Deferral":
+        """A context in which saves are deferred (into the list it yields) until `pack_deferred`: remat_call runs
+        its op so, registering its output as a recipe before the op's own saves of it are packed."""
+        return _Deferral(self)
+
+    def pack_deferred(self, pending: list) -> None:
+        """Pack the saves deferred while an op ran (`deferring`), now that its outputs are registered."""
+        for d in pending:
+            d.value = self._pack_now(d.value, count=True)
+            _observe(d.value)
 
     def recipe_for(self, t: torch.Tensor):
         """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
@@ -463,7 +203,7 @@ class RecastScope:
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         if not self._entries:
             return tuple(args)
-        at = itertools.count()  # flat positions, in `_map_args`'s order
+        at = itertools.count()  # flat positions, in `map_args`'s order
 
         def one(a):
             i = next(at)
@@ -473,7 +213,7 @@ class RecastScope:
             if i in nest and p.recipe.share:
                 p.how = "shared"
             return p
-        return _map_args(args, one)
+        return map_args(args, one)
 
     def _pack(self, t: torch.Tensor):
         if self._pending is not None:
@@ -544,6 +284,22 @@ class RecastScope:
         self._entries = {}
         if hooks is not None:
             hooks.__exit__(*exc)
+        return False
+
+
+class _Deferral:
+    """`RecastScope.deferring`: while active, the scope's saves go to `pending` (restored on exit)."""
+    __slots__ = ("scope", "pending", "previous")
+
+    def __init__(self, scope: RecastScope):
+        self.scope, self.pending, self.previous = scope, [], None
+
+    def __enter__(self) -> list:
+        self.previous, self.scope._pending = self.scope._pending, self.pending
+        return self.pending
+
+    def __exit__(self, *exc):
+        self.scope._pending = self.previous
         return False
 
 
@@ -643,11 +399,11 @@ def flat_args(args: tuple) -> list:
     return out
 
 
-def _arg_tensors(args: tuple) -> list[torch.Tensor]:
+def arg_tensors(args: tuple) -> list[torch.Tensor]:
     return [a for a in flat_args(args) if isinstance(a, torch.Tensor)]
 
 
-def _map_args(args: tuple, f) -> tuple:
+def map_args(args: tuple, f) -> tuple:
     """`args` with `f` applied to each argument, and inside list arguments (cat, stack) to each element."""
     return tuple(type(a)(f(t) for t in a) if isinstance(a, (list, tuple)) else f(a) for a in args)
 
@@ -660,7 +416,7 @@ def _materialize(x: _Remat) -> torch.Tensor:
 def _recompute(r: _Recipe, private: bool = False) -> torch.Tensor:
     """r's output, computed again (nested recipes first: those used through a shared value take it, unless
     `private`, a region's recomputation, which makes every nested recipe again for itself)."""
-    if any(a._version != v for a, v in zip(_arg_tensors(r.args), r.versions)):
+    if any(a._version != v for a, v in zip(arg_tensors(r.args), r.versions)):
         raise RuntimeError(
             f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
@@ -670,7 +426,7 @@ def _recompute(r: _Recipe, private: bool = False) -> torch.Tensor:
             return a
         value = _shared_value(a.recipe) if a.how == "shared" and not private else _recompute(a.recipe, private)
         return value if a.shape is None else value.as_strided(a.shape, a.stride, a.offset)  # (None: all outputs)
-    return r.fn(*_map_args(r.args, arg), **r.kwargs)
+    return r.fn(*map_args(r.args, arg), **r.kwargs)
 
 
 class _Enter:

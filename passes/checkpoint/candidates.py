@@ -20,7 +20,7 @@ from fxmem.costmodel import CandidateRegion, RegionModel, build_region_model, de
 from fxmem.distributed import node_blocks
 from fxmem.errors import PolicyError
 from fxmem.nn.dropout import bool_mask_dropout_remat
-from fxmem.nn.recast import op_call, remat
+from fxmem.nn.remat import op_call, remat
 from fxmem.program import Program, module_stack
 
 

@@ -12,7 +12,7 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.costmodel import CandidateRegion
 from fxmem.nn.checkpoint import CheckpointRegion
-from fxmem.nn.recast import op_call
+from fxmem.nn.remat import op_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pipeline import Change
 from fxmem.program import Program

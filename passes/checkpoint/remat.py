@@ -2,7 +2,7 @@
 
 `remat_sites` finds them in a forward trace (a GELU, dropout or norm output a matmul saves while the op's inputs
 are saved too; ReLU and batch norm -> ReLU chains; poolings; a CNN's first convolution), cheapest recompute per
-byte first. `apply_remat` rewrites each as `fxmem.nn.recast.remat(y, 'aten.op', *args)` or
+byte first. `apply_remat` rewrites each as `fxmem.nn.remat.remat(y, 'aten.op', *args)` or
 `remat_call('aten.op', *args)`: consumers' saved-tensor hooks keep a recipe and backward runs the op again, bit
 for bit. `remat_plan` says which recipes are recomputed once for all their saves and which hold which nested.
 """
@@ -17,7 +17,8 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.costmodel import CPU_BALANCE, as_recipes, op_cost, smallest_fitting_prefix, value_key
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
-from fxmem.nn.recast import INTERNAL_SAVES, flat_args, install as install_recast, op_named, remat, remat_call
+from fxmem.nn.recast import flat_args, install as install_recast
+from fxmem.nn.remat import INTERNAL_SAVES, op_named, remat, remat_call
 from fxmem.pipeline import Change
 from fxmem.program import Program
 
@@ -28,7 +29,7 @@ REMAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm", "native_layer_n
 # copies that join tensors: a remat site (a U-Net's skip concatenation), its inputs held or chained
 REMAT_JOINS = frozenset({"cat", "stack"})
 # pooling (a CNN's down-sampling): max pooling also keeps its int64 argmax indices, recomputed with it
-# (fxmem.nn.recast.INTERNAL_SAVES)
+# (fxmem.nn.remat.INTERNAL_SAVES)
 REMAT_POOLS = frozenset({"max_pool2d", "max_pool3d", "avg_pool2d"})
 # producers a join may recompute as a chain member when nobody else keeps their output (a U-Net's upsampling
 # convolution, whose input it saves anyway): dearer than pointwise ops, so never sites of their own
@@ -338,7 +339,7 @@ class _Rewriter:
             node.kwargs = {**node.kwargs, "_fxmem_group": True}
         elif site.key in self.plan.shared:
             node.kwargs = {**node.kwargs, "_fxmem_share": True}
-        # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.recast)
+        # under torch.compile the last member recomputes the chain in one checkpoint (fxmem.nn.remat)
         member_at = {m: i for i, m in enumerate(names)}
         last = by_name[names[-1]]
         last.kwargs = {**last.kwargs, "_fxmem_chain": tuple(

@@ -1,0 +1,236 @@
+"""Remat recipes: graph calls whose outputs backward recomputes instead of keeping (`fxmem.nn.recast` keeps them).
+
+`remat(y, 'aten.op.overload', *args)` hands on `y`, which is `op(*args)`, registered as that recipe: consumers'
+saves keep the recipe and backward runs the op again (once for all saves when `_fxmem_share`).
+`remat_call('aten.op', *args)` runs the op itself, for ops that save their own output (ReLU) and chains (batch
+norm -> ReLU): its own saves become the recipe too, and arguments that are recipes are held nested. A training-mode
+batch norm is recomputed without running statistics (on CPU from its batch statistics, `batch_norm_affine`, where
+that gives the kernel's bits); max pooling's indices (`INTERNAL_SAVES`) are a recipe too. Under torch.compile both
+become checkpoints the partitioner recomputes. `op_call` looks through remat_call for graph analyses. Design:
+docs/design/recast.md.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import checkpoint
+
+from .recast import active_scope, arg_tensors, map_args
+
+
+def op_named(op: str):
+    """'aten.gelu.default' (`str` of an overload) -> torch.ops.aten.gelu.default; no cache, dynamo traces it."""
+    ns, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+_OPS: dict[str, object] = {}
+
+
+def _resolve(op: str):
+    """op_named, cached (eager only)."""
+    fn = _OPS.get(op)
+    if fn is None:
+        fn = _OPS[op] = op_named(op)
+    return fn
+
+
+def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None, share: bool = False) -> None:
+    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward; `share`:
+    once for all its saves, see `remat`)."""
+    if torch.compiler.is_compiling():
+        return
+    scope = active_scope()
+    if scope is not None and isinstance(out, torch.Tensor):
+        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}), share)
+
+
+def remat(y: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
+    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
+
+    `_fxmem_share` (the checkpoint pass sets it when the ops that save `y` run their backward one after another):
+    backward runs the op once for all of them, the value held from the first unpack to the last, instead of once
+    per save. A save that is never unpacked (a partial backward) leaves the value held until autograd frees the
+    graph.
+
+    Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
+    its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
+    kernels) rather than deciding alone at its own memory budget, which kept it; `y` goes dead and the compiler
+    drops it."""
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            # (y's op already updated any running statistics: the checkpointed one must not again)
+            return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
+        return y
+    if active_scope() is not None:
+        register_recompute(y, *recompute_form(op, args, kwargs), share=_fxmem_share)
+    return y
+
+
+torch.fx.wrap("remat")
+
+
+def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
+    """How backward recomputes `op(*args, **kwargs)`: a training-mode batch norm without running statistics
+    (they are updated once, in forward; the output depends only on the batch statistics, bit-identical with or
+    without them)."""
+    return _resolve(op), _stats_free(op, args), kwargs
+
+
+def _stats_free(op: str, args: tuple) -> tuple:
+    """A training-mode batch norm's arguments without its running statistics (the same output); `args` itself when
+    there are none to leave out (callers test identity: not `args` means the op updates statistics)."""
+    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True and \
+            (args[3] is not None or args[4] is not None):
+        return args[:3] + (None, None) + args[5:]
+    return args
+
+
+def batch_norm_affine(x: torch.Tensor, weight, bias, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """A training-mode batch norm's output from its batch statistics, as the CPU kernel forms it: per channel
+    alpha = invstd * weight and beta = bias - mean * alpha, then x * alpha + beta, each a fused multiply-add
+    (addcmul; weight 1 and bias 0 when absent). One pass over x, where recomputing the norm passes over x twice
+    more for the statistics (mean, then variance). Used only where `_affine_reproduces` has seen it give the
+    kernel's output bit for bit."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    alpha = invstd if weight is None else invstd * weight
+    beta = torch.addcmul(torch.zeros_like(mean) if bias is None else bias, mean, alpha, value=-1)
+    return torch.addcmul(beta.view(shape), x, alpha.view(shape))
+
+
+def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
+    """A training-mode `aten.batch_norm` on plain CPU tensors: its output can be recomputed from the batch
+    statistics (`batch_norm_affine`) instead of by the norm. On CPU `batch_norm` runs `native_batch_norm`, which
+    returns those statistics; elsewhere (cuDNN) the kernels differ, so the norm is recomputed as before."""
+    if op != "aten.batch_norm.default" or kwargs or len(args) != 9 or args[5] is not True:
+        return False
+    x = args[0]
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and \
+        all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
+
+
+# (device, dtypes, shape, strides, affine) -> whether batch_norm_affine gave the kernel's output bit for bit
+_AFFINE_EXACT: dict[tuple, bool] = {}
+
+
+def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
+    """Whether `batch_norm_affine` reproduces `y` exactly for tensors laid out as these: checked once per layout on
+    the real output (the kernel's arithmetic, fused multiply-adds or not, depends on the build and the CPU; a
+    layout it does not cover, e.g. a non-contiguous input, takes another code path). Under a fake-tensor trace
+    (the cost model) nothing can be compared and the recipe's memory is the same either way: taken as reproduced."""
+    if isinstance(y, FakeTensor):
+        return True
+    if type(y) is not torch.Tensor or type(x) is not torch.Tensor:
+        return False
+    key = (x.device.type, x.dtype, mean.dtype, tuple(x.shape), tuple(x.stride()), None if weight is None else
+           weight.dtype, None if bias is None else bias.dtype)
+    ok = _AFFINE_EXACT.get(key)
+    if ok is None:
+        with torch.no_grad():
+            ok = _AFFINE_EXACT[key] = bool(torch.equal(batch_norm_affine(x, weight, bias, mean, invstd), y))
+    return ok
+
+
+def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _fxmem_nest: tuple = (),
+               _fxmem_group: bool = False, **kwargs) -> torch.Tensor:
+    """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
+    the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
+    themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
+    batch norm's input (which the norm saves anyway) and neither output is kept. `remat(y, ...)` is the cheaper
+    form for ops that save only their inputs. An in-place op (relu_) on a chained output stays in place, in
+    forward and in the recomputation, which writes into the member's freshly recomputed output. `_fxmem_share`:
+    as for `remat`. `_fxmem_nest`: positions among the flattened `args` (list elements in their place) of nested
+    recipes this one uses through their shared value (the pass sets it where this recipe is recomputed right next to
+    the nested one's own saves, so the nested one runs once for all of them; see `RecastScope.as_recipe_args`).
+    `_fxmem_group` (an op with INTERNAL_SAVES whose output's and own saves are unpacked back to back): the full op
+    runs once for both, its outputs held from the first unpack to the last (`_Pick` of a shared recipe).
+
+    Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
+    arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
+    then recomputes; the members before it run as plain ops (their outputs go dead). One checkpoint per member
+    would not do: the partitioner keeps a value passed from one checkpoint to the next."""
+    if torch.compiler.is_compiling():
+        fn = op_named(op)
+        if _fxmem_chain is None or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
+        if _stats_free(op, args) is not args:
+            fn(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
+        return checkpoint(_run_chain, _fxmem_chain, use_reentrant=False)
+    scope = active_scope()
+    if scope is None:
+        return _resolve(op)(*args, **kwargs)
+    # before the op: an in-place op's output reuses its input's storage
+    rargs = scope.as_recipe_args(args, _fxmem_nest)
+    stats = None
+    with scope.deferring() as pending:
+        if _affine_recomputable(op, args, kwargs):
+            y, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
+            stats = (mean, invstd)
+        else:
+            y = _resolve(op)(*args, **kwargs)
+    if isinstance(y, torch.Tensor) and not any(
+            isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
+        # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
+        if stats is not None and _affine_reproduces(y, args[0], args[1], args[2], *stats):
+            fn, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
+        else:
+            fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
+        internal = INTERNAL_SAVES.get(op)
+        own = []
+        if internal is not None:
+            # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
+            # too, the op's full form run again for that output
+            known = {a.untyped_storage()._cdata for a in (y, *arg_tensors(args))}
+            own = [t for t in (d.value for d in pending)
+                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and
+                   t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
+        if own and _fxmem_group:
+            # one run of the full op for both, shared: each output a pick of it
+            scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, y), (internal[1], own[0])))
+        else:
+            scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
+            for t in own:
+                scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
+    scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
+    return y
+
+
+# ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
+# its dtype); max pooling keeps its argmax indices (int64: twice a float32 output's bytes)
+INTERNAL_SAVES = {
+    "aten.max_pool2d.default": ("aten.max_pool2d_with_indices.default", 1, torch.int64),
+    "aten.max_pool3d.default": ("aten.max_pool3d_with_indices.default", 1, torch.int64),
+}
+
+
+class _output_of:
+    """Output `i` of the op named `op` (a recipe's function: the indices of max_pool2d_with_indices)."""
+    __slots__ = ("op", "i", "__name__")
+
+    def __init__(self, op: str, i: int):
+        self.op, self.i, self.__name__ = op, i, f"{op}[{i}]"
+
+    def __call__(self, *args, **kwargs):
+        return _resolve(self.op)(*args, **kwargs)[self.i]
+
+
+torch.fx.wrap("remat_call")
+
+
+def op_call(target, args: tuple) -> tuple:
+    """(op, args) a graph call of `target` with `args` runs: `remat_call('aten.relu_.default', x)` runs aten.relu_
+    on (x,), which writes x in place; other targets run themselves. Graph analyses that read an op's schema (does
+    it write an input in place?) look through remat_call with this."""
+    if target is remat_call:
+        return _resolve(args[0]), tuple(args[1:])
+    return target, tuple(args)
+
+
+def _run_chain(chain: tuple) -> torch.Tensor:
+    """A remat_call chain's ops in order ("@i" arguments: member i's output), batch norms without running
+    statistics; the last member's output."""
+    outs: list = []
+    for op, args, kwargs in chain:
+        args = map_args(args, lambda a: outs[int(a[1:])] if isinstance(a, str) and a[:1] == "@" else a)
+        outs.append(op_named(op)(*_stats_free(op, args), **kwargs))
+    return outs[-1]
