@@ -1,7 +1,9 @@
 """A wheel built from the repo ships the passes and presets inside `fxmem` and works outside the source tree."""
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,3 +64,17 @@ def test_wheel_works_outside_source_tree(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("ok")
+
+
+def test_every_package_of_the_source_tree_is_listed_for_the_wheel():
+    """setuptools ships only the packages pyproject lists: each directory of fxmem/ and passes/ with an __init__.py
+    (fxmem.costmodel, the checkpoint pass's package) must be among them, or the installed fxmem lacks it."""
+    # (tomllib is Python 3.11+; fxmem supports 3.10: the one line is a Python literal)
+    line = re.search(r"^packages = (\[.*\])$", (ROOT / "pyproject.toml").read_text(), re.M)
+    listed = set(ast.literal_eval(line.group(1)))
+    found = set()
+    for top, dotted in (("fxmem", "fxmem"), ("passes", "fxmem.passes")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / top).parts
+            found.add(".".join((dotted, *parts)))
+    assert found <= listed, sorted(found - listed)
