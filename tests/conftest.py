@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,6 +39,40 @@ class OpCounter(TorchDispatchMode):
 
     def matmuls(self) -> int:
         return self.ops.get("mm", 0) + self.ops.get("addmm", 0)
+
+
+NO_CUDA = "no CUDA device"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are collected everywhere and skipped where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
+# the fused SDPA kernels by the aten op each dispatches to (CPU's flash kernel is `..._flash_attention_for_cpu`);
+# the math kernel is no op of its own: it decomposes into matmuls and a softmax
+SDPA_KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
+                   "cudnn": "_scaled_dot_product_cudnn_attention"}
+
+
+def sdpa_kernels(counter: "OpCounter") -> set[str]:
+    """The fused SDPA kernels (flash, efficient, cudnn) whose ops `counter` saw run, forward or backward."""
+    return {kernel for kernel, op in SDPA_KERNEL_OPS.items() if any(name.startswith(op) for name in counter.ops)}
+
+
+def on_device(tree, device):
+    """`tree` (arguments, keyword arguments, outputs) with every tensor in it moved to `device`."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def example_on(name: str, device, **build_kwargs):
+    """`example(name)` with the model and its inputs on `device`."""
+    model, args, kwargs, loss_fn = example(name, **build_kwargs)
+    return model.to(device), on_device(args, device), on_device(kwargs, device), loss_fn
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore")
 bnb = pytest.importorskip("bitsandbytes")
 
 KINDS = [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _cpu_layout(q: QuantLinear) -> bool:

@@ -263,7 +263,7 @@ def test_a_transform_that_fails_keeps_the_model():
     assert_same(before, state_of(model))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_transform_of_a_cuda_model_keeps_the_cuda_generator():
     model, x = build("everything")
     model, x = model.cuda(), tuple(t.cuda() for t in x)  # (.cuda() moves the gradients too)
