@@ -267,6 +267,8 @@ def cmd_estimate(a) -> int:
     print(f"peak at: {est.peak_at} ({est.peak_phase}{', ' + est.peak_module if est.peak_module else ''})")
     if measured is not None:
         print(f"measured peak at: {measured.peak_at} ({measured.peak_phase})")
+        if measured.allocator:
+            print(measured.allocator_line())
     print(f"FLOPs per step (estimated): forward {est.flops_forward:.3g}, backward {est.flops_backward:.3g}")
     if est.by_module:
         print("heaviest modules (bytes saved for backward, estimated):")

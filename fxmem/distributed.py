@@ -371,8 +371,9 @@ def measure_rank(module: nn.Module, args: tuple, kwargs: dict | None = None, *, 
     for _ in range(steps - 1):
         step()
     gc.collect()
-    tracker = StorageTracker()
     params = [local(p) for p in module.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    tracker = StorageTracker(device=device if device.type == "cuda" else None)  # device memory, as fxmem.measure
     tracker.seed(params)
     tracker.seed([local(b) for b in module.buffers()])
     tracker.seed(pytree.tree_leaves((args, kwargs)))

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .nn.recast import observing
 from .program import Program
 from .step import make_torch_optimizer, training_step
+from .units import format_bytes
 from .userstate import keeps_model_state, mode_set
 
 
@@ -35,10 +36,13 @@ class TimelinePoint:
 
 
 class StorageTracker(TorchDispatchMode):
-    """Counts live storage bytes; `label_fn()` names the current position for the timeline."""
+    """Counts live storage bytes; `label_fn()` names the current position for the timeline. `device`: count only
+    storages on it (a CUDA step's pinned host buffers, the offload pass's "cpu" tier, are not device memory);
+    None counts every storage."""
 
-    def __init__(self, label_fn: Callable[[Any], str] | None = None):
+    def __init__(self, label_fn: Callable[[Any], str] | None = None, device: torch.device | None = None):
         super().__init__()
+        self.device = device
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -61,7 +65,7 @@ class StorageTracker(TorchDispatchMode):
 
     def add(self, t: torch.Tensor) -> bool:
         st = self._key(t)
-        if st is None:
+        if st is None or (self.device is not None and st.device != self.device):
             return False
         key = st._cdata
         if key in self.live:
@@ -166,6 +170,7 @@ class MemoryProfile:
     method: str = "measured"
     device: str = "cpu"
     cuda_max_allocated: int | None = None
+    allocator: dict | None = None  # CUDA: the caching allocator on the same step (`allocator_counters`)
     world_size: int = 1
     zero_stage: int = 0
 
@@ -177,7 +182,44 @@ class MemoryProfile:
         d["unknown_ops"] = list(self.unknown_ops)
         if self.cuda_max_allocated is not None:
             d["cuda_max_allocated"] = self.cuda_max_allocated
+        if self.allocator is not None:
+            d["allocator"] = dict(self.allocator)
         return d
+
+    def allocator_line(self) -> str | None:
+        """The CUDA allocator's peak beside this count's, both above the step's start (None off CUDA)."""
+        a = self.allocator
+        if not a:
+            return None
+        return (f"CUDA allocator on the same step: peak allocated {format_bytes(a['allocated_peak'])} "
+                f"({format_bytes(a['allocated_peak'] - a['allocated_start'])} above the step's start; requested "
+                f"{format_bytes(a['requested_peak'] - a['requested_start'])}, reserved peak "
+                f"{format_bytes(a['reserved_peak'])}) against live tensors {format_bytes(self.peak)} "
+                f"({format_bytes(self.peak - a['tracked_start'])} above the step's start): the allocator adds "
+                "rounding, cached blocks and kernel workspaces")
+
+
+ALLOCATOR_STATS = {"allocated": "allocated_bytes.all", "requested": "requested_bytes.all",
+                   "reserved": "reserved_bytes.all"}
+
+
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's byte counters on `device` (`torch.cuda.memory_stats`): current and peak bytes
+    allocated (rounded blocks), requested (what the tensors asked for) and reserved (segments held from CUDA)."""
+    stats = torch.cuda.memory_stats(device)
+    out = {}
+    for name, key in ALLOCATOR_STATS.items():
+        out[f"{name}_current"] = int(stats.get(f"{key}.current", 0))
+        out[f"{name}_peak"] = int(stats.get(f"{key}.peak", 0))
+    return out
+
+
+def allocator_step(start: dict[str, int], end: dict[str, int], tracked_start: int) -> dict[str, int]:
+    """One step's allocator record: the counters at its start and their peaks over it (peaks reset at the start),
+    with the live bytes fxmem's tracker counted at the start (`tracked_start`) to compare from."""
+    return {"allocated_start": start["allocated_current"], "allocated_peak": end["allocated_peak"],
+            "requested_start": start["requested_current"], "requested_peak": end["requested_peak"],
+            "reserved_peak": end["reserved_peak"], "tracked_start": int(tracked_start)}
 
 
 def _as_call(args, kwargs):
@@ -233,9 +275,9 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
             return label_fn(func)
         return labels.current() or str(getattr(func, "__name__", func))
 
-    tracker = StorageTracker(lab)
-    prof = MemoryProfile(mode=mode, optimizer=optimizer_name if mode == "train" else "none")
     device = next((p.device for p in params), torch.device("cpu"))
+    tracker = StorageTracker(lab, device=device if device.type == "cuda" else None)
+    prof = MemoryProfile(mode=mode, optimizer=optimizer_name if mode == "train" else "none")
     prof.device = str(device)
     marks = {}
 
@@ -266,6 +308,7 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
+                    counters_at_start = allocator_counters(device)
             ctx = tracker if last else _nullcontext()
             with ctx:
                 if mode == "train":
@@ -284,6 +327,7 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     prof.cuda_max_allocated = int(torch.cuda.max_memory_allocated(device))
+                    prof.allocator = allocator_step(counters_at_start, allocator_counters(device), base)
         prof.activations = max(0, marks.get("fwd_end", base) - base)
         prof.peak = tracker.peak
         prof.peak_at = tracker.peak_label

@@ -374,6 +374,8 @@ class Report:
         for tag, e in (("before", self.measured_before), ("after", self.measured_after)):
             if e is not None:
                 out.append(f"peak {tag} (measured): {format_bytes(e.peak)} at `{e.peak_at}` ({e.peak_phase})")
+                if getattr(e, "allocator", None):
+                    out.append(f"{tag}: {e.allocator_line()}")
         for tag, e, m in (("before", self.before, self.measured_before), ("after", self.after, self.measured_after)):
             if m is not None and m.peak:
                 out.append(f"cost model vs measurement, peak {tag}: estimated {format_bytes(e.peak)} vs measured "
