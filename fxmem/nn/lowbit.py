@@ -68,7 +68,9 @@ class QuantLinear(nn.Module):
         self._set_shape(kind, int(in_f), int(out_f), threshold, double_quant, compute_dtype)
         inner = self._empty_inner()
         device = weight.device
-        w = weight.detach().to(torch.float32).clone()
+        # bitsandbytes' Int8Params quantizes on a move from the CPU only (one already on the GPU stays fp32 until
+        # the first call, and its row scales then live where the aux buffers do not see them): start it there
+        w = weight.detach().to(device="cpu" if kind == "int8" else device, dtype=torch.float32, copy=True)
         bnb = _bnb()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
