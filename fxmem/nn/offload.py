@@ -754,7 +754,10 @@ class OffloadedOptimizer:
         p, m = self.params[i], self.master[i]
         if p.grad is None:
             return
-        g = p.grad.detach().to(self.host, non_blocking=p.grad.is_cuda)
+        # a copy to the host that returns before it is done (non_blocking) is safe only where nothing reads it before
+        # step() synchronizes; a gradient accumulated into one already moved is added on the host at once, so that
+        # copy blocks (and, on the same stream, waits for the earlier one too)
+        g = p.grad.detach().to(self.host, non_blocking=p.grad.is_cuda and m.grad is None)
         m.grad = g if m.grad is None else m.grad.add_(g)
         p.grad = None  # the device gradient is freed now
 
