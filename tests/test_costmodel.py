@@ -140,6 +140,19 @@ def test_plan_batch_fits_budget():
     assert cuda["usable"] == int((10 ** 9 - 500 * 10 ** 6) * 0.9)
 
 
+def test_plan_batch_picks_the_largest_batch_that_fits():
+    """The batch one larger than the plan's is estimated over the usable bytes. The first guess extrapolates from
+    batches 1 and 2; the decoder's bytes per sample grow a little with the batch, so the guess can be one too many,
+    and a walk down from it in steps of 10% stopped short of the largest batch that fits (at 5x here)."""
+    program, loss_fn = _program("gpt", "train")
+    one = fxmem.estimate(program, loss_fn=loss_fn).peak
+    (x,) = program.example_args
+    for budget in (3 * one, 5 * one):
+        plan = fxmem.plan_batch(program, budget=budget, loss_fn=loss_fn)
+        bigger = (x.index_select(0, torch.arange(plan["batch"] + 1) % x.shape[0]),)
+        assert plan["peak"] <= plan["usable"] < fxmem.estimate(program, bigger, loss_fn=loss_fn).peak, plan
+
+
 def test_every_example_op_is_known():
     # graph-level and dispatch-level: the static estimate lists unknown dispatch ops
     for name in EXAMPLE_NAMES:

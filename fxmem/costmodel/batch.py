@@ -1,6 +1,9 @@
 """Searches for what fits a budget: the largest batch (`plan_batch`), the shortest prefix of candidates."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -33,6 +36,7 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
     if example_batch is None:
         raise ValueError("no tensor input has a batch dim to scale")
 
+    @functools.cache
     def peak_at(batch: int) -> int:
         scaled = []
         for tensor in flat:
@@ -50,14 +54,41 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
     if peak_one > usable:
         return {"batch": 0, "peak": peak_one, "usable": usable, "per_sample": None}
     per_sample = max(1, peak_at(2) - peak_one)
-    guess = max(1, min(max_batch, 1 + (usable - peak_one) // per_sample))
-    # verify and walk down if the linear guess was optimistic
-    lowest, batch = 1, guess
-    while batch > lowest:
-        if peak_at(batch) <= usable:
-            break
-        batch = max(lowest, int(batch * 0.9) if batch > 20 else batch - 1)
+    guess = max(1, min(max_batch, 1 + (usable - peak_one) // per_sample))  # linear in the batch from the first two
+    batch = largest_fitting(lambda n: peak_at(n) <= usable, guess, max_batch)
     return {"batch": batch, "peak": peak_at(batch), "usable": usable, "per_sample": per_sample}
+
+
+def largest_fitting(fits: Callable[[int], bool], guess: int, limit: int) -> int:
+    """The largest n in [1, limit] with fits(n), for a `fits` true up to some n and false after (fits(1) true).
+
+    Brackets the answer from `guess` in steps that start at a tenth of it and double (down while it does not
+    fit, up while it does), then bisects: a guess off by a factor costs a few evaluations more, not a smaller
+    answer."""
+    n, step = min(max(1, guess), limit), max(1, guess // 10)
+    if fits(n):
+        lo, hi = n, limit + 1
+        while lo < limit:
+            n = min(limit, lo + step)
+            if not fits(n):
+                hi = n
+                break
+            lo, step = n, 2 * step
+    else:
+        lo, hi = 1, n
+        while hi - step > 1:
+            n = hi - step
+            if fits(n):
+                lo = n
+                break
+            hi, step = n, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def smallest_fitting_prefix(count: int, peak_of, budget: int) -> int:
