@@ -915,7 +915,8 @@ def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -
     outs = [leaves[i] for i in out_idx]
     if cotangents is None:
         g = torch.Generator().manual_seed(4321)
-        cotangents = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
+        # drawn on the CPU generator (the same numbers on any device), then put where the output is
+        cotangents = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.device, o.dtype) for o in outs]
     if not outs or [o.shape for o in outs] != [c.shape for c in cotangents]:
         return _Grads([], idx, out_idx, cotangents)
     # backward() rather than autograd.grad(): reentrant checkpoint (a Function too) refuses the latter. The
