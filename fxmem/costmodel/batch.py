@@ -42,7 +42,7 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
         for tensor in flat:
             if isinstance(tensor, torch.Tensor) and tensor.dim() > batch_dim \
                     and tensor.shape[batch_dim] == example_batch:
-                rows = torch.arange(batch) % example_batch
+                rows = torch.arange(batch, device=tensor.device) % example_batch
                 scaled.append(tensor.index_select(batch_dim, rows))
             else:
                 scaled.append(tensor)
