@@ -70,7 +70,7 @@ def run_tests(quick: bool, seconds: float) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         junit = Path(scratch) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-p", "no:randomly", "-v", "-rfE",
-               "--continue-on-collection-errors", f"--junitxml={junit}", *cuda_test_files()]
+               "--continue-on-collection-errors", f"--junitxml={junit}", *per_test_limit(), *cuda_test_files()]
         if quick:
             cmd += [f"--deselect={node}" for node in QUICK_DESELECT]
         t0 = time.monotonic()
@@ -92,9 +92,17 @@ def run_tests(quick: bool, seconds: float) -> dict:
 
 def cuda_test_files() -> list[str]:
     """The test files holding `cuda`-marked tests (collecting only those: a file that fails to import elsewhere,
-    say for a package this host lacks, cannot stop the run)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                  if "mark.cuda" in p.read_text())
+    say for a package this host lacks, cannot stop the run), the process-group ones last: a collective that hangs
+    there leaves the others' outcomes in."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                   if "mark.cuda" in p.read_text())
+    return sorted(files, key=lambda f: "distributed" in f)
+
+
+def per_test_limit() -> list[str]:
+    """pytest-timeout's per-test limit where the plugin is installed (a hung test fails alone)."""
+    import importlib.util
+    return ["--timeout=240"] if importlib.util.find_spec("pytest_timeout") else []
 
 
 def _outcomes(text: str, junit: Path | None) -> list[dict]:

@@ -5,6 +5,7 @@ measured per-rank peak as on CPU. The 2-process gloo runs are in test_distribute
 from __future__ import annotations
 
 import copy
+import datetime
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def nccl(tmp_path_factory):
         pytest.fail("this torch build has no NCCL")
     torch.cuda.set_device(torch.cuda.current_device())
     store = dist.FileStore(str(tmp_path_factory.mktemp("nccl") / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     yield dist.get_backend()
     dist.destroy_process_group()
 

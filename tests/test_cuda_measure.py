@@ -25,19 +25,22 @@ WORKSPACES = 64 * MIB  # what kernels may allocate beside their outputs in one s
 @pytest.mark.parametrize("name", ["gpt", "unet", "hf_gpt2"])
 def test_measure_reports_the_allocator_beside_live_tensors(name):
     model, args, kwargs, loss_fn = example_on(name, DEVICE, **SMALL.get(name, {}))
-    prof = fxmem.measure(model, args, kwargs, loss_fn=loss_fn)
+    program = fxmem.capture(model, args, kwargs)
+    prof = fxmem.measure(copy.deepcopy(program.module), args, kwargs, loss_fn=loss_fn)
     alloc = prof.allocator
     assert alloc is not None and prof.device.startswith(DEVICE.type)
     tracked = prof.peak - alloc["tracked_start"]
     requested = alloc["requested_peak"] - alloc["requested_start"]
     # every storage fxmem counts is an allocator block: the allocator's peak is at least fxmem's, over the step
-    # and in all; what it holds beyond is kernel workspaces and rounding
+    # and in all; what it asks for beyond is kernel workspaces
     assert alloc["allocated_peak"] >= prof.peak and prof.cuda_max_allocated == alloc["allocated_peak"]
     assert tracked <= requested <= 1.10 * tracked + WORKSPACES, (tracked, requested, alloc)
-    assert alloc["allocated_peak"] - alloc["allocated_start"] >= requested
     assert "CUDA allocator on the same step" in prof.allocator_line()
-    est = fxmem.estimate(fxmem.capture(model, args, kwargs), loss_fn=loss_fn)
-    assert abs(est.peak - prof.peak) <= 0.05 * prof.peak, (name, est.peak, prof.peak)
+    # the cost model on the device, held to the CPU suite's tolerances (test_costmodel.py)
+    static = fxmem.estimate(program, loss_fn=loss_fn)
+    traced = fxmem.estimate(program, loss_fn=loss_fn, method="traced")
+    assert abs(static.peak / prof.peak - 1) <= 0.005, (name, static.peak, prof.peak, static.peak_at, prof.peak_at)
+    assert abs(traced.peak / prof.peak - 1) <= 0.01, (name, traced.peak, prof.peak)
 
 
 def test_transform_report_shows_both_measurements():
@@ -52,7 +55,8 @@ def test_transform_report_shows_both_measurements():
 
 PLAN_MODEL = dict(n_layer=4, n_head=4, d_model=256, block_size=256, dropout=0.0)
 PLAN_INPUTS = dict(batch=2, seq_len=256)
-PLAN_BUDGET = 500 * 10 ** 6 + 2 ** 30  # the context reserve plus 1 GiB for the step
+CONTEXT, FRAGMENTATION = 500 * 10 ** 6, 0.10  # plan_batch's CUDA reserve (its defaults)
+PLAN_BUDGET = CONTEXT + 2 ** 30  # the context reserve plus 1 GiB for the step
 
 
 def _batch(args, n: int):
@@ -78,16 +82,23 @@ def _measure_capped(module, args, loss_fn, cap: int):
 
 
 def test_plan_batch_fits_and_the_next_size_up_does_not():
-    model, args, _, loss_fn = example_on("gpt", DEVICE, **PLAN_MODEL)
+    """The budget is set so that the usable bytes fall halfway between the estimated peaks at the planned batch and
+    one more (so an estimate a little off either way still decides the same). Trained for real under an allocator
+    capped at the budget less the context reserve: the planned batch runs and peaks under the usable bytes, the
+    next one peaks over them or runs out of memory."""
+    model, _, _, loss_fn = example_on("gpt", DEVICE, **PLAN_MODEL)
     args = tuple(t.to(DEVICE) for t in example_module("gpt").example_inputs(**PLAN_INPUTS))
     program = fxmem.capture(model, args)
-    plan = fxmem.plan_batch(program, budget=PLAN_BUDGET, loss_fn=loss_fn, device="cuda")
+    first = fxmem.plan_batch(program, budget=PLAN_BUDGET, loss_fn=loss_fn, device="cuda")["batch"]
+    peaks = [fxmem.estimate(program, _batch(args, n), loss_fn=loss_fn).peak for n in (first, first + 1)]
+    budget = CONTEXT + int(sum(peaks) / 2 / (1 - FRAGMENTATION)) + 1
+    plan = fxmem.plan_batch(program, budget=budget, loss_fn=loss_fn, device="cuda")
     batch, usable = plan["batch"], plan["usable"]
-    assert batch >= 8, plan
-    cap = PLAN_BUDGET - 500 * 10 ** 6  # what the allocator may hold: the budget less the context reserve
+    assert batch == first >= 8 and peaks[0] <= usable < peaks[1], (plan, peaks)
+    cap = budget - CONTEXT  # what the allocator may hold: the budget less the context reserve
     module = copy.deepcopy(program.module)
     fits = _measure_capped(module, _batch(args, batch), loss_fn, cap)
     assert fits is not None, f"out of memory at the planned batch {batch} ({plan})"
-    assert fits.peak <= usable * 1.01, (fits.peak, plan)
+    assert fits.peak <= usable, (fits.peak, plan)
     over = _measure_capped(module, _batch(args, batch + 1), loss_fn, cap)
     assert over is None or over.peak > usable, (over.peak, plan)
