@@ -186,7 +186,18 @@ def environment() -> list[str]:
             f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
             f"Python {platform.python_version()}",
             f"- bitsandbytes {bnb_line}",
+            "- " + ", ".join(f"{name} {_version(name)}" for name in ("highspy", "transformers", "torch_geometric",
+                                                                     "pytest", "pytest_timeout")),
             f"- fxmem commit {commit.stdout.strip() or 'unknown'}"]
+
+
+def _version(module: str) -> str:
+    """The installed version of a package the suite imports, or "MISSING" (its tests fail or skip)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(module.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return "MISSING"
 
 
 def _test_section(tests: dict) -> list[str]:
