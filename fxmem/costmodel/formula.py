@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:  # torch >= 2.13
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _example_size
+except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int, deprecated by 2.11)
+    try:
+        from torch.fx.experimental.symbolic_shapes import size_hint as _example_size
+    except ImportError:
+        from torch.fx.experimental.symbolic_shapes import hint_int as _example_size
 
 from ..measure import StorageTracker
 
@@ -45,7 +51,7 @@ def _freeze(arg):
         return tuple(_freeze(item) for item in arg)
     if isinstance(arg, torch.SymInt):  # (a dynamic batch size: its example value, without a guard)
         try:
-            return optimization_hint(arg)
+            return _example_size(arg)
         except Exception as e:  # noqa: BLE001 - no example value (a data-dependent size)
             raise TypeError from e
     if isinstance(arg, (torch.SymFloat, torch.SymBool)):
