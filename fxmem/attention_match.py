@@ -334,7 +334,7 @@ def _is_lower_tri_ones(t: torch.Tensor) -> bool:
     if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]):
         return False
     m = t.reshape(t.shape[-2], t.shape[-1]) != 0
-    want = torch.ones(m.shape, dtype=torch.bool).tril()
+    want = torch.ones(m.shape, dtype=torch.bool, device=m.device).tril()
     return bool(torch.equal(m, want))
 
 
