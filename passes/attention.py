@@ -443,6 +443,22 @@ def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
 _BACKEND_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
+def _dispatcher_choice(q, k, v, mask, dropout_p, is_causal, scale, gqa):
+    """The backend SDPA's dispatcher picks for this call (`torch._fused_sdp_choice`: on CUDA, torch orders the fused
+    kernels by device and version, cuDNN first on Hopper); None where it cannot say."""
+    from torch.nn.attention import SDPBackend
+    try:
+        code = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
+        return SDPBackend(code).name
+    except Exception:  # noqa: BLE001 - an older torch or an unsupported call: the fixed order decides
+        return None
+
+
+def _probe_order(first) -> tuple:
+    """The backends to try in turn: the dispatcher's choice, then the fixed order."""
+    return ((first,) if first in _BACKEND_ORDER else ()) + tuple(b for b in _BACKEND_ORDER if b != first)
+
+
 def probe_backend(site: AttentionSite, node: fx.Node, opts) -> dict:
     """Which SDPA kernel runs for this call on this device, in train mode (with grad, dropout) and in eval."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -492,7 +508,7 @@ def probe_backend(site: AttentionSite, node: fx.Node, opts) -> dict:
             t.requires_grad_(grad)
         dp = float(p) if train else 0.0
         chosen = None
-        for name in _BACKEND_ORDER:
+        for name in _probe_order(_dispatcher_choice(qs, ks, vs, m, dp, bool(is_causal), sc, bool(gqa))):
             be = getattr(SDPBackend, name, None)
             if be is None:
                 continue

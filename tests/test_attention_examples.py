@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fxmem
+from fxmem.pipeline import pass_module
 
 from .conftest import example
 from .test_attention import AttentionOptions, Stack, assert_same, rewrite, run_with_grads, sdpa_nodes
@@ -74,3 +75,16 @@ def test_options_validation():
         fxmem.load_policy({"version": 1, "passes": {"attention": {"enabled": True, "rewrite": "flash"}}})
     with pytest.raises(fxmem.PolicyError, match="sparsity_ratio"):
         fxmem.load_policy({"version": 1, "passes": {"attention": {"enabled": True, "sparsity_ratio": 1.5}}})
+
+
+def test_backend_probe_tries_the_dispatchers_choice_first():
+    """The probe reports what SDPA's dispatcher runs: on Hopper GPUs torch 2.11 picks cuDNN before flash and
+    memory-efficient, which a fixed order misreported (found on an H200). On CPU: flash, or math with dropout."""
+    attention = pass_module("attention")
+    _BACKEND_ORDER, _dispatcher_choice, _probe_order = (attention._BACKEND_ORDER, attention._dispatcher_choice,
+                                                        attention._probe_order)
+    q = torch.randn(2, 4, 64, 32)
+    assert _dispatcher_choice(q, q, q, None, 0.0, False, None, False) == "FLASH_ATTENTION"
+    assert _dispatcher_choice(q, q, q, None, 0.1, False, None, False) == "MATH"
+    assert _probe_order("CUDNN_ATTENTION") == ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    assert _probe_order(None) == _probe_order("OVERRIDEABLE") == _BACKEND_ORDER
