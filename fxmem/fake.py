@@ -9,6 +9,13 @@ import torch._functorch.config as functorch_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 
+# Fakes carry real values; where an op's fake kernel disagrees with its real one (CUDA efficient attention's dropout
+# seed and offset, seen on an H200 with torch 2.11), the real outputs' metadata is taken instead of an error.
+_REAL_VALUE_CONFIG = {key: True for key in ("fake_tensor_propagate_real_tensors",
+                                            "generate_fake_kernels_from_real_mismatches")
+                      if hasattr(functorch_config, key)}
+
+
 def with_data_dependent_fallback(fn: Callable, on_retry: Callable | None = None):
     """Run `fn` under FakeTensorMode; if a size depends on tensor values (PyG's masks, boolean indexing), run it
     again with fake tensors that carry the example inputs' real values, so those sizes are the example's.
@@ -23,7 +30,7 @@ def with_data_dependent_fallback(fn: Callable, on_retry: Callable | None = None)
         level = log.level
         log.setLevel(logging.ERROR)  # it logs every value it takes from the real tensors
         try:
-            with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            with functorch_config.patch(**_REAL_VALUE_CONFIG):
                 out = fn()
         finally:
             log.setLevel(level)
