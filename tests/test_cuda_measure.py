@@ -70,13 +70,14 @@ def _measure_capped(module, args, loss_fn, cap: int):
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(DEVICE).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(DEVICE) + cap) / total, DEVICE)
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(DEVICE) + cap) / total,
+                                             torch.cuda.current_device())  # (it needs an index)
     try:
         return fxmem.measure(module, args, loss_fn=loss_fn)
     except torch.cuda.OutOfMemoryError:
         return None
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         gc.collect()
         torch.cuda.empty_cache()
 
