@@ -143,6 +143,21 @@ def test_copies_run_on_a_side_stream_into_pinned_memory_and_prefetch(monkeypatch
         assert log.index(("use", slot + 1)) < log.index(("read", slot)) < log.index(("use", slot))
 
 
+def test_forward_never_waits_on_the_host_for_a_copy(gpt_offloaded, monkeypatch):
+    """A region's end drops its device copies without a host-side wait: the allocator holds them until the side
+    stream has copied them (record_stream); a wait would hold back the next region's kernel launches."""
+    _, res, x = gpt_offloaded
+    waits = []
+    for cls in (torch.cuda.Event, torch.cuda.Stream):
+        real = cls.synchronize
+        monkeypatch.setattr(cls, "synchronize", lambda self, real=real: (waits.append(type(self)), real(self))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append("device"))
+    module = copy.deepcopy(res.module).train()
+    out = module(*x)
+    assert waits == []
+    out.float().pow(2).mean().backward()
+
+
 def test_offloaded_optimizer_accumulates_gradients_exactly_on_cuda():
     """Two backward passes before a step (gradient accumulation): the second gradient is added on the host to the
     first, which an asynchronous copy may not have finished. The step equals AdamW run on the host on the gradients

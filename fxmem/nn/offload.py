@@ -148,7 +148,7 @@ class _Entry:
         self.src = None  # the source storage (uint8 view) until its copy is done
         self.write: Future | None = None
         self.host = None  # "cpu" tier: pinned host copy
-        self.event = None  # "cpu" tier: CUDA event of the pending copy
+        self.event = None  # "cpu" tier: CUDA event of the pending reload
         self.buf = None  # the reloaded storage (uint8)
         self.read: Future | None = None
 
@@ -166,17 +166,15 @@ class _Entry:
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             with torch.cuda.stream(side):
                 self.host.copy_(u8, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(side)
+            # the allocator reuses the device block only once the side stream has passed the copy, so the region's
+            # end drops it without a host-side wait (which would hold back the next region's kernel launches)
+            u8.record_stream(side)
 
     def finish_write(self) -> None:
         if self.write is not None:
             self.write.result()
             self.write = None
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        self.src = None  # the device copy may now be freed
+        self.src = None  # the device copy may now be freed (on CUDA: once the side stream has copied it)
 
     # ------------------------------------------------------------------------------------------- backward
     def start_read(self) -> None:
