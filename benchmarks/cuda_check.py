@@ -188,7 +188,8 @@ def environment() -> list[str]:
         bnb_line = f"{bnb.__version__} ({type(lib).__name__}, CUDA library: {lib.compiled_with_cuda})"
     except Exception as e:  # noqa: BLE001
         bnb_line = f"not usable ({type(e).__name__}: {e})"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty= (+ local changes)", "--abbrev=7"], cwd=ROOT,
+                            capture_output=True, text=True)
     return [f"- device: {torch.cuda.get_device_name(0)} (compute capability {props.major}.{props.minor}, "
             f"{props.total_memory / 2 ** 30:.1f} GiB)",
             f"- torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
