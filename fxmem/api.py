@@ -172,11 +172,11 @@ def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str
 
 
 def _require_budgets(report, records) -> None:
-    """strict: a result over its budget is an error, as a failed pass is. The checkpoint pass states its tolerance
-    (`slack`, measured peak <= budget * (1 + slack)); the estimate, and the measurement when there is one, must be
-    within it. (Without strict the report says OVER and the run succeeds: a policy's budget can be a target.)"""
-    slack = next((float(r.metrics["slack"]) for r in records
-                  if r.name == "checkpoint" and (r.metrics or {}).get("slack") is not None), 0.0)
+    """strict: a result over its budget is an error, as a failed pass is. A budget pass (checkpoint) states its
+    tolerance (`slack`, measured peak <= budget * (1 + slack)); the estimate, and the measurement when there is one,
+    must be within it. (Without strict the report says OVER and the run succeeds: a policy's budget can be a target.)"""
+    stated = (r.budget_metrics().slack for r in records)
+    slack = next((value for value in stated if value is not None), 0.0)
     misses = []
     if report.budget is not None:
         peaks = [report.after.peak] + ([report.measured_after.peak] if report.measured_after is not None else [])

@@ -46,6 +46,7 @@ from .errors import FxmemError
 from .measure import StorageTracker
 from .nn.regions import region_info
 from .outline import OutlineError, check_outline, outline
+from .policy import Policy
 from .program import Program, module_stack
 from .step import compute_loss
 
@@ -229,9 +230,9 @@ def _section_options(policy, name: str):
 
 
 def declared_mode(policy) -> str:
-    """The distribution a policy declares for the module, in `passes.offload.distributed`: "none", "ddp" or "fsdp"
-    (what `distribute(module, policy)` runs; the checkpoint pass keeps regions inside blocks for "fsdp")."""
-    return getattr(_section_options(policy, "offload"), "distributed", None) or "none"
+    """The distribution a policy declares for the module (`Policy.distribution`): "none", "ddp" or "fsdp"; "none"
+    for anything that is not a Policy."""
+    return policy.distribution if isinstance(policy, Policy) else "none"
 
 
 def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> DistributeOptions:

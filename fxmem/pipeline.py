@@ -1,31 +1,21 @@
-"""Passes and the PassManager: run the policy's passes in canonical order, re-validate and verify after each.
+"""The PassManager: run the policy's passes in canonical order, re-validate and verify after each.
 
-A pass is a small class:
-
-    @register
-    class CheckpointPass:
-        name = "checkpoint"
-        exact = True                 # exact passes must keep outputs and gradients equal
-        Options = CheckpointOptions  # a dataclass; the policy validates `passes.checkpoint` against it
-        def run(self, program, ctx) -> PassResult: ...
-
-It reads the Program and the cost model (`ctx.estimate`, `fxmem.costmodel.node_costs`), rewrites the graph (in
-place on the Program it is given — the manager hands it a snapshot), and returns the Changes it made. Passes must
-not mutate existing parameters in place: create new ones (rollback shares parameters with the snapshot).
+The pass contract (Pass, PassContext, PassResult, Change, PassRecord, register) is fxmem/pass_api.py; the table
+of passes is fxmem/registry.py. The manager resolves what the user asked for once: each pass's options, validated,
+and what passes share (budget and its strictness, tolerance, distribution mode, whether a later pass takes the rest
+of the budget, the device) in its PassContext.
 
 After each pass: lint, dead-code elimination, recompile, metadata refresh, re-estimate, verification on the
-example inputs. A failing exact pass, or a lossy pass over the tolerance, is rolled back and the report says why.
+example inputs (eval mode, a seeded training step, the other mode's graph when the model has one). A failing exact
+pass, or a lossy pass over the tolerance, is rolled back and the report says why.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
-import importlib.util
-import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,157 +23,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import costmodel
-from .compare import Deviation, compare_outputs, deviation
+from .compare import compare_outputs, deviation
 from .errors import FxmemError, PassError, PolicyError
 from .nn.modes import mode_dispatch, mode_graph
-from .policy import register_options
+from .pass_api import Change, DeviceInfo, PassContext, PassRecord, PassResult, register
 from .program import Program, buffers_kept
+from .registry import (CANONICAL_ORDER, LOAD_ERRORS, REGISTRY, Registration, budget_rest_taken, load_passes,
+                       pass_class, pass_module)
 from .step import compute_loss
 from .units import format_bytes
 
-CANONICAL_ORDER = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
-
-
-@dataclass
-class Change:
-    kind: str
-    module: str
-    nodes_before: list = field(default_factory=list)
-    nodes_after: list = field(default_factory=list)
-    reason: str = ""
-    bytes_saved: int | None = None  # estimated by the cost model
-    details: dict = field(default_factory=dict)
-
-    def to_dict(self):
-        return {"kind": self.kind, "module": self.module, "nodes_before": list(self.nodes_before),
-                "nodes_after": list(self.nodes_after), "reason": self.reason, "bytes_saved": self.bytes_saved,
-                "details": _jsonable(self.details)}
-
-
-@dataclass
-class PassResult:
-    program: Program
-    modified: bool
-    changes: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    # lossy passes may report their own per-site errors here; the manager measures the whole-model deviation
-    metrics: dict = field(default_factory=dict)
-    # the rewritten program draws its random numbers differently from its input (same distribution: SDPA's dropout
-    # instead of a manual one): a seeded training step cannot be compared value for value, only run
-    draws_differ: bool = False
-
-
-@dataclass
-class PassRecord:
-    """What happened to one pass, for the report."""
-    name: str
-    status: str  # applied | unchanged | rolled_back | failed
-    exact: bool
-    changes: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    reason: str = ""
-    deviation: dict | None = None  # vs the original model (outputs), and per-pass
-    grad_deviation: dict | None = None
-    # the seeded training-mode step (dropout on, batch statistics, checkpoint/offload regions at work) against the
-    # previous pass's: {"compared": bool, "ok": bool, "checked": grads compared, "why": when not compared}
-    train_check: dict | None = None
-    peak_before: int | None = None
-    peak_after: int | None = None
-    seconds: float = 0.0
-    metrics: dict = field(default_factory=dict)
-
-    def to_dict(self, with_timing: bool = True):
-        d = {"name": self.name, "status": self.status, "exact": self.exact,
-             "changes": [c.to_dict() for c in self.changes], "notes": list(self.notes), "reason": self.reason,
-             "deviation": self.deviation, "grad_deviation": self.grad_deviation, "train_check": self.train_check,
-             "peak_before": self.peak_before,
-             "peak_after": self.peak_after, "metrics": _jsonable(self.metrics)}
-        if with_timing:
-            d["seconds"] = round(self.seconds, 3)
-        return d
-
-
-@dataclass
-class PassContext:
-    policy: Any
-    options: Any
-    mode: str
-    optimizer: str
-    budget: int | None  # resolved bytes (pass budget or the policy's), None = no budget
-    baseline: Any  # MemoryEstimate of the captured program before any pass
-    enabled: tuple  # names of the passes this policy runs
-    calibration: list | None = None
-    loss_fn: Callable | None = None
-    log: Callable[[str], None] = lambda msg: None
-    seed: int = 0
-    model_file: Any = None  # the model file module when run from the CLI (for evaluate())
-    budget_strict: bool = True  # False: the budget is a target (presets); unreachable -> as low as possible
-
-    def estimate(self, program: Program, method: str = "static"):
-        return costmodel.estimate(program, mode=self.mode, optimizer=self.optimizer, method=method,
-                                  loss_fn=self.loss_fn)
-
-
-# ============================================================================================ registry
-REGISTRY: dict[str, type] = {}
-
-
-def register(cls):
-    """Class decorator: make a pass available to policies under `cls.name`."""
-    name = getattr(cls, "name", None)
-    if name not in CANONICAL_ORDER and not getattr(cls, "test_only", False):
-        raise ValueError(f"pass name {name!r} is not one of {CANONICAL_ORDER}")
-    REGISTRY[name] = cls
-    opts = getattr(cls, "Options", None)
-    if opts is not None:
-        register_options(name, opts)
-    return cls
-
-
-_loaded = False
-
-
-def _passes_package():
-    """`fxmem.passes`: the installed package, or `passes/` of the source tree."""
-    try:
-        return importlib.import_module("fxmem.passes")
-    except ModuleNotFoundError:
-        src = Path(__file__).resolve().parent.parent / "passes"
-        if not (src / "__init__.py").exists():
-            raise
-        spec = importlib.util.spec_from_file_location("fxmem.passes", src / "__init__.py",
-                                                      submodule_search_locations=[str(src)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["fxmem.passes"] = pkg
-        spec.loader.exec_module(pkg)
-        return pkg
-
-
-def pass_module(name: str):
-    """One pass's module (`fxmem.passes.<name>`) alone, without importing the others (tests and benchmarks of one
-    pass run while another may be mid-edit)."""
-    _passes_package()
-    return importlib.import_module(f"fxmem.passes.{name}")
-
-
-def load_passes() -> dict[str, type]:
-    """Import the pass modules (`fxmem.passes`, which is `passes/` in the source tree)."""
-    global _loaded
-    if _loaded:
-        return REGISTRY
-    pkg = _passes_package()
-    for name in CANONICAL_ORDER:
-        where = Path(pkg.__path__[0])
-        if (where / f"{name}.py").exists() or (where / name / "__init__.py").exists():  # a module or a package
-            try:
-                importlib.import_module(f"fxmem.passes.{name}")
-            except Exception as e:  # noqa: BLE001 - one broken pass must not take the others down
-                LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
-    _loaded = True
-    return REGISTRY
-
-
-LOAD_ERRORS: dict[str, str] = {}
+# the manager's names that tests, benchmarks and tools import from here
+__all__ = ["PassManager", "run_reference", "long_lived_frozen", "compare_grads", "compare_buffers", "Reference",
+           "Change", "PassContext", "PassRecord", "PassResult", "register", "CANONICAL_ORDER", "REGISTRY",
+           "LOAD_ERRORS", "load_passes", "pass_module"]
 
 
 # ============================================================================================ verification
@@ -298,23 +151,23 @@ class PassManager:
         self.records: list[PassRecord] = []
 
     def enabled_passes(self) -> list[str]:
-        registry = load_passes()
+        load_passes()
         names = []
         for name in CANONICAL_ORDER:
             sec = self.policy.passes.get(name)
             if sec is None or not sec.enabled:
                 continue
-            if name not in registry:
+            if pass_class(name) is None:
                 why = (f"it failed to load ({LOAD_ERRORS[name]})" if name in LOAD_ERRORS else
                        "this pass is not implemented in this version of fxmem")
+                available = sorted(n for n in CANONICAL_ORDER if pass_class(n) is not None)
                 raise PolicyError(
-                    f"{_src(self.policy, sec)} passes.{name}: {why} (available: "
-                    f"{', '.join(sorted(n for n in registry if n in CANONICAL_ORDER)) or 'none'}); "
+                    f"{_src(self.policy, sec)} passes.{name}: {why} (available: {', '.join(available) or 'none'}); "
                     f"set passes.{name}.enabled: false")
             names.append(name)
         for name in sorted(self.policy.passes):
-            if name not in CANONICAL_ORDER and self.policy.passes[name].enabled and name in registry:
-                names.append(name)  # test-only passes run after the canonical ones
+            if name not in CANONICAL_ORDER and self.policy.passes[name].enabled and pass_class(name) is not None:
+                names.append(name)  # extra passes run after the canonical ones
         return names
 
     def run(self, program: Program, baseline) -> Program:
@@ -333,37 +186,15 @@ class PassManager:
         self._other_refs = [run_other_mode(program, verify.seed)] * 2 if verify.enabled else None
         current_est = baseline
         for name in names:
-            cls = REGISTRY[name]
-            sec = self.policy.passes[name]
-            opts = sec.options if sec.options is not None else (cls.Options() if hasattr(cls, "Options") else None)
-            budget = self._budget_for(opts, baseline)
-            ctx = PassContext(policy=self.policy, options=opts, mode=mode, optimizer=optimizer, budget=budget,
-                              baseline=baseline, enabled=tuple(names), calibration=self.calibration,
-                              loss_fn=self.loss_fn, log=self.log, seed=verify.seed, model_file=self.model_file,
-                              budget_strict=bool(getattr(self.policy, "budget_strict", True)))
-            rec = PassRecord(name=name, status="unchanged", exact=pass_is_exact(cls, opts),
+            entry = REGISTRY[name]
+            options = self.policy.section_options(name, entry.options) if entry.options is not None else None
+            ctx = self._context(name, names, options, baseline, program)
+            rec = PassRecord(name=name, status="unchanged", exact=entry.is_exact(options),
                              peak_before=current_est.peak)
             self.records.append(rec)
-            self.log(f"[{name}] running")
             t0 = time.perf_counter()
-            candidate = program.snapshot()
-            try:
-                with buffers_kept(candidate.module):  # what a pass runs (calibration, guards) leaves them as given
-                    result = cls().run(candidate, ctx)
-            except FxmemError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a pass bug must not lose the user's model
-                rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
-                rec.notes.append(traceback.format_exc(limit=3))
-                rec.seconds = time.perf_counter() - t0
-                self.log(f"[{name}] failed and was rolled back: {rec.reason}")
-                if self.strict:
-                    raise PassError(f"pass {name} failed: {rec.reason}") from e
-                continue
-            rec.changes, rec.notes, rec.metrics = list(result.changes), list(result.notes), dict(result.metrics)
-            if not result.modified:
-                rec.seconds = time.perf_counter() - t0
-                self.log(f"[{name}] no change")
+            result = self._run_pass(entry, program, ctx, rec, t0)
+            if result is None:
                 continue
             new = result.program
             try:
@@ -397,8 +228,45 @@ class PassManager:
         return program
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _budget_for(self, opts, baseline) -> int | None:
-        b = getattr(opts, "budget", None) or getattr(self.policy, "budget", None)
+    def _context(self, name: str, names: list[str], options, baseline, program: Program) -> PassContext:
+        """What pass `name` is handed: its options and what passes share, derived from the policy."""
+        policy = self.policy
+        return PassContext(options=options, mode=policy.mode, optimizer=policy.optimizer,
+                           budget=self._budget_for(options, baseline), baseline=baseline,
+                           budget_strict=policy.budget_strict, tolerance=policy.verify.lossy_tolerance,
+                           distribution=policy.distribution, rest_taken=budget_rest_taken(names, after=name),
+                           device=DeviceInfo.of(program), calibration=self.calibration, loss_fn=self.loss_fn,
+                           log=self.log, seed=policy.verify.seed, model_file=self.model_file)
+
+    def _run_pass(self, entry: Registration, program: Program, ctx: PassContext, rec: PassRecord,
+                  t0: float) -> PassResult | None:
+        """Run one pass on a snapshot of `program` and record what it returned; None when there is nothing to
+        verify (it failed, or changed nothing)."""
+        self.log(f"[{entry.name}] running")
+        candidate = program.snapshot()
+        try:
+            with buffers_kept(candidate.module):  # what a pass runs (calibration, guards) leaves them as given
+                result = entry.pass_class().run(candidate, ctx)
+        except FxmemError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a pass bug must not lose the user's model
+            rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
+            rec.notes.append(traceback.format_exc(limit=3))
+            rec.seconds = time.perf_counter() - t0
+            self.log(f"[{entry.name}] failed and was rolled back: {rec.reason}")
+            if self.strict:
+                raise PassError(f"pass {entry.name} failed: {rec.reason}") from e
+            return None
+        rec.changes, rec.notes, rec.metrics = list(result.changes), list(result.notes), dict(result.metrics)
+        if not result.modified:
+            rec.seconds = time.perf_counter() - t0
+            self.log(f"[{entry.name}] no change")
+            return None
+        return result
+
+    def _budget_for(self, options, baseline) -> int | None:
+        """The pass's own `budget` option when it has one, else the policy's; in bytes of the baseline's peak."""
+        b = getattr(options, "budget", None) or self.policy.budget
         if b is None:
             return None
         if isinstance(b, int):
@@ -530,13 +398,6 @@ def run_other_mode(program: Program, seed: int = 0):
         gm.train(was)
 
 
-def pass_is_exact(cls, options) -> bool:
-    """`cls.exact`, unless the pass defines `is_exact(options)`: exactness that depends on its options (the
-    attention pass is exact for `rewrite: sdpa` and lossy for its approximations)."""
-    hook = getattr(cls, "is_exact", None)
-    return bool(hook(options)) if callable(hook) else bool(getattr(cls, "exact", True))
-
-
 def _grads_comparable(rec: PassRecord) -> bool:
     return True
 
@@ -547,17 +408,3 @@ def _src(policy, sec) -> str:
     src = getattr(policy, "source", "<policy>")
     line = getattr(sec, "line", None)
     return f"{Path(str(src)).name}:{line}" if line else str(Path(str(src)).name)
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    if isinstance(x, Deviation):
-        return x.to_dict()
-    if isinstance(x, torch.Tensor):
-        return x.tolist() if x.numel() <= 64 else f"tensor{tuple(x.shape)}"
-    return str(x)

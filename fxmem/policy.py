@@ -17,9 +17,10 @@ the cost model decide what is possible. Schema (version 1):
 Pass sections. `passes.NAME` is a mapping with `enabled` plus the pass's options (`passes.NAME: false` is short for
 `{enabled: false}`, an empty section means enabled with defaults). A section that is present without `enabled`
 is enabled; inherited and `--set` sections keep the `enabled` they merge onto. An absent section is disabled.
-A pass implementation registers a dataclass with `register_options(name, cls)`; its section is then validated
-against that dataclass (unknown keys, types, defaults) and `PassSection.options` holds the instance. Unregistered
-passes keep their keys in `PassSection.raw` with `options=None`.
+A pass registers its options dataclass (`fxmem.pass_api.register`, or `register_options(name, cls)` for options
+alone); its section is then validated against that dataclass (unknown keys, types, defaults) and
+`PassSection.options` holds the instance. Unregistered passes keep their keys in `PassSection.raw` with
+`options=None`.
 
 Inheritance (`extends`) deep-merges: mappings merge key by key, scalars and lists replace. `overrides` (the CLI's
 `--set KEY=VALUE`) merge the same way on top, values read with YAML scalar rules.
@@ -48,25 +49,26 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Union
 
 import yaml
 
+from . import registry
 from .errors import PolicyError
 from .units import BUDGET_EXAMPLE, SIZE_EXAMPLE, Budget, Size, format_size, parse_budget, parse_size
 
 __all__ = [
     "Policy", "PassSection", "VerifyOptions", "PolicyError", "Budget", "Size", "KNOWN_PASSES",
     "load_policy", "list_presets", "preset_path", "register_options", "unregister_options", "options_class",
-    "registered_options",
+    "registered_options", "check_options_class", "check_pass_name",
 ]
 
 SCHEMA_VERSION = 1
-KNOWN_PASSES: tuple[str, ...] = ("attention", "pruning", "gating", "precision", "checkpoint", "offload")
+KNOWN_PASSES: tuple[str, ...] = registry.CANONICAL_ORDER  # the canonical passes, in the order they run
 
 Mode = Literal["train", "inference"]
 Optimizer = Literal["none", "sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "paged_adamw8bit"]
 
 
-# ====================================================================================== options registry
-_OPTIONS_REGISTRY: dict[str, type] = {}
-
+# ====================================================================================== pass sections
+# The table of passes and their options classes is `fxmem.registry`, written by `fxmem.pass_api.register`; these
+# functions give a section options without a pass (the policy's own tests, tools).
 
 def register_options(pass_name: str, options_cls: type | None = None, *, replace: bool = False):
     """Register the options dataclass of a pass; the policy validates `passes.<pass_name>` against it.
@@ -78,47 +80,53 @@ def register_options(pass_name: str, options_cls: type | None = None, *, replace
     pass needs replace=True. Names outside KNOWN_PASSES are accepted as extra (test) passes."""
     if options_cls is None:
         return lambda cls: register_options(pass_name, cls, replace=replace)
-    if not isinstance(pass_name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", pass_name):
-        raise ValueError(f"pass name must be an identifier, got {pass_name!r}")
+    check_options_class(pass_name, options_cls)
+    registry.set_options(pass_name, options_cls, replace=replace)
+    return options_cls
+
+
+def check_options_class(pass_name: str, options_cls: Any) -> None:
+    """Fail now, at registration, if `options_cls` cannot be read from a policy's `passes.<pass_name>` section."""
+    check_pass_name(pass_name)
     if not (isinstance(options_cls, type) and dataclasses.is_dataclass(options_cls)):
         raise TypeError(f"options for pass {pass_name!r} must be a dataclass class, got {options_cls!r}")
     _check_options_class(options_cls, f"{options_cls.__qualname__}")
-    old = _OPTIONS_REGISTRY.get(pass_name)
-    if old is not None and old is not options_cls and not replace:
-        raise ValueError(f"pass {pass_name!r} already has options class {old.__qualname__}; "
-                         f"pass replace=True to replace it")
-    _OPTIONS_REGISTRY[pass_name] = options_cls
-    return options_cls
+
+
+def check_pass_name(pass_name: Any) -> None:
+    """A pass name is an identifier (dashes allowed): it is a key of the policy's `passes` mapping."""
+    if not isinstance(pass_name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", pass_name):
+        raise ValueError(f"pass name must be an identifier, got {pass_name!r}")
 
 
 def unregister_options(pass_name: str) -> None:
     """Forget a pass's options class (its sections are kept raw again). Unknown names are ignored."""
-    _OPTIONS_REGISTRY.pop(pass_name, None)
+    registry.set_options(pass_name, None)
 
 
 def options_class(pass_name: str) -> type | None:
     """The registered options dataclass of a pass, or None."""
-    return _OPTIONS_REGISTRY.get(pass_name)
+    return registry.options_class(pass_name)
 
 
 @contextlib.contextmanager
 def registered_options(mapping: Mapping[str, type] | None = None, *, clear: bool = False) -> Iterator[None]:
     """Temporarily register options classes (tests): restores the previous registry on exit.
     clear=True starts from an empty registry."""
-    saved = dict(_OPTIONS_REGISTRY)
+    saved = dict(registry.REGISTRY)
     try:
         if clear:
-            _OPTIONS_REGISTRY.clear()
+            registry.REGISTRY.clear()
         for name, cls in (mapping or {}).items():
             register_options(name, cls, replace=True)
         yield
     finally:
-        _OPTIONS_REGISTRY.clear()
-        _OPTIONS_REGISTRY.update(saved)
+        registry.REGISTRY.clear()
+        registry.REGISTRY.update(saved)
 
 
 def _known_passes() -> tuple[str, ...]:
-    return KNOWN_PASSES + tuple(sorted(n for n in _OPTIONS_REGISTRY if n not in KNOWN_PASSES))
+    return registry.known_passes()
 
 
 # ============================================================================================ the schema
@@ -241,6 +249,25 @@ class Policy:
     def unimplemented_passes(self) -> tuple[str, ...]:
         """Enabled passes whose options class is not registered (their pass is not implemented)."""
         return tuple(n for n in self.enabled_passes if self.passes[n].options is None)
+
+    @property
+    def distribution(self) -> str:
+        """How the result will be run, as `passes.offload.distributed` declares it: "none", "ddp" or "fsdp" (what
+        `fxmem.distribute(module, policy)` runs; the checkpoint pass keeps regions inside blocks for "fsdp")."""
+        section = self.passes.get("offload")
+        options = section.options if section is not None else None
+        return getattr(options, "distributed", None) or "none"
+
+    def section_options(self, name: str, options_cls: type) -> Any:
+        """`passes.<name>`'s options as an `options_cls` instance, ready for the pass: the instance validated when
+        the policy was read, or (a policy read before the pass registered its options) the section's keys
+        validated now; a bad key is a PolicyError naming where the section came from and the key."""
+        section = self.passes.get(name)
+        if section is not None and isinstance(section.options, options_cls):
+            return section.options
+        where = section.where if section is not None and section.where else _short(self.source)
+        return _build_dataclass(options_cls, section.raw if section is not None else {}, ("passes", name),
+                                _Ctx({}, where), noun=f"option for pass '{name}'", extra_known=("enabled",))
 
     def to_dict(self) -> dict:
         """The resolved policy as plain data (JSON-ready, fixed key order); `load_policy(p.to_dict())`

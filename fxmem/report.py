@@ -29,7 +29,7 @@ from typing import Any
 from .costmodel import MemoryEstimate
 from .files import write_bytes, write_text
 from .measure import MemoryProfile, TimelinePoint
-from .pipeline import Change, PassRecord
+from .pass_api import Change, PassRecord
 from .units import format_bytes as _format_bytes
 
 SCHEMA_VERSION = 1
@@ -103,7 +103,7 @@ class Report:
     after: Any
     measured_before: Any = None  # fxmem.measure.MemoryProfile
     measured_after: Any = None
-    passes: list = field(default_factory=list)  # fxmem.pipeline.PassRecord
+    passes: list = field(default_factory=list)  # fxmem.pass_api.PassRecord
     code_before: str = ""
     code_after: str = ""
     specialized: list = field(default_factory=list)
@@ -162,11 +162,9 @@ class Report:
         return line
 
     def activation_budget(self) -> int | None:
-        """The checkpoint pass's activation budget in bytes (passes.checkpoint.activation_budget), if it had one."""
-        for r in self.passes:
-            if r.name == "checkpoint" and (r.metrics or {}).get("activation_budget") is not None:
-                return int(r.metrics["activation_budget"])
-        return None
+        """The activation budget in bytes a pass planned for (passes.checkpoint.activation_budget), if one did."""
+        stated = (r.budget_metrics().activation_budget for r in self.passes)
+        return next((value for value in stated if value is not None), None)
 
     def activation_budget_line(self) -> str | None:
         ab = self.activation_budget()

@@ -1,5 +1,5 @@
 """fxmem's passes, one file per pass (installed as `fxmem.passes`).
 
 Canonical order: attention, pruning, gating, precision, checkpoint, offload. Each module registers its pass with
-`fxmem.pipeline.register`; `fxmem.pipeline.load_passes()` imports the ones that exist.
+`fxmem.pass_api.register`; `fxmem.registry.load_passes()` imports the ones that exist.
 """

@@ -21,8 +21,8 @@ Rewrites (`passes.attention.rewrite`):
                     Its error grows with |q|^2 + |k|^2 (random-feature variance): the per-site tolerance decides.
 Per-site cost-model bytes (`site_bytes`, two static traces) go into each Change's `bytes_saved`.
 
-Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and implements the optional
-`is_exact(options)` hook the PassManager consults (fxmem/pipeline.py): for `hab`/`semiseparable` the pass is
+Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and overrides
+`fxmem.pass_api.Pass.is_exact(options)`, which the PassManager consults: for `hab`/`semiseparable` the pass is
 verified as lossy (relative output error <= policy.verify.lossy_tolerance). On top of that, each approximated site
 measures its own relative error on the example inputs against exact attention and is kept only if it is within
 `tolerance` (default: the policy's lossy_tolerance); rejected sites stay exact (SDPA) and are reported.
@@ -41,7 +41,7 @@ from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, fin
                                    trace_projection, val)
 from fxmem.costmodel import node_costs
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
-from fxmem.pipeline import Change, PassResult, register
+from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, is_impure
 
 aten = torch.ops.aten
@@ -86,7 +86,7 @@ class AttentionOptions:
 
 
 @register
-class AttentionPass:
+class AttentionPass(Pass):
     name = "attention"
     exact = True  # for rewrite: sdpa; see is_exact
     Options = AttentionOptions
@@ -95,17 +95,9 @@ class AttentionPass:
     def is_exact(options) -> bool:
         return getattr(options, "rewrite", "sdpa") == "sdpa"
 
-    def run(self, program: Program, ctx) -> PassResult:
-        opts: AttentionOptions = ctx.options if ctx.options is not None else AttentionOptions()
-        return rewrite_attention(program, opts, mode=ctx.mode, log=ctx.log,
-                                 tolerance=_tolerance(opts, ctx.policy))
-
-
-def _tolerance(opts, policy) -> float:
-    if opts.tolerance is not None:
-        return opts.tolerance
-    v = getattr(getattr(policy, "verify", None), "lossy_tolerance", None)
-    return float(v) if v is not None else 0.05
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        # (rewrite_attention takes options.tolerance first, the policy's lossy tolerance when it is None)
+        return rewrite_attention(program, ctx.options, mode=ctx.mode, log=ctx.log, tolerance=ctx.tolerance)
 
 
 # ============================================================================================ the rewrite

@@ -33,7 +33,7 @@ from fxmem.calibrate import normalize_item
 from fxmem.errors import PolicyError
 from fxmem.nn.gating import GatedResidual, reset_skip_stats, skip_stats
 from fxmem.outline import OutlineError, outline, region_boundary
-from fxmem.pipeline import Change, PassResult, register
+from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path, module_stack
 
 aten = torch.ops.aten
@@ -236,13 +236,13 @@ def _not_per_row(v: torch.Tensor, vx) -> bool:
 
 
 @register
-class GatingPass:
+class GatingPass(Pass):
     name = "gating"
     exact = True  # at insertion: gates are exactly open
     Options = GatingOptions
 
-    def run(self, program: Program, ctx) -> PassResult:
-        o: GatingOptions = ctx.options if ctx.options is not None else GatingOptions()
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        o: GatingOptions = ctx.options
         validate(o)
         gm = program.module
         notes, changes = [], []

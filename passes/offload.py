@@ -50,7 +50,7 @@ from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, prob
 from fxmem.nn.remat import op_call
 from fxmem.nn.regions import region_info
 from fxmem.outline import OutlineError, outline, region_boundary
-from fxmem.pipeline import Change, PassResult, register
+from fxmem.pass_api import Change, DeviceInfo, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_stack
 from fxmem.units import Budget, Size, format_bytes, parse_size
 
@@ -252,27 +252,26 @@ def _parse_rate(s: str) -> float:
 
 # ============================================================================================ the pass
 
-def resolve_tier(tier: str, program: Program) -> str:
-    dev = next((p.device for p in program.module.parameters()), torch.device("cpu"))
+def resolve_tier(tier: str, device: DeviceInfo) -> str:
     if tier == "auto":
-        return "cpu" if dev.type == "cuda" else "disk"
-    if tier == "cpu" and dev.type != "cuda":
+        return "cpu" if device.pinned_host else "disk"
+    if tier == "cpu" and not device.pinned_host:
         raise PolicyError(f"passes.offload.tier: 'cpu' moves CUDA tensors to pinned host memory, but the model is "
-                          f"on {dev}; use 'disk' (or 'auto') on a CPU host")
+                          f"on {device.type}; use 'disk' (or 'auto') on a CPU host")
     return tier
 
 
 @register
-class OffloadPass:
+class OffloadPass(Pass):
     name = "offload"
     exact = True
     Options = OffloadOptions
 
-    def run(self, program: Program, ctx) -> PassResult:
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
         o: OffloadOptions = ctx.options
         if o.prefetch < 0:
             raise PolicyError(f"passes.offload.prefetch: must be >= 0, got {o.prefetch}")
-        tier = resolve_tier(o.tier, program)
+        tier = resolve_tier(o.tier, ctx.device_for(program))
         changes, notes, metrics = [], [], {"tier": tier}
         plan = {"tier": tier, "grads": o.grads, "grad_threshold": o.grad_threshold, "distributed": o.distributed,
                 "fsdp_blocks": []}

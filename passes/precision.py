@@ -63,7 +63,7 @@ from fxmem.errors import PolicyError
 from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
 from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.optim import make_optimizer
-from fxmem.pipeline import Change, PassResult, register
+from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, deep_copy, module_path
 from fxmem.step import compute_loss
 
@@ -798,8 +798,8 @@ def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict], x_node: fx
     return mx, (max(rels) if rels else 0.0)
 
 
-def guard_inputs(program: Program, ctx, limit: int = 2) -> list[tuple[tuple, dict]]:
-    cal = getattr(ctx, "calibration", None)
+def guard_inputs(program: Program, ctx: PassContext, limit: int = 2) -> list[tuple[tuple, dict]]:
+    cal = ctx.calibration
     out = []
     if cal:
         for item in list(cal)[:limit]:
@@ -872,19 +872,17 @@ def validate(opts: PrecisionOptions) -> None:
 
 
 @register
-class PrecisionPass:
+class PrecisionPass(Pass):
     name = "precision"
     exact = False
     Options = PrecisionOptions
 
-    def run(self, program: Program, ctx) -> PassResult:
-        opts = ctx.options if ctx.options is not None else PrecisionOptions()
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        opts: PrecisionOptions = ctx.options
         validate(opts)
         gm = program.module
         mode = ctx.mode
-        policy = getattr(ctx, "policy", None)
-        tol = opts.tolerance if opts.tolerance is not None else \
-            float(getattr(getattr(policy, "verify", None), "lossy_tolerance", 0.05))
+        tol = opts.tolerance if opts.tolerance is not None else float(ctx.tolerance)
         changes: list[Change] = []
         notes: list[str] = []
         sites_rec: list[dict] = []
@@ -938,10 +936,10 @@ class PrecisionPass:
                                       f"the tolerance {tol:g}; kept in its original precision",
                                       0, {"max_abs": mx, "rel": rel, "decision": kind}))
                 if lora:
-                    changes.append(add_dense_lora(gm, s, opts, qcompute, getattr(ctx, "seed", 0)))
+                    changes.append(add_dense_lora(gm, s, opts, qcompute, ctx.seed))
                 continue
             if lora:
-                mod = lora_module(mod, opts.qlora, w.device, getattr(ctx, "seed", 0))
+                mod = lora_module(mod, opts.qlora, w.device, ctx.seed)
             name_before = s.node.name
             target = swap_linear(gm, s, mod)
             swapped += 1
@@ -974,7 +972,7 @@ class PrecisionPass:
                     continue
                 n = _node_by_name(gm, d.node)
                 try:
-                    mx, rel = site_error_compute(n, values, low, ctx.seed if hasattr(ctx, "seed") else 0)
+                    mx, rel = site_error_compute(n, values, low, ctx.seed)
                 except Exception as e:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
                     mx, rel = float("inf"), float("inf")
                     d.reason += f" (could not run in {_SHORT[low]}: {type(e).__name__})"
@@ -1047,9 +1045,9 @@ class PrecisionPass:
                 try:
                     args, kwargs = inputs[0]
                     metrics["loss_fp32"] = losses_after_steps(reference.module, args, kwargs, ctx.loss_fn,
-                                                              opts.loss_steps, getattr(ctx, "seed", 0))
+                                                              opts.loss_steps, ctx.seed)
                     metrics["loss_new"] = losses_after_steps(gm, args, kwargs, ctx.loss_fn, opts.loss_steps,
-                                                             getattr(ctx, "seed", 0))
+                                                             ctx.seed)
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
         est_after = _safe_estimate(ctx, program) if opts.report_estimate else None

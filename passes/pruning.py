@@ -49,7 +49,7 @@ from fxmem.calibrate import calibrate, normalize_item
 from fxmem.compare import deviation
 from fxmem.depgroups import Group, attr_of, find_groups, slice_group
 from fxmem.errors import PolicyError
-from fxmem.pipeline import Change, PassResult, register
+from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path
 
 
@@ -225,13 +225,13 @@ def _group_targets(g: Group) -> list[str]:
 # ============================================================================================ the pass
 
 @register
-class PruningPass:
+class PruningPass(Pass):
     name = "pruning"
     exact = False
     Options = PruningOptions
 
-    def run(self, program: Program, ctx) -> PassResult:
-        o: PruningOptions = ctx.options if ctx.options is not None else PruningOptions()
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        o: PruningOptions = ctx.options
         validate(o)
         notes: list[str] = []
         cal = ctx.calibration
@@ -292,11 +292,7 @@ class PruningPass:
             return out
 
         refs = [_run(program, it) for it in hold_items]
-        if o.tolerance is not None:
-            tol = float(o.tolerance)
-        else:
-            verify = getattr(getattr(ctx, "policy", None), "verify", None)
-            tol = 0.5 * float(getattr(verify, "lossy_tolerance", 0.05))
+        tol = float(o.tolerance) if o.tolerance is not None else 0.5 * float(ctx.tolerance)
         backoff_log = []
         dev = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for(counts)))
         steps = 0

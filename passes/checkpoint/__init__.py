@@ -14,10 +14,9 @@ from dataclasses import replace
 from functools import partial
 
 from fxmem.costmodel import default_balance, estimate_from_trace, op_cost, program_key, trace_forward
-from fxmem.distributed import declared_mode
 from fxmem.errors import BudgetError
 from fxmem.outline import region_boundary
-from fxmem.pipeline import PassResult, register
+from fxmem.pass_api import Pass, PassContext, PassResult, register
 from fxmem.program import Program
 from fxmem.units import format_bytes
 
@@ -45,13 +44,13 @@ BEST_EFFORT_MARGIN = 0.03
 
 
 @register
-class CheckpointPass:
+class CheckpointPass(Pass):
     name = "checkpoint"
     exact = True
     Options = CheckpointOptions
 
-    def run(self, program: Program, ctx) -> PassResult:
-        opts = ctx.options if isinstance(ctx.options, CheckpointOptions) else CheckpointOptions()
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        opts: CheckpointOptions = ctx.options
         started = time.perf_counter()
         if ctx.mode != "train":
             return PassResult(program, False, notes=["checkpoint: inference mode saves nothing for backward; "
@@ -63,7 +62,7 @@ class CheckpointPass:
                                                      "passes.checkpoint.activation_budget or the policy's budget); "
                                                      "nothing to do"])
         if opts.within_blocks is None:
-            opts = replace(opts, within_blocks=declared_mode(ctx.policy) == "fsdp")
+            opts = replace(opts, within_blocks=ctx.distribution == "fsdp")
         job = CheckpointRun(opts, ctx, limits, started)
         variant = job.baseline(program)
         if limits.fits(variant.estimate):
@@ -198,7 +197,7 @@ def _worth_emitting(first: PassResult, first_extra: float, other: tuple, limits:
 class CheckpointRun:
     """One run of the pass: its options, context and limits, and its steps (each on a copy of the program)."""
 
-    def __init__(self, opts: CheckpointOptions, ctx, limits: Limits, started: float):
+    def __init__(self, opts: CheckpointOptions, ctx: PassContext, limits: Limits, started: float):
         self.opts, self.ctx, self.limits, self.started = opts, ctx, limits, started
         self.keep_ops = frozenset(opts.keep_ops)
 
@@ -318,11 +317,11 @@ class CheckpointRun:
 
     def _going_as_low_as_it_reaches(self, found: Reach) -> str:
         """The note for limits out of reach that the pass goes as low as it can for; BudgetError when it may not."""
-        if "offload" in self.ctx.enabled and found.best_effort == "peak":
+        if self.ctx.rest_taken and found.best_effort == "peak":
             # (the offload pass plans against the peak budget: it does not take over an activation budget)
             return found.message + " The offload pass is enabled and takes the rest: checkpointing goes as low " \
                                    "as it reaches."
-        if not getattr(self.ctx, "budget_strict", True):
+        if not self.ctx.budget_strict:
             # a preset's budget is a target: go as low as checkpointing can and say so
             return found.message + " The policy's budget is a target (budget_strict: false): checkpointing goes " \
                                    "as low as it reaches."

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fxmem.nn.dropout import bool_mask_dropout
-from fxmem.pipeline import Change
+from fxmem.pass_api import Change
 from fxmem.program import Program
 
 from .candidates import module_paths

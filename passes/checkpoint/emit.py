@@ -14,7 +14,7 @@ from fxmem.costmodel import CandidateRegion
 from fxmem.nn.checkpoint import CheckpointRegion
 from fxmem.nn.remat import op_call
 from fxmem.outline import OutlineError, outline, region_boundary
-from fxmem.pipeline import Change
+from fxmem.pass_api import Change
 from fxmem.program import Program
 from fxmem.units import format_bytes
 

@@ -19,7 +19,7 @@ from fxmem.costmodel import CPU_BALANCE, as_recipes, op_cost, smallest_fitting_p
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from fxmem.nn.recast import flat_args, install as install_recast
 from fxmem.nn.remat import INTERNAL_SAVES, op_named, remat, remat_call
-from fxmem.pipeline import Change
+from fxmem.pass_api import Change
 from fxmem.program import Program
 
 from .candidates import module_paths

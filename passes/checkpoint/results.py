@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxmem.pipeline import PassResult
+from fxmem.pass_api import PassResult
 from fxmem.program import Program
 from fxmem.units import format_bytes
 
