@@ -20,7 +20,7 @@ parameters: embeddings, final norm, head). Options: `CPUOffloadPolicy` (`cpu_off
 pass's `grads: true`), `MixedPrecisionPolicy` (`param_dtype`/`reduce_dtype`, or what the precision pass
 recorded in `module.fxmem_precision`).
 
-Blocks are found as the outermost repeated modules of one type under one parent with numeric names
+Blocks (`fxmem.blocks`) are the outermost repeated modules of one type under one parent with numeric names
 (`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`. A block whose parameters a node outside
 it reads (a checkpoint region joining `h.0.mlp` to `h.1.ln_1`), or that cannot be outlined as one call, is not made:
 its parameters are sharded with the root, and `distribute` warns, naming the block and the reason (also in
@@ -41,17 +41,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .blocks import block_paths, named_stack
 from .costmodel import estimate
 from .errors import FxmemError
 from .measure import StorageTracker
 from .nn.regions import region_info
 from .outline import OutlineError, check_outline, outline
 from .policy import Policy
-from .program import Program, module_stack
+from .program import Program
 from .step import compute_loss
 
-__all__ = ["distribute", "declared_mode", "block_paths", "node_blocks", "ShardedBlock", "measure_rank", "estimate_rank",
-           "DistributeOptions"]
+__all__ = ["distribute", "declared_mode", "ShardedBlock", "measure_rank", "estimate_rank", "DistributeOptions"]
 
 
 @dataclass
@@ -62,43 +62,6 @@ class DistributeOptions:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     blocks: list | None = None  # module paths to shard separately (default: found from the graph)
-
-
-# ============================================================================================ blocks
-
-def _stack_paths(n: fx.Node) -> list[tuple[str, str]]:
-    return [(p, t) for p, t in module_stack(n) if p]
-
-
-def block_paths(gm: fx.GraphModule) -> list[str]:
-    """Outermost repeated blocks: modules of one type under one parent whose names are numbers."""
-    seen: dict[str, str] = {}
-    order: list[str] = []
-    for n in gm.graph.nodes:
-        for p, t in _stack_paths(n):
-            if p not in seen:
-                seen[p] = t
-                order.append(p)
-    groups: dict[tuple[str, str], list[str]] = {}
-    for p in order:
-        parent, _, leaf = p.rpartition(".")
-        if leaf.isdigit():
-            groups.setdefault((parent, seen[p]), []).append(p)
-    cands = [ps for ps in groups.values() if len(ps) >= 2]
-    if not cands:
-        return []
-    depth = min(ps[0].count(".") for ps in cands)
-    out = []
-    for ps in cands:
-        if ps[0].count(".") == depth:
-            out.extend(ps)
-    return [p for p in order if p in set(out)]
-
-
-def node_blocks(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
-    """Each node's block (`block_paths`), None for the root's nodes."""
-    paths = set(block_paths(gm))
-    return {n: next((p for p, _ in _stack_paths(n) if p in paths), None) for n in gm.graph.nodes}
 
 
 class ShardedBlock(nn.Module):
@@ -149,7 +112,7 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
     for path in paths:
         graph = gm.graph
         members = [n for n in graph.nodes if n.op in ("call_function", "call_module")
-                   and any(p == path for p, _ in _stack_paths(n))
+                   and any(p == path for p, _ in named_stack(n))
                    and not (n.op == "call_module" and n.target in ("input_guard", "mode"))]
         if not members:
             notes.append(f"{path}: no graph nodes; its parameters are sharded with the root")

@@ -43,8 +43,8 @@ from typing import Literal
 import torch
 from torch import fx
 
+from fxmem.blocks import block_paths
 from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
-from fxmem.distributed import block_paths
 from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.remat import op_call

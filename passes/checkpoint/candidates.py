@@ -16,8 +16,8 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
+from fxmem.blocks import node_blocks
 from fxmem.costmodel import CandidateRegion, RegionModel, build_region_model, default_balance, measure_regions
-from fxmem.distributed import node_blocks
 from fxmem.errors import PolicyError
 from fxmem.nn.dropout import bool_mask_dropout_remat
 from fxmem.nn.remat import op_call, remat

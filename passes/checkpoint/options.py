@@ -38,7 +38,7 @@ class CheckpointOptions:
     # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
     # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
     remat: bool = True
-    # regions never join nodes of two repeated blocks (fxmem.distributed.block_paths: h.0, h.1, ...) or a block's
+    # regions never join nodes of two repeated blocks (fxmem.blocks.block_paths: h.0, h.1, ...) or a block's
     # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares
     # `passes.offload.distributed: fsdp`
     within_blocks: bool | None = None
