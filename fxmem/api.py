@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import numbers
 import os
 import signal
 import sys
@@ -65,10 +66,11 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     """Capture `model`, run the policy's passes, return the transformed module and a report.
 
     policy: a preset name ("low", "medium", "high", "inference"), a YAML path, a dict with the policy schema, or
-    a Policy. budget: bytes, or a size/fraction string ("4GiB", "40%"), overriding the policy's. activation_budget:
-    the same for the activations kept at the end of forward (`passes.checkpoint.activation_budget`; the checkpoint
-    pass is enabled for it; out of reach, it is an error unless the policy's budgets are targets). Extra keyword
-    arguments override policy keys with dots written as double underscores, e.g.
+    a Policy. budget: bytes, a fraction (0.4) or a size/fraction string ("4GiB", "40%"), overriding the policy's.
+    activation_budget: the same for the activations kept at the end of forward
+    (`passes.checkpoint.activation_budget`; the checkpoint pass is enabled for it; out of reach, it is an error
+    unless the policy's budgets are targets). overrides: `--set` strings ("passes.checkpoint.solver=greedy"). Extra
+    keyword arguments set policy keys to typed values, dots written as double underscores, e.g.
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
     strict=True: a pass that fails or is rolled back, or a result over its budget (the estimate, and the measurement
     when measured, beyond the checkpoint pass's stated slack), raises a StrictError (PassError, StrictBudgetError;
@@ -76,17 +78,16 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     """
     load_passes()  # passes register their option classes, so the policy validates their sections
     t0 = time.perf_counter()
-    ov = list(overrides)
-    for k, v in option_overrides.items():
-        ov.append(f"{k.replace('__', '.')}={_yaml_scalar(v)}")
-    if budget is not None:
-        ov.append(f"budget={budget if isinstance(budget, str) else int(budget)}")
-        ov.append("budget_strict=true")  # a budget the user asked for is a requirement, not a target
+    pol = load_policy(policy, overrides=overrides)
+    for keyword, value in option_overrides.items():
+        pol = pol.with_overrides({keyword.replace("__", "."): value}, where=f"transform({keyword}=...)")
+    if budget is not None:  # a budget the user asked for is a requirement, not a target
+        pol = pol.with_overrides({"budget": _whole_bytes(budget), "budget_strict": True},
+                                 where="transform(budget=...)")
     if activation_budget is not None:
-        ov.append("passes.checkpoint.enabled=true")
-        ov.append("passes.checkpoint.activation_budget="
-                  f"{activation_budget if isinstance(activation_budget, str) else int(activation_budget)}")
-    pol = load_policy(policy, overrides=ov)
+        pol = pol.with_overrides({"passes.checkpoint.enabled": True,
+                                  "passes.checkpoint.activation_budget": _whole_bytes(activation_budget)},
+                                 where="transform(activation_budget=...)")
     if not isinstance(args, tuple):
         args = (args,) if not isinstance(args, list) else tuple(args)
     kwargs = dict(kwargs or {})
@@ -194,12 +195,9 @@ def _require_budgets(report, records) -> None:
                             "--strict to write it, raise the budget, or enable a pass that can take the rest")
 
 
-def _yaml_scalar(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v)
-    return str(v)
+def _whole_bytes(value):
+    """A budget argument as the policy reads it: any integer type as an int (bytes), anything else as given."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def _measure(program: Program, pol, loss_fn):

@@ -23,7 +23,8 @@ alone); its section is then validated against that dataclass (unknown keys, type
 `options=None`.
 
 Inheritance (`extends`) deep-merges: mappings merge key by key, scalars and lists replace. `overrides` (the CLI's
-`--set KEY=VALUE`) merge the same way on top, values read with YAML scalar rules.
+`--set KEY=VALUE`) merge the same way on top, values read with YAML scalar rules; `Policy.with_overrides` sets
+typed values (the Python API's keyword arguments) and validates them the same way.
 
 Every validation error is a `PolicyError` whose message is one line: `FILE:LINE KEY.PATH: what was expected`,
 with the file and line the value came from (a parent file for inherited values, `--set '...'` for overrides).
@@ -268,6 +269,17 @@ class Policy:
         where = section.where if section is not None and section.where else _short(self.source)
         return _build_dataclass(options_cls, section.raw if section is not None else {}, ("passes", name),
                                 _Ctx({}, where), noun=f"option for pass '{name}'", extra_known=("enabled",))
+
+    def with_overrides(self, overrides: Mapping[str, Any], *, where: str = "override") -> "Policy":
+        """A copy with typed values set at key paths, in order (`{"budget": "40%", "passes.checkpoint.solver":
+        "greedy"}`), merged and validated as `--set` values are (`passes.X: False` is short for
+        `passes.X.enabled`). A bad key or value is a PolicyError: `WHERE KEY.PATH: what was expected`."""
+        policy = self
+        for key, value in overrides.items():
+            parts = _key_parts(key, where, refused="cannot be overridden; choose the policy file instead")
+            policy = _override_passes(policy, parts, value, where) if parts[0] == "passes" else \
+                _override_field(policy, parts, value, where)
+        return policy
 
     def to_dict(self) -> dict:
         """The resolved policy as plain data (JSON-ready, fixed key order); `load_policy(p.to_dict())`
@@ -989,26 +1001,39 @@ def _override_where(text: str) -> str:
     return f"--set {q if q != text else repr(text)}"
 
 
-def _apply_override(data: dict, locs: dict, text: str) -> None:
-    where = _override_where(text)
-    if not isinstance(text, str) or "=" not in text:
-        raise PolicyError(f"{where}: expected KEY=VALUE, e.g. passes.checkpoint.solver=greedy")
-    key, _, raw = text.partition("=")
-    key = key.strip()
+def _key_parts(key: Any, where: str, *, refused: str) -> list[str]:
+    """`passes.checkpoint.solver` -> its parts; `extends` and `source` are refused with `refused`."""
+    if not isinstance(key, str):
+        raise PolicyError(f"{where}: expected a key path like passes.checkpoint.solver, got {_show(key)}")
     parts = key.split(".")
     if not key or any(not p.strip() for p in parts):
         raise PolicyError(f"{where}: '{key}' is not a key path like passes.checkpoint.solver")
     parts = [p.strip() for p in parts]
     if parts[0] in ("extends", "source"):
-        raise PolicyError(f"{where} {parts[0]}: cannot be set with --set; choose the policy file instead")
+        raise PolicyError(f"{where} {parts[0]}: {refused}")
+    return parts
+
+
+def _apply_override(data: dict, locs: dict, text: str) -> None:
+    where = _override_where(text)
+    if not isinstance(text, str) or "=" not in text:
+        raise PolicyError(f"{where}: expected KEY=VALUE, e.g. passes.checkpoint.solver=greedy")
+    key, _, raw = text.partition("=")
+    parts = _key_parts(key.strip(), where, refused="cannot be set with --set; choose the policy file instead")
     try:
         value = _parse_value(raw, where) if raw.strip() else None
     except yaml.MarkedYAMLError as e:
         raise PolicyError(f"{where}: cannot read the value {raw!r}: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
         raise PolicyError(f"{where}: cannot read the value {raw!r}: {' '.join(str(e).split())}") from None
+    _set_value(data, locs, parts, value, where)
+
+
+def _set_value(data: dict, locs: dict, parts: list[str], value: Any, where: str) -> None:
+    """Set `value` at the key path `parts` of plain policy data (making mappings on the way), every location
+    under it `where`; `passes.X: <bool>` is short for `passes.X.enabled`."""
     if len(parts) == 2 and parts[0] == "passes" and isinstance(value, bool):
-        parts.append("enabled")  # passes.X=false is short for passes.X.enabled=false
+        parts = parts + ["enabled"]
     loc = Loc(where)
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -1047,6 +1072,42 @@ def _parse_value(raw: str, where: str) -> Any:
         return None if node is None else _walk(loader, node, (), {}, where, set())
     finally:
         loader.dispose()
+
+
+def _override_field(policy: Policy, parts: list[str], value: Any, where: str) -> Policy:
+    """`policy` with a top-level key (or a key inside one: `verify.atol`) set to `value`, validated."""
+    fields = {f.name: f for f in dataclasses.fields(Policy) if f.init and not f.metadata.get("internal")}
+    top = parts[0]
+    if top not in fields:
+        raise PolicyError(f"{where} {top}: unknown key{_suggest(top, list(fields))}; known keys: {', '.join(fields)}")
+    data = {top: _plain(getattr(policy, top))}
+    locs: dict = {}
+    _set_value(data, locs, parts, value, where)
+    ctx = _Ctx(locs, where)
+    parse = fields[top].metadata.get("parse")
+    typed = parse(data[top], (top,), ctx) if parse else _convert(data[top], _hints(Policy)[top], (top,), ctx)
+    return dataclasses.replace(policy, **{top: typed})
+
+
+def _override_passes(policy: Policy, parts: list[str], value: Any, where: str) -> Policy:
+    """`policy` with `passes` (or one section, or a key inside one) set to `value`, validated. A section the policy
+    did not write starts empty (so it is enabled, as a `--set` on it enables it); a written one keeps its keys."""
+    if len(parts) == 1:
+        data, locs = {"passes": None}, {}
+        _set_value(data, locs, parts, value, where)
+        return dataclasses.replace(policy, passes=_parse_passes(data["passes"], ("passes",), _Ctx(locs, where)))
+    name = parts[1]
+    old = policy.passes.get(name)
+    written = old is not None and old.where is not None
+    data = {"passes": {name: {"enabled": old.enabled, **copy.deepcopy(old.raw)} if written else {}}}
+    locs = {("passes", name): Loc(old.where)} if written else {}
+    _set_value(data, locs, parts, value, where)
+    section = _parse_passes({name: data["passes"][name]}, ("passes",), _Ctx(locs, where))[name]
+    if written and (len(parts) > 2 or isinstance(value, bool)):  # (a key inside it: where it was written stays)
+        section = dataclasses.replace(section, line=old.line, where=old.where)
+    passes = {**policy.passes, name: section}
+    order = [n for n in _known_passes() if n in passes] + [n for n in passes if n not in _known_passes()]
+    return dataclasses.replace(policy, passes={n: passes[n] for n in order})
 
 
 def _dict_data(spec: Mapping) -> tuple[dict, dict]:
