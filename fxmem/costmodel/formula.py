@@ -14,6 +14,7 @@ except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int,
     except ImportError:
         from torch.fx.experimental.symbolic_shapes import hint_int as _example_size
 
+from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker
 
 _FORMULA_TEMPS: dict = {}
@@ -96,7 +97,7 @@ def formula_unmeasured(call) -> bool:
 def _measure_formula(func, args, kwargs, grad_mask: tuple) -> int:
     tracker = StorageTracker()
     try:
-        with FakeTensorMode(), torch.enable_grad(), tracker:  # (forward storages tracked: views of them are not new)
+        with FakeTensorMode(), CpuKernelLayouts(), torch.enable_grad(), tracker:  # (forward storages tracked: views of them are not new)
             leaves: list = []
 
             def make(arg):

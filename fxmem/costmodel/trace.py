@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops as optable
 from ..fake import propagating_real_values, with_data_dependent_fallback
+from ..kernel_layouts import CpuKernelLayouts
 from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
     installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from ..nn.regions import region_info
@@ -432,7 +433,9 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
         with fake_mode, grad_ctx:
             params = list(module.parameters())
             base_keys = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
-            with recorder, recast_scope(module):  # what the module's forward hooks enter (recipes register there)
+            # the CPU kernels' output layouts below the recorder (a reshape copies where the real run's does), and
+            # what the module's forward hooks enter (recipes register there)
+            with CpuKernelLayouts(), recorder, recast_scope(module):
                 out_flat = _RecordingInterpreter(module, recorder).run(*fake_flat, enable_io_processing=False)
                 output = module.graph.process_outputs(out_flat)
                 out_keys = {recorder.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
