@@ -738,6 +738,26 @@ def test_a_selective_regions_cache_lives_as_long_as_recomputation_leaves_it():
 
 
 
+class _ConvGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).mean((2, 3)))
+
+
+def test_a_group_norms_statistics_get_no_gradient():
+    """Group norm's mean and rstd outputs are read by a detach in its node, which passes no gradient: they get none,
+    and the formula is the one that makes the input's gradient alone (given gradients for them, it is the
+    double-differentiable composite: the walk was 1.9x the step's peak at the norm's backward)."""
+    torch.manual_seed(0)
+    model, x = _ConvGroupNorm(), torch.randn(4, 3, 16, 16)
+    static, measured = _static_and_measured(model, x)
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+    assert static.peak_at == "group_norm (backward)", static.peak_at
+
+
 class _MaskedSDPA(nn.Module):
     """qkv = linear(x) split into q, k, v (views of one storage), SDPA with an additive float mask (on CPU the flash
     kernel takes it by keyword and keeps it for backward), output projection."""
