@@ -379,7 +379,8 @@ def test_formula_temporaries_are_measured_per_call():
     """What a backward formula holds above the gradients it makes, from the real formula run on fake tensors with
     the call's shapes and requires-grad flags: pow(x, 2) holds x.pow(1) and 2 * that; a / b (b needing a grad)
     holds a / b and (a / b) / b; x * w with a broadcast w makes w's gradient at x's size before it sums it; add
-    and a one-kernel formula (tanh) hold nothing; an in-place op or a view is not measured."""
+    and a one-kernel formula (tanh) hold nothing, nor does a view (its formula hands the gradient on); an in-place
+    call has no signature (the trace measures its out-of-place variant)."""
     aten, n = torch.ops.aten, 256 * 512 * 4
     assert _formula(aten.pow.Tensor_Scalar, (256, 512), 2) == 2 * n
     assert _formula(aten.div.Tensor, (256, 512), (256, 512)) == 2 * n
@@ -402,7 +403,7 @@ def test_a_formula_that_cannot_be_measured_is_listed_among_unknown_ops(monkeypat
         return real(func, *rest)
     real = costmodel._measure_formula
     monkeypatch.setattr(costmodel, "_measure_formula", fails)
-    monkeypatch.setattr(costmodel, "_FORMULA_TEMPS", {})
+    monkeypatch.setattr(costmodel, "_FORMULA_RUNS", {})
     monkeypatch.setattr(costmodel, "FORMULA_UNMEASURED", set())
     st, _ = estimates(one_op_program(torch.erf, torch.randn(256, 32)), "mean")
     assert st.unknown_ops == ["aten.erf.default (backward temporaries not measured)"], st.unknown_ops

@@ -29,6 +29,7 @@ from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
 from .formula import call_signature
+from .grad_layouts import layout_of
 
 
 @dataclass
@@ -60,6 +61,10 @@ class OpRecord:
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
     # runs: those bytes, held with the formula's
     copy_slices: int = 0
+    # where each positional tensor argument and each output lies in its storage (`TensorLayout`, None for others):
+    # with the storage keys, which tensor a gradient belongs to (`fxmem.costmodel.grad_layouts`)
+    in_layouts: list = field(default_factory=list)
+    out_layouts: list = field(default_factory=list)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -175,7 +180,9 @@ class DispatchRecorder(TorchDispatchMode):
             not optable.grad_free(func)
         record = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
                           out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
-                          list_keys=list_keys, int_outs=int_outs, step=self.step)
+                          list_keys=list_keys, int_outs=int_outs, step=self.step,
+                          in_layouts=[layout_of(arg) if isinstance(arg, torch.Tensor) else None for arg in args],
+                          out_layouts=[layout_of(o) if isinstance(o, torch.Tensor) else None for o in outs])
         if out_rg:
             self._record_saves(record, func, args, kwargs)
         else:
