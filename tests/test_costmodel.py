@@ -759,6 +759,49 @@ def test_a_group_norms_statistics_get_no_gradient():
     assert static.peak_at == "group_norm (backward)", static.peak_at
 
 
+class _MaskSkip(nn.Module):
+    """stem -> block -> head; block: mask = (x > 0) as floats, repeated (no op saves it, it needs no gradient),
+    out = last(fc(x)) + mask[..., :16], the add after the last op that saves: a linear (which saves only its inputs,
+    so the recomputation stops before it runs) or a tanh (which saves its output: it runs)."""
+
+    def __init__(self, last: str):
+        super().__init__()
+        self.stem, self.head = nn.Linear(12, 64), nn.Linear(16, 4)
+        self.block = _MaskSkipBlock(last)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+class _MaskSkipBlock(nn.Module):
+    def __init__(self, last: str):
+        super().__init__()
+        self.fc, self.last = nn.Linear(64, 256), nn.Linear(256, 16) if last == "linear" else nn.Tanh()
+        self.narrow = last == "tanh"
+
+    def forward(self, x):
+        mask = (x > 0).to(x.dtype).repeat(1, 1, 8)
+        h = self.fc(x)
+        return self.last(h[..., :16] if self.narrow else h) + mask[..., :16]
+
+
+@pytest.mark.parametrize("last", ["linear", "tanh"])
+def test_a_recomputation_holds_what_its_body_uses_after_it_stops(last):
+    """Non-reentrant checkpoint stops recomputing once the last saved tensor is packed, while the body's frame
+    still holds what the code after the stop uses (the mask, for the add): held until the stop, not dropped after
+    its last use before it (the walk was a mask low); an op saving only its inputs is stopped before it runs (a
+    last linear's output was counted)."""
+    torch.manual_seed(0)
+    model, x = _MaskSkip(last), torch.randn(8, 32, 12)
+    program = fxmem.capture(copy.deepcopy(model), (x,))
+    program.refresh()
+    _checkpoint_region(program, ("block",), "ckpt_block", selective=False)
+    static, measured = _static_and_measured(model, x, program=program)
+    assert static.peak == measured.peak, (static.peak, measured.peak)
+    assert static.peak_at == "ckpt_block (backward)", static.peak_at
+    assert fxmem.estimate(program, mode="train", method="traced").peak == measured.peak
+
+
 class _MaskedSDPA(nn.Module):
     """qkv = linear(x) split into q, k, v (views of one storage), SDPA with an additive float mask (on CPU the flash
     kernel takes it by keyword and keeps it for backward), output projection."""
