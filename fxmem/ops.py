@@ -290,8 +290,9 @@ def _reg(ops, info):
 
 
 _reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "movedim", "swapaxes",
-      "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "alias", "detach", "lift_fresh",
+      "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "alias", "lift_fresh",
       "contiguous"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_view=True))
+_reg(["detach"], OpInfo(VIEW, _none, _flops_zero, no_grad=True))  # (a gradient never flows through it)
 _reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
 _reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split"],

@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .fake import with_data_dependent_fallback
+from .kernel_layouts import CpuKernelLayouts
 from .nn.remat import op_call
 
 
@@ -181,7 +182,7 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
     was_training = gm.training
     gm.train(mode == "train")
     try:
-        with buffers_kept(gm), fake_mode, grad_ctx:
+        with buffers_kept(gm), fake_mode, CpuKernelLayouts(), grad_ctx:
             _Prop(gm).run(*fake_inputs, enable_io_processing=False)
     finally:
         gm.train(was_training)

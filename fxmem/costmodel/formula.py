@@ -1,4 +1,5 @@
-"""What an op's backward formula holds above the gradients it makes, measured by running the formula on fakes."""
+"""What an op's backward formula does, measured by running it on fakes: what it holds above the gradients it
+makes, and how it lays them out (a view of an output's gradient, or a new storage, with their strides)."""
 from __future__ import annotations
 
 import math
@@ -14,9 +15,10 @@ except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int,
     except ImportError:
         from torch.fx.experimental.symbolic_shapes import hint_int as _example_size
 
+from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker
 
-_FORMULA_TEMPS: dict = {}
+_FORMULA_RUNS: dict = {}
 FORMULA_UNMEASURED: set = set()  # calls whose formula did not run on fake tensors
 
 
@@ -31,10 +33,11 @@ class TensorMeta:
 
 
 def call_signature(func, args, kwargs):
-    """An op call as a hashable value, its tensors as `TensorMeta` (None: not reproducible on fresh tensors: a view
-    or an in-place op, symbolic sizes, an argument of another kind)."""
+    """An op call as a hashable value, its tensors as `TensorMeta` (None: not reproducible on fresh tensors: an
+    in-place op, symbolic sizes, an argument of another kind). A view is reproduced on a fresh input of its
+    input's shape and strides."""
     schema = getattr(func, "_schema", None)
-    if schema is None or schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns):
+    if schema is None or schema.is_mutable:
         return None
     try:
         return func, _freeze(tuple(args)), tuple(sorted((key, _freeze(value)) for key, value in kwargs.items()))
@@ -62,30 +65,54 @@ def _freeze(arg):
     raise TypeError
 
 
+@dataclass(frozen=True)
+class InputGrad:
+    """The gradient a backward formula makes for one input: its strides, and whether it is a new storage (`fresh`)
+    or a view of an output's gradient (a transpose's, add's)."""
+    strides: tuple
+    fresh: bool
+
+
+@dataclass(frozen=True)
+class FormulaRun:
+    """What an op's backward formula does: the bytes it holds above the gradients it makes, at their highest
+    (`temps`), and per positional argument the `InputGrad` it makes (None: not a tensor needing one)."""
+    temps: int = 0
+    grads: tuple = ()
+
+
 def formula_temps(call, grad_mask: tuple) -> int:
-    """Bytes an op's backward formula holds above the input gradients it makes, at its highest: `pow(x, c)` holds
+    """Bytes an op's backward formula holds above the input gradients it makes, at their highest: `pow(x, c)` holds
     `x.pow(c - 1)` and `c * x.pow(c - 1)` while it makes `grad * (...)`; `a / b` holds `a / b` and `(a / b) / b`
-    for b's gradient; `x * w` with a broadcast `w` makes w's gradient at x's size before it sums it down.
+    for b's gradient; `x * w` with a broadcast `w` makes w's gradient at x's size before it sums it down."""
+    return formula_run(call, grad_mask).temps
+
+
+def formula_run(call, grad_mask: tuple, grad_strides: tuple | None = None) -> FormulaRun:
+    """What the backward formula of `call` (`call_signature`) does with gradients for the outputs in `grad_mask`
+    (those with one in the step), laid out with `grad_strides` (per output; None: as the output).
 
     Measured, not tabled: the op runs once more on fresh fake tensors with the recorded shapes, strides, dtypes and
-    requires-grad flags, and its backward (the real formula) runs under the storage tracker, with gradients for the
-    outputs in `grad_mask` (those with one in the step). Cached per call signature."""
+    requires-grad flags, and its backward (the real formula) runs under the storage tracker. Cached per call
+    signature and gradient strides. A view's formula that cannot run is one without temporaries (a view hands its
+    gradient on); any other op's is listed (`formula_unmeasured`)."""
     if call is None or not any(grad_mask):
-        return 0
-    key = (call, grad_mask)
+        return FormulaRun()
+    key = (call, grad_mask, grad_strides)
     try:
-        return _FORMULA_TEMPS[key]
+        return _FORMULA_RUNS[key]
     except KeyError:
         pass
     try:
-        held = _measure_formula(*call, grad_mask)
+        run = _measure_formula(*call, grad_mask, grad_strides)
     except Exception:  # noqa: BLE001 - an op whose backward cannot run on fresh fake tensors: none counted, and
-        held = 0  # the estimate lists the op among its unknown ops
-        FORMULA_UNMEASURED.add(call)
-    if len(_FORMULA_TEMPS) > 65536:
-        _FORMULA_TEMPS.clear()
-    _FORMULA_TEMPS[key] = held
-    return held
+        run = FormulaRun()  # the estimate lists the op among its unknown ops
+        if not _is_view(call[0]):
+            FORMULA_UNMEASURED.add(call)
+    if len(_FORMULA_RUNS) > 65536:
+        _FORMULA_RUNS.clear()
+    _FORMULA_RUNS[key] = run
+    return run
 
 
 def formula_unmeasured(call) -> bool:
@@ -93,37 +120,76 @@ def formula_unmeasured(call) -> bool:
     return call is not None and call in FORMULA_UNMEASURED
 
 
-def _measure_formula(func, args, kwargs, grad_mask: tuple) -> int:
+def _is_view(func) -> bool:
+    return any(ret.alias_info is not None for ret in func._schema.returns)
+
+
+class _FreshCall:
+    """A recorded call made again on fresh fake tensors: its arguments, and the leaves needing grad with the
+    position of the argument each one is (None: inside a list, or by keyword)."""
+
+    def __init__(self, args, kwargs):
+        self.leaves: list = []
+        self.positions: list = []
+        self.args = [self.make(arg, position) for position, arg in enumerate(args)]
+        self.kwargs = {key: self.make(value, None) for key, value in kwargs}
+
+    def make(self, arg, position):
+        if isinstance(arg, TensorMeta):
+            tensor = torch.empty_strided(arg.shape, arg.stride, dtype=arg.dtype, device=arg.device)
+            if arg.requires_grad:
+                tensor.requires_grad_(True)
+                self.leaves.append(tensor)
+                self.positions.append(position)
+            return tensor
+        if isinstance(arg, tuple):
+            return [self.make(item, None) for item in arg]
+        return arg
+
+
+def _measure_formula(func, args, kwargs, grad_mask: tuple, grad_strides: tuple | None) -> FormulaRun:
     tracker = StorageTracker()
     try:
-        with FakeTensorMode(), torch.enable_grad(), tracker:  # (forward storages tracked: views of them are not new)
-            leaves: list = []
-
-            def make(arg):
-                if isinstance(arg, TensorMeta):
-                    tensor = torch.empty_strided(arg.shape, arg.stride, dtype=arg.dtype, device=arg.device)
-                    if arg.requires_grad:
-                        tensor.requires_grad_(True)
-                        leaves.append(tensor)
-                    return tensor
-                if isinstance(arg, tuple):
-                    return [make(item) for item in arg]
-                return arg
-            out = func(*[make(arg) for arg in args], **{key: make(value) for key, value in kwargs})
+        with FakeTensorMode(), CpuKernelLayouts(), torch.enable_grad(), tracker:  # (forward storages tracked: views
+            # of them are not new)
+            fresh_call = _FreshCall(args, kwargs)
+            out = func(*fresh_call.args, **fresh_call.kwargs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            outs = [o for o, wanted in zip(outs, grad_mask)
-                    if wanted and isinstance(o, torch.Tensor) and o.requires_grad]
-            if not outs or not leaves:
-                return 0
-            grads = [torch.empty_like(o) for o in outs]
+            strides = grad_strides or (None,) * len(outs)
+            wanted = [(o, stride) for o, stride, want in zip(outs, strides, grad_mask)
+                      if want and isinstance(o, torch.Tensor) and o.requires_grad]
+            if not wanted or not fresh_call.leaves:
+                return FormulaRun()
+            grads = [torch.empty_like(o) if stride is None
+                     else torch.empty_strided(o.shape, stride, dtype=o.dtype, device=o.device)
+                     for o, stride in wanted]
             tracker.reset_peak()
             # (retain_graph: the saved tensors stay, as they do until the op's backward has run)
-            made = torch.autograd.grad(outs, leaves, grads, allow_unused=True, retain_graph=True)
+            made = torch.autograd.grad([o for o, _ in wanted], fresh_call.leaves, grads, allow_unused=True,
+                                       retain_graph=True)
             held = tracker.peak - tracker.current  # (`made` still holds the gradients: what stays)
-            del made
-            return max(0, held)
+            return FormulaRun(max(0, held), _input_grads(fresh_call.positions, made, grads, len(args)))
     finally:
         tracker.close()
+
+
+def _input_grads(positions: list, made, grads: list, count: int) -> tuple:
+    """Per positional argument (`count`), the `InputGrad` made for it (`made`, the leaves' at `positions`; None for
+    a gradient without strides or storage, a sparse one)."""
+    given = {_storage_id(grad) for grad in grads}
+    out: list = [None] * count
+    for position, grad in zip(positions, made):
+        storage = _storage_id(grad) if position is not None and grad is not None else None
+        if storage is not None:
+            out[position] = InputGrad(tuple(grad.stride()), storage not in given)
+    return tuple(out)
+
+
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage()._cdata if tensor.layout == torch.strided else None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def covers_storage(meta, nbytes: int) -> bool:

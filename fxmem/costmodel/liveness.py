@@ -69,16 +69,20 @@ def seed_gradient(records: list, loss_key: int | None) -> tuple[int | None, int]
 @dataclass
 class TraceLiveness:
     """The facts of one trace every liveness walk reads: its records, storage bytes, the storages that exist
-    before the step (`base_keys`), and per graph node its last record (`step_end`)."""
+    before the step (`base_keys`), per graph node its last record (`step_end`), and per storage the last record
+    reading or making it (`last_use`)."""
     records: list
     storage_bytes: dict
     base_keys: dict
     step_end: dict
+    last_use: dict
 
     @classmethod
     def of(cls, traced: ForwardTrace) -> "TraceLiveness":
         records = traced.recorder.records
-        return cls(records, traced.recorder.storage_bytes, traced.base_keys, step_ends(records))
+        last_use = {key: record.idx for record in records for key in record.in_keys + record.out_keys
+                    + record.list_keys if key is not None}
+        return cls(records, traced.recorder.storage_bytes, traced.base_keys, step_ends(records), last_use)
 
     def dies_at(self, last: int, made: int) -> int:
         """The record after which a storage made at record `made` and last used at record `last` is freed: a value
@@ -95,28 +99,24 @@ class TraceLiveness:
         It makes each op's new storages again, except the outputs of ops the region keeps (`keeps.keeps(func)`:
         cached or held since the forward); what no op in it saves is dropped after its last use there, what one
         saves (`saved`) stays for the backward. Region inputs made again (`made_again`, recipes) are held while it
-        runs. Non-reentrant checkpoint stops the recomputation once the last saving op has run (early stop), so ops
-        after it do not run. The body runs as graph code: a value is dropped as `dies_at` says (capped at the
-        stop)."""
+        runs. Non-reentrant checkpoint stops the recomputation once the last saved tensor is packed (early stop),
+        so ops after the last saving op do not run, nor that op when it saves only its inputs (`recomputed`). The
+        body runs as graph code: a value is dropped as `dies_at` says, and one the body uses after the stop (the
+        region's output, the residual of an add after it) stays until the stop, as the body's frame holds it."""
         records, storage_bytes = self.records, self.storage_bytes
         stop = first_unpack(records, lo, hi)
-        last_in: dict[int, int] = {}
-        for record in records[lo:stop + 1]:
-            for key in record.in_keys + record.out_keys + record.list_keys:
-                if key is not None:
-                    last_in[key] = record.idx
         drop_at: dict[int, list[int]] = defaultdict(list)
         made_here = {key for record in records[lo:stop + 1] for key in record.new_keys}
         # inputs made again
         live = sum(made_again.values()) + sum(storage_bytes[key] for key in saved if key not in made_here)
         high = live
         for record in records[lo:stop + 1]:
-            if not keeps.keeps(record.func):
+            if not keeps.keeps(record.func) and recomputed(record, stop):
                 for key in record.new_keys:
                     if self.base_keys.get(key) is None:
                         live += storage_bytes[key]
                         if key not in saved:
-                            drop_at[min(stop, self.dies_at(last_in.get(key, record.idx), record.idx))].append(key)
+                            drop_at[min(stop, self.dies_at(self.last_use.get(key, record.idx), record.idx))].append(key)
             high = max(high, live)
             for key in drop_at.pop(record.idx, ()):
                 live -= storage_bytes[key]
@@ -184,11 +184,7 @@ class SavePlan:
         self.held_until: dict[int, int] = defaultdict(int)
         self.group_members: dict[int, list[int]] = defaultdict(list)  # a group of one shared run -> its outputs
         self._plan_recipes()
-        self.last_use: dict[int, int] = {}
-        for record in records:
-            for key in record.in_keys + record.out_keys + record.list_keys:
-                if key is not None:
-                    self.last_use[key] = record.idx
+        self.last_use = self.liveness.last_use
         self.saved_until: dict[int, int] = {}  # key -> record index whose backward frees it (the earliest saver)
         self.recompute_bytes: dict[str, int] = defaultdict(int)  # region -> bytes recomputed at its backward
         self.recompute_keys: dict[str, dict[int, int]] = defaultdict(dict)  # region -> {key: earliest saver}

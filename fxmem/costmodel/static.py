@@ -16,7 +16,8 @@ from ..measure import TimelinePoint
 from ..nn.regions import region_info
 from ..ops import written_positions
 from ..program import Program
-from .formula import covers_storage, formula_temps, formula_unmeasured
+from .formula import covers_storage, formula_run, formula_unmeasured
+from .grad_layouts import GradLayouts, fresh_strides
 from .liveness import SavePlan, first_unpack, off_loss_path, seed_gradient
 from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
 from .trace import ForwardTrace
@@ -167,6 +168,10 @@ class _OpGrads:
     covered: set = field(default_factory=set)
     renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
     # its output's key
+    fresh: set = field(default_factory=set)  # inputs whose gradient the formula makes new (`formula_run`), not a
+    # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
+    copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
+    new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
 
 
 class StaticBackward:
@@ -187,13 +192,15 @@ class StaticBackward:
                                                      for key in record.saved}
         self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
         self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+        self.grad_layouts = GradLayouts()  # the strides of each tensor's gradient
         self.seed = seed
         if seed[0] is not None:
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
             self.live_bytes += seed[1]
-        # last forward reader of each storage
-        self.read_until = {key: record.idx for record in plan.records for key in record.in_keys + record.list_keys
-                           if key is not None}
+        # last forward reader of each storage whose backward runs (one without makes it no gradient: a detach, the
+        # device query of a norm's statistics)
+        self.read_until = {key: record.idx for record in plan.records if record.out_rg
+                           for key in record.in_keys + record.list_keys if key is not None}
         # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a
         # cat's ("sliced"), a sum's one-element gradient expanded ("expanded")
         self.grad_views: set[int] = set()
@@ -302,16 +309,23 @@ class StaticBackward:
         # multiply saves nothing, so its gradient is made before)
         self._recompute(record)
         op = self._op_grads(record)
+        grad_strides = tuple(self.grad_layouts.take(key, layout) if wanted else None
+                             for key, layout, wanted in zip(record.out_keys, record.out_layouts, grad_mask))
+        run = formula_run(record.call, grad_mask, grad_strides)
+        op.fresh = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and made.fresh}
+        op.passthrough = op.passthrough or self._hands_on(record, run)
         self._hand_join_slices(op)
         self._join_split_grads(record)
         self._hand_expanded_sum(op)
         self._input_grads(op)
+        self._receive_layouts(op, run)
         # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
         # (the gradients it makes for inputs that have one already are added to theirs once it returns)
-        temps = formula_temps(record.call, grad_mask) + record.copy_slices
+        temps = run.temps + record.copy_slices
         self.live_bytes += temps
         self._bump(record.node, record.module)
         self.live_bytes -= temps + op.accumulated
+        self._replace_copied(op)
         node_peak = max(self.live_bytes, node_peak_start, self.node_high)  # (node_high: with the temporaries)
         self.live_bytes -= again
         self.live_bytes -= plan.held_until.get(record.idx, 0)  # a shared recipe's first saver: its last unpack
@@ -417,10 +431,15 @@ class StaticBackward:
         buffer, or an addition into the one it has."""
         record, grad_live = op.record, self.grad_live
         for key, nbytes, rg in op.ins:
-            if not rg or key is None or key in op.same:
+            if not rg or key is None:
+                continue
+            if key in op.same:
+                if key in op.fresh:  # a copy of the output's gradient (a reshape of a non-contiguous one)
+                    self.live_bytes += nbytes
+                    op.copied.append((key, nbytes))
                 continue
             if op.shares and op.handed_over and nbytes == record.out_bytes[0] and key not in grad_live \
-                    and key not in self.param_keys:
+                    and key not in self.param_keys and key not in op.fresh:
                 grad_live[key] = 0  # the same buffer the first input got
                 if op.handed_expanded:
                     self._expanded_view(key)
@@ -431,7 +450,7 @@ class StaticBackward:
                 self._accumulate(op, key, nbytes)
                 continue
             out_key = record.out_keys[0] if record.out_keys else None
-            if op.passthrough and not op.handed_over and out_key in grad_live \
+            if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
                     and (nbytes <= grad_live[out_key] or out_key in self.grad_expanded and key not in self.param_keys
                          and (key == record.in_keys[0] or op.shares) and op.grad_view):
                 op.handed_expanded = out_key in self.grad_expanded
@@ -442,9 +461,40 @@ class StaticBackward:
                 continue
             grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
             self.live_bytes += grad_live[key]
+            op.new_buffers.add(key)
             views = sum(view_bytes for view_key, view_bytes, view_rg in op.ins if view_key == key and view_rg)
             if key not in self.param_keys and views <= grad_live[key]:
                 op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
+
+    def _hands_on(self, record, run) -> bool:
+        """Whether the formula hands every input needing a gradient the output's as it is (clone's backward), each
+        input a whole storage: that storage's gradient is the one buffer, the output's handed on."""
+        made = [(position, grad) for position, grad in enumerate(run.grads) if grad is not None]
+        return bool(made) and all(not grad.fresh and covers_storage(record.call[1][position],
+                                                                    self.storage_bytes.get(record.in_keys[position], 0))
+                                  for position, grad in made)
+
+    def _receive_layouts(self, op: _OpGrads, run) -> None:
+        """Each input's gradient strides, as the formula lays it out; an expanded view of the output's gradient (a
+        partial sum's) that the walk counts whole, as a new buffer, is laid out as a new tensor is (the copy a
+        reshape makes of it is the one counted)."""
+        record = op.record
+        for position, made in enumerate(run.grads):
+            if made is None:
+                continue
+            key, layout = record.in_keys[position], record.in_layouts[position]
+            counted_whole = not made.fresh and key in op.new_buffers and layout is not None \
+                and any(stride == 0 and size > 1 for stride, size in zip(made.strides, layout.shape))
+            self.grad_layouts.receive(key, layout, fresh_strides(layout) if counted_whole else made.strides)
+
+    def _replace_copied(self, op: _OpGrads) -> None:
+        """A view's copied gradient replaces the one it was copied from under their storage's key (a buffer this
+        key held goes; one it shared with another input stays with that one)."""
+        for key, nbytes in op.copied:
+            self.live_bytes -= self.grad_live.get(key, 0)
+            self.grad_live[key] = nbytes
+            self.grad_views.discard(key)
+            self.grad_expanded.discard(key)
 
     def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
         """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops as optable
 from ..fake import propagating_real_values, with_data_dependent_fallback
+from ..kernel_layouts import CpuKernelLayouts
 from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
     installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
 from ..nn.regions import region_info
@@ -28,6 +29,7 @@ from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
 from .formula import call_signature
+from .grad_layouts import layout_of
 
 
 @dataclass
@@ -59,6 +61,10 @@ class OpRecord:
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
     # runs: those bytes, held with the formula's
     copy_slices: int = 0
+    # where each positional tensor argument and each output lies in its storage (`TensorLayout`, None for others):
+    # with the storage keys, which tensor a gradient belongs to (`fxmem.costmodel.grad_layouts`)
+    in_layouts: list = field(default_factory=list)
+    out_layouts: list = field(default_factory=list)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -174,7 +180,9 @@ class DispatchRecorder(TorchDispatchMode):
             not optable.grad_free(func)
         record = OpRecord(len(self.records), func, self.node, self.module, in_keys, in_bytes, in_rg, out_keys,
                           out_bytes, out_rg, new_keys, optable.flops(func, args, out), self.region,
-                          list_keys=list_keys, int_outs=int_outs, step=self.step)
+                          list_keys=list_keys, int_outs=int_outs, step=self.step,
+                          in_layouts=[layout_of(arg) if isinstance(arg, torch.Tensor) else None for arg in args],
+                          out_layouts=[layout_of(o) if isinstance(o, torch.Tensor) else None for o in outs])
         if out_rg:
             self._record_saves(record, func, args, kwargs)
         else:
@@ -432,7 +440,9 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
         with fake_mode, grad_ctx:
             params = list(module.parameters())
             base_keys = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
-            with recorder, recast_scope(module):  # what the module's forward hooks enter (recipes register there)
+            # the CPU kernels' output layouts below the recorder (a reshape copies where the real run's does), and
+            # what the module's forward hooks enter (recipes register there)
+            with CpuKernelLayouts(), recorder, recast_scope(module):
                 out_flat = _RecordingInterpreter(module, recorder).run(*fake_flat, enable_io_processing=False)
                 output = module.graph.process_outputs(out_flat)
                 out_keys = {recorder.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}

@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker, backward_label, optimizer_state_tensors
 from ..nn.recast import scope_for as recast_scope
 from ..program import Program, deep_copy, module_path
@@ -57,7 +58,7 @@ def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, l
             out = interpreter.run(*flat_in, enable_io_processing=False)
         return fake_module.graph.process_outputs(out)
 
-    with fake_mode:
+    with fake_mode, CpuKernelLayouts():  # (below the tracker, which the step enters)
         params = list(fake_module.parameters())
         buffers = list(fake_module.buffers())
         est.params = tracker.bytes_of(params)
