@@ -254,7 +254,8 @@ def _step_time_section(rows: list[dict]) -> list[str]:
     lines = ["", "Where the step's time goes (one profiled step, from its start until the GPU finished it; the "
              "profiler slows the host side, so its window is longer than the median above): GPU busy = the union "
              "of kernels, copies and memsets on all streams, idle = the rest; host-side CUDA API calls by their "
-             "total time in the window.", "",
+             "total time in the window (cudaDeviceSynchronize there is the wait for the GPU at the window's end).",
+             "",
              "| model | traced ms | GPU busy ms | GPU idle ms | idle share | top host-side CUDA calls: total ms "
              "(calls) |", "|---|---|---|---|---|---|"]
     for r in traced:
