@@ -121,3 +121,12 @@ def test_cuda_only_options_are_refused_on_cpu(capsys):
         pareto.main(["--time-limit", "60"])
     assert exit_info.value.code == 2
     assert "--time-limit and --target apply to --device cuda" in capsys.readouterr().err
+
+
+def test_a_model_past_the_limit_or_failing_is_reported_and_the_run_goes_on(capsys):
+    late = cuda_side.DeviceRun("cpu", 20 + cuda_side.WRITE_S, target=TARGET, rounds=1, shapes=TINY)
+    assert pareto.model_on_device(late, "gpt", 1, [0.5], 1) == {"name": "gpt", "not_run": "not run (time limit)"}
+    run = cuda_side.DeviceRun("cpu", 100 + cuda_side.WRITE_S, target=TARGET, rounds=1, shapes={"nope": ({}, {})})
+    failed = pareto.model_on_device(run, "nope", 1, [0.5], 1)
+    assert failed == {"name": "nope", "not_run": "failed: ModuleNotFoundError: No module named 'examples.nope'"}
+    assert "Traceback" in capsys.readouterr().err
