@@ -5,6 +5,10 @@
     python benchmarks/checkpoint_pareto.py --compile       # add torch.compile (activation_memory_budget) rows
                                                            # and fxmem's module under torch.compile (slow: cold
                                                            # compiles take 30 s to minutes each on CPU)
+    python benchmarks/checkpoint_pareto.py --device cuda   # on a GPU: every method, torch.compile's included, at
+                                                           # the batch whose estimated peak is 4 GiB, the CUDA
+                                                           # allocator's peak for every row, under --time-limit
+                                                           # (default 270 s); "no CUDA device" and exit 2 without one
 
 Methods, run interleaved (one step of each method per round, the order rotated every round; step time is the
 best of the rounds, the table also gives the median):
@@ -31,7 +35,8 @@ not measured (n/a) and activation bytes are the bytes of distinct storages autog
 saved_tensors_hooks (fxmem.measure.saved_bytes: parameters and buffers left out, as in fxmem.measure's activations);
 fxmem rows state which method was used.
 
-Writes benchmarks/results/checkpoint_pareto.md, .png and .svg.
+Writes benchmarks/results/checkpoint_pareto.md, .png and .svg (--device cuda: checkpoint_pareto_cuda.*;
+benchmarks/checkpoint_pareto_cuda.py holds the device side).
 """
 from __future__ import annotations
 
@@ -41,8 +46,11 @@ import importlib
 import statistics
 import sys
 import time
+import traceback
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -55,7 +63,9 @@ from fxmem.costmodel import estimate, node_costs  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
-from fxmem.units import Budget, format_bytes  # noqa: E402
+from fxmem.units import Budget, format_bytes, parse_size  # noqa: E402
+
+from benchmarks import checkpoint_pareto_cuda as cuda_side  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -136,13 +146,18 @@ def _unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def step_fn(model, x, loss_fn):
+def step_fn(model, x, loss_fn, after_forward=None):
+    """One AdamW training step of `model` on `x`, as a closure; `after_forward()` runs once the loss is computed,
+    before backward."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(*x), x).backward()
+        loss = loss_fn(model(*x), x)
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
         opt.step()
     return step
 
@@ -177,8 +192,171 @@ def eager_floor(items, free: int, drop: int) -> float:
     return secs if need <= 0 else float("inf")
 
 
-def run_model(name, full, budgets, rounds, do_compile):
-    ex, model, x = setup(name, full)
+@dataclass
+class Bench:
+    """One model's methods as they are built: per row key the module, its transform / compile seconds and a note;
+    the pass's metrics per fxmem row; compiled rows' saved bytes (hooks), counted once; what fxmem.measure counts
+    beyond the hooks on the captured graph (`offset`, for the rows at compile's bytes)."""
+    model: nn.Module
+    x: tuple
+    loss_fn: Callable
+    program: Any
+    base: Any
+    mods: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    compiled_acts: dict = field(default_factory=dict)
+    offset: int | None = None
+
+
+ROW_KEYS = {"fxmem": "fxmem@{}", "compile": "compile@{}", "stack": "fxmem@{}+compile", "bytes": "fxmem=c@{}"}
+NEEDS = {"stack": "fxmem", "bytes": "compile"}  # the row a method is built from, at the same budget
+
+
+def row_key(kind: str, b: float) -> str:
+    return ROW_KEYS[kind].format(b)
+
+
+def jobs(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, float]]:
+    """(kind, budget) of every method after the anchors, in build order: fxmem at each budget, then torch.compile
+    at each budget and 1.0, fxmem+compile, fxmem at compile's bytes; `by_budget` (a run under a time limit, which
+    cuts the end): fxmem, compile@1.0, then compile@b and fxmem at its bytes budget by budget, fxmem+compile last."""
+    out = [("fxmem", b) for b in budgets]
+    if not do_compile:
+        return out
+    if not by_budget:
+        compile_budgets = list(budgets) + ([1.0] if 1.0 not in budgets else [])
+        return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
+            [("bytes", b) for b in budgets]
+    pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
+    return out + [("compile", 1.0)] + pairs + [("stack", b) for b in budgets]
+
+
+def add_fxmem(bench: Bench, b: float) -> None:
+    mod, dt, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, b)
+    bench.mods[f"fxmem@{b}"] = (mod, dt, note)
+    bench.info[f"fxmem@{b}"] = metrics
+
+
+def add_compile(bench: Bench, b: float) -> None:
+    """torch.compile at activation_memory_budget b (budget 1.0 too: the goal measures torch.compile's overhead
+    against its own unconstrained step). Each compiled copy gets its own forward code object (dynamo caches graphs
+    per code object), so no copy reuses or, after a dynamo reset, silently recompiles another budget's graph; cold
+    compiles, no on-disk cache."""
+    import torch._functorch.config as fcfg
+    import torch._inductor.config as icfg
+    with fcfg.patch(activation_memory_budget=b, enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
+        c = torch.compile(own_code(copy.deepcopy(bench.model)))
+        t1 = time.perf_counter()
+        step_fn(c, bench.x, bench.loss_fn)()  # cold compile
+        bench.mods[f"compile@{b}"] = (c, time.perf_counter() - t1, "")
+
+
+def add_stacked(bench: Bench, b: float) -> None:
+    """fxmem's output stacked with torch.compile (default budget 1.0: the checkpoint regions' recompute tags
+    decide); every GraphModule copy has its own generated forward, hence its own dynamo cache entry."""
+    import torch._functorch.config as fcfg
+    import torch._inductor.config as icfg
+    fm = torch.compile(copy.deepcopy(bench.mods[f"fxmem@{b}"][0]))
+    t1 = time.perf_counter()
+    with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
+        step_fn(fm, bench.x, bench.loss_fn)()
+    bench.mods[f"fxmem@{b}+compile"] = (fm, time.perf_counter() - t1, "")
+    bench.info[f"fxmem@{b}+compile"] = bench.info[f"fxmem@{b}"]
+
+
+def add_at_compile_bytes(bench: Bench, b: float) -> None:
+    """fxmem (eager) asked for compile@b's activation bytes, as an activation budget: fxmem's b is a peak budget (a
+    share of the peak's activations), compile's a share of what its partitioner may save, so the same b asks fxmem
+    for fewer bytes than compile keeps (U-Net b=0.5: 7.19 vs 10.3 MiB); this row asks for the bytes compile@b kept,
+    the goal's memory side and no more. Compiled rows count saved storages (hooks); fxmem.measure counts every
+    storage live after forward, which on the captured graph is `offset` more (outputs, the loss): the target is
+    compile's count plus that."""
+    if bench.offset is None:
+        cap = bench.mods["captured"][0]
+        bench.offset = fxmem.measure(copy.deepcopy(cap), bench.x, loss_fn=bench.loss_fn).activations - \
+            saved_bytes(copy.deepcopy(cap), bench.x)
+    acts = bench.compiled_acts[f"compile@{b}"] = saved_bytes(bench.mods[f"compile@{b}"][0], bench.x)
+    mod, dt, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts + bench.offset)
+    bench.mods[f"fxmem=c@{b}"] = (mod, dt, note)
+    bench.info[f"fxmem=c@{b}"] = metrics
+
+
+BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked, "bytes": add_at_compile_bytes}
+
+
+def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
+    """Build each (kind, budget) of `todo` into bench.mods. With a `planner` (a run under a time limit:
+    `allows(kind, rows)`, `record(kind, seconds)`), a method it does not allow, one whose base row is missing, or
+    one that fails is left out: {row key: why}."""
+    left_out = {}
+    for kind, b in todo:
+        key, base = row_key(kind, b), NEEDS.get(kind)
+        if planner is None:
+            BUILDERS[kind](bench, b)
+            continue
+        if base is not None and row_key(base, b) not in bench.mods:
+            left_out[key] = f"not run ({row_key(base, b)} was not)"
+        elif not planner.allows(kind, len(bench.mods) + 1):
+            left_out[key] = "not run (time limit)"
+        else:
+            left_out.update(planner.timed(kind, key, lambda: BUILDERS[kind](bench, b)))
+    return left_out
+
+
+def memory_rows(bench: Bench, extra=None) -> dict:
+    """Per row: peak and activation bytes (fxmem.measure; compiled rows, whose insides a dispatch-mode tracker
+    cannot see: the distinct storages autograd saved, counted with saved-tensor hooks), and the columns
+    `extra(key, module)` adds (CUDA: the allocator's)."""
+    rows = {}
+    for k, (mod, dt, note) in bench.mods.items():
+        if "compile" in k:
+            # the compiled graph saves what its partitioner chose (for fxmem+compile: honouring the checkpoint
+            # regions' recompute tags); saved-tensor hooks see those saves
+            acts = bench.compiled_acts[k] if k in bench.compiled_acts else saved_bytes(mod, bench.x)
+            rows[k] = {"peak": None, "acts": acts, "acts_method": "hooks", "setup_s": dt, "note": note}
+        else:
+            rows[k] = measured_row(k, mod, dt, note, bench)
+        if extra is not None:
+            rows[k].update(extra(k, mod))
+    return rows
+
+
+def measured_row(key: str, mod, setup_s: float, note: str, bench: Bench) -> dict:
+    """fxmem.measure's peak and activations of one row (on CUDA also its peak above the step's start)."""
+    prof = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn)
+    row = {"peak": prof.peak, "acts": prof.activations, "acts_method": "measure", "setup_s": setup_s, "note": note}
+    if prof.allocator:
+        row["measure_step"] = prof.peak - prof.allocator["tracked_start"]
+    if key in ("eager", "captured"):  # the hooks count of the same model, to compare with compiled rows
+        row["hooks"] = saved_bytes(copy.deepcopy(mod), bench.x)
+        row["note"] = f"(hooks: {format_bytes(row['hooks'])})"
+    return row
+
+
+def step_times(bench: Bench, rounds: int, sync=lambda: None) -> dict[str, list[float]]:
+    """Interleaved timing: after a warm-up step each, one step of each method per round, the order rotated every
+    round; `sync()` (CUDA: synchronize) runs before and after each timed step."""
+    steps = {k: step_fn(copy.deepcopy(m) if "compile" not in k else m, bench.x, bench.loss_fn)
+             for k, (m, _, _) in bench.mods.items()}
+    times = {k: [] for k in steps}
+    for s in steps.values():
+        s()  # warm-up
+    keys = list(steps)
+    for i in range(rounds):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # rotate the order every round
+            sync()
+            t1 = time.perf_counter()
+            steps[k]()
+            sync()
+            times[k].append(time.perf_counter() - t1)
+    return times
+
+
+def run_model(name, full, budgets, rounds, do_compile, device_run=None):
+    """Every method on one model: memory, then interleaved step times. `device_run`
+    (checkpoint_pareto_cuda.DeviceRun): the model at the size its estimate picks, a time limit, synchronized timing
+    and the allocator's columns; None: the CPU run at `full`'s size."""
+    ex, model, x, size_note = (*setup(name, full), "") if device_run is None else device_run.setup(name)
     loss_fn = ex.loss_fn
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -186,91 +364,31 @@ def run_model(name, full, budgets, rounds, do_compile):
     program.refresh()
     capture_s = time.perf_counter() - t0
     base = estimate(program, mode="train", loss_fn=loss_fn)
-    floor_items = recompute_items(program, loss_fn) if do_compile else None
-    rows = {}
-    mods = {"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
-            "uniform": (uniform(model, name), 0.0, "")}
-    info = {}
-    compiled_acts: dict[str, int] = {}  # compiled rows' saved bytes (hooks), counted once
-    offset = None
-    for b in budgets:
-        mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, b)
-        mods[f"fxmem@{b}"] = (mod, dt, note)
-        info[f"fxmem@{b}"] = metrics
-    if do_compile:
-        import torch._functorch.config as fcfg
-        import torch._inductor.config as icfg
-        # budget 1.0 too: the goal measures torch.compile's overhead against its own unconstrained step. Each
-        # compiled copy gets its own forward code object (dynamo caches graphs per code object), so no copy reuses
-        # or, after a dynamo reset, silently recompiles another budget's graph; cold compiles, no on-disk cache.
-        for b in list(budgets) + ([1.0] if 1.0 not in budgets else []):
-            with fcfg.patch(activation_memory_budget=b, enable_autograd_cache=False), \
-                    icfg.patch(fx_graph_cache=False):
-                c = torch.compile(own_code(copy.deepcopy(model)))
-                t1 = time.perf_counter()
-                step_fn(c, x, loss_fn)()  # cold compile
-                mods[f"compile@{b}"] = (c, time.perf_counter() - t1, "")
-        # fxmem's output stacked with torch.compile (default budget 1.0: the checkpoint regions' recompute tags
-        # decide); every GraphModule copy has its own generated forward, hence its own dynamo cache entry
-        for b in budgets:
-            fm = torch.compile(copy.deepcopy(mods[f"fxmem@{b}"][0]))
-            t1 = time.perf_counter()
-            with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
-                step_fn(fm, x, loss_fn)()
-            mods[f"fxmem@{b}+compile"] = (fm, time.perf_counter() - t1, "")
-            info[f"fxmem@{b}+compile"] = info[f"fxmem@{b}"]
-        # fxmem (eager) asked for compile@b's activation bytes, as an activation budget: fxmem's b above is a peak
-        # budget (a share of the peak's activations), compile's a share of what its partitioner may save, so the
-        # same b asks fxmem for fewer bytes than compile keeps (U-Net b=0.5: 7.19 vs 10.3 MiB); this row asks for
-        # the bytes compile@b kept, the goal's memory side and no more. Compiled rows count saved storages
-        # (hooks); fxmem.measure counts every storage live after forward, which on the captured graph is `offset`
-        # more (outputs, the loss): the target is compile's count plus that
-        cap = mods["captured"][0]
-        offset = fxmem.measure(copy.deepcopy(cap), x, loss_fn=loss_fn).activations - saved_bytes(copy.deepcopy(cap), x)
-        for b in budgets:
-            acts = compiled_acts[f"compile@{b}"] = saved_bytes(mods[f"compile@{b}"][0], x)
-            mod, dt, budget, note, metrics = fxmem_module(program, base, loss_fn, None, acts=acts + offset)
-            mods[f"fxmem=c@{b}"] = (mod, dt, note)
-            info[f"fxmem=c@{b}"] = metrics
+    # the eager floor times nodes with the pass's profiler: host time, which on CUDA is the kernels' launch only
+    floor_items = recompute_items(program, loss_fn) if do_compile and device_run is None else None
+    bench = Bench(model, x, loss_fn, program, base)
+    bench.mods.update({"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
+                       "uniform": (uniform(model, name), 0.0, "")})
+    if device_run is not None:
+        device_run.calibrate(step_fn(copy.deepcopy(model), x, loss_fn))
+    left_out = build_methods(bench, jobs(budgets, do_compile, by_budget=device_run is not None), device_run)
     graphs_compiled = _unique_graphs()
-    # memory
-    for k, (mod, dt, note) in mods.items():
-        if "compile" in k:
-            # the compiled graph saves what its partitioner chose (for fxmem+compile: honouring the checkpoint
-            # regions' recompute tags); saved-tensor hooks see those saves
-            acts = compiled_acts[k] if k in compiled_acts else saved_bytes(mod, x)
-            rows[k] = {"peak": None, "acts": acts, "acts_method": "hooks", "setup_s": dt, "note": note}
-        else:
-            prof = fxmem.measure(copy.deepcopy(mod), x, loss_fn=loss_fn)
-            rows[k] = {"peak": prof.peak, "acts": prof.activations, "acts_method": "measure", "setup_s": dt,
-                       "note": note}
-            if k in ("eager", "captured"):  # the hooks count of the same model, to compare with compiled rows
-                rows[k]["hooks"] = saved_bytes(copy.deepcopy(mod), x)
-                rows[k]["note"] = f"(hooks: {format_bytes(rows[k]['hooks'])})"
-    # interleaved timing
-    steps = {k: step_fn(copy.deepcopy(m) if "compile" not in k else m, x, loss_fn) for k, (m, _, _) in
-             mods.items()}
-    times = {k: [] for k in mods}
-    for s in steps.values():
-        s()  # warm-up
-    keys = list(steps)
-    for i in range(rounds):
-        for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # rotate the order every round
-            s = steps[k]
-            t1 = time.perf_counter()
-            s()
-            times[k].append(time.perf_counter() - t1)
+    rows = memory_rows(bench, None if device_run is None else device_run.allocator_extra(bench, step_fn))
+    times = step_times(bench, rounds, device_run.sync if device_run is not None else lambda: None)
     if _unique_graphs() != graphs_compiled:
         raise RuntimeError(f"{name}: compiled modules recompiled after their cold compile "
                            f"({graphs_compiled} -> {_unique_graphs()} graphs): a row would not be the budget it names")
     # best of the rounds: on a shared machine the minimum is the least noisy estimate of a step's own cost
     eager_t = min(times["eager"])
-    for k in mods:
+    for k in bench.mods:
         rows[k]["step_s"] = min(times[k])
         rows[k]["step_median_s"] = statistics.median(times[k])
         rows[k]["ratio"] = rows[k]["step_s"] / eager_t
-    return {"name": name, "rows": rows, "capture_s": capture_s, "base": base, "info": info,
-            "params": sum(p.numel() for p in model.parameters()), "floor_items": floor_items, "offset": offset}
+    order = ["eager", "captured", "uniform"] + [row_key(kind, b) for kind, b in jobs(budgets, do_compile)]
+    return {"name": name, "rows": {k: rows[k] for k in order if k in rows}, "capture_s": capture_s, "base": base,
+            "info": bench.info, "params": sum(p.numel() for p in model.parameters()), "floor_items": floor_items,
+            "offset": bench.offset, "left_out": left_out, "size_note": size_note,
+            "device": "cpu" if device_run is None else device_run.device.type}
 
 
 def transform_time_12_layers(budgets=(0.1, 0.2, 0.3, 0.5, 0.7), repeats: int = 5) -> str:
@@ -320,81 +438,113 @@ def transform_time_12_layers(budgets=(0.1, 0.2, 0.3, 0.5, 0.7), repeats: int = 5
     return "\n".join(lines)
 
 
+# CUDA runs add these columns (row key): the allocator's count for every row, fxmem.measure's beside it
+CUDA_COLUMNS = (("allocator peak above step start", "alloc_peak"),
+                ("fxmem.measure peak above step start", "measure_step"),
+                ("allocator after forward, above step start", "alloc_acts"))
+
+
 def table(res) -> str:
-    lines = [f"### {res['name']} ({res['params'] / 1e6:.2f} M params; capture {res['capture_s']:.2f} s, "
+    return "\n".join(method_lines(res) + dominance_lines(res["rows"]) + goal_lines(res))
+
+
+def method_lines(res) -> list[str]:
+    """The title and one table row per method (then those left out, and why), with the plan legend."""
+    extra = CUDA_COLUMNS if res.get("device") == "cuda" else ()
+    size = f"{res['size_note']}; " if res.get("size_note") else ""
+    lines = [f"### {res['name']} ({res['params'] / 1e6:.2f} M params; {size}capture {res['capture_s']:.2f} s, "
              f"estimated baseline peak {format_bytes(res['base'].peak)}, activations "
              f"{format_bytes(res['base'].activations)})", "",
-             "| method | measured peak | activation bytes after forward | step time ratio | step ms (best / median) | "
-             "transform / compile s | plan |", "|---|---|---|---|---|---|---|"]
+             "| method | measured peak | " + "".join(f"{title} | " for title, _ in extra) +
+             "activation bytes after forward | step time ratio | step ms (best / median) | "
+             "transform / compile s | plan |", "|---" * (7 + len(extra)) + "|"]
     for k, r in res["rows"].items():
         plan = res["info"].get(k, {}).get("plan", {})
         plan_s = " ".join(f"{p}:{c[0]}" for p, c in plan.items() if c != "keep") or ("-" if k.startswith("fxmem")
                                                                                    else "")
         acts = format_bytes(r["acts"]) + (" (hooks)" if r["acts_method"] == "hooks" else "") \
             if r["acts"] is not None else "n/a"
-        lines.append(f"| {k} {r['note']} | {format_bytes(r['peak']) if r['peak'] else 'n/a'} | {acts} | "
+        cells = "".join(f"{format_bytes(r[key]) if r.get(key) is not None else 'n/a'} | " for _, key in extra)
+        lines.append(f"| {k} {r['note']} | {format_bytes(r['peak']) if r['peak'] else 'n/a'} | {cells}{acts} | "
                      f"{r['ratio']:.2f} | {r['step_s'] * 1000:.1f} / {r['step_median_s'] * 1000:.1f} | {r['setup_s']:.2f} | "
                      f"{plan_s} |")
+    lines += [f"| {k} {why} |" + " |" * (6 + len(extra)) for k, why in res.get("left_out", {}).items()]
     lines.append("")
     lines.append("plan: region:s = selective (matmul outputs kept), region:f = full recompute. "
                  "captured = fxmem.capture without passes (the graph fxmem starts from).")
-    rows = res["rows"]
+    return lines
+
+
+def dominance_lines(rows) -> list[str]:
+    """Which fxmem points are at least as good as uniform checkpointing on both axes."""
     u = rows["uniform"]
     dom = [k for k, r in rows.items() if k.startswith("fxmem@") and "compile" not in k
            and r["acts"] <= u["acts"] and r["ratio"] <= u["ratio"]]
-    lines.append("")
-    lines.append(f"fxmem points with activation bytes <= uniform's and step ratio <= uniform's: "
-                 f"{', '.join(dom) or 'none'}.")
     dom_peak = [k for k, r in rows.items() if k.startswith("fxmem@") and "compile" not in k and r["peak"]
                 and u["peak"] and r["peak"] <= u["peak"] and r["ratio"] <= u["ratio"]]
-    lines.append(f"fxmem points with measured peak <= uniform's and step ratio <= uniform's: "
-                 f"{', '.join(dom_peak) or 'none'}.")
+    return ["", f"fxmem points with activation bytes <= uniform's and step ratio <= uniform's: "
+                f"{', '.join(dom) or 'none'}.",
+            f"fxmem points with measured peak <= uniform's and step ratio <= uniform's: "
+            f"{', '.join(dom_peak) or 'none'}."]
+
+
+def goal_lines(res) -> list[str]:
+    """The goal against torch.compile, one line per budget compiled (needs compile@1.0)."""
+    rows = res["rows"]
     c1 = rows.get("compile@1.0")
-    if c1 is not None:
-        lines.append("")
-        lines.append("Goal per budget b: activation bytes <= compile@b's, and overhead over eager <= compile@b's overhead "
-                     "over compile@1.0 plus 5 points. Eager floor: the least time any eager recompute plan on this "
-                     "graph spends to keep no more activation bytes than compile@b (saved-tensor hooks on both sides): "
-                     "the forward time of the cheapest ops per byte covering the bytes to drop, after those dropped "
-                     "for free (bool dropout masks); above the allowed overhead, no eager plan meets the goal. "
-                     "\"At compile@b's bytes\": fxmem with an activation budget of the bytes compile@b kept "
-                     "(passes.checkpoint.activation_budget, what activation_memory_budget bounds; fxmem's b above is "
-                     "a peak budget, which asks for fewer bytes at the same b), its bytes given in the hooks' count "
-                     "(measured, less what fxmem.measure counts beyond the hooks on the captured graph: "
-                     f"{format_bytes(res['offset'] or 0)}).")
-    for k, r in rows.items():
-        if not k.startswith("compile@") or k == "compile@1.0" or c1 is None:
+    if c1 is None:
+        return []
+    lines = ["", "Goal per budget b: activation bytes <= compile@b's, and overhead over eager <= compile@b's overhead "
+             "over compile@1.0 plus 5 points. Eager floor: the least time any eager recompute plan on this "
+             "graph spends to keep no more activation bytes than compile@b (saved-tensor hooks on both sides): "
+             "the forward time of the cheapest ops per byte covering the bytes to drop, after those dropped "
+             "for free (bool dropout masks); above the allowed overhead, no eager plan meets the goal. "
+             "\"At compile@b's bytes\": fxmem with an activation budget of the bytes compile@b kept "
+             "(passes.checkpoint.activation_budget, what activation_memory_budget bounds; fxmem's b above is "
+             "a peak budget, which asks for fewer bytes at the same b), its bytes given in the hooks' count "
+             "(measured, less what fxmem.measure counts beyond the hooks on the captured graph: "
+             f"{format_bytes(res['offset'] or 0)})."]
+    return lines + [goal_line(res, k, r, c1) for k, r in rows.items()
+                    if k.startswith("compile@") and k != "compile@1.0"]
+
+
+def goal_line(res, key: str, r: dict, c1: dict) -> str:
+    """Budget b's line: compile@b against fxmem (eager), fxmem+compile, fxmem at compile@b's bytes, the floor."""
+    rows = res["rows"]
+    b = key.split("@")[1]
+    allowed = r["ratio"] / c1["ratio"] - 1 + 0.05
+    parts = []
+    offset = res["offset"] or 0  # what fxmem.measure counts beyond the hooks (captured graph: outputs, the loss)
+    for label, f in (("fxmem (eager)", rows.get(f"fxmem@{b}")), ("fxmem+compile", rows.get(f"fxmem@{b}+compile")),
+                     ("fxmem (eager) at compile@b's bytes", rows.get(f"fxmem=c@{b}"))):
+        if f is None or f["acts"] is None:
             continue
-        b = k.split("@")[1]
-        allowed = r["ratio"] / c1["ratio"] - 1 + 0.05
-        parts = []
-        offset = res["offset"] or 0  # what fxmem.measure counts beyond the hooks (captured graph: outputs, the loss)
-        for label, f in (("fxmem (eager)", rows.get(f"fxmem@{b}")), ("fxmem+compile", rows.get(f"fxmem@{b}+compile")),
-                         ("fxmem (eager) at compile@b's bytes", rows.get(f"fxmem=c@{b}"))):
-            if f is None or f["acts"] is None:
-                continue
-            mine = f["acts"] - offset if label.endswith("bytes") else f["acts"]  # in the hooks' count, as compile's
-            ok = mine <= r["acts"] and f["ratio"] - 1 <= allowed
-            part = f"{label} {format_bytes(mine)}, {(f['ratio'] - 1) * 100:+.0f}% ({'met' if ok else 'not met'}"
-            if label == "fxmem+compile":
-                # the same executor as compile@b: its overhead over compile@1.0 against compile@b's, plus 5 points
-                own = f["ratio"] / c1["ratio"] - 1
-                same = f["acts"] <= r["acts"] and own <= allowed
-                part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
-            parts.append(part + ")")
-        if res.get("floor_items") is not None:
-            # the least any eager recompute plan pays to keep no more than compile@b (hooks counts on both sides)
-            items, free = res["floor_items"]
-            drop = rows["captured"]["hooks"] - r["acts"]
-            secs = eager_floor(items, free, drop)
-            fl = secs / rows["eager"]["step_s"]
-            parts.append(f"eager floor: dropping {format_bytes(max(0, drop))} ({format_bytes(min(free, max(0, drop)))} "
-                         f"of it free) costs any eager recompute plan at least {secs * 1000:.1f} ms, "
-                         f"{fl * 100:+.0f}% ({'unreachable in eager' if fl > allowed else 'reachable in principle'})")
-        lines.append(f"- budget {b}: torch.compile {format_bytes(r['acts'])}, {(r['ratio'] - 1) * 100:+.0f}% over eager "
-                     f"({(r['ratio'] / c1['ratio'] - 1) * 100:+.0f}% over compile@1.0, so at most "
-                     f"{allowed * 100:+.0f}% allowed); " + "; ".join(parts))
-    return "\n".join(lines)
+        mine = f["acts"] - offset if label.endswith("bytes") else f["acts"]  # in the hooks' count, as compile's
+        ok = mine <= r["acts"] and f["ratio"] - 1 <= allowed
+        part = f"{label} {format_bytes(mine)}, {(f['ratio'] - 1) * 100:+.0f}% ({'met' if ok else 'not met'}"
+        if label == "fxmem+compile":
+            # the same executor as compile@b: its overhead over compile@1.0 against compile@b's, plus 5 points
+            own = f["ratio"] / c1["ratio"] - 1
+            same = f["acts"] <= r["acts"] and own <= allowed
+            part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
+        parts.append(part + ")")
+    if res.get("floor_items") is not None:
+        parts.append(floor_part(res, r, allowed))
+    return (f"- budget {b}: torch.compile {format_bytes(r['acts'])}, {(r['ratio'] - 1) * 100:+.0f}% over eager "
+            f"({(r['ratio'] / c1['ratio'] - 1) * 100:+.0f}% over compile@1.0, so at most "
+            f"{allowed * 100:+.0f}% allowed); " + "; ".join(parts))
+
+
+def floor_part(res, r: dict, allowed: float) -> str:
+    """The least any eager recompute plan pays to keep no more than compile@b (hooks counts on both sides)."""
+    rows = res["rows"]
+    items, free = res["floor_items"]
+    drop = rows["captured"]["hooks"] - r["acts"]
+    secs = eager_floor(items, free, drop)
+    fl = secs / rows["eager"]["step_s"]
+    return (f"eager floor: dropping {format_bytes(max(0, drop))} ({format_bytes(min(free, max(0, drop)))} "
+            f"of it free) costs any eager recompute plan at least {secs * 1000:.1f} ms, "
+            f"{fl * 100:+.0f}% ({'unreachable in eager' if fl > allowed else 'reachable in principle'})")
 
 
 def plot(results, path_stem):
@@ -434,29 +584,55 @@ def _loadavg() -> str:
         return ""
 
 
-def main(argv=None):
+CUDA_BUDGETS = "0.1,0.3,0.5,0.7"
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the methods, torch.compile's included, at sizes the estimate picks, with the "
+                         "CUDA allocator's counts, under --time-limit")
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--models", default="gpt,unet")
-    ap.add_argument("--budgets", default="0.1,0.2,0.3,0.5,0.7")
+    ap.add_argument("--budgets", default=None,
+                    help=f"fractions b (default 0.1,0.2,0.3,0.5,0.7; with --device cuda {CUDA_BUDGETS})")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-transform-time", action="store_true", help="skip the 12-layer transform timing")
     ap.add_argument("--transform-time-only", action="store_true",
                     help="only the 12-layer transform timing, written to <out>_transform_time.md")
-    ap.add_argument("--out", default=str(RESULTS / "checkpoint_pareto"))
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help=f"--device cuda: seconds for the whole run (default {cuda_side.TIME_LIMIT_S:.0f}); what "
+                         "would start after it is left out, with a note")
+    ap.add_argument("--target", default=None,
+                    help=f"--device cuda: the estimated eager peak each model's batch is chosen for (default "
+                         f"{cuda_side.TARGET})")
+    ap.add_argument("--out", default=None, help="output path without suffix (default benchmarks/results/"
+                                                "checkpoint_pareto, with --device cuda checkpoint_pareto_cuda)")
     args = ap.parse_args(argv)
+    if args.device == "cpu" and (args.time_limit is not None or args.target is not None):
+        ap.error("--time-limit and --target apply to --device cuda")
+    if args.device == "cuda" and (args.full or args.transform_time_only):
+        ap.error("--full and --transform-time-only apply to CPU runs (on CUDA the estimate picks the sizes)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        return main_cuda(args)
     torch.set_num_threads(2)
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = [float(b) for b in (args.budgets or "0.1,0.2,0.3,0.5,0.7").split(",")]
+    out = Path(args.out or RESULTS / "checkpoint_pareto")
     if args.transform_time_only:
         text = (f"# Checkpoint pass: transform time\n\nReproduce: `python benchmarks/checkpoint_pareto.py "
                 f"--transform-time-only` (torch {torch.__version__}, CPU, {torch.get_num_threads()} threads"
                 f"{_loadavg()}).\n\n" + transform_time_12_layers(budgets) + "\n")
-        out = Path(args.out + "_transform_time.md")
+        out = Path(str(out) + "_transform_time.md")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         print(text)
-        return
+        return 0
     results = [run_model(n, args.full, budgets, args.rounds, args.compile) for n in args.models.split(",")]
     cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
         (" --compile" if args.compile else "")
@@ -468,13 +644,70 @@ def main(argv=None):
     md += [table(r) + "\n" for r in results]
     if not args.no_transform_time:
         md.append(transform_time_12_layers() + "\n")
-    text = "\n".join(md)
-    out = Path(args.out)
+    write_outputs("\n".join(md), results, out)
+    return 0
+
+
+def write_outputs(text: str, results, out: Path) -> None:
+    """`out`.md with `text`, the Pareto plot of the models that ran as .png and .svg; `text` printed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    plot(results, out)
+    plot([r for r in results if "rows" in r], out)
     print(text)
 
 
+def main_cuda(args) -> int:
+    """--device cuda: every method at sizes the estimate picks, under the time limit; exit 2 without a CUDA
+    device, 1 when a model failed (its section says how; the other's is written)."""
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    run = cuda_side.DeviceRun("cuda", args.time_limit or cuda_side.TIME_LIMIT_S, rounds=args.rounds,
+                              target=parse_size(args.target or cuda_side.TARGET))
+    budgets = [float(b) for b in (args.budgets or CUDA_BUDGETS).split(",")]
+    names = args.models.split(",")
+    results = [model_on_device(run, name, len(names) - i, budgets, args.rounds) for i, name in enumerate(names)]
+    sections = [table(r) if "rows" in r else f"### {r['name']}\n\n{r['not_run']}" for r in results]
+    text = "\n".join([cuda_header(args, run, budgets, time.monotonic() - started)] + [s + "\n" for s in sections])
+    write_outputs(text, results, Path(args.out or RESULTS / "checkpoint_pareto_cuda"))
+    return 1 if any(r.get("not_run", "").startswith("failed") for r in results) else 0
+
+
+def model_on_device(run, name: str, models_left: int, budgets, rounds: int) -> dict:
+    """run_model on the device with its share of the time left, or {"name", "not_run": why}."""
+    if not run.start_model(models_left):
+        return {"name": name, "not_run": "not run (time limit)"}
+    try:
+        return run_model(name, False, budgets, rounds, True, run)
+    except Exception as e:  # noqa: BLE001 - the report says what broke; the next model still runs
+        traceback.print_exc()
+        return {"name": name, "not_run": f"failed: {cuda_side.one_line(e)}"}
+
+
+def cuda_header(args, run, budgets, seconds: float) -> str:
+    props = torch.cuda.get_device_properties(0)
+    cmd = "python benchmarks/checkpoint_pareto.py --device cuda" + \
+        (f" --time-limit {args.time_limit:g}" if args.time_limit else "") + \
+        (f" --target {args.target}" if args.target else "") + (f" --budgets {args.budgets}" if args.budgets else "")
+    return (f"# Checkpoint pass on CUDA: memory vs step time\n\nReproduce: `{cmd}` ({torch.cuda.get_device_name(0)}, "
+            f"{props.total_memory / 2 ** 30:.1f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}; time "
+            f"limit {args.time_limit or cuda_side.TIME_LIMIT_S:.0f} s, took {seconds:.0f} s). Each model runs at the "
+            f"largest batch whose estimated eager training peak (fxmem.estimate, AdamW) is at most "
+            f"{format_bytes(run.target)}. Budgets b ({', '.join(map(str, budgets))}): fxmem gets peak - (1 - b) * "
+            "activations (estimated); torch.compile gets activation_memory_budget = b.\n\n"
+            "Memory: measured peak and activation bytes as on CPU (fxmem.measure; compiled rows: the storages "
+            "autograd saved, by saved-tensor hooks). Allocator peak above step start: "
+            "torch.cuda.max_memory_allocated over one steady-state step less what was allocated when it began "
+            "(parameters and optimizer state of every method built, no gradients), for every row, compiled ones "
+            "included; fxmem.measure peak above step start: fxmem's live-tensor count over its own step, from "
+            "the same kind of start; allocator after forward: allocated once the loss is computed, above the "
+            "step's start. Step time: wall time with the device synchronized before and after each step, one "
+            f"step of each method per round, the order rotated every round, best / median of {args.rounds}. "
+            "A method that would start after the model's share of the time limit is listed as not run; one "
+            "running is not stopped. The eager floor (CPU runs) is left out: the pass's node profiler times "
+            "the host, which on CUDA is the kernels' launch.\n")
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -175,7 +175,7 @@ def report(a, tests: dict, tables: dict, seconds: float) -> str:
         ms = f"{r['ms']:.2f}" if "ms" in r else ""
         lines.append(f"| {r.get('N', '')} | {r.get('method', '')} | {ms} | {mib(r.get('peak'))} | "
                      f"{r.get('kernel', '')} | {r.get('note', '')} |")
-    lines += _offload_section(tables.get("offload", []))
+    lines += offload_section(tables.get("offload", []))
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +227,7 @@ def _test_section(tests: dict) -> list[str]:
     return lines
 
 
-def _offload_section(rows: list[dict]) -> list[str]:
+def offload_section(rows: list[dict]) -> list[str]:
     from cuda_measure import OFFLOAD_INPUTS, OFFLOAD_MODEL, mib
     shape = (f"decoder, {OFFLOAD_MODEL['n_layer']} blocks d={OFFLOAD_MODEL['d_model']}, batch "
              f"{OFFLOAD_INPUTS['batch']}, T={OFFLOAD_INPUTS['seq_len']}, budget 50%")
@@ -243,6 +243,26 @@ def _offload_section(rows: list[dict]) -> list[str]:
             cells += [f"{r[d + '_ms']:.2f}" if d + "_ms" in r else "", "" if share is None else f"{share:.0%}"]
         cells += [", ".join(r.get("DtoH_streams", []) + r.get("HtoD_streams", [])), r.get("note", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines + _step_time_section(rows)
+
+
+def _step_time_section(rows: list[dict]) -> list[str]:
+    """Where each offload row's traced step spends its time: GPU idle, and the host-side CUDA calls."""
+    traced = [r for r in rows if "traced_ms" in r]
+    if not traced:
+        return []
+    lines = ["", "Where the step's time goes (one profiled step, from its start until the GPU finished it; the "
+             "profiler slows the host side, so its window is longer than the median above): GPU busy = the union "
+             "of kernels, copies and memsets on all streams, idle = the rest; host-side CUDA API calls by their "
+             "total time in the window (cudaDeviceSynchronize there is the wait for the GPU at the window's end).",
+             "",
+             "| model | traced ms | GPU busy ms | GPU idle ms | idle share | top host-side CUDA calls: total ms "
+             "(calls) |", "|---|---|---|---|---|---|"]
+    for r in traced:
+        calls = ", ".join(f"{name} {ms:.2f} ({n})" for name, ms, n in r["api_calls"])
+        idle = r["gpu_idle_ms"] / r["traced_ms"] if r["traced_ms"] else 0.0
+        lines.append(f"| {r['model']} | {r['traced_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['gpu_idle_ms']:.2f} | "
+                     f"{idle:.0%} | {calls} |")
     return lines
 
 

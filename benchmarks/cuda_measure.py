@@ -5,7 +5,8 @@
 - `attention_rows`: one causal self-attention block (benchmarks/attention.py's) in bf16, eager manual attention vs
   the SDPA rewrite: fwd+bwd time (CUDA events, median), the allocator's peak above the step's start, the kernel;
 - `offload_rows`: the decoder with activation offload to pinned host memory (tier auto on CUDA): step time, the
-  device activations, and how much of the copy time overlaps compute kernels on other streams (profiler trace).
+  device activations, how much of the copy time overlaps compute kernels on other streams, and where each step's
+  time goes: the GPU's idle time and the host-side CUDA API calls taking the most time (one profiler trace).
 
 Every function takes a `Deadline` and leaves out (with a note) what would start after it.
 """
@@ -39,11 +40,12 @@ def example_on_device(name: str, inputs: dict | None = None, **build_kwargs):
     args, kwargs = mf.args, mf.kwargs
     if inputs is not None:
         args, kwargs = split_inputs(mf.module.example_inputs(**inputs))
-    return mf.model.to(DEVICE), _on_device(args), _on_device(kwargs), mf.loss_fn
+    return mf.model.to(DEVICE), to_device(args), to_device(kwargs), mf.loss_fn
 
 
-def _on_device(tree):
-    return pytree.tree_map(lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t, tree)
+def to_device(tree, device=DEVICE):
+    """`tree` with every tensor in it moved to `device`."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 class Deadline:
@@ -172,25 +174,43 @@ def offload_rows(rounds: int, deadline: Deadline) -> list[dict]:
                 p.grad = None
             module(*x).float().pow(2).mean().backward()
         row = {"model": name, "activations": prof.activations, "peak": prof.peak, "ms": gpu_ms(step, rounds)}
+        events = traced_events(step)
+        row.update(time_breakdown(events))
         if name != "captured":
-            row.update(copy_overlap(step))
+            row.update(copy_overlap(events))
             row["tier"] = next(m.runtime.tier for m in module.modules() if hasattr(m, "runtime"))
         rows.append(row)
     return rows
 
 
-def copy_overlap(step) -> dict:
-    """Profile one `step()`: per copy direction (device to host, host to device) the copy time and the share of
-    it during which a kernel runs on another stream, from the profiler's Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
+STEP_MARK = "fxmem_traced_step"  # the record_function around the traced step: the trace's window for it
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the device
+HOST_API = ("cuda_runtime", "cuda_driver")  # trace categories of host-side CUDA API calls
+
+
+def traced_events(step) -> list[dict]:
+    """The profiler's Chrome-trace events of one `step()` (CPU and CUDA activity), the step and the wait for the
+    GPU to finish it inside a `STEP_MARK` annotation."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+        with record_function(STEP_MARK):
+            step()
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "trace.json")
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+        return load_trace(path)
+
+
+def load_trace(path) -> list[dict]:
+    """The events of a Chrome-trace JSON file (the profiler's export)."""
+    with open(path) as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def copy_overlap(events: list[dict]) -> dict:
+    """Per copy direction (device to host, host to device) in a trace: the copy time and the share of it during
+    which a kernel runs on another stream."""
     kernels = [(e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream")) for e in events
                if e.get("cat") == "kernel" and "dur" in e]
     out = {}
@@ -204,6 +224,25 @@ def copy_overlap(step) -> dict:
         out[f"{direction}_overlap"] = hidden / total if total else None
         out[f"{direction}_streams"] = sorted({str(s) for *_, s in copies})
     return out
+
+
+def time_breakdown(events: list[dict], top: int = 5) -> dict:
+    """Where a traced step's time goes: the `STEP_MARK` window (ms), the GPU's busy time in it (the union of
+    kernels, copies and memsets on every stream) and its idle time (the rest), and the `top` host-side CUDA API
+    calls in it by total time: [(name, total ms, calls)]."""
+    mark = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == STEP_MARK and "dur" in e]
+    if not mark:
+        raise ValueError(f"the trace has no {STEP_MARK!r} annotation (traced_events makes one)")
+    start, end = mark[0]["ts"], mark[0]["ts"] + mark[0]["dur"]
+    busy = _covered(start, end, [(e["ts"], e["ts"] + e["dur"]) for e in events
+                                 if e.get("cat") in GPU_WORK and "dur" in e])
+    calls: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") in HOST_API and "dur" in e and start <= e["ts"] <= end:
+            calls.setdefault(e.get("name", "?"), []).append(e["dur"])
+    ranked = sorted(((name, sum(durs) / 1e3, len(durs)) for name, durs in calls.items()), key=lambda c: -c[1])
+    return {"traced_ms": (end - start) / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": (end - start - busy) / 1e3,
+            "api_calls": ranked[:top]}
 
 
 def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
