@@ -725,14 +725,11 @@ def _laughs(levels: int, flow: bool = False) -> str:
     return "{" + ", ".join(entries) + "}" if flow else "\n".join(["version: 1"] + entries) + "\n"
 
 
-def _refused_fast(spec, **kw) -> str:
-    """The PolicyError message; the refusal takes well under a second, and little memory (nothing is expanded)."""
-    import time
+def _refused_unexpanded(spec, **kw) -> str:
+    """The PolicyError message, refused with little memory: nothing was expanded (an expansion would hold hundreds
+    of MiB; the peak is measured, not timed, so a loaded CI machine cannot fail it)."""
     import tracemalloc
-    t0 = time.perf_counter()
     msg = error(spec, **kw)
-    seconds = time.perf_counter() - t0
-    assert seconds < 1.0, (seconds, msg)
     tracemalloc.start()
     try:
         assert error(spec, **kw) == msg
@@ -746,17 +743,17 @@ def _refused_fast(spec, **kw) -> str:
 def test_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
     p = write(tmp_path, "laughs.yaml", _laughs(9))  # 9**9 = 387 million strings once expanded
     assert p.stat().st_size < 350
-    msg = _refused_fast(str(p))
+    msg = _refused_unexpanded(str(p))
     assert msg.startswith(f"{p}:") and "expands to more than 10000 values (nested YAML aliases)" in msg, msg
     line = int(msg.split(":")[1].split()[0])
     assert p.read_text().splitlines()[line - 1].startswith(msg.split(":")[2].strip()), msg  # the key on that line
     # the same document as a --set value, and merge keys (<<) that double a mapping at each level
-    msg = _refused_fast("low", overrides=["passes.checkpoint.keep=" + _laughs(9, flow=True)])
+    msg = _refused_unexpanded("low", overrides=["passes.checkpoint.keep=" + _laughs(9, flow=True)])
     assert msg.startswith("--set 'passes.checkpoint.keep=") and "expands to more than 10000 values" in msg, msg
     merges = ["version: 1", "m0: &m0 {a: 1, b: 2}"]
     merges += [f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, 40)]
     q = write(tmp_path, "merges.yaml", "\n".join(merges) + "\n")
-    msg = _refused_fast(str(q))
+    msg = _refused_unexpanded(str(q))
     assert msg.startswith(f"{q}:") and "merge keys (<<) expand a mapping to more than 10000 entries" in msg, msg
 
 
@@ -770,7 +767,7 @@ def test_deep_nesting_is_refused_naming_the_line(tmp_path, style):
     else:
         text = "version: 1\n" + "".join("  " * i + f"k{i}:\n" for i in range(depth)) + "  " * depth + "v: 1\n"
     p = write(tmp_path, "deep.yaml", text)
-    msg = _refused_fast(str(p))
+    msg = _refused_unexpanded(str(p))
     assert msg.startswith(f"{p}:") and "nested more than 64 levels deep" in msg, msg
     assert int(msg.split(":")[1]) == (2 if style != "block" else 65)
 
@@ -780,16 +777,16 @@ def test_huge_policy_file_and_value_are_refused_unread(tmp_path, monkeypatch):
     with open(p, "wb") as f:  # sparse: 64 MiB that nothing should read
         f.write(b"version: 1\n")
         f.truncate(64 * 2 ** 20)
-    msg = _refused_fast(str(p))
+    msg = _refused_unexpanded(str(p))
     assert msg == f"{p}: {64 * 2 ** 20} bytes; a policy is read only up to 1048576 bytes (1 MiB)", msg
-    msg = _refused_fast("low", overrides=["passes.checkpoint.keep=[" + "1," * 600_000 + "1]"])
+    msg = _refused_unexpanded("low", overrides=["passes.checkpoint.keep=[" + "1," * 600_000 + "1]"])
     assert msg.startswith("--set ") and "bytes; a policy is read only up to 1048576 bytes" in msg
 
 
 def test_many_aliases_and_long_extends_chains_are_refused(tmp_path):
     refs = ", ".join(["*a"] * 300)
     p = write(tmp_path, "refs.yaml", f"version: 1\na: &a 1\nb: [{refs}]\n")
-    msg = _refused_fast(str(p))
+    msg = _refused_unexpanded(str(p))
     assert msg.startswith(f"{p}:3:") and "more than 256 YAML aliases" in msg, msg
     write(tmp_path, "c0.yaml", "version: 1\n")
     for i in range(1, 40):
@@ -822,9 +819,9 @@ def test_presets_read_the_same_with_limits():
 def test_a_dict_policy_that_contains_itself_is_refused_naming_the_key():
     spec = {"version": 1, "passes": {}}
     spec["passes"]["checkpoint"] = spec
-    msg = _refused_fast(spec)
+    msg = _refused_unexpanded(spec)
     assert msg.startswith("<dict> passes.checkpoint.passes") and "nested more than 64 levels deep" in msg, msg
     loop = []
     loop.append(loop)
-    msg = _refused_fast({"version": 1, "passes": {"checkpoint": {"keep": loop}}})
+    msg = _refused_unexpanded({"version": 1, "passes": {"checkpoint": {"keep": loop}}})
     assert msg.startswith("<dict> passes.checkpoint.keep") and "contains itself" in msg, msg
