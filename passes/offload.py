@@ -46,6 +46,7 @@ from torch import fx
 from fxmem.blocks import block_paths
 from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
 from fxmem.errors import PolicyError
+from fxmem.module_runs import finish_runs
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.remat import op_call
 from fxmem.nn.regions import region_info
@@ -184,19 +185,7 @@ def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[s
         else:
             cur = Candidate(owner, [n], "run")
             out.append(cur)
-    seen: dict[str, int] = {}
-    for c in out:
-        k = seen.get(c.path, 0)
-        seen[c.path] = k + 1
-        if k:
-            c.path = f"{c.path}#{k}"
-    pos = {n: i for i, n in enumerate(nodes)}
-    for c in out:
-        c.first, c.last = pos[c.nodes[0]], pos[c.nodes[-1]]
-    if explicit:
-        missing = [p for p in explicit if not any(c.path.split("#")[0] == p for c in out)]
-        if missing:
-            raise PolicyError(f"passes.offload.regions: no graph nodes belong to module(s) {missing}")
+    finish_runs(out, nodes, explicit, "passes.offload.regions")
     return out
 
 

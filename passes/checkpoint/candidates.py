@@ -18,7 +18,7 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.blocks import node_blocks
 from fxmem.costmodel import CandidateRegion, RegionModel, build_region_model, default_balance, measure_regions
-from fxmem.errors import PolicyError
+from fxmem.module_runs import finish_runs
 from fxmem.nn.dropout import bool_mask_dropout_remat
 from fxmem.nn.remat import op_call, remat
 from fxmem.program import Program, module_stack
@@ -66,20 +66,7 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
         region.nodes = [n for n in region.nodes if not (n.target in (remat, bool_mask_dropout_remat) and n.users
                                                         and all(u not in members for u in n.users))]
     regions = [r for r in regions if r.nodes]
-    # unique names for repeated calls of one module (e.g. a shared pool)
-    seen: dict[str, int] = {}
-    for region in regions:
-        calls = seen.get(region.path, 0)
-        seen[region.path] = calls + 1
-        if calls:
-            region.path = f"{region.path}#{calls}"
-    position = {n: i for i, n in enumerate(program.graph.nodes)}
-    for region in regions:
-        region.first, region.last = position[region.nodes[0]], position[region.nodes[-1]]
-    if explicit:
-        missing = [p for p in explicit if not any(r.path.split("#")[0] == p for r in regions)]
-        if missing:
-            raise PolicyError(f"passes.checkpoint.regions: no graph nodes belong to module(s) {missing}")
+    finish_runs(regions, list(program.graph.nodes), explicit, "passes.checkpoint.regions")
     return regions
 
 
