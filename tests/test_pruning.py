@@ -12,6 +12,7 @@ import fxmem
 from fxmem.compare import deviation
 from fxmem.depgroups import find_groups
 from fxmem.errors import PolicyError
+from fxmem.lossguard import Evaluator
 from fxmem.pipeline import PassContext, load_passes
 from tests.conftest import example, example_module
 
@@ -133,13 +134,13 @@ def test_group_gnn_layer_chain_and_rejections():
 
 
 # --------------------------------------------------------------------------------------------- the pass
-def _ctx(opts, calibration, model_file=None, mode="inference"):
+def _ctx(opts, calibration, evaluate=None, mode="inference"):
     return PassContext(policy=None, options=opts, mode=mode, optimizer="none", budget=None, baseline=None,
-                       enabled=("pruning",), calibration=calibration, model_file=model_file)
+                       enabled=("pruning",), calibration=calibration, evaluate=evaluate)
 
 
-def _run(p, opts, calibration, model_file=None):
-    r = PruningPass().run(p.snapshot(), _ctx(opts, calibration, model_file, p.mode))
+def _run(p, opts, calibration, evaluate=None):
+    r = PruningPass().run(p.snapshot(), _ctx(opts, calibration, evaluate, p.mode))
     if r.modified:
         r.program.refresh()  # lint + shapes at the example inputs
     return r
@@ -216,13 +217,15 @@ def test_threshold_skip_and_min_keep():
 
 
 def test_task_metric_guard_on_trained_digits():
-    """With evaluate() in the model file: the held-out accuracy drop stays within metric_tolerance."""
+    """With an evaluate function: the held-out accuracy drop stays within metric_tolerance, and it alone decides."""
     mod = example_module("mlp_digits")
     p = _cap(trained_digits(), mod.example_inputs())
-    r = _run(p, PruningOptions(fraction=0.3, metric_tolerance=0.005), mod.calibration_data(n_batches=8), mod)
+    r = _run(p, PruningOptions(fraction=0.3, metric_tolerance=0.005), mod.calibration_data(n_batches=8),
+             Evaluator(mod.evaluate, "max"))
     assert r.modified
     m = r.metrics["metric"]
-    assert m["mode"] == "max" and m["drop"] <= 0.005
+    assert m["drop"] <= 0.005 and m["tolerance"] == 0.005
+    assert list(r.verdicts[0].limits) == ["metric_drop"]
     assert abs(mod.evaluate(r.program.module) - m["after"]) < 1e-9
     assert r.metrics["params_removed_share"] >= 0.15
 
