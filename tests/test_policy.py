@@ -136,7 +136,8 @@ def test_preset_contents():
     assert high.passes["pruning"].raw == {"fraction": 0.2, "require_calibration": True}
     assert high.passes["offload"].enabled and high.passes["checkpoint"].enabled
     assert not high.passes["gating"].enabled
-    assert high.verify.enabled and high.verify.lossy_tolerance == 0.05
+    # lossy limits left to each kind of change (fxmem.lossguard.KIND_LIMITS), as the preset's header says
+    assert high.verify.enabled and high.verify.lossy_tolerance is None and high.verify.top1_agreement is None
     assert inf.mode == "inference" and inf.optimizer == "none"
     assert inf.passes["precision"].raw["weights"] == "int8"
     assert inf.passes["pruning"].raw["fraction"] == 0.1
