@@ -50,9 +50,11 @@ class Limits:
 
 
 # defaults per kind of change (README "Policies"; each preset's header)
+# (compute and int8 move outputs by 1% or less: their predictions flip only at near-ties, which untrained models and
+# uncertain predictions are full of, so their top-1 limit is no stricter than 4-bit weights')
 KIND_LIMITS: dict[str, Limits] = {
-    "compute": Limits(rel_error=0.05, top1_agreement=0.98, loss_increase=0.01),  # bf16 / fp16 compute
-    "int8": Limits(rel_error=0.1, top1_agreement=0.97, loss_increase=0.02),  # int8 weights
+    "compute": Limits(rel_error=0.05, top1_agreement=0.95, loss_increase=0.01),  # bf16 / fp16 compute
+    "int8": Limits(rel_error=0.1, top1_agreement=0.95, loss_increase=0.02),  # int8 weights
     "4bit": Limits(rel_error=0.3, top1_agreement=0.95, loss_increase=0.05),  # nf4 / fp4 weights
     "pruning": Limits(rel_error=0.3, top1_agreement=0.97, loss_increase=0.05),  # removed hidden units
     "attention": Limits(rel_error=0.2, top1_agreement=0.95, loss_increase=0.05),  # hab / semiseparable

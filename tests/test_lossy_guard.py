@@ -155,7 +155,7 @@ def test_fp16_that_overflows_is_backed_off_where_it_overflows(digits_state):
     assert rec.status == "applied" and rec.metrics["guard"][0]["accepted"]
     with torch.no_grad():
         out = res.module.eval()(x)
-    assert torch.isfinite(out).all() and (out.argmax(-1) == model(x).argmax(-1)).float().mean() >= 0.98
+    assert torch.isfinite(out).all() and (out.argmax(-1) == model(x).argmax(-1)).float().mean() >= 0.95
 
 
 # ============================================================================================ pruning
