@@ -21,7 +21,6 @@ import fxmem
 from fxmem import registry
 from fxmem.cli import main
 from fxmem.errors import FxmemError
-from fxmem.intent import ShortfallError
 from fxmem.pass_api import Change, Pass, PassRecord, PassResult, register
 from fxmem.report import Report
 
@@ -190,7 +189,8 @@ def test_pruning_nine_tenths_is_refused_with_the_reason_in_the_summary_line(digi
     assert rec.metrics["guard"][0]["measures"]["top1_agreement"] >= 0.97
     assert rec.metrics["guard_asked"][0]["measures"]["top1_agreement"] < 0.5
     assert res.report.to_markdown().split("## Summary")[0].count(f"short of the policy: {line}") == 1
-    with pytest.raises(ShortfallError, match="strict: a lossy pass did less than the policy asked .pruning: asked 90%"):
+    with pytest.raises(fxmem.ShortfallError, match="strict: a lossy pass did less than the policy asked .pruning: asked "
+                                                   "90%"):
         fxmem.transform(digits_model(digits_state), dig.example_inputs(),
                         policy=inference(pruning={"fraction": 0.9}), calibration=DIGITS_CAL, strict=True)
 
@@ -315,6 +315,20 @@ def test_cli_summary_says_the_shortfall_first_and_strict_refuses_it(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 1 and "strict: a lossy pass did less than the policy asked (pruning: asked 90%" in err
     assert not (tmp_path / "strict").exists()
+
+
+def test_a_model_file_states_its_evaluate_mode_or_is_refused(tmp_path):
+    """A model file's evaluate_mode is "max" or "min"; anything else is the user's error naming the file."""
+    from fxmem.errors import ModelFileError
+    from fxmem.modelfile import load_model_file
+    path = tmp_path / "m.py"
+    path.write_text("import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 2)\n\n"
+                    "def example_inputs():\n    return (torch.randn(3, 4),)\n\ndef evaluate(module):\n    return 1.0\n\n"
+                    "evaluate_mode = 'lower'\n")
+    with pytest.raises(ModelFileError, match=f"{path}: evaluate_mode must be 'max' .higher is better. or 'min'"):
+        load_model_file(path)
+    path.write_text(path.read_text().replace("'lower'", "'min'"))
+    assert load_model_file(path).evaluator().mode == "min"
 
 
 def test_report_puts_shortfalls_first_and_round_trips_them():
