@@ -290,7 +290,7 @@ def test_manager_judges_a_lossy_pass_without_a_verdict(scale_lossy, digits_state
 
 def test_cli_summary_says_the_shortfall_first_and_strict_refuses_it(tmp_path, capsys, digits_state):
     """A model file with evaluate() and evaluate_mode: the CLI's summary starts with the shortfall line (the task
-    metric stopped it); --strict makes it an error: PassError's exit status, nothing written."""
+    metric stopped it); --strict makes it an error: exit 3, as every refusal of strict, nothing written."""
     state = tmp_path / "digits.pt"
     torch.save(digits_state, state)
     model_file = tmp_path / "digits_model.py"
@@ -313,7 +313,7 @@ def test_cli_summary_says_the_shortfall_first_and_strict_refuses_it(tmp_path, ca
     code = main(["optimize", str(model_file), "--policy", str(policy), "--out", str(tmp_path / "strict"),
                  "--strict", "--quiet"])
     err = capsys.readouterr().err
-    assert code == 1 and "strict: a lossy pass did less than the policy asked (pruning: asked 90%" in err
+    assert code == 3 and "strict: a lossy pass did less than the policy asked (pruning: asked 90%" in err
     assert not (tmp_path / "strict").exists()
 
 
