@@ -241,12 +241,7 @@ class PruningPass(Pass):
                          "calibration_items": len(stat_items), "holdout_items": len(hold_items)}
         plan, counts = _plan(program.module, o, stats, metrics)
         if not plan or not any(counts.values()):
-            why = "no prunable dependency group" if not plan else \
-                "every group is at min_keep or has no unit under the threshold"
-            notes.append(f"nothing to prune: {why}")
-            intent = Intent(_setting(o), _asked(o, plan, counts), "removed nothing", False, why,
-                            "see the report's group table" if not plan else "lower passes.pruning.min_keep")
-            return PassResult(program, False, notes=notes, metrics=metrics, intents=[intent])
+            return PassResult(program, False, notes=notes, metrics=metrics, intents=[_nothing(o, plan, notes)])
         hold = [normalize_item(it) for it in hold_items]
         guard = guard_for(ctx, program, "pruning", section="passes.pruning", tolerance=o.tolerance,
                           metric_tolerance=o.metric_tolerance, items=hold,
@@ -442,6 +437,22 @@ def _asked(o: PruningOptions, plan: dict, counts: dict) -> str:
         return f"{o.fraction:.0%} of the hidden units"
     wanted = sum(int(math.floor(o.fraction * g.size)) for g, _ in plan.values())
     return f"{o.fraction:.0%} of {units} hidden units" + (f" ({planned} after min_keep)" if planned < wanted else "")
+
+
+def _nothing(o: PruningOptions, plan: dict, notes: list) -> Intent:
+    """The intent when there is nothing to prune: no prunable group (a shortfall), no unit under the threshold or a
+    fraction of no unit (done as asked), or every group held at `min_keep` (a shortfall)."""
+    if not plan:
+        why = "no prunable group (every hidden width is coupled to a residual, a concat, a head split or an output)"
+        change = "nothing in the policy (the report's group table says where each width is coupled)"
+    elif o.threshold is not None or not sum(int(math.floor(o.fraction * g.size)) for g, _ in plan.values()):
+        why = change = ""  # no unit under the threshold, or a fraction that rounds to no unit: done as asked
+    else:
+        why = f"min_keep ({o.min_keep:g} units per group)"
+        change = "lower passes.pruning.min_keep"
+    notes.append("nothing to prune: " + ("no prunable dependency group" if not plan else
+                                         "every group is at min_keep or has no unit under the threshold"))
+    return Intent(_setting(o), _asked(o, plan, {}), "removed nothing", not why, why, change)
 
 
 def _intent(o: PruningOptions, plan: dict, counts: dict, outcome, params_share: float | None) -> Intent:

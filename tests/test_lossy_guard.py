@@ -358,3 +358,30 @@ def test_report_puts_shortfalls_first_and_round_trips_them():
     from fxmem.intent import shortfall_lines
     assert shortfall_lines(passes)[1] == ("precision: asked nf4 weights on 4 linear(s), achieved nothing: the pass "
                                           "rolled back (the training step raised)")
+
+
+def test_nothing_to_prune_is_a_shortfall_only_when_something_was_asked():
+    """min_keep holding every unit is a shortfall naming the setting; a fraction of no unit is done as asked; a
+    model with no prunable group says why."""
+    from fxmem.pipeline import PassContext, load_passes
+    load_passes()
+    from fxmem.passes.pruning import PruningOptions, PruningPass
+    model = dig.build_model(hidden=16)
+    program = fxmem.capture(model, dig.example_inputs(), mode="inference")
+    program.refresh()
+
+    def intent(**opts):
+        ctx = PassContext(policy=None, options=PruningOptions(**opts), mode="inference", optimizer="none",
+                          budget=None, baseline=None, enabled=("pruning",), calibration=DIGITS_CAL[:4])
+        (it,) = PruningPass().run(program.snapshot(), ctx).intents
+        return it
+    held = intent(fraction=0.5, min_keep=16)
+    assert not held.complete and held.asked == "50% of 32 hidden units (0 after min_keep)"
+    assert held.stopped_by == "min_keep (16 units per group)" and held.change == "lower passes.pruning.min_keep"
+    assert intent(fraction=0.0).complete
+    flat = fxmem.capture(torch.nn.Linear(64, 10), dig.example_inputs(), mode="inference")
+    flat.refresh()
+    ctx = PassContext(policy=None, options=PruningOptions(), mode="inference", optimizer="none", budget=None,
+                      baseline=None, enabled=("pruning",), calibration=DIGITS_CAL[:4])
+    (it,) = PruningPass().run(flat, ctx).intents
+    assert not it.complete and it.stopped_by.startswith("no prunable group")
