@@ -323,8 +323,8 @@ def cmd_optimize(a) -> int:
         calibration = mf.calibration(limit=64)
         res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=budget,
                         activation_budget=activation_budget, calibration=calibration,
-                        loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict, overrides=a.set, log=log,
-                        model_file=mf.module)
+                        loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
+                        overrides=a.set, log=log, model_file=mf.module)
         out.write(res)
         _print_summary(a, res, out)
         return 0

@@ -15,16 +15,15 @@ A candidate is run (eval mode, no gradients, fixed seed) on the guard data, the 
   increase (`verify.loss_increase`).
 
 Every measurable figure is recorded in the Verdict either way. Each limit left unset in the policy takes the default
-of the kind of change (`KIND_LIMITS`), sized to what the kind is known to cost: 4-bit weights move a linear's output by
-about 9% whatever the weights, so they are not judged by the tolerance of bf16 rounding. Each kind is judged on what
-it adds to the program it was given (the report also gives the deviation from the original). Per-site measurements
-never decide whether a kind of change is allowed: they order the back-off (`exclusion_steps`, largest first).
-Gating is exact when inserted (gates start open) and is verified as an exact pass, so it has no guard here.
+of the kind of change (`KIND_LIMITS`), sized to what the kind is known to cost: 4-bit weights move every linear's
+output far more than bf16 rounding does, whatever the weights, so they are not judged by bf16's tolerance. Each kind
+is judged on what it adds to the program it was given (the report also gives the deviation from the original).
+Per-site measurements never decide whether a kind of change is allowed: they order the back-off (`exclusion_steps`,
+largest first). Gating is exact when inserted (gates start open) and is verified as an exact pass: no guard here.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
@@ -50,7 +49,7 @@ class Limits:
 
 
 # defaults per kind of change (README "Policies"; each preset's header)
-# (compute and int8 move outputs by 1% or less: their predictions flip only at near-ties, which untrained models and
+# (compute and int8 move outputs little: their predictions flip only at near-ties, which untrained models and
 # uncertain predictions are full of, so their top-1 limit is no stricter than 4-bit weights')
 KIND_LIMITS: dict[str, Limits] = {
     "compute": Limits(rel_error=0.05, top1_agreement=0.95, loss_increase=0.01),  # bf16 / fp16 compute
@@ -162,11 +161,6 @@ class LossGuard:
     seed: int = 0
     _ref: dict | None = None
 
-    def with_kind(self, kind: str, limits: Limits, reference: Program | None = None) -> "LossGuard":
-        """The same data and settings for another kind (and reference program)."""
-        ref = self._ref if reference is None or reference is self.reference else None
-        return replace(self, kind=kind, limits=limits, reference=reference or self.reference, _ref=ref)
-
     def judge(self, candidate: Program) -> Verdict:
         """Run `candidate` on the guard data and judge it against the reference."""
         ref = self._reference()
@@ -205,7 +199,7 @@ class LossGuard:
         for name in deciding:
             value, limit = measures[name], getattr(self.limits, name)
             ok = value >= limit if name == "top1_agreement" else value <= limit
-            if not ok or (isinstance(value, float) and math.isnan(value)):
+            if not ok:  # (a NaN measure is never ok)
                 verdict.accepted = False
                 verdict.failed.append(_phrase(name, value, limit))
                 verdict.hints.append(self._hint(name, limit))

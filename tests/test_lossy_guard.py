@@ -189,8 +189,8 @@ def test_pruning_nine_tenths_is_refused_with_the_reason_in_the_summary_line(digi
     assert rec.metrics["guard"][0]["measures"]["top1_agreement"] >= 0.97
     assert rec.metrics["guard_asked"][0]["measures"]["top1_agreement"] < 0.5
     assert res.report.to_markdown().split("## Summary")[0].count(f"short of the policy: {line}") == 1
-    with pytest.raises(fxmem.ShortfallError, match="strict: a lossy pass did less than the policy asked .pruning: asked "
-                                                   "90%"):
+    with pytest.raises(fxmem.ShortfallError,
+                       match="strict: a lossy pass did less than the policy asked .pruning: asked 90%"):
         fxmem.transform(digits_model(digits_state), dig.example_inputs(),
                         policy=inference(pruning={"fraction": 0.9}), calibration=DIGITS_CAL, strict=True)
 
@@ -323,8 +323,8 @@ def test_a_model_file_states_its_evaluate_mode_or_is_refused(tmp_path):
     from fxmem.modelfile import load_model_file
     path = tmp_path / "m.py"
     path.write_text("import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 2)\n\n"
-                    "def example_inputs():\n    return (torch.randn(3, 4),)\n\ndef evaluate(module):\n    return 1.0\n\n"
-                    "evaluate_mode = 'lower'\n")
+                    "def example_inputs():\n    return (torch.randn(3, 4),)\n\n"
+                    "def evaluate(module):\n    return 1.0\n\nevaluate_mode = 'lower'\n")
     with pytest.raises(ModelFileError, match=f"{path}: evaluate_mode must be 'max' .higher is better. or 'min'"):
         load_model_file(path)
     path.write_text(path.read_text().replace("'lower'", "'min'"))
