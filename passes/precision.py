@@ -111,6 +111,9 @@ ACC_FP16 = frozenset({"softmax", "_softmax", "layer_norm", "native_layer_norm", 
                       "rms_norm", "_fused_rms_norm"})
 
 CAST_OPS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+# guard items each site's own error is measured on (it only orders the back-off; every site's inputs and outputs are
+# held for each item, so few)
+SITE_ITEMS = 2
 
 
 @dataclass
@@ -964,7 +967,7 @@ def _weight_site_errors(program: Program, sites: list, quant: dict, guard) -> di
     if guard is None:
         return {s.node.name: float("nan") for s in sites}
     keep = {n for s in sites for n in (s.node.name, s.x.name)}
-    values = record_values(program.module, guard.items, keep)
+    values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
     return {s.node.name: site_error_module(s.node, quant[s.node.name], values, s.x)[1] for s in sites}
 
 
@@ -1087,7 +1090,7 @@ def _compute_site_errors(program: Program, opts, low, guard, seed: int, log: Sta
             n = _node_by_name(program.module, d.node)
             keep.add(n.name)
             keep.update(a.name for a in _node_args(n))
-        values = record_values(program.module, guard.items, keep)
+        values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
     for d in decisions.values():
         rel = float("nan")
         if values:
