@@ -7,24 +7,21 @@ summary and the report; strict makes a shortfall an error; `fxmem.transform(eval
 model file's evaluate() does."""
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import types
 
 import pytest
 import torch
-import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import fxmem
 from fxmem import registry
 from fxmem.cli import main
 from fxmem.errors import FxmemError
-from fxmem.pass_api import Change, Pass, PassRecord, PassResult, register
+from fxmem.pass_api import PassRecord, register
 from fxmem.report import Report
 
-from .conftest import ROOT, example_module
+from .conftest import ROOT, example_module, scale_output_pass, trained_digits_state
 
 dig = example_module("mlp_digits")
 gpt = example_module("gpt")
@@ -35,20 +32,7 @@ gpt = example_module("gpt")
 @pytest.fixture(scope="module")
 def digits_state():
     """A digits MLP (hidden 128) trained six epochs on the training split (images 0..1499)."""
-    data = load_digits()
-    x = torch.tensor(data.data[:1500], dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target[:1500])
-    model = dig.build_model(hidden=128)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        perm = torch.randperm(1500, generator=g)
-        for s in range(0, 1500, 128):
-            idx = perm[s:s + 128]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return trained_digits_state(128)
 
 
 def digits_model(state):
@@ -245,26 +229,8 @@ def test_hab_that_keeps_one_key_per_query_is_refused_and_attention_stays_exact(t
 
 # ============================================================================================ the manager, CLI, report
 
-@dataclasses.dataclass
-class _ScaleOptions:
-    scale: float = 1.5
-
-
-class _ScaleLossy(Pass):
-    """Test-only lossy pass: multiplies the graph's first output by `scale`, with no verdict of its own."""
-    name = "test_scale_lossy"
-    exact = False
-    extra = True
-    Options = _ScaleOptions
-
-    def run(self, program, ctx):
-        g = program.graph
-        out = next(n for n in g.nodes if n.op == "output")
-        first = out.args[0][0]
-        with g.inserting_before(out):
-            scaled = g.call_function(torch.ops.aten.mul.Tensor, (first, ctx.options.scale))
-        out.args = ((scaled,) + tuple(out.args[0][1:]),)
-        return PassResult(program, True, [Change("scale", "", [first.name], [scaled.name], "test")])
+# lossy, with no verdict of its own: the manager judges it
+_ScaleLossy = scale_output_pass("test_scale_lossy", exact=False)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Structural pruning: dependency groups from the FX graph, physical slicing, the calibration guard."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from fxmem.depgroups import find_groups
 from fxmem.errors import PolicyError
 from fxmem.lossguard import Evaluator
 from fxmem.pipeline import PassContext, load_passes
-from tests.conftest import example, example_module
+from tests.conftest import example, example_module, trained_digits_state
 
 load_passes()
 from fxmem.passes.pruning import PruningOptions, PruningPass, _fix_dims, _Masked  # noqa: E402
@@ -57,29 +56,9 @@ class ConvBN(nn.Module):
         return self.c2(F.max_pool2d(F.relu(self.bn(self.c1(x))), 2))
 
 
-@functools.lru_cache(maxsize=None)
-def _trained_digits_state():
-    """One digits MLP (hidden 64) trained briefly on the training split (images 0..1499), once per session."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = torch.tensor(d.data[:1500], dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target[:1500])
-    model = example_module("mlp_digits").build_model(hidden=64)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        perm = torch.randperm(1500, generator=g)
-        for s in range(0, 1500, 128):
-            idx = perm[s:s + 128]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    return model.state_dict()
-
-
 def trained_digits():
     model = example_module("mlp_digits").build_model(hidden=64)
-    model.load_state_dict(_trained_digits_state())
+    model.load_state_dict(trained_digits_state(64))
     return model
 
 
