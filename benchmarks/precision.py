@@ -9,7 +9,11 @@ Per example and mode (measured with fxmem.measure, real steps on this machine's 
 - inference modes (`int8`, `nf4`: bitsandbytes weights on aten.linear sites, fp32 compute): bytes of the swapped
   linears' weights vs their fp32 weights, all parameter+buffer bytes, forward time, relative output error;
 - `adamw8bit`: bitsandbytes AdamW8bit optimizer-state bytes vs torch AdamW on the fp32 model.
-Writes benchmarks/results/precision_modes.md (table), .json, and .png / .svg.
+Every mode runs with the guard's defaults (fxmem/lossguard.py, judged on the example inputs: these example models
+are random-weight, where predictions flip easily; `nf4 (guard off)` shows what 4-bit weights would save there); each
+row says what the setting asked and what the pass achieved (`fxmem.intent`), and what stopped it when it fell short.
+Writes benchmarks/results/precision_modes.md (table), .json, and .png / .svg (`--out` elsewhere for a trial run;
+`--quick`: mlp_digits for training, gpt and mlp_digits for inference, 2 steps).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 
 import fxmem  # noqa: E402
 from fxmem.compare import deviation  # noqa: E402
+from fxmem.intent import intent_line  # noqa: E402
 from fxmem.optim import make_optimizer, optimizer_state_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, pass_module  # noqa: E402
 from fxmem.step import compute_loss  # noqa: E402
@@ -39,8 +44,8 @@ from fxmem.step import compute_loss  # noqa: E402
 P = pass_module("precision")
 TRAIN_MODES = {"bf16": dict(compute="bf16"), "bf16-autocast": dict(compute="bf16", islands="autocast"),
                "bf16-params": dict(compute="bf16", params="bf16")}
-INFER_MODES = {"int8": dict(compute="fp32", weights="int8"),
-               "nf4": dict(compute="fp32", weights="nf4", tolerance=1.0)}
+INFER_MODES = {"int8": dict(compute="fp32", weights="int8"), "nf4": dict(compute="fp32", weights="nf4"),
+               "nf4 (guard off)": dict(compute="fp32", weights="nf4", guard=False)}
 
 
 def example(name, mode):
@@ -59,6 +64,11 @@ def run_pass(prog, mode, loss_fn, **opts):
     ctx = PassContext(policy=None, options=o, mode=mode, optimizer="adamw", budget=None, baseline=None,
                       enabled=("precision",), loss_fn=loss_fn)
     return P.PrecisionPass().run(prog.snapshot(), ctx)
+
+
+def asked_vs_achieved(res) -> str:
+    """Each explicit setting's line: what it asked, what was achieved, and what stopped it when short."""
+    return "; ".join(intent_line("precision", it.to_dict()).removeprefix("precision: ") for it in res.intents) or "-"
 
 
 def out_error(ref, gm, prog):
@@ -122,7 +132,7 @@ def bench_train(name, steps):
         t = step_time(gm, prog, loss_fn, opt, steps)
         rows.append(dict(example=name, mode=mode, params=meas.params, activations=meas.activations,
                          opt_state=optimizer_state_bytes(opt), time=t, rel_err=err,
-                         reverted=res.metrics.get("sites_reverted", 0)))
+                         reverted=res.metrics.get("sites_reverted", 0), intent=asked_vs_achieved(res)))
     # 8-bit optimizer on the fp32 model
     gm = copy.deepcopy(prog.module)
     opt = make_optimizer(gm, "adamw8bit")
@@ -149,9 +159,8 @@ def bench_infer(name, steps):
                            mode="inference")
         t = fwd_time(res.program.module, prog, steps)
         rows.append(dict(example=name, mode=mode, weights=mm.params + mm.buffers, linear_dense=dense,
-                         linear_quant=qb, time=t / t_base * t_base, rel_err=out_error(prog.module,
-                                                                                         res.program.module, prog),
-                         n_linears=len(q)))
+                         linear_quant=qb, time=t, rel_err=out_error(prog.module, res.program.module, prog),
+                         n_linears=len(q), intent=asked_vs_achieved(res)))
     return rows
 
 
@@ -165,7 +174,10 @@ def main(argv=None):
     ap.add_argument("--infer-examples", default="gpt,hf_llama,hf_bert,vit,mlp_digits")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true", help="mlp_digits (train), gpt and mlp_digits (inference), 2 steps")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.examples, a.infer_examples, a.steps = "mlp_digits", "gpt,mlp_digits", 2
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,25 +193,26 @@ def main(argv=None):
              f"{a.infer_examples} --steps {a.steps}` (torch {torch.__version__}, CPU, "
              f"{torch.get_num_threads()} threads; machine shared with other jobs, so times are noisy).", "",
              "## Training step (fxmem.measure; optimizer AdamW unless the mode says otherwise)", "",
-             "| example | mode | activations | params | optimizer state | step time | rel. output error |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| example | mode | activations | params | optimizer state | step time | rel. output error | "
+             "asked vs achieved |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     bases = {r["example"]: r for r in train if r["mode"] == "fp32"}
     for r in train:
         b = bases[r["example"]]
         lines.append(f"| {r['example']} | {r['mode']} | {fmt_ratio(r['activations'], b['activations'])} "
                      f"({r['activations'] / 2**20:.2f} MiB) | {fmt_ratio(r['params'], b['params'])} | "
                      f"{fmt_ratio(r['opt_state'], b['opt_state'])} | {fmt_ratio(r['time'], b['time'])} | "
-                     f"{r['rel_err']:.2e} |")
+                     f"{r['rel_err']:.2e} | {r.get('intent', '-')} |")
     lines += ["", "## Inference forward (bitsandbytes weights on aten.linear sites; fp32 compute)", "",
               "| example | mode | swapped linears: weight bytes | all params+buffers | forward time | "
-              "rel. output error |", "| --- | --- | --- | --- | --- | --- |"]
+              "rel. output error | asked vs achieved |", "| --- | --- | --- | --- | --- | --- | --- |"]
     ibases = {r["example"]: r for r in infer if r["mode"] == "fp32-inference"}
     for r in infer:
         b = ibases[r["example"]]
         lin = fmt_ratio(r["linear_quant"], r["linear_dense"]) + f" ({r.get('n_linears', 0)} linears)" \
             if r["linear_dense"] else "-"
         lines.append(f"| {r['example']} | {r['mode']} | {lin} | {fmt_ratio(r['weights'], b['weights'])} | "
-                     f"{fmt_ratio(r['time'], b['time'])} | {r['rel_err']:.2e} |")
+                     f"{fmt_ratio(r['time'], b['time'])} | {r['rel_err']:.2e} | {r.get('intent', '-')} |")
     lines += ["", "Notes: `bf16` keeps fp32 master parameters; with `recast_params` (default) backward casts them (and "
               "fp32 inputs) to bf16 again instead of saving the copies; `bf16-autocast` islands as torch.autocast. "
               "`bf16-params` stores parameters in bf16 and its optimizer keeps fp32 master weights (counted in "
@@ -225,9 +238,9 @@ def main(argv=None):
         axes[0].set_ylabel("activations / fp32")
         axes[0].legend(fontsize=8)
         inames = list(ibases)
-        for i, m in enumerate(("int8", "nf4")):
-            vals = [next((r["linear_quant"] / r["linear_dense"]) for r in infer if r["example"] == n
-                         and r["mode"] == m and r["linear_dense"]) for n in inames]
+        for i, m in enumerate(("int8", "nf4 (guard off)")):
+            vals = [next(((r["linear_quant"] / r["linear_dense"]) for r in infer if r["example"] == n
+                          and r["mode"] == m and r["linear_dense"]), 1.0) for n in inames]  # 1.0: none swapped
             axes[1].bar([j + i * 0.4 for j in range(len(inames))], vals, 0.4, label=m)
         axes[1].set_xticks([j + 0.2 for j in range(len(inames))], inames, rotation=30)
         axes[1].set_ylabel("linear weight bytes / fp32")

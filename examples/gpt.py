@@ -185,6 +185,9 @@ def calibration_data(n_batches=8, batch=INPUT_DEFAULTS["batch"], seq_len=INPUT_D
     return _windows(_text_bytes(_CALIB_MODULES), n_batches, batch, seq_len)
 
 
+evaluate_mode = "min"  # evaluate() is a loss: lower is better (fxmem's guard reads this, not the docstring)
+
+
 @torch.no_grad()
 def evaluate(module, n_batches=4, batch=INPUT_DEFAULTS["batch"], seq_len=INPUT_DEFAULTS["seq_len"]):
     """Mean next-token cross-entropy (nats/byte) on held-out stdlib text (argparse.py). Lower is better."""

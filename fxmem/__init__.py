@@ -31,6 +31,7 @@ _LAZY = {
     "calibrate": ("calibrate", "calibrate"),
     "gating_loss": ("nn.gating", "gating_loss"),
     "make_optimizer": ("optim", "make_optimizer"),
+    "ShortfallError": ("intent", "ShortfallError"),
     "distribute": ("distributed", "distribute"),
 }
 

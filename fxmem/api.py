@@ -23,6 +23,8 @@ from . import __version__, costmodel
 from .capture import capture
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
+from .intent import require_intents
+from .lossguard import make_evaluator
 from .measure import measure as measure_memory
 from .nn.lowbit import QuantLinear
 from .nn.offload import WeightStreamer
@@ -61,8 +63,9 @@ class TransformResult:
 
 @keeps_model_state
 def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any = "high", budget: Any = None,
-              activation_budget: Any = None, calibration=None, loss_fn=None, measure: bool = False,
-              strict: bool = False, overrides=(), log=None, model_file=None, **option_overrides) -> TransformResult:
+              activation_budget: Any = None, calibration=None, loss_fn=None, evaluate=None, evaluate_mode=None,
+              measure: bool = False, strict: bool = False, overrides=(), log=None, model_file=None,
+              **option_overrides) -> TransformResult:
     """Capture `model`, run the policy's passes, return the transformed module and a report.
 
     policy: a preset name ("low", "medium", "high", "inference"), a YAML path, a dict with the policy schema, or
@@ -72,9 +75,15 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     unless the policy's budgets are targets). overrides: `--set` strings ("passes.checkpoint.solver=greedy"). Extra
     keyword arguments set policy keys to typed values, dots written as double underscores, e.g.
     `passes__checkpoint__solver="greedy"`. measure=True also measures memory before and after with real steps.
-    strict=True: a pass that fails or is rolled back, or a result over its budget (the estimate, and the measurement
-    when measured, beyond the checkpoint pass's stated slack), raises a StrictError (PassError, StrictBudgetError;
-    CLI exit 3) instead of being reported.
+    calibration: model inputs (tensors, tuples of arguments, dicts of keyword arguments, or (args, kwargs) pairs)
+    that pruning's statistics and the guard of lossy changes (`fxmem.lossguard`) run on. evaluate: the task metric,
+    `evaluate(module) -> number`, as a model file's `evaluate()`; when given, it alone judges each lossy change
+    (its drop at most verify.metric_tolerance). evaluate_mode: "max" when higher is better (the default), "min"
+    when lower is better (a loss).
+    strict=True: a pass that fails or is rolled back, a lossy pass that did less than the policy asked (an intent
+    shortfall), or a result over its budget (the estimate, and the measurement when measured, beyond the checkpoint
+    pass's stated slack), raises a StrictError (PassError, ShortfallError, StrictBudgetError; CLI exit 3) instead of
+    being reported.
     """
     load_passes()  # passes register their option classes, so the policy validates their sections
     t0 = time.perf_counter()
@@ -88,6 +97,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         pol = pol.with_overrides({"passes.checkpoint.enabled": True,
                                   "passes.checkpoint.activation_budget": _whole_bytes(activation_budget)},
                                  where="transform(activation_budget=...)")
+    evaluator = make_evaluator(evaluate, evaluate_mode, model_file)
     if not isinstance(args, tuple):
         args = (args,) if not isinstance(args, list) else tuple(args)
     kwargs = dict(kwargs or {})
@@ -108,7 +118,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
             raise BudgetError(f"budget resolves to {b} bytes; it must be positive")
     measured_before = _measure(program, pol, loss_fn) if measure else None
     pm = PassManager(pol, strict=strict, calibration=calibration, loss_fn=loss_fn, log=log,
-                     model_file=model_file)
+                     model_file=model_file, evaluate=evaluator)
     t1 = time.perf_counter()
     result_program = pm.run(program, before)
     t_passes = time.perf_counter() - t1
@@ -126,6 +136,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         timing={"capture_s": round(t_capture, 3), "passes_s": round(t_passes, 3),
                 "total_s": round(time.perf_counter() - t0, 3)})
     if strict:
+        require_intents(pm.records)
         _require_budgets(report, pm.records)
     return TransformResult(module=result_program.module, report=report, before=before, after=after,
                            program=result_program, original=original, policy=pol,

@@ -2,11 +2,11 @@
 
 A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
 Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path, a result that cannot be
-written), 3 refused by --strict (a pass failed or was rolled back, or the result is over its budget), 1 internal
-error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt or SIGTERM unwinds like
-an exception, so every cleanup runs: scratch files are removed and `--out` is left as it was, or holds the complete
-result. The exit status says which: once the result is complete on disk a signal no longer changes the outcome (exit
-0), and a run that was interrupted before is never reported as a success.
+written), 3 refused by --strict (a pass failed or was rolled back, a lossy pass did less than its policy asked, or
+the result is over its budget), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt
+or SIGTERM unwinds like an exception, so every cleanup runs: scratch files are removed and `--out` is left as it
+was, or holds the complete result. The exit status says which: once the result is complete on disk a signal no
+longer changes the outcome (exit 0), and a run that was interrupted before is never reported as a success.
 """
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ from .errors import FxmemError
 # (each command imports what it uses when it runs: `fxmem --help` and flag errors answer without loading them)
 
 MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (optional loss_fn(output, inputs), "
-                   "calibration_data(), evaluate(module)); it is user code and runs as such")
+                   "calibration_data(), evaluate(module) with evaluate_mode = 'max' or 'min'); it is user code and "
+                   "runs as such")
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
 EXIT_CODES_HELP = ("exit codes: 0 success; 2 user error (policy, model file, inputs, budget, output path); 3 refused "
-                   "by --strict (a pass failed or was rolled back, or the result is over its budget); 1 internal "
-                   "error; 130 interrupted (SIGINT); 143 terminated (SIGTERM)")
+                   "by --strict (a pass failed or was rolled back, a lossy pass did less than its policy asked, or "
+                   "the result is over its budget); 1 internal error; 130 interrupted (SIGINT); 143 terminated "
+                   "(SIGTERM)")
 
 
 class Terminated(KeyboardInterrupt):
@@ -185,8 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
     o.add_argument("--strict", action="store_true",
-                   help="a pass that fails or is rolled back, or a result over its budget, is an error: exit 3, "
-                        "nothing is written")
+                   help="a pass that fails or is rolled back, a lossy pass that does less than the policy asks, or a "
+                        "result over its budget, is an error: exit 3, nothing is written")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
     o.add_argument("--quiet", action="store_true")
     o.set_defaults(func=cmd_optimize)
@@ -321,8 +323,8 @@ def cmd_optimize(a) -> int:
         calibration = mf.calibration(limit=64)
         res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=budget,
                         activation_budget=activation_budget, calibration=calibration,
-                        loss_fn=mf.loss_fn, measure=a.measure, strict=a.strict, overrides=a.set, log=log,
-                        model_file=mf.module)
+                        loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
+                        overrides=a.set, log=log, model_file=mf.module)
         out.write(res)
         _print_summary(a, res, out)
         return 0
@@ -331,12 +333,15 @@ def cmd_optimize(a) -> int:
 
 
 def _print_summary(a, res, out) -> None:
+    from .intent import shortfall_lines
     from .units import format_bytes
     if a.json:
         print(res.report.to_json())
         return
     b, af = res.before, res.after
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
+    for line in shortfall_lines(res.records):
+        print(f"SHORT OF THE POLICY: {line}")
     print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")
     for r in ("params", "grads", "optimizer_state", "activations", "peak"):
         print(f"{r:18s}{format_bytes(getattr(b, r)):>14s}{format_bytes(getattr(af, r)):>14s}")

@@ -1,7 +1,8 @@
 """Model files for the CLI: a Python file defining `build_model()` and `example_inputs()`.
 
-Optional: `loss_fn(output, inputs)`, `calibration_data()`, `evaluate(module)`. A model file is user code and
-runs as such, exactly like `python model.py` would run it.
+Optional: `loss_fn(output, inputs)`, `calibration_data()`, `evaluate(module)` with `evaluate_mode = "max"` (higher
+is better, the default) or `"min"` (lower is better). A model file is user code and runs as such, exactly like
+`python model.py` would run it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import FxmemError, LossFnError, ModelFileError
+from .lossguard import Evaluator
 from .step import require_trainable_loss
 from .userstate import mode_set, model_state_kept
 
@@ -32,6 +34,16 @@ class ModelFile:
     loss_fn: Callable | None
     calibration_data: Callable | None
     evaluate: Callable | None
+    evaluate_mode: str | None = None
+
+    def evaluator(self):
+        """The model file's task metric for the guard of lossy changes (`fxmem.lossguard.Evaluator`), or None;
+        a failure inside evaluate() is the user's error naming the file."""
+        if self.evaluate is None:
+            return None
+        fn = self.evaluate
+        return Evaluator(lambda module: call_user(self.path, "evaluate(module)", fn, module),
+                         self.evaluate_mode or "max")
 
     @property
     def name(self) -> str:
@@ -183,8 +195,16 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
     if loss_fn is not None:
         _check_loss_signature(loss_fn, p)
         loss_fn = UserLossFn(loss_fn, p)
-    return ModelFile(p, mod, model, args, kwargs, loss_fn,
-                     getattr(mod, "calibration_data", None), getattr(mod, "evaluate", None))
+    evaluate = getattr(mod, "evaluate", None)
+    if evaluate is not None and not callable(evaluate):
+        raise ModelFileError(f"{p}: evaluate must be a function evaluate(module) -> number, got "
+                             f"{type(evaluate).__name__}")
+    evaluate_mode = getattr(mod, "evaluate_mode", None)
+    if evaluate_mode is not None and evaluate_mode not in ("max", "min"):
+        raise ModelFileError(f"{p}: evaluate_mode must be 'max' (higher is better) or 'min' (lower is better), got "
+                             f"{evaluate_mode!r}")
+    return ModelFile(p, mod, model, args, kwargs, loss_fn, getattr(mod, "calibration_data", None), evaluate,
+                     evaluate_mode)
 
 
 def check_inputs(mf: ModelFile, mode: str | None = None) -> None:

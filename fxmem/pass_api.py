@@ -22,10 +22,12 @@ import torch
 from . import registry
 from .compare import Deviation
 from .costmodel import estimate as estimate_memory
-from .policy import VerifyOptions, check_options_class, check_pass_name
+from .lossguard import Evaluator, GuardOptions
+from .policy import check_options_class, check_pass_name
 from .program import Program
 
-__all__ = ["Pass", "PassContext", "PassResult", "PassRecord", "Change", "DeviceInfo", "BudgetMetrics", "register"]
+__all__ = ["Pass", "PassContext", "PassResult", "PassRecord", "Change", "DeviceInfo", "BudgetMetrics",
+           "GuardMetrics", "register"]
 
 
 @dataclass
@@ -56,6 +58,10 @@ class PassResult:
     # the rewritten program draws its random numbers differently from its input (same distribution: SDPA's dropout
     # instead of a manual one): a seeded training step cannot be compared value for value, only run
     draws_differ: bool = False
+    # lossy passes: what each explicit setting asked and achieved (`fxmem.intent.Intent`), and the guard's verdicts
+    # on what was kept (`fxmem.lossguard.Verdict`); a lossy pass without verdicts is judged by the manager
+    intents: list = field(default_factory=list)
+    verdicts: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,21 @@ class BudgetMetrics:
         activation_budget, slack = metrics.get("activation_budget"), metrics.get("slack")
         return cls(activation_budget=None if activation_budget is None else int(activation_budget),
                    slack=None if slack is None else float(slack))
+
+
+@dataclass(frozen=True)
+class GuardMetrics:
+    """The guard's verdicts a lossy pass records in its metrics (`fxmem.lossguard.Verdict.to_dict()`, under these
+    keys), typed: what the report's guard lines and the manager's check of the other mode's graph read."""
+    kept: tuple = ()  # metrics["guard"]: on what the pass kept
+    asked: tuple = ()  # metrics["guard_asked"]: on what the policy asked (the first candidate)
+    KEYS: ClassVar[tuple[str, str]] = ("guard", "guard_asked")
+
+    @classmethod
+    def from_metrics(cls, metrics: dict | None) -> GuardMetrics:
+        metrics = metrics if isinstance(metrics, dict) else {}
+        kept, asked = ([v for v in metrics.get(key) or [] if isinstance(v, dict)] for key in cls.KEYS)
+        return cls(kept=tuple(kept), asked=tuple(asked))
 
 
 @dataclass
@@ -91,13 +112,18 @@ class PassRecord:
     peak_after: int | None = None
     seconds: float = 0.0
     metrics: dict = field(default_factory=dict)
+    intents: list = field(default_factory=list)  # `fxmem.intent.Intent.to_dict()` per explicit lossy setting
 
     def budget_metrics(self) -> BudgetMetrics:
         return BudgetMetrics.from_metrics(self.metrics)
 
+    def guard_metrics(self) -> GuardMetrics:
+        return GuardMetrics.from_metrics(self.metrics)
+
     def to_dict(self, with_timing: bool = True):
         d = {"name": self.name, "status": self.status, "exact": self.exact,
              "changes": [c.to_dict() for c in self.changes], "notes": list(self.notes), "reason": self.reason,
+             "intents": _jsonable(self.intents),
              "deviation": self.deviation, "grad_deviation": self.grad_deviation, "train_check": self.train_check,
              "peak_before": self.peak_before,
              "peak_after": self.peak_after, "metrics": _jsonable(self.metrics)}
@@ -132,7 +158,7 @@ class PassContext:
     budget: int | None = None  # resolved bytes (the pass's own budget option or the policy's), None = no budget
     baseline: Any = None  # MemoryEstimate of the captured program before any pass
     budget_strict: bool = True  # False: the budget is a target (presets); unreachable -> as low as possible
-    tolerance: float = VerifyOptions.lossy_tolerance  # relative output error a lossy pass may cause (verify.*)
+    guard: GuardOptions = field(default_factory=GuardOptions)  # the guard of lossy changes' limits (verify.*)
     distribution: str = "none"  # how the result will run: "none", "ddp" or "fsdp" (Policy.distribution)
     rest_taken: bool = False  # a later pass plans against the same peak budget: a budget pass may stop short
     device: DeviceInfo | None = None  # None: the program's (`device_for`)
@@ -140,7 +166,8 @@ class PassContext:
     loss_fn: Callable | None = None
     log: Callable[[str], None] = lambda msg: None
     seed: int = 0
-    model_file: Any = None  # the model file module when run from the CLI (for evaluate())
+    model_file: Any = None  # the model file module when run from the CLI
+    evaluate: Evaluator | None = None  # the user's task metric, for the guard of lossy changes
     # a context built by hand (tests, benchmarks) may give the policy and the names of the passes that run instead:
     # the shared fields above are then derived from them as the manager derives them
     policy: InitVar[Any] = None
@@ -148,7 +175,7 @@ class PassContext:
 
     def __post_init__(self, policy, enabled) -> None:
         if policy is not None:
-            self.tolerance, self.distribution = policy.verify.lossy_tolerance, policy.distribution
+            self.guard, self.distribution = GuardOptions.from_verify(policy.verify), policy.distribution
         self.rest_taken = self.rest_taken or registry.budget_rest_taken(enabled)
 
     def device_for(self, program: Program) -> DeviceInfo:
@@ -162,7 +189,7 @@ class PassContext:
 class Pass:
     """Base of a pass: set `name`, `exact` and `Options`, write `run`, decorate the class with `register`."""
     name: ClassVar[str] = ""
-    exact: ClassVar[bool] = True  # outputs, gradients and buffers stay equal (verified); False: lossy (tolerance)
+    exact: ClassVar[bool] = True  # outputs, gradients and buffers stay equal (verified); False: lossy (the guard)
     Options: ClassVar[type | None] = None  # a dataclass with a default for every field; None: no options
     extra: ClassVar[bool] = False  # not one of fxmem's canonical passes: runs after them, in name order
 

@@ -2,12 +2,13 @@
 
 The pass contract (Pass, PassContext, PassResult, Change, PassRecord, register) is fxmem/pass_api.py; the table
 of passes is fxmem/registry.py. The manager resolves what the user asked for once: each pass's options, validated,
-and what passes share (budget and its strictness, tolerance, distribution mode, whether a later pass takes the rest
-of the budget, the device) in its PassContext.
+and what passes share (budget and its strictness, the guard of lossy changes' settings, distribution mode, whether a
+later pass takes the rest of the budget, the device, the user's evaluate) in its PassContext.
 
 After each pass: lint, dead-code elimination, recompile, metadata refresh, re-estimate, verification on the
 example inputs (eval mode, a seeded training step, the other mode's graph when the model has one). A failing exact
-pass, or a lossy pass over the tolerance, is rolled back and the report says why.
+pass, or a lossy pass the guard of lossy changes refuses (`fxmem.lossguard`), is rolled back and the report says
+why.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.utils import _pytree as pytree
 from . import costmodel
 from .compare import compare_outputs, deviation
 from .errors import FxmemError, PassError, PolicyError
+from .lossguard import KIND_LIMITS, KIND_WORDS, GuardOptions, guard_for
 from .nn.modes import mode_dispatch, mode_graph
 from .pass_api import Change, DeviceInfo, PassContext, PassRecord, PassResult, register
 from .program import Program, buffers_kept
@@ -138,8 +140,9 @@ class PassManager:
     """Runs enabled passes in canonical order with verification and rollback."""
 
     def __init__(self, policy, *, strict: bool = False, calibration=None, loss_fn=None,
-                 log: Callable[[str], None] | None = None, model_file=None):
+                 log: Callable[[str], None] | None = None, model_file=None, evaluate=None):
         self.policy = policy
+        self.evaluate = evaluate
         self.strict = strict
         self.calibration = calibration
         self.loss_fn = loss_fn
@@ -203,12 +206,14 @@ class PassManager:
                 self._rollback(rec, f"graph invalid after the pass: {type(e).__name__}: {e}", t0)
                 continue
             ok = self._verify(rec, new, original, current_ref, verify, t0)
+            if ok and not rec.exact and verify.enabled:
+                ok = self._judge_lossy(rec, result.verdicts, ctx, program, new, t0)
             if not ok:
                 continue
             new_train = self._verify_train(rec, new, result.draws_differ, verify, t0)
             if new_train is False:
                 continue
-            new_other = self._verify_other_mode(rec, new, verify, t0)
+            new_other = self._verify_other_mode(rec, new, verify, t0, ctx, program)
             if new_other is False:
                 continue
             est = costmodel.estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
@@ -233,10 +238,10 @@ class PassManager:
         policy = self.policy
         return PassContext(options=options, mode=policy.mode, optimizer=policy.optimizer,
                            budget=self._budget_for(options, baseline), baseline=baseline,
-                           budget_strict=policy.budget_strict, tolerance=policy.verify.lossy_tolerance,
+                           budget_strict=policy.budget_strict, guard=GuardOptions.from_verify(policy.verify),
                            distribution=policy.distribution, rest_taken=budget_rest_taken(names, after=name),
                            device=DeviceInfo.of(program), calibration=self.calibration, loss_fn=self.loss_fn,
-                           log=self.log, seed=policy.verify.seed, model_file=self.model_file)
+                           log=self.log, seed=policy.verify.seed, model_file=self.model_file, evaluate=self.evaluate)
 
     def _run_pass(self, entry: Registration, program: Program, ctx: PassContext, rec: PassRecord,
                   t0: float) -> PassResult | None:
@@ -258,6 +263,9 @@ class PassManager:
                 raise PassError(f"pass {entry.name} failed: {rec.reason}") from e
             return None
         rec.changes, rec.notes, rec.metrics = list(result.changes), list(result.notes), dict(result.metrics)
+        rec.intents = [intent.to_dict() for intent in result.intents]
+        if result.verdicts:
+            rec.metrics["guard"] = [verdict.to_dict() for verdict in result.verdicts]
         if not result.modified:
             rec.seconds = time.perf_counter() - t0
             self.log(f"[{entry.name}] no change")
@@ -297,13 +305,21 @@ class PassManager:
             if err is not None:
                 self._rollback(rec, f"exact pass changed the result: {err}", t0)
                 return False
-            return True
-        tol = verify.lossy_tolerance
-        if not (dev_orig.rel <= tol):
-            self._rollback(rec, f"relative output error {dev_orig.rel:.3g} vs the original exceeds the "
-                                f"tolerance {tol:g} (verify.lossy_tolerance)", t0)
-            return False
         return True
+
+    def _judge_lossy(self, rec, verdicts: list, ctx, previous: Program, new: Program, t0) -> bool:
+        """A lossy pass is judged by the guard of lossy changes (`fxmem.lossguard`): on the verdicts the pass gave
+        for what it kept, or, when it gave none, by the manager on its result (kind "lossy"). A refusal rolls it
+        back."""
+        if not verdicts:
+            verdicts = [guard_for(ctx, previous, "lossy").judge(new)]
+            rec.metrics["guard"] = [v.to_dict() for v in verdicts]
+        refused = next((v for v in verdicts if not v.accepted), None)
+        if refused is None:
+            return True
+        self._rollback(rec, f"the guard refused {KIND_WORDS.get(refused.kind, refused.kind)}: {refused.reason()} on "
+                            f"{refused.data}; {refused.hint()}", t0)
+        return False
 
 
     def _train_step(self, program: Program) -> Reference | None:
@@ -352,11 +368,12 @@ class PassManager:
         return got
 
 
-    def _verify_other_mode(self, rec, new, verify, t0):
+    def _verify_other_mode(self, rec, new, verify, t0, ctx, previous: Program):
         """A program with one graph per mode: passes leave the other mode's graph as captured, but it reads the
         root's parameters and buffers, which a pass may replace. It must still run, and give the same outputs as
-        before the pass (an exact pass) or stay within the lossy tolerance of the captured program's (a lossy one).
-        Returns its outputs, None when the program has no such graph, or False after a rollback."""
+        before the pass (an exact pass) or be accepted by the guard of the pass's kind of change against them (a
+        lossy one, output measures only). Returns its outputs, None when the program has no such graph, or False
+        after a rollback."""
         if self._other_refs is None or self._other_refs[0] is None:
             return None
         branch = mode_graph(new.module)
@@ -371,14 +388,20 @@ class PassManager:
             err = compare_outputs(self._other_refs[1], got, atol=verify.atol, rtol=verify.rtol)
             why = f"exact pass changed the {word}-mode graph's result: {err}"
         else:
-            dev = deviation(self._other_refs[0], got)
-            err = None if dev.rel <= verify.lossy_tolerance else dev.rel
-            why = (f"relative output error {dev.rel:.3g} of the {word}-mode graph vs the original exceeds the "
-                   f"tolerance {verify.lossy_tolerance:g} (verify.lossy_tolerance)")
+            verdict = _lossy_guard(ctx, previous, rec).judge_outputs([self._other_refs[1]], [got])
+            err = None if verdict.accepted else verdict.reason()
+            why = f"the {word}-mode graph after the pass: {err}; {verdict.hint()}"
         if err is not None:
             self._rollback(rec, why, t0)
             return False
         return got
+
+
+def _lossy_guard(ctx, previous: Program, rec: PassRecord):
+    """The guard for a lossy pass's other checks: the loosest kind among the verdicts it recorded, else "lossy"."""
+    kinds = [v.get("kind") for v in rec.guard_metrics().kept if v.get("kind") in KIND_LIMITS] or ["lossy"]
+    kind = max(kinds, key=lambda k: KIND_LIMITS[k].rel_error)
+    return guard_for(ctx, previous, kind)
 
 
 def run_other_mode(program: Program, seed: int = 0):

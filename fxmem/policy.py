@@ -12,7 +12,9 @@ the cost model decide what is possible. Schema (version 1):
     optimizer: none | sgd | sgd-momentum | adam | adamw | adamw8bit | adam8bit | paged_adamw8bit
     passes:                             # attention, pruning, gating, precision, checkpoint, offload
       checkpoint: {enabled: true, solver: auto}
-    verify: {atol: 1e-5, rtol: 1e-4, grad_atol: 1e-5, grad_rtol: 1e-4, lossy_tolerance: 0.05, seed: 0, enabled: true}
+    verify: {atol: 1e-5, rtol: 1e-4, grad_atol: 1e-5, grad_rtol: 1e-4, seed: 0, enabled: true,
+             lossy_tolerance: null, top1_agreement: null, loss_increase: null, metric_tolerance: null,
+             outputs: auto, guard_items: 8}   # the guard of lossy changes: fxmem/lossguard.py
 
 Pass sections. `passes.NAME` is a mapping with `enabled` plus the pass's options (`passes.NAME: false` is short for
 `{enabled: false}`, an empty section means enabled with defaults). A section that is present without `enabled`
@@ -134,21 +136,37 @@ def _known_passes() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class VerifyOptions:
     """How each pass is checked. Exact passes must match within atol/rtol (outputs) and grad_atol/grad_rtol
-    (gradients); lossy passes may change outputs by at most `lossy_tolerance` relative error."""
+    (gradients). Lossy changes are judged end to end by `fxmem.lossguard` on the guard data (the last `guard_items`
+    calibration items, or the example inputs): relative output error at most `lossy_tolerance`, top-1 agreement at
+    least `top1_agreement` (class-score outputs), relative loss increase at most `loss_increase` (other outputs,
+    with a loss_fn); with an evaluate function, its drop at most `metric_tolerance` instead. A limit left null
+    takes the default of each kind of change (`fxmem.lossguard.KIND_LIMITS`). `outputs` says whether outputs
+    are class scores (auto: a `logits` entry, or one (batch, classes) / (batch, positions, classes) tensor)."""
 
     atol: float = 1e-5
     rtol: float = 1e-4
     grad_atol: float = 1e-5
     grad_rtol: float = 1e-4
-    lossy_tolerance: float = 0.05
+    lossy_tolerance: float | None = None
+    top1_agreement: float | None = None
+    loss_increase: float | None = None
+    metric_tolerance: float | None = None
+    outputs: Literal["auto", "scores", "values"] = "auto"
+    guard_items: int = 8
     seed: int = 0
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("atol", "rtol", "grad_atol", "grad_rtol", "lossy_tolerance"):
+        for name in ("atol", "rtol", "grad_atol", "grad_rtol", "lossy_tolerance", "loss_increase",
+                     "metric_tolerance"):
             v = getattr(self, name)
-            if not v >= 0:  # also rejects nan
+            if v is not None and not v >= 0:  # also rejects nan
                 raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
+        if self.top1_agreement is not None and not 0 <= self.top1_agreement <= 1:
+            raise ValueError(f"top1_agreement: expected a share in [0, 1] (0.97 = 97% of predictions unchanged), "
+                             f"got {self.top1_agreement!r}")
+        if self.guard_items < 1:
+            raise ValueError(f"guard_items: expected an integer >= 1, got {self.guard_items!r}")
 
 
 @dataclass

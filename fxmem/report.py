@@ -3,7 +3,8 @@
 What it shows:
 - summary: memory before/after by category, estimated (cost model, no tensors allocated) and, when the run was
   measured, measured (real steps under `fxmem.measure`); FLOPs per step before/after (estimated);
-- warnings first: passes that were rolled back or failed, ops the cost model does not know;
+- warnings first: what a lossy pass was asked and did not do (one line each, `fxmem.intent`), passes that were
+  rolled back or failed, ops the cost model does not know;
 - per pass: status, what changed and where (module paths), why, the measured output deviation;
 - the graph diff (unified diff of the generated code, without codegen's `; x = None` tails) and a table of the
   nodes each change replaced;
@@ -28,8 +29,10 @@ from typing import Any
 
 from .costmodel import MemoryEstimate
 from .files import write_bytes, write_text
+from .intent import intent_line, shortfall_lines
+from .lossguard import KIND_WORDS
 from .measure import MemoryProfile, TimelinePoint
-from .pass_api import Change, PassRecord
+from .pass_api import Change, GuardMetrics, PassRecord
 from .units import format_bytes as _format_bytes
 
 SCHEMA_VERSION = 1
@@ -126,6 +129,11 @@ class Report:
     def problem_passes(self) -> list:
         return [r for r in self.passes if r.status in ("rolled_back", "failed")]
 
+    def shortfalls(self) -> list[str]:
+        """One line per explicit lossy setting a pass did not fully achieve (what was asked, what was achieved,
+        what stopped it, which setting to change); rolled-back passes have their own warning."""
+        return shortfall_lines([r for r in self.passes if r.status not in ("rolled_back", "failed")])
+
     def unknown_ops(self) -> list[str]:
         ops: set[str] = set()
         for e in (self.before, self.after, self.measured_before, self.measured_after):
@@ -196,7 +204,8 @@ class Report:
             "passes": [_pass_dict(r, deterministic) for r in self.passes],
             "graph": {"code_before": self.code_before, "code_after": self.code_after, "diff": self.graph_diff(),
                       "replaced_nodes": self.replaced_nodes()},
-            "warnings": {"rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
+            "warnings": {"shortfalls": self.shortfalls(),
+                         "rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
                                          for r in self.problem_passes()],
                          "unknown_ops": self.unknown_ops()},
             "specialized": [str(s) for s in self.specialized],
@@ -321,7 +330,7 @@ class Report:
         return _scrub(text) if deterministic else text
 
     def _warning_lines(self) -> list[str]:
-        out = []
+        out = [f"short of the policy: {line}" for line in self.shortfalls()]
         for r in self.problem_passes():
             what = "was ROLLED BACK" if r.status == "rolled_back" else "FAILED and was rolled back"
             out.append(f"pass `{r.name}` {what}: {r.reason or 'no reason recorded'}")
@@ -398,7 +407,7 @@ class Report:
         if rec.peak_before is not None or rec.peak_after is not None:
             L.append(f"- estimated peak: {format_bytes(rec.peak_before)} → {format_bytes(rec.peak_after)}"
                      + ("" if rec.peak_after is not None else " (not applied)"))
-        L.extend(f"- {line}" for line in _deviation_lines(rec))
+        L.extend(f"- {line}" for line in _deviation_lines(rec) + _guard_lines(rec))
         if rec.changes:
             L.append("")
             L.append("| kind | module | why | est. bytes saved |")
@@ -538,7 +547,7 @@ class Report:
         if rec.peak_before is not None or rec.peak_after is not None:
             P.append(f"<li><span class=\"est\">estimated</span> peak: {e(format_bytes(rec.peak_before))} &rarr; "
                      f"{e(format_bytes(rec.peak_after))}{'' if rec.peak_after is not None else ' (not applied)'}</li>")
-        P.extend(f"<li>{_inline_code(x)}</li>" for x in _deviation_lines(rec))
+        P.extend(f"<li>{_inline_code(x)}</li>" for x in _deviation_lines(rec) + _guard_lines(rec))
         P.append("</ul>")
         if rec.changes:
             P.append("<table><tr><th>kind</th><th>module</th><th>why</th><th>est. bytes saved</th></tr>")
@@ -898,6 +907,19 @@ def _deviation_lines(rec) -> list[str]:
     return out
 
 
+def _guard_lines(rec) -> list[str]:
+    """A lossy pass's intents (asked against achieved) and the guard's verdicts on what it kept and was asked."""
+    out = [intent_line(rec.name, it, rec.status, rec.reason) for it in rec.intents]
+    guard = rec.guard_metrics()
+    asked = [v for v in guard.asked if not v.get("accepted")]  # what was asked and accepted is what was kept
+    for label, verdicts in (("guard, on what was kept", guard.kept), ("guard, on what was asked", asked)):
+        for v in verdicts:
+            if v.get("summary"):
+                verdict = "accepted" if v.get("accepted") else "refused"
+                out.append(f"{label} ({KIND_WORDS.get(v.get('kind'), v.get('kind'))}): {verdict}: {v['summary']}")
+    return out
+
+
 _BYTES_KEY = re.compile(r"(bytes|peak|budget|memory|saved|freed|size)", re.I)
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -914,8 +936,8 @@ def _metric_lines(metrics: dict) -> list[str]:
     """Compact, deterministic lines for a pass's metrics; histograms become sparklines."""
     out = []
     for key in sorted(metrics or {}, key=str):
-        if is_timing_key(key):
-            continue  # wall clock: shown in the timing section
+        if is_timing_key(key) or key in GuardMetrics.KEYS:
+            continue  # wall clock: shown in the timing section; the guard's verdicts have their own lines
         val = metrics[key]
         if key == "histograms" and isinstance(val, dict):
             edges = val.get("bin_edges")

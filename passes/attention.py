@@ -18,14 +18,15 @@ Rewrites (`passes.attention.rewrite`):
                     low-rank projections built from a per-head truncated SVD of the existing q/k weights.
     semiseparable   (lossy) `fxmem.nn.attention.SemiseparableAttention`: exact block band + low-rank far field
                     (positive random features), one normaliser; causal; hierarchical; bf16/fp16 low-rank factors.
-                    Its error grows with |q|^2 + |k|^2 (random-feature variance): the per-site tolerance decides.
+                    Its error grows with |q|^2 + |k|^2 (random-feature variance): the guard backs such sites off.
 Per-site cost-model bytes (`site_bytes`, two static traces) go into each Change's `bytes_saved`.
 
 Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and overrides
-`fxmem.pass_api.Pass.is_exact(options)`, which the PassManager consults: for `hab`/`semiseparable` the pass is
-verified as lossy (relative output error <= policy.verify.lossy_tolerance). On top of that, each approximated site
-measures its own relative error on the example inputs against exact attention and is kept only if it is within
-`tolerance` (default: the policy's lossy_tolerance); rejected sites stay exact (SDPA) and are reported.
+`fxmem.pass_api.Pass.is_exact(options)`, which the PassManager consults: `hab`/`semiseparable` are lossy and judged
+end to end by the guard of lossy changes (`fxmem.lossguard`, kind `attention`; `tolerance` is its relative-error limit
+for this pass). Each approximated site measures its own relative error on the example inputs against exact attention:
+that orders the back-off (largest first, to exact SDPA), and never decides alone. What `rewrite` asked against how
+many sites took it is the pass's Intent.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from torch import fx
 from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, find_attention, glob_match,
                                    trace_projection, val)
 from fxmem.costmodel import node_costs
+from fxmem.intent import Intent, guard_stop
+from fxmem.lossguard import exclusion_steps, first_accepted, guard_for
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, is_impure
@@ -65,7 +68,7 @@ class AttentionOptions:
     hierarchical: bool = False  # two levels: rank 2r for the blocks next to the band, r beyond
     lowrank_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # dtype of the low-rank factors (band stays fp32)
     # --- both approximations
-    tolerance: float | None = None  # per-site relative output error limit; None = policy.verify.lossy_tolerance
+    tolerance: float | None = None  # end-to-end relative output error; None = kind default / verify.lossy_tolerance
     seed: int = 0  # random features of the semiseparable low-rank part
 
     def __post_init__(self):
@@ -96,19 +99,69 @@ class AttentionPass(Pass):
         return getattr(options, "rewrite", "sdpa") == "sdpa"
 
     def run(self, program: Program, ctx: PassContext) -> PassResult:
-        # (rewrite_attention takes options.tolerance first, the policy's lossy tolerance when it is None)
-        return rewrite_attention(program, ctx.options, mode=ctx.mode, log=ctx.log, tolerance=ctx.tolerance)
+        opts: AttentionOptions = ctx.options
+        if opts.rewrite == "sdpa":
+            return rewrite_attention(program, opts, mode=ctx.mode, log=ctx.log)
+        return approximate(program, opts, ctx)
+
+
+def approximate(program: Program, opts: AttentionOptions, ctx: PassContext) -> PassResult:
+    """`rewrite: hab | semiseparable`, judged end to end by the guard (kind `attention`): every site that can take
+    the approximation takes it; while the guard refuses, the sites whose own error (on the example inputs) is largest
+    go back to exact SDPA, 1, 2, 4, ... of them. When it accepts none, every site is exact SDPA."""
+    guard = guard_for(ctx, program, "attention", section="passes.attention", tolerance=opts.tolerance)
+    built: list = []
+
+    def build(exact_sites):
+        cand = program.snapshot()
+        res = rewrite_attention(cand, opts, mode=ctx.mode, log=ctx.log, exact_sites=set(exact_sites))
+        built.append(res)
+        return cand, res
+
+    def states():
+        yield []
+        errors = {c.module: c.details["rel_error"] for c in built[0].changes if c.kind == f"attention.{opts.rewrite}"}
+        yield from list(exclusion_steps(sorted(errors, key=lambda m: -errors[m])))[1:]
+    outcome = first_accepted(guard, build, states(), "attention")
+    first = built[0]
+    asked = sum(c.kind == f"attention.{opts.rewrite}" for c in first.changes)
+    if outcome.program is None:  # no approximation accepted: exact SDPA at every site
+        result = build([c.module for c in first.changes])[1]
+    else:
+        result = outcome.payload
+        result.verdicts = [outcome.verdict]
+    _approx_intent(result, opts, first, asked, outcome)
+    if outcome.asked is not None:
+        result.metrics["guard_asked"] = [outcome.asked.to_dict()]
+    return result
+
+
+def _approx_intent(result: PassResult, opts: AttentionOptions, first: PassResult, asked: int, outcome) -> None:
+    """What `rewrite` asked (every matched site) against how many sites were approximated, and why not more."""
+    sites = first.metrics["rewritten"]
+    done = sum(c.kind == f"attention.{opts.rewrite}" for c in result.changes)
+    stopped_by, change = guard_stop(outcome.asked)
+    if asked < sites and not stopped_by:
+        stopped_by = f"{sites - asked} site(s) cannot take {opts.rewrite} (the report's notes say why)"
+        change = "nothing to change for those sites"
+    for c in result.changes:
+        if c.kind == "attention.sdpa" and c.module in {x.module for x in first.changes
+                                                        if x.kind == f"attention.{opts.rewrite}"}:
+            c.reason += f"; {opts.rewrite} backed off here by the guard (this site's own error is among the largest)"
+    result.intents = [Intent("passes.attention.rewrite", f"{opts.rewrite} at {sites} attention site(s)",
+                             f"{opts.rewrite} at {done} of {sites} (the rest exact SDPA)", done == sites,
+                             stopped_by, change)]
 
 
 # ============================================================================================ the rewrite
 
 def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *, mode: str | None = None,
-                      log=lambda m: None, tolerance: float = 0.05) -> PassResult:
-    """Rewrite every provable attention site of `program` in place (usable without a policy, e.g. in tests)."""
+                      log=lambda m: None, exact_sites: set = frozenset()) -> PassResult:
+    """Rewrite every provable attention site of `program` in place (usable without a policy, e.g. in tests): exact
+    SDPA, or the approximation `opts.rewrite` except at the sites (module paths) in `exact_sites`. Unjudged: the
+    pass's guard decides which approximations stay (`approximate`)."""
     opts = opts or AttentionOptions()
     mode = mode or program.mode
-    if opts.tolerance is not None:
-        tolerance = opts.tolerance
     _ensure_meta(program)
     changes, notes = [], []
     sites = find_attention(program)
@@ -128,10 +181,10 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
             metrics["not_rewritten"] += 1
             metrics["sites_detail"].append({"module": site.module, "rewritten": False, "reason": site.reason})
             continue
-        kind = opts.rewrite
+        kind = "sdpa" if site.module in exact_sites else opts.rewrite
         info = {}
         if kind != "sdpa":
-            new, info = _emit_approx(program, site, opts, kind, tolerance)
+            new, info = _emit_approx(program, site, opts, kind)
             if new is None:
                 notes.append(f"{site.module}: {kind} rejected ({info.get('why')}); exact SDPA instead")
                 kind = "sdpa"
@@ -154,7 +207,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
                    "enable_gqa": info.get("enable_gqa", False), "backend": backend,
                    "saved_bytes_before": saved_before, "saved_bytes_after": saved_after,
                    "notes": list(site.notes)}
-        for key in ("rel_error", "top_k", "rank", "rank_ratio", "band", "lowrank_dtype", "tolerance"):
+        for key in ("rel_error", "top_k", "rank", "rank_ratio", "band", "lowrank_dtype"):
             if key in info:
                 details[key] = info[key]
         changes.append(Change(kind=f"attention.{kind}", module=site.module, nodes_before=list(info["removed"]),
@@ -273,8 +326,9 @@ def _replace(g: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:
 
 # ============================================================================================ approximations
 
-def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, tolerance: float):
-    """Swap in HybridAttention / SemiseparableAttention if its error on the example inputs is within tolerance."""
+def _emit_approx(program: Program, site: AttentionSite, opts, kind: str):
+    """Swap in HybridAttention / SemiseparableAttention where the site allows it; its own relative error on the
+    example inputs (against exact attention) goes into the Change (it orders the guard's back-off)."""
     if site.masks and not site.causal and any(m.kind != "additive" for m in site.masks) \
             and any(m.kind == "additive" for m in site.masks):
         return None, {"why": "mixed bool and additive masks"}
@@ -330,10 +384,7 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str, toleran
         approx = mod(qv, kv, vv, mask_ex, xv) if getattr(mod, "q_proj", None) is not None else \
             mod(qv, kv, vv, mask_ex)
     rel = float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
-    params.update({"rel_error": rel, "tolerance": tolerance})
-    if not rel <= tolerance:
-        return None, {"why": f"relative error {rel:.3g} on the example inputs exceeds tolerance {tolerance:g}",
-                      **params}
+    params["rel_error"] = rel
     g = program.graph
     name = _free_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
     program.module.add_submodule(name, mod)

@@ -35,14 +35,19 @@ intent apart from capability). Four parts, each a small function over the graph:
    `params: bf16` stores the parameters in bf16 (use `fxmem.make_optimizer`, which keeps fp32 master weights and
    fp32 optimizer state for them); `params: fp32` (default) keeps fp32 master parameters (autocast semantics:
    gradients reach the fp32 parameters through the casts).
-3. Accuracy guard: each decision (a LOW/ACC site, a quantized linear) is re-run on the fp32 values of its inputs
-   from the calibration (or example) inputs; its max and relative error are recorded per site; a site over
-   `tolerance` is reverted to the higher precision and recorded as a Change saying why. The whole-model output
-   deviation and, in training, the loss after `loss_steps` optimizer steps are reported against fp32.
+3. Accuracy guard (`fxmem.lossguard`): each kind of change, the weights (`int8`, or `4bit` for nf4/fp4) and then
+   the compute plan (`compute`), is applied whole and judged end to end against the program before it, on the
+   calibration (or example) inputs: top-1 agreement for class-score outputs, relative output error, the loss or the
+   user's evaluate(). When the guard refuses, the sites whose own error is largest (each re-run on the fp32 values
+   of its inputs) go back to their precision first, 1, 2, 4, ... of them, until it accepts; each such site is a
+   Change saying why, and a shortfall is an Intent (what was asked, what was achieved, the setting to change).
+   `tolerance` is this pass's end-to-end relative-error limit (unset: the kind's default or
+   verify.lossy_tolerance); `guard: false` applies everything unjudged. The whole-model output deviation and, in
+   training, the loss after `loss_steps` optimizer steps are reported against the pass's input.
 4. fp16 needs loss scaling in training (gradients underflow): the pass adds a note; use
    `torch.amp.GradScaler` (tested here on CPU).
 
-The pass is lossy (`exact = False`): the PassManager also checks the whole-model output error vs the original.
+The pass is lossy (`exact = False`): the PassManager rolls it back when a verdict it returns refuses.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ import copy
 import fnmatch
 import math
 import operator
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -60,6 +66,8 @@ from torch.utils import _pytree as pytree
 from fxmem import ops as optable
 from fxmem.compare import deviation
 from fxmem.errors import PolicyError
+from fxmem.intent import Intent, guard_stop
+from fxmem.lossguard import exclusion_steps, first_accepted, guard_for, guard_items
 from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
 from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.optim import make_optimizer
@@ -103,6 +111,9 @@ ACC_FP16 = frozenset({"softmax", "_softmax", "layer_norm", "native_layer_norm", 
                       "rms_norm", "_fused_rms_norm"})
 
 CAST_OPS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+# guard items each site's own error is measured on (it only orders the back-off; every site's inputs and outputs are
+# held for each item, so few)
+SITE_ITEMS = 2
 
 
 @dataclass
@@ -129,8 +140,8 @@ class PrecisionOptions:
     skip_modules: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
     min_params: int = 4096
     qlora: QLoRAOptions | None = None
-    tolerance: float | None = None  # per-site relative error; None = policy.verify.lossy_tolerance
-    guard: bool = True
+    tolerance: float | None = None  # end-to-end relative output error; None = kind default / verify.lossy_tolerance
+    guard: bool = True  # false: every change applied as asked, unjudged
     loss_steps: int = 2  # training: loss after this many AdamW steps vs fp32 (0 = skip)
     report_estimate: bool = True  # cost-model estimate before/after in metrics (two static traces)
 
@@ -498,23 +509,36 @@ def own_path(gm: nn.Module, prefix: str) -> nn.Module:
 
     A Program snapshot shares its submodule containers with the Program it was taken from (torch's GraphModule
     copies only what the graph references and reuses existing containers), so a pass that sets an attribute on
-    a container would change the rollback copy too. Copy-on-write keeps the change in this GraphModule."""
+    a container would change the rollback copy too. Copy-on-write keeps the change in this GraphModule. The mark is
+    the owner's token (a string), not the owner: a container that refers to another GraphModule would make every
+    deepcopy of a result copy that module too (a candidate the guard discarded), inside its own copy."""
     mod = gm
     if not prefix:
         return mod
+    token = _owner_token(gm)
     for item in prefix.split("."):
         child = mod._modules[item]
-        if getattr(child, "_fxmem_owner", None) is not gm:
+        if getattr(child, "_fxmem_owner", None) != token:
             new = copy.copy(child)
             new._parameters = dict(child._parameters)
             new._buffers = dict(child._buffers)
             new._modules = dict(child._modules)
             new._non_persistent_buffers_set = set(child._non_persistent_buffers_set)
-            object.__setattr__(new, "_fxmem_owner", gm)
+            object.__setattr__(new, "_fxmem_owner", token)
             mod._modules[item] = new
             child = new
         mod = child
     return mod
+
+
+def _owner_token(gm: nn.Module) -> str:
+    """A token naming `gm` as the owner of the containers `own_path` copied for it (copied along with it by
+    deepcopy, which copies those containers too; a snapshot gets its own)."""
+    token = gm.__dict__.get("_fxmem_owner_token")
+    if token is None:
+        token = uuid.uuid4().hex
+        object.__setattr__(gm, "_fxmem_owner_token", token)
+    return token
 
 
 def _owner(gm: nn.Module, target: str):
@@ -798,25 +822,6 @@ def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict], x_node: fx
     return mx, (max(rels) if rels else 0.0)
 
 
-def guard_inputs(program: Program, ctx: PassContext, limit: int = 2) -> list[tuple[tuple, dict]]:
-    cal = ctx.calibration
-    out = []
-    if cal:
-        for item in list(cal)[:limit]:
-            if isinstance(item, dict):
-                out.append(((), item))
-            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict) \
-                    and isinstance(item[0], tuple):
-                out.append(item)
-            elif isinstance(item, (tuple, list)):
-                out.append((tuple(item), {}))
-            else:
-                out.append(((item,), {}))
-    if not out:
-        out.append((tuple(program.example_args), dict(program.example_kwargs)))
-    return out
-
-
 def output_deviation(ref_gm, gm, inputs) -> dict:
     mx, rel = 0.0, 0.0
     for args, kwargs in inputs:
@@ -871,6 +876,270 @@ def validate(opts: PrecisionOptions) -> None:
             raise PolicyError("passes.precision.qlora needs 4-bit base weights (weights: nf4 or fp4), got int8")
 
 
+@dataclass
+class StageLog:
+    """What the stages of one run of the pass record: Changes, notes, per-site rows, verdicts, intents."""
+    changes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    sites: list = field(default_factory=list)
+    verdicts: list = field(default_factory=list)  # the guard's verdicts on what was kept
+    asked: list = field(default_factory=list)  # its verdicts on what was asked (the first candidate of each stage)
+    intents: list = field(default_factory=list)
+
+    def record(self, outcome) -> None:
+        if outcome.verdict is not None:
+            self.verdicts.append(outcome.verdict)
+        if outcome.asked is not None:
+            self.asked.append(outcome.asked)
+
+
+def weight_kind(opts: PrecisionOptions) -> str | None:
+    """int8 / nf4 / fp4 when weights are quantized (QLoRA without `weights` means nf4), else None."""
+    kind = opts.weights if opts.weights not in ("none", "fp32") else None
+    return "nf4" if kind is None and opts.qlora is not None else kind
+
+
+def _guard(ctx: PassContext, program: Program, opts: PrecisionOptions, kind: str):
+    """The guard of one kind of change made by this pass (None with `guard: false`)."""
+    if not opts.guard:
+        return None
+    return guard_for(ctx, program, kind, section="passes.precision", tolerance=opts.tolerance)
+
+
+def _by_error(rows: dict) -> list[str]:
+    """Site names by their own relative error, largest first (the order the guard backs off in)."""
+    return sorted(rows, key=lambda name: -rows[name] if math.isfinite(rows[name]) else -math.inf)
+
+
+def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, kind: str, compute: torch.dtype,
+                  log: StageLog) -> Program:
+    """Swap the linears for bitsandbytes layers; the guard judges the whole model, backing off the linears whose own
+    output error is largest first. Returns the program kept (the given one when nothing was accepted)."""
+    sites, skipped = linear_sites(program.module, opts)
+    log.notes.extend(f"{sk['module']}: linear kept ({sk['why']})" for sk in skipped)
+    setting = "passes.precision.qlora" if opts.weights in ("none", "fp32") else "passes.precision.weights"
+    if not sites:
+        log.intents.append(Intent(setting, f"{kind} weights", "quantized none", False, _no_site_reason(skipped),
+                                  "lower passes.precision.min_params or narrow skip_modules"))
+        return program
+    guard_kind = "4bit" if kind in ("nf4", "fp4") else kind
+    guard = _guard(ctx, program, opts, guard_kind)
+    quant = {s.node.name: build_quant(program.module, s, opts, kind, compute) for s in sites}
+    errors = _weight_site_errors(program, sites, quant, guard)
+    log.sites.extend({"site": s.node.name, "module": s.path, "decision": kind, "rel": errors[s.node.name],
+                      "reverted": False} for s in sites)
+
+    def build(excluded):
+        cand = program.snapshot()
+        changes = swap_sites(cand, opts, kind, quant, set(excluded), compute, ctx.seed)
+        cand.refresh()
+        return cand, changes
+    outcome = first_accepted(guard, build, exclusion_steps(_by_error(errors)), guard_kind)
+    kept = outcome.program
+    if kept is None:  # nothing accepted: every linear keeps its weights (QLoRA targets get a dense-base adapter)
+        excluded = {s.node.name for s in sites}
+        kept, changes = build(excluded) if opts.qlora is not None else (program, [
+            Change("precision.reverted", s.path, [s.node.name], [s.node.name], "", 0, {"decision": kind})
+            for s in sites])
+    else:
+        changes, excluded = outcome.payload, set(outcome.state)
+    log.changes.extend(_explain_reverts(changes, outcome, errors))
+    log.record(outcome)
+    for row in log.sites:
+        row["reverted"] = row["site"] in excluded
+    stopped_by, change = guard_stop(outcome.asked)
+    done = len(sites) - len(excluded)
+    log.intents.append(Intent(setting, f"{kind} weights on {len(sites)} linear(s)",
+                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change))
+    return kept
+
+
+def _no_site_reason(skipped: list[dict]) -> str:
+    """Why no linear could take quantized weights, from the skip rules that kept them."""
+    if not skipped:
+        return "the model has no linear layer"
+    shown = ", ".join(f"{sk['module']}: {sk['why']}" for sk in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    return f"no linear qualifies ({shown})"
+
+
+def _weight_site_errors(program: Program, sites: list, quant: dict, guard) -> dict[str, float]:
+    """Each linear's own relative output error with its quantized layer, on the guard data (ordering only)."""
+    if guard is None:
+        return {s.node.name: float("nan") for s in sites}
+    keep = {n for s in sites for n in (s.node.name, s.x.name)}
+    values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
+    return {s.node.name: site_error_module(s.node, quant[s.node.name], values, s.x)[1] for s in sites}
+
+
+def swap_sites(cand: Program, opts: PrecisionOptions, kind: str, quant: dict, excluded: set,
+               compute: torch.dtype, seed: int) -> list[Change]:
+    """Swap every site of `cand` not in `excluded` for its quantized layer (LoRA-wrapped for QLoRA targets); an
+    excluded QLoRA target gets an adapter on its original weights. Returns the Changes."""
+    gm = cand.module
+    targets = opts.qlora.targets if opts.qlora is not None else []
+    changes = []
+    for s in linear_sites(gm, opts)[0]:
+        lora = opts.qlora is not None and _matches(s.path, targets) is not None
+        if s.node.name in excluded:
+            changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name], "", 0,
+                                  {"decision": kind}))
+            if lora:
+                changes.append(add_dense_lora(gm, s, opts, compute, seed))
+            continue
+        changes.append(_swap_one(gm, s, opts, kind, quant[s.node.name], lora, seed))
+    return changes
+
+
+def _swap_one(gm, s: LinearSite, opts: PrecisionOptions, kind: str, mod: nn.Module, lora: bool, seed: int) -> Change:
+    w = _get_attr(gm, s.weight)
+    b = _get_attr(gm, s.bias) if s.bias else None
+    dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+    if lora:
+        mod = lora_module(mod, opts.qlora, w.device, seed)
+    name_before = s.node.name
+    target = swap_linear(gm, s, mod)
+    qbytes = (mod.base if lora else mod).weight_bytes()
+    inner = f"{target}.{'base.' if lora else ''}"
+    return Change("precision.quantize" + ("+lora" if lora else ""), s.path, [name_before], [target],
+                  f"aten.linear -> bitsandbytes {kind} linear" + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
+                  + f"; weights frozen; state_dict: {s.weight} -> {inner}inner.weight (+ bitsandbytes state keys); "
+                    f"bias -> {inner}bias", dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes})
+
+
+def _explain_reverts(changes: list[Change], outcome, errors: dict) -> list[Change]:
+    """Fill in why each backed-off site kept its precision (the guard's verdict on the whole model) and each kept
+    site's own error."""
+    why = _back_off_why(outcome, "it")
+    for c in changes:
+        rel = errors.get(c.nodes_before[0] if c.nodes_before else "", float("nan"))
+        c.details["rel"] = rel
+        if c.kind == "precision.reverted":
+            what = c.details.get("decision", "")
+            c.reason = f"{what}: kept in its original precision: {why} (its own relative error {rel:.3g})"
+        elif c.kind.startswith("precision.quantize"):
+            c.reason += f" (site relative error {rel:.3g})"
+    return changes
+
+
+def _back_off_why(outcome, what: str) -> str:
+    """Why a site was backed off: the guard's verdict on what was asked, and whether it accepted anything."""
+    asked = outcome.asked
+    if asked is None or asked.accepted:
+        return "kept as it was"
+    refused = f"the guard refused {what} on the whole model ({asked.reason()} on {asked.data})"
+    if outcome.program is None:
+        return refused + " and at every back-off step"
+    return refused + "; this site's own error is among the largest, so it went back first"
+
+
+def compute_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, low: torch.dtype, log: StageLog,
+                  metrics: dict) -> Program:
+    """bf16 / fp16 compute (and bf16 parameters): the plan is applied whole and judged on the whole model; the sites
+    whose own error is largest run in fp32 first until the guard accepts. Sites that cannot run in the low dtype
+    always stay fp32. Returns the program kept."""
+    guard = _guard(ctx, program, opts, "compute")
+    errors, incapable = _compute_site_errors(program, opts, low, guard, ctx.seed, log)
+    recast = opts.recast_params and opts.params == "fp32" and ctx.mode == "train"
+
+    def build(excluded):
+        cand = program.snapshot()
+        changes = []
+        if opts.params == "bf16":
+            names = replace_params(cand.module, lambda p: nn.Parameter(p.detach().to(torch.bfloat16),
+                                                                        requires_grad=p.requires_grad))
+            changes.append(Change("precision.params", "", [], [], f"{len(names)} parameters stored in bf16; use "
+                                  "fxmem.make_optimizer for fp32 master weights and fp32 optimizer state", None,
+                                  {"params": names}))
+        decisions = plan(cand.module, opts, low, set(excluded) | incapable)
+        stats = apply_plan(cand.module, decisions, opts, low, recast=recast)
+        cand.refresh()
+        stats["casts_removed"] = simplify_casts(cand.module)
+        return cand, (decisions, stats, changes)
+    outcome = first_accepted(guard, build, exclusion_steps(_by_error(errors)), "compute")
+    log.record(outcome)
+    n = len(errors) + len(incapable)
+    excluded = set(outcome.state) if outcome.program is not None else set(errors)
+    for row in log.sites:
+        if row["decision"].startswith(("low:", "acc:")):
+            row["reverted"] = row["site"] in excluded | incapable
+    stopped_by, change = guard_stop(outcome.asked)
+    if incapable and not stopped_by:
+        stopped_by, change = f"{len(incapable)} op(s) without a {_SHORT[low]} kernel here", "nothing to change"
+    done = n - len(excluded) - len(incapable)
+    log.intents.append(Intent("passes.precision.compute", f"{opts.compute} compute at {n} site(s)",
+                              f"{opts.compute} at {done} of {n}", done == n, stopped_by, change))
+    _record_reverts(log, errors, incapable, excluded, _back_off_why(outcome, _SHORT[low]), low)
+    if outcome.program is None:
+        return program
+    decisions, stats, changes = outcome.payload
+    log.changes.extend(changes)
+    metrics.update(stats)
+    _record_compute(log, metrics, decisions, low)
+    return outcome.program
+
+
+def _compute_site_errors(program: Program, opts, low, guard, seed: int, log: StageLog) -> tuple[dict, set]:
+    """Each LOW/ACC site's own relative error in the low dtype (ordering; an overflow is an infinite error); the
+    sites whose op raises in it (no kernel for the dtype here)."""
+    decisions = {name: d for name, d in plan(program.module, opts, low).items() if d.cls in (LOW, ACC)}
+    errors, incapable = {}, set()
+    values = []
+    if guard is not None and decisions:
+        keep = set()
+        for d in decisions.values():
+            n = _node_by_name(program.module, d.node)
+            keep.add(n.name)
+            keep.update(a.name for a in _node_args(n))
+        values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
+    for d in decisions.values():
+        rel = float("nan")
+        if values:
+            try:
+                rel = site_error_compute(_node_by_name(program.module, d.node), values, low, seed)[1]
+            except Exception as e:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
+                incapable.add(d.node)
+                d.reason += f" (could not run in {_SHORT[low]}: {type(e).__name__})"
+        if d.node not in incapable:
+            errors[d.node] = rel
+        log.sites.append({"site": d.node, "module": d.module, "op": d.op, "decision": f"{d.cls}:{_SHORT[low]}",
+                          "rel": rel, "reverted": False})
+    return errors, incapable
+
+
+def _record_reverts(log: StageLog, errors: dict, incapable: set, excluded: set, why: str, low) -> None:
+    rows = {r["site"]: r for r in log.sites}
+    for name in sorted(incapable) + [n for n in _by_error(errors) if n in excluded]:
+        row = rows[name]
+        reason = f"it cannot run in {_SHORT[low]} here" if name in incapable else \
+            f"{why} (its own relative error {row['rel']:.3g})"
+        log.changes.append(Change("precision.reverted", row["module"], [name], [name], f"{row['op']} runs in fp32: "
+                                  f"{reason}", 0, {"rel": row["rel"], "decision": row["decision"]}))
+
+
+def _record_compute(log: StageLog, metrics: dict, decisions: dict, low) -> None:
+    """Per-module Changes of the applied plan and its counters."""
+    by_cls: dict[str, int] = {}
+    for d in decisions.values():
+        by_cls[d.cls] = by_cls.get(d.cls, 0) + 1
+    metrics["decisions"] = by_cls
+    metrics["fp32_islands"] = sorted(d.node for d in decisions.values() if d.cls == FP32)
+    groups: dict[str, list[Decision]] = {}
+    for d in decisions.values():
+        if d.cls in (LOW, ACC, FP32):
+            groups.setdefault(d.module, []).append(d)
+    for mod_path, ds in groups.items():
+        lowd = [d.node for d in ds if d.cls == LOW]
+        accd = [d.node for d in ds if d.cls == ACC]
+        f32 = [d.node for d in ds if d.cls == FP32]
+        reason = "; ".join(x for x in (
+            f"{len(lowd)} matmul-class op(s) in {_SHORT[low]}" if lowd else "",
+            f"{len(accd)} op(s) in {_SHORT[low]} with fp32 accumulation in the kernel" if accd else "",
+            "fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
+                                                   if d.cls == FP32})) if f32 else "") if x)
+        log.changes.append(Change("precision.compute", mod_path, [d.node for d in ds], [d.node for d in ds],
+                                  reason, None, {"low": lowd, "acc": accd, "fp32": f32}))
+
+
 @register
 class PrecisionPass(Pass):
     name = "precision"
@@ -880,187 +1149,98 @@ class PrecisionPass(Pass):
     def run(self, program: Program, ctx: PassContext) -> PassResult:
         opts: PrecisionOptions = ctx.options
         validate(opts)
-        gm = program.module
-        mode = ctx.mode
-        tol = opts.tolerance if opts.tolerance is not None else float(ctx.tolerance)
-        changes: list[Change] = []
-        notes: list[str] = []
-        sites_rec: list[dict] = []
-        metrics: dict = {"tolerance": tol, "compute": opts.compute, "islands": opts.islands,
-                         "params": opts.params, "weights": opts.weights}
         low = DTYPES[opts.compute]
-        kind = opts.weights if opts.weights not in ("none", "fp32") else None
-        if opts.qlora is not None and kind is None:
-            kind = "nf4"
-            notes.append("qlora: base weights quantized to nf4 (weights: none was given)")
+        kind = weight_kind(opts)
+        log = StageLog()
+        if opts.qlora is not None and opts.weights in ("none", "fp32"):
+            log.notes.append("qlora: base weights quantized to nf4 (weights: none was given)")
         want_compute = low != torch.float32
         if not want_compute and kind is None and opts.params == "fp32":
             return PassResult(program, False, notes=["compute fp32, no weight quantization: nothing to do"])
+        metrics: dict = {"compute": opts.compute, "islands": opts.islands, "params": opts.params,
+                         "weights": opts.weights}
         est_before = _safe_estimate(ctx, program) if opts.report_estimate else None
-        reference = program.snapshot()  # fp32 reference (shares parameters; never mutated)
-        inputs = guard_inputs(program, ctx)
-
-        # ---- which values the guard needs (fp32, on the calibration / example inputs)
-        lsites, skipped = linear_sites(gm, opts) if kind is not None else ([], [])
-        decisions = plan(gm, opts, low) if want_compute else {}
-        keep = set()
-        for s in lsites:
-            keep.update({s.node.name, s.x.name})
-        for d in decisions.values():
-            if d.cls in (LOW, ACC):
-                n = _node_by_name(gm, d.node)
-                keep.add(n.name)
-                keep.update(a.name for a in _node_args(n))
-        values = record_values(gm, inputs, keep) if (opts.guard and keep) else []
-
-        # ---- 1. weights: swap linears for bitsandbytes layers (guarded per site)
-        qlora_targets = opts.qlora.targets if opts.qlora is not None else []
-        for sk in skipped:
-            notes.append(f"{sk['module']}: linear kept ({sk['why']})")
-        swapped = 0
-        for s in lsites:
-            qcompute = low if want_compute else torch.float32
-            mod = build_quant(gm, s, opts, kind, qcompute)
-            w = _get_attr(gm, s.weight)
-            b = _get_attr(gm, s.bias) if s.bias else None
-            dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
-            mx, rel = site_error_module(s.node, mod, values, s.x) if values else (float("nan"), float("nan"))
-            rec = {"site": s.node.name, "module": s.path, "decision": kind, "max_abs": mx, "rel": rel,
-                   "reverted": False}
-            sites_rec.append(rec)
-            lora = opts.qlora is not None and _matches(s.path, qlora_targets) is not None
-            if values and not (rel <= tol):
-                rec["reverted"] = True
-                changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name],
-                                      f"{kind} weights: relative error {rel:.3g} of this linear's output exceeds "
-                                      f"the tolerance {tol:g}; kept in its original precision",
-                                      0, {"max_abs": mx, "rel": rel, "decision": kind}))
-                if lora:
-                    changes.append(add_dense_lora(gm, s, opts, qcompute, ctx.seed))
-                continue
-            if lora:
-                mod = lora_module(mod, opts.qlora, w.device, ctx.seed)
-            name_before = s.node.name
-            target = swap_linear(gm, s, mod)
-            swapped += 1
-            qbytes = (mod.base if lora else mod).weight_bytes()
-            changes.append(Change("precision.quantize" + ("+lora" if lora else ""), s.path, [name_before],
-                                  [target], f"aten.linear -> bitsandbytes {kind} linear"
-                                  + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
-                                  + f" (site rel. error {rel:.3g}); weights frozen; state_dict: {s.weight} -> "
-                                    f"{target}.{'base.' if lora else ''}inner.weight (+ bitsandbytes state keys); bias -> "
-                                    f"{target}.{'base.' if lora else ''}bias",
-                                  dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes,
-                                                   "max_abs": mx, "rel": rel}))
-        metrics["linears_quantized"] = swapped
-        if kind is not None and swapped and mode == "train" and opts.qlora is None:
-            notes.append("quantized linears are frozen (bitsandbytes int8/4-bit weights take no gradient); the "
-                         "rest of the model trains")
-
-        # ---- 2. compute precision: plan, guard per site, rewrite
-        if opts.params == "bf16":
-            names = replace_params(gm, lambda p: nn.Parameter(p.detach().to(torch.bfloat16),
-                                                              requires_grad=p.requires_grad))
-            changes.append(Change("precision.params", "", [], [], f"{len(names)} parameters stored in bf16; "
-                                  "use fxmem.make_optimizer for fp32 master weights and fp32 optimizer state",
-                                  None, {"params": names}))
+        reference = program
+        if kind is not None:
+            program = weights_stage(program, ctx, opts, kind, low if want_compute else torch.float32, log)
+        metrics["linears_quantized"] = sum(c.kind.startswith("precision.quantize") for c in log.changes)
+        if metrics["linears_quantized"] and ctx.mode == "train" and opts.qlora is None:
+            log.notes.append("quantized linears are frozen (bitsandbytes int8/4-bit weights take no gradient); "
+                             "the rest of the model trains")
         if want_compute:
-            decisions = plan(gm, opts, low)  # after the swaps
-            reverted = set()
-            for d in decisions.values():
-                if d.cls not in (LOW, ACC) or not values:
-                    continue
-                n = _node_by_name(gm, d.node)
-                try:
-                    mx, rel = site_error_compute(n, values, low, ctx.seed)
-                except Exception as e:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
-                    mx, rel = float("inf"), float("inf")
-                    d.reason += f" (could not run in {_SHORT[low]}: {type(e).__name__})"
-                rec = {"site": d.node, "module": d.module, "op": d.op, "decision": f"{d.cls}:{_SHORT[low]}",
-                       "max_abs": mx, "rel": rel, "reverted": False}
-                sites_rec.append(rec)
-                if not (rel <= tol):
-                    rec["reverted"] = True
-                    reverted.add(d.node)
-                    changes.append(Change("precision.reverted", d.module, [d.node], [d.node],
-                                          f"{d.op} in {_SHORT[low]}: relative error {rel:.3g} exceeds the "
-                                          f"tolerance {tol:g}; runs in fp32", 0,
-                                          {"max_abs": mx, "rel": rel, "decision": d.cls}))
-            if reverted:
-                decisions = plan(gm, opts, low, reverted)
-            stats = apply_plan(gm, decisions, opts, low,
-                               recast=opts.recast_params and opts.params == "fp32" and mode == "train")
-            program.refresh()
-            stats["casts_removed"] = simplify_casts(gm)
-            metrics.update(stats)
-            by_cls: dict[str, int] = {}
-            for d in decisions.values():
-                by_cls[d.cls] = by_cls.get(d.cls, 0) + 1
-            metrics["decisions"] = by_cls
-            metrics["fp32_islands"] = sorted(d.node for d in decisions.values() if d.cls == FP32)
-            groups: dict[str, list[Decision]] = {}
-            for d in decisions.values():
-                if d.cls in (LOW, ACC, FP32):
-                    groups.setdefault(d.module, []).append(d)
-            for mod_path, ds in groups.items():
-                lowd = [d.node for d in ds if d.cls == LOW]
-                accd = [d.node for d in ds if d.cls == ACC]
-                f32 = [d.node for d in ds if d.cls == FP32]
-                reason = "; ".join(x for x in (
-                    f"{len(lowd)} matmul-class op(s) in {_SHORT[low]}" if lowd else "",
-                    f"{len(accd)} op(s) in {_SHORT[low]} with fp32 accumulation in the kernel" if accd else "",
-                    "fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
-                                                           if d.cls == FP32})) if f32 else "") if x)
-                changes.append(Change("precision.compute", mod_path, [d.node for d in ds], [d.node for d in ds],
-                                      reason, None, {"low": lowd, "acc": accd, "fp32": f32}))
-            if opts.compute == "fp16" and mode == "train":
-                notes.append("fp16 training needs loss scaling: gradients below 6e-8 flush to zero in fp16; use "
-                             "torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(opt); "
-                             "scaler.update()) — tested with fxmem on CPU")
-            if opts.params == "bf16" and mode == "train":
-                notes.append("bf16 parameters: build the optimizer with fxmem.make_optimizer(module, policy), which "
-                             "keeps fp32 master weights and fp32 optimizer state (the cost model's estimate assumes "
-                             "optimizer state in the parameter dtype)")
-
-        # ---- QLoRA: only the adapters train
+            program = compute_stage(program, ctx, opts, low, log, metrics)
+            _training_notes(opts, ctx.mode, log)
         if opts.qlora is not None:
-            changes.append(freeze_for_lora(gm, changes, lsites, skipped, opts.qlora))
-            metrics["lora_params"] = changes[-1].details["lora_params"]
-            dense_sites = [c.module for c in changes if c.kind == "precision.lora"]
-            if dense_sites:
-                notes.append(f"qlora: {len(dense_sites)} targeted linear(s) whose {kind} weights the accuracy "
-                             f"guard reverted keep their original weights, frozen, under a LoRA adapter "
-                             f"(adapter training as asked, no 4-bit saving there): {', '.join(dense_sites)}")
+            _freeze_for_qlora(reference, program, opts, kind, log, metrics)
         program.refresh()
-
-        # ---- whole-model record
-        metrics["sites"] = sites_rec
-        metrics["sites_reverted"] = sum(1 for s in sites_rec if s["reverted"])
-        if opts.guard:
-            try:
-                metrics["output_deviation"] = output_deviation(reference.module, gm, inputs)
-            except Exception as e:  # noqa: BLE001
-                notes.append(f"output deviation not measured: {type(e).__name__}: {e}")
-            if mode == "train" and opts.loss_steps > 0:
-                try:
-                    args, kwargs = inputs[0]
-                    metrics["loss_fp32"] = losses_after_steps(reference.module, args, kwargs, ctx.loss_fn,
-                                                              opts.loss_steps, ctx.seed)
-                    metrics["loss_new"] = losses_after_steps(gm, args, kwargs, ctx.loss_fn, opts.loss_steps,
-                                                             ctx.seed)
-                except Exception as e:  # noqa: BLE001
-                    notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
-        est_after = _safe_estimate(ctx, program) if opts.report_estimate else None
-        if opts.report_estimate and (est_before is None or est_after is None):
-            notes.append("cost-model estimate before/after not available (the static estimate failed)")
-        if est_before is not None and est_after is not None:
-            metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
-                                   for k in ("params", "activations", "optimizer_state", "peak")}
-        # every decision reverted by the guard: nothing changed (the record says 'unchanged', listing the reverts)
-        modified = any(c.kind != "precision.reverted" for c in changes)
+        metrics["sites"] = log.sites
+        metrics["sites_reverted"] = sum(1 for s in log.sites if s["reverted"])
+        metrics["guard_asked"] = [v.to_dict() for v in log.asked]
+        _whole_model(reference, program, ctx, opts, metrics, log.notes)
+        _estimates(ctx, program, opts, est_before, metrics, log.notes)
+        modified = program is not reference
         if not modified:
-            notes.append("every site was reverted by the accuracy guard: the model is left as it was")
-        return PassResult(program, modified, changes=changes, notes=notes, metrics=metrics)
+            log.notes.append("the guard accepted no change: the model is left as it was")
+        return PassResult(program, modified, changes=log.changes, notes=log.notes, metrics=metrics,
+                          intents=log.intents, verdicts=log.verdicts)
+
+
+def _training_notes(opts: PrecisionOptions, mode: str, log: StageLog) -> None:
+    if opts.compute == "fp16" and mode == "train":
+        log.notes.append("fp16 training needs loss scaling: gradients below 6e-8 flush to zero in fp16; use "
+                         "torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update()) "
+                         "— tested with fxmem on CPU")
+    if opts.params == "bf16" and mode == "train":
+        log.notes.append("bf16 parameters: build the optimizer with fxmem.make_optimizer(module, policy), which keeps "
+                         "fp32 master weights and fp32 optimizer state (the cost model's estimate assumes optimizer "
+                         "state in the parameter dtype)")
+
+
+def _freeze_for_qlora(reference: Program, program: Program, opts: PrecisionOptions, kind: str, log: StageLog,
+                      metrics: dict) -> None:
+    """QLoRA: only the adapters train (a PolicyError naming the linears of `reference` when no adapter was added)."""
+    sites, skipped = linear_sites(reference.module, opts)
+    log.changes.append(freeze_for_lora(program.module, log.changes, sites, skipped, opts.qlora))
+    metrics["lora_params"] = log.changes[-1].details["lora_params"]
+    dense_sites = [c.module for c in log.changes if c.kind == "precision.lora"]
+    if dense_sites:
+        log.notes.append(f"qlora: {len(dense_sites)} targeted linear(s) whose {kind} weights the accuracy guard "
+                         f"reverted keep their original weights, frozen, under a LoRA adapter (adapter training as "
+                         f"asked, no 4-bit saving there): {', '.join(dense_sites)}")
+
+
+def _whole_model(reference: Program, program: Program, ctx: PassContext, opts: PrecisionOptions, metrics: dict,
+                 notes: list) -> None:
+    """The whole model against the pass's input: output deviation on the guard data, and in training the losses
+    after `loss_steps` optimizer steps (report figures)."""
+    if not opts.guard or program is reference:
+        return
+    inputs = guard_items(ctx, reference)[0]
+    try:
+        metrics["output_deviation"] = output_deviation(reference.module, program.module, inputs)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"output deviation not measured: {type(e).__name__}: {e}")
+    if ctx.mode == "train" and opts.loss_steps > 0:
+        try:
+            args, kwargs = inputs[0]
+            metrics["loss_fp32"] = losses_after_steps(reference.module, args, kwargs, ctx.loss_fn, opts.loss_steps,
+                                                      ctx.seed)
+            metrics["loss_new"] = losses_after_steps(program.module, args, kwargs, ctx.loss_fn, opts.loss_steps,
+                                                     ctx.seed)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
+
+
+def _estimates(ctx: PassContext, program: Program, opts: PrecisionOptions, est_before, metrics: dict,
+               notes: list) -> None:
+    if not opts.report_estimate:
+        return
+    est_after = _safe_estimate(ctx, program)
+    if est_before is None or est_after is None:
+        notes.append("cost-model estimate before/after not available (the static estimate failed)")
+        return
+    metrics["estimate"] = {k: {"before": getattr(est_before, k), "after": getattr(est_after, k)}
+                           for k in ("params", "activations", "optimizer_state", "peak")}
 
 
 def _node_by_name(gm, name):
@@ -1070,7 +1250,7 @@ def _node_by_name(gm, name):
     raise KeyError(name)
 
 
-def _safe_estimate(ctx, program):
+def _safe_estimate(ctx: PassContext, program):
     try:
         return ctx.estimate(program)
     except Exception:  # noqa: BLE001 - the estimate is a report figure here, not a decision input

@@ -20,18 +20,18 @@ What it does, in order:
 4. Mean compensation (`compensate`): a removed unit is replaced by its calibration mean, folded into the bias
    of linear consumers (b += W[:, pruned] @ mean[pruned]); conv consumers (zero padding makes the mean's
    contribution position-dependent) and consumers without a bias get no compensation.
-5. Accuracy guard: the relative output deviation on the held-out items (simulated by masking the consumers'
-   inputs, which is what slicing computes) must stay within `tolerance` (default: half of
-   `verify.lossy_tolerance`); over it, the group with the largest solo deviation backs off (its pruned count is
-   multiplied by `backoff`) until it fits. When the model file provides `evaluate(module)`, the task metric of
-   the sliced model is compared with the original's and all groups back off while the drop exceeds
-   `metric_tolerance` (`metric_mode`: `max` = higher is better, `min` = lower is better, `auto` reads
-   "lower is better" from evaluate's docstring).
+5. Accuracy guard (`fxmem.lossguard`, kind `pruning`): each candidate is sliced for real and judged end to end on
+   the held-out items against the unpruned program: top-1 agreement for class-score outputs, relative output
+   error (`tolerance`), the loss, or, when an evaluate function is given (`fxmem.transform(evaluate=,
+   evaluate_mode=)`, a model file's `evaluate()`), its drop (`metric_tolerance`). While it refuses, the group
+   whose pruning alone moves the held-out outputs most (simulated by masking its consumers' inputs, which is what
+   slicing computes) backs off (its count times `backoff`). What was asked against what was removed is the pass's
+   Intent; `guard: false` prunes as asked, unjudged.
 6. Slicing: new, smaller parameters and buffers under the same names (never modified in place), shape literals
    rewritten. Per group the report lists units, parameters and FLOPs removed; the metrics carry the per-layer
    coldness histograms (firing frequency) and the calibration summary.
 
-Lossy (`exact = False`): the PassManager also checks the whole-model deviation against verify.lossy_tolerance.
+Lossy (`exact = False`): the PassManager rolls it back when the verdict it returns refuses.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ from fxmem.calibrate import calibrate, normalize_item
 from fxmem.compare import deviation
 from fxmem.depgroups import Group, attr_of, find_groups, slice_group
 from fxmem.errors import PolicyError
+from fxmem.intent import Intent, guard_stop
+from fxmem.lossguard import first_accepted, guard_for
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path
 
@@ -67,9 +69,9 @@ class PruningOptions:
     score: Literal["fluctuation", "magnitude", "frequency"] = "fluctuation"
     eps: float = 0.1  # a unit fires when |a| > eps * (layer's mean |a|)
     compensate: bool = True  # fold removed units' means into linear consumers' biases
-    tolerance: float | None = None  # relative output deviation on held-out items; None = 0.5 * lossy_tolerance
-    metric_tolerance: float | None = 0.005  # allowed drop of evaluate(module) (None: not checked)
-    metric_mode: Literal["auto", "max", "min"] = "auto"
+    tolerance: float | None = None  # end-to-end relative output error; None = kind default / verify.lossy_tolerance
+    metric_tolerance: float | None = None  # allowed drop of evaluate(module); None = verify.metric_tolerance
+    guard: bool = True  # false: prune as asked, unjudged
     backoff: float = 0.5  # multiply a group's pruned count by this when over the tolerance
     max_backoff_steps: int = 32
 
@@ -194,13 +196,6 @@ def guard_deviation(program, items, refs, masks) -> float:
     return worst
 
 
-def _metric_mode(o: PruningOptions, evaluate) -> str:
-    if o.metric_mode != "auto":
-        return o.metric_mode
-    doc = (getattr(evaluate, "__doc__", "") or "").lower()
-    return "min" if ("lower is better" in doc or "loss" in doc.split(".")[0]) else "max"
-
-
 def _param_count(gm, targets) -> int:
     n = 0
     for t in dict.fromkeys(targets):
@@ -234,116 +229,43 @@ class PruningPass(Pass):
         o: PruningOptions = ctx.options
         validate(o)
         notes: list[str] = []
-        cal = ctx.calibration
-        if cal is None or len(list(cal)) == 0:
-            if o.require_calibration:
-                return PassResult(program, False, notes=[
-                    "pruning skipped: no calibration data (the model file has no calibration_data() and "
-                    "transform(..., calibration=) was not given) and passes.pruning.require_calibration is true"])
-            cal = [(tuple(program.example_args), dict(program.example_kwargs))]
-            notes.append("no calibration data: statistics and the guard use the example inputs "
-                         "(require_calibration: false)")
-        items = list(cal)[:o.max_batches]
+        items = _calibration_items(program, ctx, o, notes)
+        if items is None:
+            return PassResult(program, False, notes=notes)
         n_hold = 0 if len(items) < 2 else max(1, int(round(len(items) * o.holdout)))
         stat_items, hold_items = (items[:-n_hold], items[-n_hold:]) if n_hold else (items, items)
         if not n_hold:
             notes.append("only one calibration item: the guard measures on the same item the statistics came from")
-        gm = program.module
-        groups = find_groups(gm)
         stats = calibrate(program, stat_items, max_batches=None, eps=o.eps, progress=sys.stderr.isatty())
         metrics: dict = {"histograms": stats.histograms(), "calibration": stats.summary(),
                          "calibration_items": len(stat_items), "holdout_items": len(hold_items)}
-        group_rows = []
-        plan: dict[str, tuple[Group, torch.Tensor]] = {}
-        counts: dict[str, int] = {}
-        for g in groups:
-            row = {"group": g.name, "kind": g.kind, "units": g.size, "ok": g.ok, "reason": g.reason}
-            group_rows.append(row)
-            if not g.ok:
-                continue
-            pat = skipped_by(group_paths(gm, g), o.skip)
-            if pat is not None:
-                row.update(ok=False, reason=f"skipped by passes.pruning.skip pattern {pat!r}")
-                continue
-            order = torch.argsort(unit_scores(gm, g, stats, o.score), stable=True)
-            plan[g.name] = (g, order)
-            counts[g.name] = n_to_prune(g, o, stats)
-        metrics["groups"] = group_rows
+        plan, counts = _plan(program.module, o, stats, metrics)
         if not plan or not any(counts.values()):
-            notes.append("nothing to prune: " + ("no prunable dependency group" if not plan else
-                                                 "every group is at min_keep or has no unit under the threshold"))
-            return PassResult(program, False, notes=notes, metrics=metrics)
+            return PassResult(program, False, notes=notes, metrics=metrics, intents=[_nothing(o, plan, notes)])
+        hold = [normalize_item(it) for it in hold_items]
+        guard = guard_for(ctx, program, "pruning", section="passes.pruning", tolerance=o.tolerance,
+                          metric_tolerance=o.metric_tolerance, items=hold,
+                          data=f"{len(hold)} held-out calibration item(s)") if o.guard else None
 
-        def masks_for(cnt: dict) -> dict:
-            m = {}
-            for name, (g, order) in plan.items():
-                k = cnt.get(name, 0)
-                if k <= 0:
-                    continue
-                idx = order[:k].sort().values
-                for c in g.consumers:
-                    st = stats.by_node[c.probe]
-                    fill = st.mean[idx] if (o.compensate and compensable(g)) else torch.zeros(k, dtype=torch.float64)
-                    m[c.probe] = (st.channel_dim if st.channel_dim >= 0 else None, idx, fill)
-            # normalise negative channel dims lazily in the interpreter via shapes
-            out = {}
-            for probe, (d, idx, fill) in m.items():
-                out[probe] = (d if d is not None else -1, idx, fill)
-            return out
-
-        refs = [_run(program, it) for it in hold_items]
-        tol = float(o.tolerance) if o.tolerance is not None else 0.5 * float(ctx.tolerance)
-        backoff_log = []
-        dev = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for(counts)))
-        steps = 0
-        while dev > tol and steps < o.max_backoff_steps and any(counts.values()):
-            solo = {}
-            for name, k in counts.items():
-                if k > 0:
-                    solo[name] = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for({name: k})))
-            worst = max(solo, key=solo.get)
-            new_k = int(counts[worst] * o.backoff)
-            backoff_log.append({"group": worst, "from": counts[worst], "to": new_k, "deviation": dev,
-                                "solo_deviation": solo[worst]})
-            counts[worst] = new_k
-            dev = guard_deviation(program, hold_items, refs, _fix_dims(gm, masks_for(counts)))
-            steps += 1
-        metrics["guard_tolerance"] = tol
-        if dev > tol:
-            notes.append(f"guard: deviation {dev:.3g} still over the tolerance {tol:g} after {steps} back-off "
-                         f"step(s); nothing pruned")
-            metrics["backoff"] = backoff_log
-            return PassResult(program, False, notes=notes, metrics=metrics)
-
-        # ---- slice, then check the task metric (if the model file has evaluate())
-        evaluate = getattr(ctx.model_file, "evaluate", None) if ctx.model_file is not None else None
-        base = program.snapshot()
-        metric_before = None
-        if evaluate is not None and o.metric_tolerance is not None:
-            metric_before = float(evaluate(base.module))
-            mode = _metric_mode(o, evaluate)
-        while True:
-            cand = base.snapshot()
-            changes = self._slice(cand, plan, counts, stats, o)
+        def build(cnt):
+            cand = program.snapshot()
+            changes = self._slice(cand, plan, cnt, stats, o)
             cand.refresh()
-            if metric_before is None:
-                break
-            metric_after = float(evaluate(cand.module))
-            drop = (metric_before - metric_after) if mode == "max" else (metric_after - metric_before)
-            metrics["metric"] = {"before": metric_before, "after": metric_after, "drop": drop, "mode": mode,
-                                 "tolerance": o.metric_tolerance}
-            if drop <= o.metric_tolerance or not any(counts.values()):
-                break
-            backoff_log.append({"group": "*", "metric_drop": drop,
-                                "from": dict(counts), "to": {k: int(v * o.backoff) for k, v in counts.items()}})
-            counts = {k: int(v * o.backoff) for k, v in counts.items()}
+            return cand, changes
+        backoff_log: list = []
+        outcome = first_accepted(guard, build, _backoff(program, plan, counts, stats, o, hold, backoff_log),
+                                 "pruning")
         metrics["backoff"] = backoff_log
-        if not changes:
-            notes.append("nothing pruned after backing off")
-            return PassResult(program, False, notes=notes, metrics=metrics)
-        metrics["guard_deviation"] = guard_deviation(cand, hold_items, refs, None)
-        self._costs(program, cand, changes, metrics)
-        return PassResult(cand, True, changes=changes, notes=notes, metrics=metrics)
+        metrics["guard_asked"] = [outcome.asked.to_dict()] if outcome.asked is not None else []
+        if outcome.program is None:
+            notes.append(f"the guard accepted no pruning after {outcome.tries} candidate(s): nothing pruned")
+            return PassResult(program, False, notes=notes, metrics=metrics,
+                              intents=[_intent(o, plan, counts, outcome, None)])
+        _metric_record(outcome.verdict, metrics)
+        self._costs(program, outcome.program, outcome.payload, metrics)
+        return PassResult(outcome.program, True, changes=outcome.payload, notes=notes, metrics=metrics,
+                          intents=[_intent(o, plan, counts, outcome, metrics["params_removed_share"])],
+                          verdicts=[outcome.verdict])
 
     # --------------------------------------------------------------------------------------------
     def _slice(self, cand: Program, plan, counts, stats, o) -> list[Change]:
@@ -429,3 +351,127 @@ def _fix_dims(gm, masks: dict) -> dict:
             d = v.dim() + d
         out[probe] = (d, idx, fill)
     return out
+
+
+def _calibration_items(program: Program, ctx, o: PruningOptions, notes: list) -> list | None:
+    """The calibration items used (at most `max_batches`), or None when the pass must not run without them."""
+    cal = ctx.calibration
+    if cal is None or len(list(cal)) == 0:
+        if o.require_calibration:
+            notes.append("pruning skipped: no calibration data (the model file has no calibration_data() and "
+                         "transform(..., calibration=) was not given) and passes.pruning.require_calibration is true")
+            return None
+        cal = [(tuple(program.example_args), dict(program.example_kwargs))]
+        notes.append("no calibration data: statistics and the guard use the example inputs "
+                     "(require_calibration: false)")
+    return list(cal)[:o.max_batches]
+
+
+def _plan(gm: fx.GraphModule, o: PruningOptions, stats, metrics: dict) -> tuple[dict, dict]:
+    """Per prunable group: (group, units by ascending score) and how many units the policy asks to remove."""
+    group_rows = []
+    plan: dict[str, tuple[Group, torch.Tensor]] = {}
+    counts: dict[str, int] = {}
+    for g in find_groups(gm):
+        row = {"group": g.name, "kind": g.kind, "units": g.size, "ok": g.ok, "reason": g.reason}
+        group_rows.append(row)
+        if not g.ok:
+            continue
+        pat = skipped_by(group_paths(gm, g), o.skip)
+        if pat is not None:
+            row.update(ok=False, reason=f"skipped by passes.pruning.skip pattern {pat!r}")
+            continue
+        plan[g.name] = (g, torch.argsort(unit_scores(gm, g, stats, o.score), stable=True))
+        counts[g.name] = n_to_prune(g, o, stats)
+    metrics["groups"] = group_rows
+    return plan, counts
+
+
+def _masks(gm: fx.GraphModule, plan: dict, counts: dict, stats, o: PruningOptions) -> dict:
+    """The consumers' inputs to replace (by their calibration mean when compensated, else 0) to simulate `counts`."""
+    m = {}
+    for name, (g, order) in plan.items():
+        k = counts.get(name, 0)
+        if k <= 0:
+            continue
+        idx = order[:k].sort().values
+        for c in g.consumers:
+            st = stats.by_node[c.probe]
+            fill = st.mean[idx] if (o.compensate and compensable(g)) else torch.zeros(k, dtype=torch.float64)
+            m[c.probe] = (st.channel_dim if st.channel_dim >= 0 else -1, idx, fill)
+    return _fix_dims(gm, m)
+
+
+def _backoff(program: Program, plan: dict, counts: dict, stats, o: PruningOptions, items: list, log: list):
+    """The counts to try: as asked, then, while the guard refuses, the group whose pruning alone moves the outputs
+    most (on the guard's items) keeps `1 - backoff` more of its units, at most `max_backoff_steps` times."""
+    cnt, refs = dict(counts), None
+    for step in range(o.max_backoff_steps + 1):
+        if not any(cnt.values()):
+            return
+        yield dict(cnt)
+        if step == o.max_backoff_steps:
+            return
+        live = [name for name, k in cnt.items() if k > 0]
+        solo = {}
+        if len(live) > 1:
+            refs = refs if refs is not None else [_run(program, it) for it in items]
+            solo = {name: guard_deviation(program, items, refs, _masks(program.module, plan, {name: cnt[name]},
+                                                                        stats, o)) for name in live}
+        worst = max(solo, key=solo.get) if solo else live[0]
+        log.append({"group": worst, "from": cnt[worst], "to": int(cnt[worst] * o.backoff),
+                    "solo_deviation": solo.get(worst)})
+        cnt[worst] = int(cnt[worst] * o.backoff)
+
+
+def _setting(o: PruningOptions) -> str:
+    return "passes.pruning.threshold" if o.threshold is not None else "passes.pruning.fraction"
+
+
+def _asked(o: PruningOptions, plan: dict, counts: dict) -> str:
+    units = sum(g.size for g, _ in plan.values())
+    planned = sum(counts.values())
+    if o.threshold is not None:
+        return f"the units firing below {o.threshold:g} ({planned} of {units} hidden units)"
+    if not units:
+        return f"{o.fraction:.0%} of the hidden units"
+    wanted = sum(int(math.floor(o.fraction * g.size)) for g, _ in plan.values())
+    return f"{o.fraction:.0%} of {units} hidden units" + (f" ({planned} after min_keep)" if planned < wanted else "")
+
+
+def _nothing(o: PruningOptions, plan: dict, notes: list) -> Intent:
+    """The intent when there is nothing to prune: no prunable group (a shortfall), no unit under the threshold or a
+    fraction of no unit (done as asked), or every group held at `min_keep` (a shortfall)."""
+    if not plan:
+        why = "no prunable group (every hidden width is coupled to a residual, a concat, a head split or an output)"
+        change = "nothing in the policy (the report's group table says where each width is coupled)"
+    elif o.threshold is not None or not sum(int(math.floor(o.fraction * g.size)) for g, _ in plan.values()):
+        why = change = ""  # no unit under the threshold, or a fraction that rounds to no unit: done as asked
+    else:
+        why = f"min_keep ({o.min_keep:g} units per group)"
+        change = "lower passes.pruning.min_keep"
+    notes.append("nothing to prune: " + ("no prunable dependency group" if not plan else
+                                         "every group is at min_keep or has no unit under the threshold"))
+    return Intent(_setting(o), _asked(o, plan, {}), "removed nothing", not why, why, change)
+
+
+def _intent(o: PruningOptions, plan: dict, counts: dict, outcome, params_share: float | None) -> Intent:
+    units = sum(g.size for g, _ in plan.values())
+    removed = sum(outcome.state.values()) if outcome.program is not None else 0
+    achieved = f"removed {removed / max(units, 1):.1%} ({removed} units" + (
+        f", {params_share:.1%} of the parameters)" if params_share is not None else ")")
+    stopped_by, change = guard_stop(outcome.asked)
+    return Intent(_setting(o), _asked(o, plan, counts), achieved, removed >= sum(counts.values()), stopped_by, change)
+
+
+def _metric_record(verdict, metrics: dict) -> None:
+    """The guard's figures on what was kept, under the names the report shows."""
+    if verdict is None or not verdict.judged:
+        return
+    m = verdict.measures
+    metrics["guard_deviation"] = m.get("rel_error")
+    if "top1_agreement" in m:
+        metrics["top1_agreement"] = m["top1_agreement"]
+    if "metric_drop" in m:
+        metrics["metric"] = {"before": m["metric_before"], "after": m["metric_after"], "drop": m["metric_drop"],
+                             "tolerance": verdict.limits.get("metric_drop")}

@@ -1,6 +1,7 @@
 """Shared fixtures: example model files loaded once per session, deterministic torch settings."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -87,6 +88,50 @@ def example(name: str, **build_kwargs):
     model = mod.build_model(**build_kwargs)
     args, kwargs = split_inputs(mod.example_inputs())
     return model, args, kwargs, getattr(mod, "loss_fn", None)
+
+
+@functools.lru_cache(maxsize=None)
+def trained_digits_state(hidden: int) -> dict:
+    """The state of a digits MLP (`examples/mlp_digits.py`, width `hidden`) trained six epochs of Adam on
+    scikit-learn's digits, training split (images 0..1499); trained once per session and width."""
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.data[:1500], dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target[:1500])
+    model = example_module("mlp_digits").build_model(hidden=hidden)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        perm = torch.randperm(1500, generator=g)
+        for s in range(0, 1500, 128):
+            idx = perm[s:s + 128]
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def scale_output_pass(name: str, exact: bool) -> type:
+    """A test-only pass class `name` that multiplies the graph's first output by its option `scale` (default
+    1.01); `exact` is what it claims (it never is). Register it with `fxmem.pass_api.register`."""
+    from fxmem.pass_api import Change, Pass, PassResult
+
+    @dataclasses.dataclass
+    class ScaleOptions:
+        scale: float = 1.01
+
+    def run(self, program, ctx):
+        graph = program.graph
+        out = next(n for n in graph.nodes if n.op == "output")
+        many = isinstance(out.args[0], (list, tuple))
+        first = out.args[0][0] if many else out.args[0]
+        with graph.inserting_before(out):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (first, ctx.options.scale))
+        out.args = ((scaled, *out.args[0][1:]),) if many else (scaled,)
+        return PassResult(program, True, [Change("scale", "", [first.name], [scaled.name], "test")])
+    return type("ScaleOutputPass", (Pass,), {"name": name, "exact": exact, "extra": True, "Options": ScaleOptions,
+                                             "run": run, "__doc__": scale_output_pass.__doc__})
 
 
 def grads(module, args, kwargs, loss_fn):

@@ -68,7 +68,7 @@ def test_the_context_carries_what_passes_share_derived_from_the_policy(record_pa
     fxmem.transform(model, args, kwargs, policy=policy, loss_fn=loss_fn)
     (ctx,) = record_pass
     assert ctx.options == _SeenOptions("seen") and ctx.budget == 10**9 and not ctx.budget_strict
-    assert (ctx.tolerance, ctx.distribution, ctx.seed, ctx.rest_taken) == (0.2, "fsdp", 3, False)
+    assert (ctx.guard.lossy_tolerance, ctx.distribution, ctx.seed, ctx.rest_taken) == (0.2, "fsdp", 3, False)
     assert ctx.device == DeviceInfo("cpu") and ctx.baseline is not None and ctx.loss_fn is loss_fn
     assert ctx.policy is None and ctx.enabled == ()  # (a pass is handed no policy to read)
 
@@ -77,7 +77,7 @@ def test_a_hand_built_context_derives_the_same_facts():
     policy = fxmem.load_policy({"version": 1, "verify": {"lossy_tolerance": 0.3},
                                 "passes": {"offload": {"enabled": False, "distributed": "ddp"}}})
     ctx = PassContext(policy=policy, enabled=("checkpoint", "offload"))
-    assert (ctx.tolerance, ctx.distribution, ctx.rest_taken) == (0.3, "ddp", True)
+    assert (ctx.guard.lossy_tolerance, ctx.distribution, ctx.rest_taken) == (0.3, "ddp", True)
     assert registry.budget_rest_taken(("checkpoint", "offload"), after="checkpoint")
     assert not registry.budget_rest_taken(("checkpoint", "offload"), after="offload")
     assert not PassContext(enabled=("checkpoint",)).rest_taken

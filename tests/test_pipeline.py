@@ -15,7 +15,7 @@ from fxmem.cli import main
 from fxmem.pipeline import Change, PassResult
 from fxmem.policy import unregister_options
 
-from .conftest import ROOT, example
+from .conftest import ROOT, example, scale_output_pass
 
 
 @dataclasses.dataclass
@@ -23,21 +23,7 @@ class _NoOptions:
     scale: float = 1.01
 
 
-class _ScaleOutputPass:
-    """Test-only: multiplies the graph's first output by `scale`; claims to be exact (it is not)."""
-    name = "test_scale"
-    exact = True
-    test_only = True
-    Options = _NoOptions
-
-    def run(self, program, ctx):
-        g = program.graph
-        out = next(n for n in g.nodes if n.op == "output")
-        first = out.args[0][0] if isinstance(out.args[0], (list, tuple)) else out.args[0]
-        with g.inserting_before(out):
-            scaled = g.call_function(torch.ops.aten.mul.Tensor, (first, ctx.options.scale))
-        out.args = ((scaled,) + tuple(out.args[0][1:]),) if isinstance(out.args[0], (list, tuple)) else (scaled,)
-        return PassResult(program, True, [Change("scale", "", [first.name], [scaled.name], "test")])
+_ScaleOutputPass = scale_output_pass("test_scale", exact=True)  # claims to be exact: it is not
 
 
 class _CrashPass:

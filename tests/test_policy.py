@@ -136,7 +136,8 @@ def test_preset_contents():
     assert high.passes["pruning"].raw == {"fraction": 0.2, "require_calibration": True}
     assert high.passes["offload"].enabled and high.passes["checkpoint"].enabled
     assert not high.passes["gating"].enabled
-    assert high.verify.enabled and high.verify.lossy_tolerance == 0.05
+    # lossy limits left to each kind of change (fxmem.lossguard.KIND_LIMITS), as the preset's header says
+    assert high.verify.enabled and high.verify.lossy_tolerance is None and high.verify.top1_agreement is None
     assert inf.mode == "inference" and inf.optimizer == "none"
     assert inf.passes["precision"].raw["weights"] == "int8"
     assert inf.passes["pruning"].raw["fraction"] == 0.1
@@ -330,6 +331,19 @@ def test_section_and_mapping_types(tmp_path, fake):
     assert error(p) == f"{p}:3 verify.atol: expected a number >= 0, got -1.0"
     p = write(tmp_path, "p.yaml", "version: 1\nverify:\n  seed: 1.5\n")
     assert error(p) == f"{p}:3 verify.seed: expected an integer, got 1.5"
+
+
+def test_verify_guard_limits_are_checked(tmp_path):
+    """The guard of lossy changes reads verify.top1_agreement as a share, verify.outputs as one of three words."""
+    p = write(tmp_path, "p.yaml", "version: 1\nverify:\n  top1_agreement: 97\n")
+    assert error(p) == (f"{p}:3 verify.top1_agreement: expected a share in [0, 1] (0.97 = 97% of predictions "
+                        "unchanged), got 97.0")
+    p = write(tmp_path, "p.yaml", "version: 1\nverify:\n  outputs: logits\n")
+    assert error(p).startswith(f"{p}:3 verify.outputs: expected one of 'auto', 'scores', 'values', got 'logits'")
+    p = write(tmp_path, "p.yaml", "version: 1\nverify:\n  guard_items: 0\n")
+    assert error(p) == f"{p}:3 verify.guard_items: expected an integer >= 1, got 0"
+    pol = load_policy({"version": 1, "verify": {"top1_agreement": 0.9, "lossy_tolerance": None}})
+    assert pol.verify.top1_agreement == 0.9 and pol.verify.lossy_tolerance is None
 
 
 def test_typed_options_all_kinds(tmp_path, fake):
@@ -622,7 +636,7 @@ def test_to_dict_deterministic_and_round_trips(fake):
 def test_passsection_to_dict():
     s = PassSection(enabled=True, options=None, raw={"b": 1, "a": 2}, line=3)
     assert s.to_dict() == {"enabled": True, "b": 1, "a": 2}
-    assert VerifyOptions().lossy_tolerance == 0.05
+    assert VerifyOptions().lossy_tolerance is None and VerifyOptions().outputs == "auto"
 
 
 # ----------------------------------------------------------------------------------------- units

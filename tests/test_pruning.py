@@ -1,7 +1,6 @@
 """Structural pruning: dependency groups from the FX graph, physical slicing, the calibration guard."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ import fxmem
 from fxmem.compare import deviation
 from fxmem.depgroups import find_groups
 from fxmem.errors import PolicyError
+from fxmem.lossguard import Evaluator
 from fxmem.pipeline import PassContext, load_passes
-from tests.conftest import example, example_module
+from tests.conftest import example, example_module, trained_digits_state
 
 load_passes()
 from fxmem.passes.pruning import PruningOptions, PruningPass, _fix_dims, _Masked  # noqa: E402
@@ -56,29 +56,9 @@ class ConvBN(nn.Module):
         return self.c2(F.max_pool2d(F.relu(self.bn(self.c1(x))), 2))
 
 
-@functools.lru_cache(maxsize=None)
-def _trained_digits_state():
-    """One digits MLP (hidden 64) trained briefly on the training split (images 0..1499), once per session."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = torch.tensor(d.data[:1500], dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target[:1500])
-    model = example_module("mlp_digits").build_model(hidden=64)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(6):
-        perm = torch.randperm(1500, generator=g)
-        for s in range(0, 1500, 128):
-            idx = perm[s:s + 128]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    return model.state_dict()
-
-
 def trained_digits():
     model = example_module("mlp_digits").build_model(hidden=64)
-    model.load_state_dict(_trained_digits_state())
+    model.load_state_dict(trained_digits_state(64))
     return model
 
 
@@ -133,13 +113,13 @@ def test_group_gnn_layer_chain_and_rejections():
 
 
 # --------------------------------------------------------------------------------------------- the pass
-def _ctx(opts, calibration, model_file=None, mode="inference"):
+def _ctx(opts, calibration, evaluate=None, mode="inference"):
     return PassContext(policy=None, options=opts, mode=mode, optimizer="none", budget=None, baseline=None,
-                       enabled=("pruning",), calibration=calibration, model_file=model_file)
+                       enabled=("pruning",), calibration=calibration, evaluate=evaluate)
 
 
-def _run(p, opts, calibration, model_file=None):
-    r = PruningPass().run(p.snapshot(), _ctx(opts, calibration, model_file, p.mode))
+def _run(p, opts, calibration, evaluate=None):
+    r = PruningPass().run(p.snapshot(), _ctx(opts, calibration, evaluate, p.mode))
     if r.modified:
         r.program.refresh()  # lint + shapes at the example inputs
     return r
@@ -216,13 +196,15 @@ def test_threshold_skip_and_min_keep():
 
 
 def test_task_metric_guard_on_trained_digits():
-    """With evaluate() in the model file: the held-out accuracy drop stays within metric_tolerance."""
+    """With an evaluate function: the held-out accuracy drop stays within metric_tolerance, and it alone decides."""
     mod = example_module("mlp_digits")
     p = _cap(trained_digits(), mod.example_inputs())
-    r = _run(p, PruningOptions(fraction=0.3, metric_tolerance=0.005), mod.calibration_data(n_batches=8), mod)
+    r = _run(p, PruningOptions(fraction=0.3, metric_tolerance=0.005), mod.calibration_data(n_batches=8),
+             Evaluator(mod.evaluate, "max"))
     assert r.modified
     m = r.metrics["metric"]
-    assert m["mode"] == "max" and m["drop"] <= 0.005
+    assert m["drop"] <= 0.005 and m["tolerance"] == 0.005
+    assert list(r.verdicts[0].limits) == ["metric_drop"]
     assert abs(mod.evaluate(r.program.module) - m["after"]) < 1e-9
     assert r.metrics["params_removed_share"] >= 0.15
 
