@@ -20,12 +20,13 @@ import torch
 from torch import fx, nn
 
 from . import __version__, costmodel
-from .capture import capture
+from .capture import capture, first_meta_tensor
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
 from .intent import require_intents
 from .lossguard import make_evaluator
 from .measure import measure as measure_memory
+from .meta_models import capture_meta
 from .nn.lowbit import QuantLinear
 from .nn.offload import WeightStreamer
 from .pipeline import PassManager, load_passes
@@ -150,9 +151,12 @@ def _model_named(program: Program, model_file) -> str:
 
 
 def as_program(model_or_program, args=(), kwargs=None, mode: str | None = None) -> Program:
-    """A Program as it is, or a model captured at (args, kwargs) in `mode` (default train)."""
+    """A Program as it is, or a model captured at (args, kwargs) in `mode` (default train); a model built on the
+    meta device is captured for estimates (`fxmem.meta_models`)."""
     if isinstance(model_or_program, Program):
         return model_or_program
+    if isinstance(model_or_program, nn.Module) and first_meta_tensor(model_or_program, (), None):
+        return capture_meta(model_or_program, args, kwargs, mode or "train")
     return capture(model_or_program, args, kwargs, mode=mode or "train")
 
 

@@ -246,20 +246,30 @@ _DROPPED = ("torch.export (non-strict) inlines a custom Function's forward and d
             "hooks registered on tensors in forward")
 
 
-def _refuse_meta(model: nn.Module, args, kwargs) -> None:
-    """A model or input on the meta device has no values: capture's check runs the model and compares its outputs,
-    and the passes measure and verify real steps. Said up front, naming the first such tensor. (`check=False`
-    captures a meta model, for estimates of models larger than memory.)"""
+def first_meta_tensor(model: nn.Module, args, kwargs) -> str | None:
+    """The first parameter, buffer or example input on the meta device, described for a message; None if none."""
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in items:
             if t.device.type == "meta":
-                raise CaptureError(f"{kind} '{name}' is on the meta device (no values): fxmem runs the model; "
-                                   "materialize it first (model.to_empty(device=...) and initialise, or load weights); "
-                                   "fxmem.capture(..., check=False) captures it for estimates only")
+                return f"{kind} '{name}'"
     for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            raise CaptureError(f"example input {i} (flattened) is on the meta device (no values): give real example "
-                               "inputs")
+            return f"example input {i} (flattened)"
+    return None
+
+
+def _refuse_meta(model: nn.Module, args, kwargs) -> None:
+    """A model or input on the meta device has no values: capture's check runs the model and compares its outputs,
+    and the passes measure and verify real steps. Said up front, naming the first such tensor. (`check=False`
+    captures a meta model; `fxmem.estimate` and `fxmem.plan_batch` take one as it is.)"""
+    where = first_meta_tensor(model, args, kwargs)
+    if where is None:
+        return
+    if where.startswith("example input"):
+        raise CaptureError(f"{where} is on the meta device (no values): give real example inputs")
+    raise CaptureError(f"{where} is on the meta device (no values): fxmem runs the model; materialize it first "
+                       "(model.to_empty(device=...) and initialise, or load weights); fxmem.estimate and "
+                       "fxmem.plan_batch take it as it is (estimates only)")
 
 
 @dataclass

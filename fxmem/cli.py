@@ -165,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, adamw8bit, ...")
     e.add_argument("--method", choices=["static", "traced"], default="static")
     e.add_argument("--measure", action="store_true", help="also run real steps and show measured bytes")
+    e.add_argument("--meta", action="store_true", help="build the model on the meta device: sized without "
+                   "allocating its weights (a model larger than this machine), not run")
     e.add_argument("--budget", help="device budget like 16GiB: print the largest batch that fits")
     e.add_argument("--device", default="cpu", help="device the budget is for (cuda reserves context memory)")
     e.add_argument("--world-size", type=int, default=1)
@@ -213,6 +215,7 @@ def cmd_estimate(a) -> int:
 
     from . import costmodel
     from .capture import capture
+    from .meta_models import capture_meta
     from .modelfile import check_inputs, load_model_file
     from .step import OPTIMIZERS
     from .units import format_bytes, parse_size
@@ -228,9 +231,14 @@ def cmd_estimate(a) -> int:
         raise FxmemError(f"--optimizer: unknown optimizer {a.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     if a.world_size < 1:
         raise FxmemError(f"--world-size: must be 1 or more, got {a.world_size}")
-    mf = load_model_file(a.model)
-    check_inputs(mf, mode=a.mode)
-    program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
+    if a.meta and a.measure:
+        raise FxmemError("--measure: a model built with --meta has no weights to run; drop one of the two")
+    mf = load_model_file(a.model, on_meta=a.meta)
+    if a.meta:
+        program = capture_meta(mf.model, mf.args, mf.kwargs, a.mode)
+    else:
+        check_inputs(mf, mode=a.mode)
+        program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
     program.refresh()
     est = costmodel.estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
                              world_size=a.world_size, zero_stage=a.zero_stage)
@@ -245,7 +253,8 @@ def cmd_estimate(a) -> int:
         plan = costmodel.plan_batch(program, budget=budget, mode=a.mode, optimizer=a.optimizer,
                                     loss_fn=mf.loss_fn, device=a.device)
     if a.json:
-        out = {"model": str(a.model), "estimate": est.to_dict(), "specialized": [str(s) for s in program.specialized]}
+        out = {"model": str(a.model), "estimate": est.to_dict(), "specialized": [str(s) for s in program.specialized],
+               "meta": a.meta}
         if measured is not None:
             out["measured"] = measured.to_dict()
         if plan is not None:
@@ -266,6 +275,8 @@ def cmd_estimate(a) -> int:
             ratio = f"{getattr(est, r) / m:.3f}" if m else "-"
             line += f"{format_bytes(m):>16s}{ratio:>8s}"
         print(line)
+    if a.meta:
+        print(program.notes[-1])
     print(f"peak at: {est.peak_at} ({est.peak_phase}{', ' + est.peak_module if est.peak_module else ''})")
     if measured is not None:
         print(f"measured peak at: {measured.peak_at} ({measured.peak_phase})")

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 import torch._functorch.config as functorch_config
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 
@@ -42,3 +44,47 @@ def with_data_dependent_fallback(fn: Callable, on_retry: Callable | None = None)
 def propagating_real_values() -> bool:
     """Whether fakes now carry real values (inside `with_data_dependent_fallback`'s second run)."""
     return bool(functorch_config.fake_tensor_propagate_real_tensors)
+
+
+def module_tensors(module: nn.Module) -> list:
+    """Parameters, buffers and plain tensor attributes (graph constants) of every module under `module`."""
+    out = list(module.parameters()) + list(module.buffers())
+    for sub in module.modules():
+        out.extend(v for v in vars(sub).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter))
+    return out
+
+
+def sizing_device(tensors) -> torch.device:
+    """The device a model built on the meta device is sized for: that of its first input not on meta, else the
+    CPU."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def meta_as_device(fake_mode, tensors, device: torch.device) -> list:
+    """Meta tensors among `tensors` (a model built on the meta device, to be sized) become `fake_mode`'s fakes on
+    `device`: the step then runs that device's kernels (their layouts, SDPA's backend), as a real model there would,
+    not the meta device's. Returns the fakes: the mode's memo holds them weakly, so the caller keeps them alive."""
+    converter = fake_mode.fake_tensor_converter
+    return [converter.from_meta_and_device(fake_mode, tensor, device) for tensor in tensors
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and tensor.device.type == "meta"]
+
+
+def meta_module_as_device(fake_mode, module, device: torch.device) -> None:
+    """Parameters, buffers and tensor attributes of `module` (a fake copy, `FakeCopyMode`) still on the meta device
+    become fakes on `device`; one replacement per tensor, so tied weights stay tied."""
+    made: dict[int, torch.Tensor] = {}
+
+    def on_device(tensor):
+        if id(tensor) not in made:
+            with fake_mode:
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            made[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+        return made[id(tensor)]
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers, vars(sub)):
+            for name, tensor in list(store.items()):
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                    store[name] = on_device(tensor)

@@ -6,6 +6,8 @@ is better, the default) or `"min"` (lower is better). A model file is user code 
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import inspect
 import sys
@@ -166,7 +168,9 @@ def split_inputs(inputs: Any, path: Path | str = "model file") -> tuple[tuple, d
                          f"arguments or a tensor, got {type(inputs).__name__}")
 
 
-def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
+def load_model_file(path: str | Path, *, on_meta: bool = False, **build_kwargs) -> ModelFile:
+    """The model file at `path`, its model built (`on_meta`: on the meta device, no weights allocated; its example
+    inputs are made as usual)."""
     p = Path(path)
     if not p.exists():
         raise ModelFileError(f"{p}: no such file")
@@ -186,7 +190,8 @@ def load_model_file(path: str | Path, **build_kwargs) -> ModelFile:
     for fn in ("build_model", "example_inputs"):
         if not callable(getattr(mod, fn, None)):
             raise ModelFileError(f"{p}: the model file must define {fn}() (see examples/ for the protocol)")
-    model = call_user(p, "build_model()", mod.build_model, **build_kwargs)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = call_user(p, "build_model()", mod.build_model, **build_kwargs)
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{p}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
     inputs = call_user(p, "example_inputs()", mod.example_inputs)

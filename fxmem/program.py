@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from .fake import with_data_dependent_fallback
+from .fake import meta_as_device, module_tensors, sizing_device, with_data_dependent_fallback
 from .kernel_layouts import CpuKernelLayouts
 from .nn.remat import op_call
 
@@ -169,6 +169,7 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
     Parameters keep their requires_grad, so meta says which values need grad (train mode). No real memory.
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    on_device = meta_as_device(fake_mode, module_tensors(gm) + list(flat_inputs), sizing_device(flat_inputs))
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
 
@@ -186,6 +187,7 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
             _Prop(gm).run(*fake_inputs, enable_io_processing=False)
     finally:
         gm.train(was_training)
+    del on_device  # (a model built on the meta device: its fakes on the inputs' device, held through the run)
 
 
 def copy_buffer_persistence(source: torch.nn.Module, target: torch.nn.Module) -> None:

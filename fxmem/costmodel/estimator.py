@@ -5,6 +5,7 @@ import hashlib
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..fake import with_data_dependent_fallback
 from ..program import Program
@@ -56,7 +57,7 @@ def estimate(program: Program, args=(), kwargs=None, *, mode: str | None = None,
         return traced_estimate(program, args, kwargs, mode, optimizer, loss_fn)
     est = with_data_dependent_fallback(run, on_retry=lambda retried: retried.notes.append(DATA_DEPENDENT_NOTE))
     est.device = str(device or device_of(program.module))
-    if args is program.example_args and kwargs == program.example_kwargs:
+    if _same_objects((args, kwargs), (program.example_args, program.example_kwargs)):
         est.program_key = program_key(program)
     apply_sharding(est, world_size, zero_stage)
     return est
@@ -74,6 +75,13 @@ def estimate_from_trace(program: Program, traced: ForwardTrace, *, mode: str, op
     est.device = str(device_of(program.module))
     est.program_key = program_key(program)
     return est
+
+
+def _same_objects(tree, other) -> bool:
+    """Whether two input trees hold the very same objects (tensors compared by identity, not by value)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    other_leaves, other_spec = pytree.tree_flatten(other)
+    return spec == other_spec and all(a is b for a, b in zip(leaves, other_leaves))
 
 
 def device_of(module) -> torch.device:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 try:  # torch >= 2.13
     from torch.fx.experimental.symbolic_shapes import optimization_hint as _example_size
 except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int, deprecated by 2.11)
@@ -124,6 +125,13 @@ def _is_view(func) -> bool:
     return any(ret.alias_info is not None for ret in func._schema.returns)
 
 
+def _sizing_device(args, kwargs) -> str:
+    """The device a call's fresh tensors are made on: its tensors', where a model built on the meta device shows
+    its parameters as meta tensors (`fxmem.meta_models`) beside inputs on the device it is sized for."""
+    metas = [arg for arg in pytree.tree_leaves((args, [value for _, value in kwargs])) if isinstance(arg, TensorMeta)]
+    return next((meta.device for meta in metas if meta.device != "meta"), "cpu")
+
+
 class _FreshCall:
     """A recorded call made again on fresh fake tensors: its arguments, and the leaves needing grad with the
     position of the argument each one is (None: inside a list, or by keyword)."""
@@ -131,12 +139,14 @@ class _FreshCall:
     def __init__(self, args, kwargs):
         self.leaves: list = []
         self.positions: list = []
+        self.device = _sizing_device(args, kwargs)
         self.args = [self.make(arg, position) for position, arg in enumerate(args)]
         self.kwargs = {key: self.make(value, None) for key, value in kwargs}
 
     def make(self, arg, position):
         if isinstance(arg, TensorMeta):
-            tensor = torch.empty_strided(arg.shape, arg.stride, dtype=arg.dtype, device=arg.device)
+            device = self.device if arg.device == "meta" else arg.device
+            tensor = torch.empty_strided(arg.shape, arg.stride, dtype=arg.dtype, device=device)
             if arg.requires_grad:
                 tensor.requires_grad_(True)
                 self.leaves.append(tensor)

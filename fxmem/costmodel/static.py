@@ -55,7 +55,9 @@ def static_estimate(program: Program, traced: ForwardTrace, mode: str, optimizer
         est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
         # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
         est.grads = sum(p.numel() * p.element_size() for p in trainable)
-        step_peak = live_bytes + optimizer_step_workspace(optimizer, trainable)
+        # the workspace counts every gradient; those the walk still holds (its parameters known by storage) are
+        # in live_bytes already
+        step_peak = live_bytes + optimizer_step_workspace(optimizer, trainable) - backward.param_grad_bytes()
         peak.see(step_peak, "optimizer.step", "optimizer", "")
         timeline.append(TimelinePoint("optimizer", "optimizer.step", live_bytes, step_peak))
     est.peak = peak.bytes
@@ -249,6 +251,10 @@ class StaticBackward:
             if key not in self.param_keys:
                 self.live_bytes -= self.grad_live.pop(key)
         self.live_bytes -= self.seed[1]
+
+    def param_grad_bytes(self) -> int:
+        """Bytes of the parameters' gradients the walk holds at its end."""
+        return sum(nbytes for key, nbytes in self.grad_live.items() if key in self.param_keys)
 
     def _bump(self, label: str, module: str) -> None:
         self.node_high = max(self.node_high, self.live_bytes)

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops as optable
-from ..fake import propagating_real_values, with_data_dependent_fallback
+from ..fake import meta_as_device, module_tensors, propagating_real_values, sizing_device, \
+    with_data_dependent_fallback
 from ..kernel_layouts import CpuKernelLayouts
 from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
     installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
@@ -402,19 +403,12 @@ class _SharedFakes:
 _SHARED_FAKES = _SharedFakes()
 
 
-def _module_tensors(module: nn.Module) -> list:
-    """Parameters, buffers and plain tensor attributes (graph constants) of every module under `module`."""
-    out = list(module.parameters()) + list(module.buffers())
-    for sub in module.modules():
-        out.extend(v for v in vars(sub).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter))
-    return out
-
-
 def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    reals = list({id(t): t for t in _module_tensors(program.module) + [x for x in flat if isinstance(x, torch.Tensor)]
+    reals = list({id(t): t for t in module_tensors(program.module) + [x for x in flat if isinstance(x, torch.Tensor)]
                   if not isinstance(t, FakeTensor)}.values())
     fake_mode = _SHARED_FAKES.mode_for(reals)
+    on_device = meta_as_device(fake_mode, reals, sizing_device(flat))
     try:
         with buffers_kept(program.module):  # in-place ops on real buffers alone run for real under the fake mode
             out = _trace_forward_in(fake_mode, program, flat, (args, kwargs), mode, loss_fn)
@@ -422,6 +416,7 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> F
         _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
         raise
     _SHARED_FAKES.keep(fake_mode, reals)
+    del on_device  # (held until the trace's fakes are kept)
     return out
 
 

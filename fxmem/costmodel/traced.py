@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from ..fake import meta_as_device, meta_module_as_device, sizing_device
 from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker, backward_label, optimizer_state_tensors
 from ..nn.recast import scope_for as recast_scope
@@ -33,9 +34,12 @@ class _LabellingInterpreter(fx.Interpreter):
 def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, loss_fn) -> MemoryEstimate:
     """The step of `program` at inputs (args, kwargs) in `mode`, run on fakes and tracked storage by storage."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    device = sizing_device(flat)
+    on_device = meta_as_device(fake_mode, flat, device)  # noqa: F841 - (the memo holds them weakly)
     with FakeCopyMode(fake_mode):
         fake_module = deep_copy(program.module)
-    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    meta_module_as_device(fake_mode, fake_module, device)
     with fake_mode:
         fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, spec)
