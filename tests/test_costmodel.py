@@ -13,7 +13,7 @@ import fxmem
 from fxmem import ops as optable
 from fxmem.costmodel import node_costs, optimizer_state_bytes
 
-from .conftest import EXAMPLE_NAMES, example
+from .conftest import EXAMPLE_NAMES, ROOT, example
 
 _programs = {}
 
@@ -151,6 +151,20 @@ def test_plan_batch_picks_the_largest_batch_that_fits():
         plan = fxmem.plan_batch(program, budget=budget, loss_fn=loss_fn)
         bigger = (x.index_select(0, torch.arange(plan["batch"] + 1) % x.shape[0]),)
         assert plan["peak"] <= plan["usable"] < fxmem.estimate(program, bigger, loss_fn=loss_fn).peak, plan
+
+
+def test_plan_batch_of_inputs_that_cannot_be_scaled_is_one_line_naming_the_dim(capsys):
+    """A graph's node features scaled to n rows beside its unscaled edge_index index past them: an InputShapeError
+    (exit 2 from the CLI) naming the batch dim and what scaling assumes, not torch's raw index error."""
+    from fxmem.cli import main
+    from fxmem.errors import InputShapeError
+    program, loss_fn = _program("gcn", "train")
+    with pytest.raises(InputShapeError, match=r"plan_batch: the model rejects its inputs scaled to batch 1 along "
+                                              r"dim 0 .*RuntimeError: index .* out of bounds.*edge_index"):
+        fxmem.plan_batch(program, budget=2 ** 30, loss_fn=loss_fn)
+    assert main(["estimate", str(ROOT / "examples" / "gcn.py"), "--budget", "1GiB"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "plan_batch: the model rejects its inputs" in err[0], err
 
 
 def test_every_example_op_is_known():

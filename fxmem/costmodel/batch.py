@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import InputShapeError
 from ..program import Program
 from ..userstate import keeps_model_state
 from .estimator import estimate
@@ -47,8 +48,17 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
             else:
                 scaled.append(tensor)
         scaled_args, scaled_kwargs = pytree.tree_unflatten(scaled, spec)
-        return estimate(program, scaled_args, scaled_kwargs, mode=mode, optimizer=optimizer, method=method,
-                        loss_fn=loss_fn).peak
+        try:
+            return estimate(program, scaled_args, scaled_kwargs, mode=mode, optimizer=optimizer, method=method,
+                            loss_fn=loss_fn).peak
+        except (RuntimeError, IndexError) as e:
+            if batch == example_batch or not _runs_at(program, args, kwargs, mode, loss_fn):
+                raise  # not the scaling: the example inputs fail too
+            raise InputShapeError(
+                f"plan_batch: the model rejects its inputs scaled to batch {batch} along dim {batch_dim} (the inputs "
+                f"of size {example_batch} there, rows repeated): {type(e).__name__}: {str(e).splitlines()[0]}; "
+                "inputs whose rows are not independent samples (a graph's node features beside its edge_index) "
+                "cannot be scaled so: estimate at the sizes you plan instead") from e
 
     peak_one = peak_at(1)
     if peak_one > usable:
@@ -57,6 +67,15 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
     guess = max(1, min(max_batch, 1 + (usable - peak_one) // per_sample))  # linear in the batch from the first two
     batch = largest_fitting(lambda n: peak_at(n) <= usable, guess, max_batch)
     return {"batch": batch, "peak": peak_at(batch), "usable": usable, "per_sample": per_sample}
+
+
+def _runs_at(program: Program, args, kwargs, mode, loss_fn) -> bool:
+    """Whether the cost model runs the program at these (the example) inputs."""
+    try:
+        estimate(program, args, kwargs, mode=mode, loss_fn=loss_fn)
+    except (RuntimeError, IndexError):
+        return False
+    return True
 
 
 def largest_fitting(fits: Callable[[int], bool], guess: int, limit: int) -> int:
