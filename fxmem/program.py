@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from .fake import meta_as_device, module_tensors, sizing_device, with_data_dependent_fallback
+from .fake import (meta_as_device, module_tensors, sizing_device, static_sizes_if_needed,
+                   with_data_dependent_fallback)
 from .kernel_layouts import CpuKernelLayouts
 from .nn.remat import op_call
 
@@ -78,7 +79,8 @@ class Program:
             g.eliminate_dead_code(is_impure_node=is_impure)
         g.lint()
         self.module.recompile()
-        with_data_dependent_fallback(lambda: propagate_meta(self.module, self.flat_inputs(), self.mode))
+        with_data_dependent_fallback(lambda: static_sizes_if_needed(
+            lambda static: propagate_meta(self.module, self.flat_inputs(), self.mode, static)))
 
     def snapshot(self) -> "Program":
         """A copy for rollback: a new graph and GraphModule; submodules and parameters are shared."""
@@ -163,7 +165,7 @@ def _clean_path(path: str) -> str:
     return p.strip(".")
 
 
-def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
+def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str, static_inputs: bool = False) -> None:
     """Run the graph under FakeTensorMode at the example inputs; store concrete outputs in meta["fxmem_val"].
 
     Parameters keep their requires_grad, so meta says which values need grad (train mode). No real memory.
@@ -171,7 +173,8 @@ def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str) -> None:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     on_device = meta_as_device(fake_mode, module_tensors(gm) + list(flat_inputs), sizing_device(flat_inputs))
     with fake_mode:
-        fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+        fake_inputs = [fake_mode.from_tensor(x, static_shapes=static_inputs) if isinstance(x, torch.Tensor) else x
+                       for x in flat_inputs]
 
     class _Prop(fx.Interpreter):
         def run_node(self, n):

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..fake import with_data_dependent_fallback
+from ..fake import static_sizes_if_needed, with_data_dependent_fallback
 from ..program import Program
 from ..step import OPTIMIZERS
 from ..userstate import keeps_model_state
@@ -54,7 +54,8 @@ def estimate(program: Program, args=(), kwargs=None, *, mode: str | None = None,
     def run() -> MemoryEstimate:
         if method == "static":
             return static_estimate(program, trace_forward(program, args, kwargs, mode, loss_fn), mode, optimizer)
-        return traced_estimate(program, args, kwargs, mode, optimizer, loss_fn)
+        return static_sizes_if_needed(
+            lambda static: traced_estimate(program, args, kwargs, mode, optimizer, loss_fn, static))
     est = with_data_dependent_fallback(run, on_retry=lambda retried: retried.notes.append(DATA_DEPENDENT_NOTE))
     est.device = str(device or device_of(program.module))
     if _same_objects((args, kwargs), (program.example_args, program.example_kwargs)):

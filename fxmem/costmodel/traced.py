@@ -31,8 +31,10 @@ class _LabellingInterpreter(fx.Interpreter):
         return out
 
 
-def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, loss_fn) -> MemoryEstimate:
-    """The step of `program` at inputs (args, kwargs) in `mode`, run on fakes and tracked storage by storage."""
+def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, loss_fn,
+                    static_inputs: bool = False) -> MemoryEstimate:
+    """The step of `program` at inputs (args, kwargs) in `mode`, run on fakes and tracked storage by storage
+    (`static_inputs`: the inputs' sizes concrete, not symbolic)."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     device = sizing_device(flat)
@@ -41,7 +43,8 @@ def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, l
         fake_module = deep_copy(program.module)
     meta_module_as_device(fake_mode, fake_module, device)
     with fake_mode:
-        fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        fake_flat = [fake_mode.from_tensor(x, static_shapes=static_inputs) if isinstance(x, torch.Tensor) else x
+                     for x in flat]
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, spec)
     fake_module.train(mode == "train")
     interpreter = _LabellingInterpreter(fake_module)
