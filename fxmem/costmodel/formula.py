@@ -132,7 +132,7 @@ def _sizing_device(args, kwargs) -> str:
     return next((meta.device for meta in metas if meta.device != "meta"), "cpu")
 
 
-class _FreshCall:
+class FreshCall:
     """A recorded call made again on fresh fake tensors: its arguments, and the leaves needing grad with the
     position of the argument each one is (None: inside a list, or by keyword)."""
 
@@ -162,7 +162,7 @@ def _measure_formula(func, args, kwargs, grad_mask: tuple, grad_strides: tuple |
     try:
         with FakeTensorMode(), CpuKernelLayouts(), torch.enable_grad(), tracker:  # (forward storages tracked: views
             # of them are not new)
-            fresh_call = _FreshCall(args, kwargs)
+            fresh_call = FreshCall(args, kwargs)
             out = func(*fresh_call.args, **fresh_call.kwargs)
             outs = out if isinstance(out, (tuple, list)) else (out,)
             strides = grad_strides or (None,) * len(outs)

@@ -77,6 +77,10 @@ def _step_counts(program: Program, traced: ForwardTrace, mode: str, optimizer: s
     trainable = [p for p in traced.params if p.requires_grad] if mode == "train" else []
     est.optimizer_state = optimizer_state_bytes(optimizer, trainable) if mode == "train" else 0
     est.unknown_ops = sorted({str(r.func) for r in records if not r.known and not optable.ignored(r.func)})
+    measured = sorted({str(r.func) for r in records if r.saves_measured})
+    if measured:
+        est.notes.append(f"not in fxmem's op table, what these save for backward was measured on fake tensors: "
+                         f"{', '.join(measured)}")
     est.flops_forward = sum(record.flops for record in records)
     est.flops_backward = 2 * sum(record.flops for record in records if record.out_rg)
     # recompute regions run their forward again in backward (selective regions skip the ops they keep)

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops as optable
-from ..fake import meta_as_device, module_tensors, propagating_real_values, sizing_device, \
-    with_data_dependent_fallback
+from ..fake import (meta_as_device, module_tensors, propagating_real_values, sizing_device, static_sizes_if_needed,
+                    with_data_dependent_fallback)
 from ..kernel_layouts import CpuKernelLayouts
 from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
     installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
@@ -30,6 +30,7 @@ from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
 from .formula import call_signature
+from .measured_saves import measured_slots
 from .grad_layouts import layout_of
 
 
@@ -49,6 +50,7 @@ class OpRecord:
     flops: int
     region: str | None
     known: bool = True
+    saves_measured: bool = False  # not in the op table: what it saves was measured (`measured_saves`)
     saved: list = field(default_factory=list)  # storage keys saved for backward
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack) or
     # by keyword
@@ -97,6 +99,7 @@ class DispatchRecorder(TorchDispatchMode):
         # nesting a pass plans without tracing it (`as_recipes`): recipe output -> {holder's output: whether the
         # holder uses it through its shared value}
         self.planned_nesting: dict[int, dict[int, bool]] = {}
+        self.unknown_saves: list = []  # (record, its keyword tensors' storages) of ops the table does not know
         # recipe outputs made by one shared run of a multi-output op (a max pooling's output and indices) -> a
         # group id: held together from the group's first unpack to its last
         self.recipe_group: dict[int, int] = {}
@@ -186,9 +189,12 @@ class DispatchRecorder(TorchDispatchMode):
                           out_layouts=[layout_of(o) if isinstance(o, torch.Tensor) else None for o in outs])
         if out_rg:
             self._record_saves(record, func, args, kwargs)
-        else:
-            record.known = True
-        self._record_grad_alias(record, func, args, kwargs)
+            self._record_grad_alias(record, func, args, kwargs)
+        elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
+            # an op outside the table run with grad off on inputs needing grad: a custom autograd Function's
+            # forward, whose backward keeps what this trace cannot see. (Without a backward anywhere, in inference,
+            # an op costs its outputs alone, which are tracked: never unknown.)
+            record.known = False
         self.records.append(record)
         return out
 
@@ -240,13 +246,10 @@ class DispatchRecorder(TorchDispatchMode):
         record.copy_slices = self.copy_slices_bytes(func, args)
         ctx = optable.SaveCtx(tuple(args), kwargs, tuple(record.in_rg))
         slots, record.known = optable.saved(func, ctx)
-        for kind, position in slots:
-            if kind == "kw":
-                record.saved.append(self.key(kwargs[position])[0])
-                continue
-            keys = record.in_keys if kind == "in" else record.out_keys
-            if position < len(keys) and keys[position] is not None:
-                record.saved.append(keys[position])
+        kw_keys = {name: self.key(value)[0] for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        record.saved.extend(self._slot_keys(record, slots, kw_keys))
+        if not record.known:
+            self.unknown_saves.append((record, kw_keys))
         if written_positions(func):
             self.save_original_copy(record, func)
         if self.recast_enabled and self.recast_keys and self.region is None:
@@ -255,6 +258,28 @@ class DispatchRecorder(TorchDispatchMode):
             record.recast = [key for key in record.saved if key in self.recast_keys]
             record.saved = [key for key in record.saved if key not in self.recast_keys]
             self.hold_recipe_args(record)
+
+    @staticmethod
+    def _slot_keys(record: OpRecord, slots, kw_keys: dict) -> list:
+        """The storages the slots (`fxmem.ops.Saved`) name in this record."""
+        saved = []
+        for kind, position in slots:
+            keys = kw_keys if kind == "kw" else dict(enumerate(record.in_keys if kind == "in" else record.out_keys))
+            if keys.get(position) is not None:
+                saved.append(keys[position])
+        return saved
+
+    def measure_unknown_saves(self) -> None:
+        """Ops the table does not know: what they save is measured (`measured_saves`, after the trace: autograd,
+        which saves, does not run inside dispatch) in place of the default guess, and they count as known. Not
+        where the record's saves were rewritten (an in-place op's original copy, recast parameters)."""
+        for record, kw_keys in self.unknown_saves:
+            slots = measured_slots(record.call)
+            if slots is None or record.recast or written_positions(record.func):
+                continue
+            record.saved = self._slot_keys(record, slots, kw_keys)
+            record.known = record.saves_measured = True
+        self.unknown_saves = []
 
     @staticmethod
     def _record_grad_alias(record: OpRecord, func, args, kwargs) -> None:
@@ -359,7 +384,10 @@ class ForwardTrace(NamedTuple):
 def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
     """Run forward (+ loss in train mode) under FakeTensorMode, recording dispatch-level ops. Sizes that depend on
     tensor values are taken from the example inputs (see `fxmem.fake.with_data_dependent_fallback`)."""
-    return with_data_dependent_fallback(lambda: _trace_forward(program, args, kwargs, mode, loss_fn))
+    return with_data_dependent_fallback(lambda: static_sizes_if_needed(
+        lambda static: _trace_forward(program, args, kwargs, mode, loss_fn, static)))
+
+
 
 
 class _SharedFakes:
@@ -403,7 +431,8 @@ class _SharedFakes:
 _SHARED_FAKES = _SharedFakes()
 
 
-def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
+def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None,
+                   static_inputs: bool = False) -> ForwardTrace:
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     reals = list({id(t): t for t in module_tensors(program.module) + [x for x in flat if isinstance(x, torch.Tensor)]
                   if not isinstance(t, FakeTensor)}.values())
@@ -411,7 +440,7 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> F
     on_device = meta_as_device(fake_mode, reals, sizing_device(flat))
     try:
         with buffers_kept(program.module):  # in-place ops on real buffers alone run for real under the fake mode
-            out = _trace_forward_in(fake_mode, program, flat, (args, kwargs), mode, loss_fn)
+            out = _trace_forward_in(fake_mode, program, flat, (args, kwargs), mode, loss_fn, static_inputs)
     except BaseException:
         _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
         raise
@@ -420,11 +449,13 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> F
     return out
 
 
-def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: str, loss_fn=None) -> ForwardTrace:
+def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: str, loss_fn=None,
+                      static_inputs: bool = False) -> ForwardTrace:
     """The trace in `fake_mode`; `flat` are `inputs` (args, kwargs) flattened."""
     module = program.module
     with fake_mode:
-        fake_flat = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        fake_flat = [fake_mode.from_tensor(x, static_shapes=static_inputs) if isinstance(x, torch.Tensor) else x
+                     for x in flat]
     recorder = DispatchRecorder()
     recorder.grad_enabled = mode == "train"
     recorder.recast_enabled = recast_installed(module)
@@ -450,6 +481,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     out_keys.add(recorder.loss_key)
     finally:
         module.train(was_training)
+    recorder.measure_unknown_saves()
     return ForwardTrace(recorder, base_keys, out_keys, params)
 
 
