@@ -17,6 +17,8 @@ from torch._prims_common import (compute_elementwise_output_strides, make_channe
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .kernel_sizes import with_cpu_kernel_sizes
+
 aten = torch.ops.aten
 
 
@@ -85,8 +87,9 @@ def as_cpu_kernel_lays_out(func, args: tuple, out):
 
 class CpuKernelLayouts(TorchDispatchMode):
     """Entered inside a FakeTensorMode (and below any mode that records storages): ops in `CPU_KERNEL_LAYOUTS`
-    return their CPU outputs with the CPU kernel's strides."""
+    return their CPU outputs with the CPU kernel's strides, and outputs fake kernels leave empty get the CPU
+    kernel's size (`fxmem.kernel_sizes`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        return as_cpu_kernel_lays_out(func, tuple(args), out)
+        return with_cpu_kernel_sizes(func, tuple(args), as_cpu_kernel_lays_out(func, tuple(args), out))

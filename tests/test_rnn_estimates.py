@@ -1,0 +1,111 @@
+"""Recurrent models (issue 30 §4): `nn.LSTM` on CPU runs oneDNN's layer kernel (`aten.mkldnn_rnn_layer`), which
+cannot take symbolic sizes, whose fake kernel returns its workspace empty, and which the op table does not know.
+The cost model traces such kernels at the example's sizes, gives the workspace the CPU kernel's size and measures
+what an unknown op saves, so an LSTM is estimated as measured."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxmem
+from fxmem.cli import main
+from fxmem.costmodel.trace import trace_forward
+from fxmem.kernel_sizes import rnn_workspace_bytes
+
+aten = torch.ops.aten
+LSTM_FILE = """
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Tagger()
+
+
+def example_inputs():
+    return (torch.randn(8, 50, 32),)
+"""
+
+
+class _Reader(nn.Module):
+    """An LSTM reading the model's input directly, its mean over time into a linear head."""
+
+    def __init__(self, **lstm):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, **lstm)
+        self.head = nn.Linear(64 * (2 if lstm.get("bidirectional") else 1), 10)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y.mean(1 if self.rnn.batch_first else 0))
+
+
+CASES = {"two_layers_batch_first": (dict(num_layers=2, batch_first=True), (8, 50, 32)),
+         "bidirectional_time_first": (dict(bidirectional=True), (40, 8, 32))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_lstm_reading_the_input_is_estimated_as_measured(case):
+    lstm, shape = CASES[case]
+    torch.manual_seed(0)
+    model, x = _Reader(**lstm), torch.randn(*shape)
+    measured = fxmem.measure(model, (x,))
+    for method in ("static", "traced"):
+        est = fxmem.estimate(model, (x,), method=method)
+        assert est.unknown_ops == [], method
+        assert abs(est.peak / measured.peak - 1) < 0.005, (method, est.peak, measured.peak)
+    static = fxmem.estimate(model, (x,))
+    assert static.activations == measured.activations
+    assert any("measured on fake tensors: aten.mkldnn_rnn_layer.default" in note for note in static.notes)
+    assert fxmem.estimate(model, (x,), mode="inference").unknown_ops == []  # no backward here: never unknown
+
+
+def test_the_layer_saves_its_workspace_measured_not_guessed():
+    """The op table does not know `mkldnn_rnn_layer`; its default (every tensor input) would miss the workspace
+    output, the largest thing it saves. Measured on fresh fakes, its saves name that output."""
+    torch.manual_seed(0)
+    model, x = _Reader(batch_first=True), torch.randn(4, 20, 32)
+    program = fxmem.capture(model, (x,))
+    traced = trace_forward(program, (x,), {}, "train")
+    (layer,) = [r for r in traced.recorder.records if r.func is aten.mkldnn_rnn_layer.default]
+    assert layer.known and layer.out_keys[3] in layer.saved
+    assert traced.recorder.storage_bytes[layer.out_keys[3]] > 0
+
+
+def _layer_args(steps: int, batch: int = 8, hidden: int = 64, features: int = 32):
+    weights = [torch.randn(4 * hidden, features), torch.randn(4 * hidden, hidden), torch.randn(4 * hidden),
+               torch.randn(4 * hidden)]
+    return (torch.randn(steps, batch, features), *(w.requires_grad_() for w in weights), torch.zeros(batch, hidden),
+            torch.zeros(batch, hidden), False, [], 2, hidden, 1, True, False, False, True)
+
+
+def test_the_workspace_has_the_cpu_kernels_size_or_is_scaled_from_fewer_steps(monkeypatch):
+    args = _layer_args(100)
+    real = aten.mkldnn_rnn_layer.default(*args)[3]
+    assert rnn_workspace_bytes(args) == real.numel() * real.element_size()
+    import fxmem.kernel_sizes as kernel_sizes
+    monkeypatch.setattr(kernel_sizes, "REAL_RUN_BYTES", 64 * 1024)  # the call's input is 100 KiB: fewer steps
+    monkeypatch.setattr(kernel_sizes, "_WORKSPACE", {})
+    scaled = rnn_workspace_bytes(_layer_args(100))
+    assert abs(scaled / (real.numel() * real.element_size()) - 1) < 0.01
+
+
+def test_cli_estimates_an_lstm_model_file(tmp_path, capsys):
+    path = tmp_path / "tagger.py"
+    path.write_text(LSTM_FILE)
+    assert main(["estimate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "unknown ops: none" in out
