@@ -756,7 +756,8 @@ def test_region_holds_an_input_that_is_a_view():
     x = torch.randn(128, 64)
     program = fxmem.capture(_ViewIntoRegion(), (x,))
     program.refresh()
-    rec, base_keys = trace_forward(program, (x,), {}, "train")[:2]
+    traced = trace_forward(program, (x,), {}, "train")
+    rec, base_keys = traced.recorder, traced.base_keys
     (reg,) = ck.candidate_regions(program, {}, ["blk"])
     ins, _ = ck.region_boundary(reg.nodes)
     assert [a.target for a in ins if a.op == "call_function"] == [torch.ops.aten.view.default]
@@ -787,7 +788,7 @@ def test_recompute_cost_of_transposed_convolutions_and_queries():
     args = unet.example_inputs()
     p = fxmem.capture(model, args)
     p.refresh()
-    rec = trace_forward(p, args, {}, "train")[0]
+    rec = trace_forward(p, args, {}, "train").recorder
     queries = [r for r in rec.records if str(r.func) == "prim.device.default"]
     assert queries and all(r.in_bytes[0] > 0 and ck.op_cost(r, 10.0) == 0.0 for r in queries)
 
@@ -803,7 +804,7 @@ def test_cpu_pooling_and_short_convolutions_cost_their_measured_speed():
     p = fxmem.capture(model, args)
     p.refresh()
     traced = trace_forward(p, args, {}, "train", unet.loss_fn)
-    recs = traced[0].records
+    recs = traced.recorder.records
     pool = next(r for r in recs if str(r.func) == "aten.max_pool2d_with_indices.default")
     first = next(r for r in recs if "convolution" in str(r.func))
     written = sum(pool.out_bytes)

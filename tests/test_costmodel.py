@@ -569,7 +569,7 @@ def test_static_backward_runs_only_what_the_loss_reaches():
     model, x = _AuxHeads(), (torch.randn(2, 64, 8),)
     p = fxmem.capture(copy.deepcopy(model), x)
     p.refresh()
-    rec = trace_forward(p, p.example_args, p.example_kwargs, "train", _logits_loss)[0]
+    rec = trace_forward(p, p.example_args, p.example_kwargs, "train", _logits_loss).recorder
     assert {rec.records[i].module for i in off_loss_path(rec.records, rec.loss_key)} == {"aux"}
     res = fxmem.transform(copy.deepcopy(model), x, loss_fn=_logits_loss, policy={
         "version": 1, "budget": "50%", "budget_strict": False, "passes": {"checkpoint": {"enabled": True}}})

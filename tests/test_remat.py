@@ -616,7 +616,7 @@ def test_remat_shares_only_savers_whose_backwards_run_back_to_back(adjacent):
     traced = trace_forward(program, (x,), {}, "train")
     sites = ck.remat_sites(program, traced, None)
     ln = next(s for s in sites if s.node.target is torch.ops.aten.layer_norm.default)
-    assert len({r.idx for r in traced[0].records if ln.key in r.saved}) == 2  # both matmuls save it
+    assert len({r.idx for r in traced.recorder.records if ln.key in r.saved}) == 2  # both matmuls save it
     assert ln.share == adjacent
     planned = estimate_from_trace(program, as_recipes(traced, {ln.key}, {ln.key} if ln.share else set()),
                                   mode="train")
@@ -946,7 +946,8 @@ def test_shared_recipe_as_a_region_input_is_made_again_for_the_region_alone():
              if s.node.target is torch.ops.aten.layer_norm.default]
     assert len(sites) == 1 and sites[0].share
     ck.apply_remat(program, sites)
-    rec, base_keys = trace_forward(program, (x,), {}, "train")[:2]
+    traced = trace_forward(program, (x,), {}, "train")
+    rec, base_keys = traced.recorder, traced.base_keys
     (reg,) = ck.candidate_regions(program, {}, ["tail"])
     measure_regions(program, [reg], rec, base_keys, frozenset())
     (change,) = ck.CheckpointPass._emit(program, [reg], ["full"], frozenset())

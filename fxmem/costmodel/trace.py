@@ -8,8 +8,9 @@ static estimate, the node costs and the checkpoint planner all read this one `Fo
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -371,7 +372,8 @@ class _StepInterpreter(fx.Interpreter):
         return super().run_node(n)
 
 
-class ForwardTrace(NamedTuple):
+@dataclass(frozen=True)
+class ForwardTrace:
     """What `trace_forward` recorded: the recorder (its `records`, `storage_bytes`, recipes), the storages that
     exist before the step ({key: "param" | "buffer" | "input"}), the storages the step hands back (outputs, and
     the loss in train mode), and the traced module's parameters."""
@@ -520,7 +522,7 @@ def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesti
             record.saved = [key for key in record.saved if key not in keys]
         records.append(record)
     recorder.records = records
-    return ForwardTrace(recorder, *traced[1:])
+    return dataclasses.replace(traced, recorder=recorder)
 
 
 def cached_per_trace(recorder: DispatchRecorder, name: str, make):
