@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .nn.recast import observing
 from .program import Program
 from .step import make_torch_optimizer, training_step
+from .step_memory import COMMON_KEYS, StepMemory
 from .units import format_bytes
 from .userstate import keeps_model_state, mode_set
 
@@ -152,34 +153,14 @@ def backward_label(func) -> str | None:
 
 # ----------------------------------------------------------------------------------------------- profile
 @dataclass
-class MemoryProfile:
-    """Measured memory of one steady-state step. Same fields as MemoryEstimate."""
-    params: int = 0
-    buffers: int = 0
-    grads: int = 0
-    optimizer_state: int = 0
-    inputs: int = 0
-    activations: int = 0
-    peak: int = 0
-    peak_phase: str = ""
-    peak_at: str = ""
-    timeline: list = field(default_factory=list)
-    unknown_ops: list = field(default_factory=list)
-    mode: str = "train"
-    optimizer: str = "adamw"
+class MemoryProfile(StepMemory):
+    """Measured memory of one steady-state step: the fields of `MemoryEstimate` it shares (`StepMemory`)."""
     method: str = "measured"
-    device: str = "cpu"
     cuda_max_allocated: int | None = None
     allocator: dict | None = None  # CUDA: the caching allocator on the same step (`allocator_counters`)
-    world_size: int = 1
-    zero_stage: int = 0
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("method", "mode", "optimizer", "device", "params", "buffers", "grads",
-                                           "optimizer_state", "inputs", "activations", "peak", "peak_phase",
-                                           "peak_at", "world_size", "zero_stage")}
-        d["timeline"] = [p.to_dict() if hasattr(p, "to_dict") else p for p in self.timeline]
-        d["unknown_ops"] = list(self.unknown_ops)
+        d = self.plain(COMMON_KEYS + ("world_size", "zero_stage", "timeline", "unknown_ops"))
         if self.cuda_max_allocated is not None:
             d["cuda_max_allocated"] = self.cuda_max_allocated
         if self.allocator is not None:

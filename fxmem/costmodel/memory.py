@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..step_memory import COMMON_KEYS, StepMemory
+
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (bnb's min_8bit_size)
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCKSIZE = 256
@@ -13,39 +15,19 @@ EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "adam8bit", "paged_adamw8bit")
 
 
 @dataclass
-class MemoryEstimate:
-    """Bytes of one steady-state step (training) or one forward (inference)."""
-    params: int = 0
-    buffers: int = 0
-    grads: int = 0
-    optimizer_state: int = 0
-    inputs: int = 0
-    activations: int = 0  # saved for backward (plus outputs) at the end of forward
-    peak: int = 0
-    peak_phase: str = ""
-    peak_at: str = ""  # node (forward) or node's backward where the peak occurs
+class MemoryEstimate(StepMemory):
+    """Bytes of one steady-state step (training) or one forward (inference), estimated."""
     peak_module: str = ""
-    timeline: list = field(default_factory=list)  # TimelinePoint per node: forward, then backward
-    unknown_ops: list = field(default_factory=list)
     by_module: list = field(default_factory=list)  # [(module path, bytes saved for backward)] heaviest first
     flops_forward: int = 0
     flops_backward: int = 0
-    mode: str = "train"
-    optimizer: str = "adamw"
     method: str = "static"
-    device: str = "cpu"
-    world_size: int = 1
-    zero_stage: int = 0
     notes: list = field(default_factory=list)
     program_key: str = ""  # program_key() of the program estimated (not in to_dict: reports stay the same)
 
     def to_dict(self) -> dict:
-        keys = ("method", "mode", "optimizer", "device", "params", "buffers", "grads", "optimizer_state",
-                "inputs", "activations", "peak", "peak_phase", "peak_at", "peak_module", "flops_forward",
-                "flops_backward", "world_size", "zero_stage")
-        out = {key: getattr(self, key) for key in keys}
-        out["timeline"] = [point.to_dict() for point in self.timeline]
-        out["unknown_ops"] = list(self.unknown_ops)
+        out = self.plain(COMMON_KEYS + ("peak_module", "flops_forward", "flops_backward", "world_size",
+                                        "zero_stage", "timeline", "unknown_ops"))
         out["by_module"] = [{"module": module, "bytes": nbytes} for module, nbytes in self.by_module]
         out["notes"] = list(self.notes)
         return out
