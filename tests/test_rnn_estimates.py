@@ -14,6 +14,9 @@ from fxmem.costmodel.trace import trace_forward
 from fxmem.kernel_sizes import rnn_workspace_bytes
 
 aten = torch.ops.aten
+# what these check is oneDNN's LSTM kernel, which CPU builds without oneDNN do not run
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="nn.LSTM runs oneDNN's layer kernel only where torch has oneDNN")
 LSTM_FILE = """
 import torch
 from torch import nn
