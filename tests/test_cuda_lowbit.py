@@ -78,16 +78,23 @@ def test_qlora_transform_of_a_cuda_model_trains_its_adapters():
     trainable = [p for p in gm.parameters() if p.requires_grad]
     codes = [m.base.inner.weight.detach().clone() for m in adapters]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = _train_steps(gm, opt, (args, kwargs), loss_fn)
+    assert losses[-1] < losses[0], losses
+    assert all(torch.equal(c, m.base.inner.weight) for c, m in zip(codes, adapters))
+
+
+def _train_steps(gm, opt, inputs, loss_fn, steps: int = 5) -> list[float]:
+    """The losses of `steps` training steps of `gm` with `opt` on `inputs` (args, kwargs)."""
+    args, kwargs = inputs
     gm.train()
     losses = []
-    for _ in range(5):
+    for _ in range(steps):
         loss = loss_fn(gm(*args, **kwargs), args)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0], losses
-    assert all(torch.equal(c, m.base.inner.weight) for c, m in zip(codes, adapters))
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def test_medium_preset_trains_in_bf16_with_adamw8bit_on_cuda():
@@ -105,14 +112,7 @@ def test_medium_preset_trains_in_bf16_with_adamw8bit_on_cuda():
         gm.eval()
         assert deviation(ref(*args, **kwargs), gm(*args, **kwargs)).rel <= 0.05
     opt = fxmem.make_optimizer(gm, "adamw8bit")
-    gm.train()
-    losses = []
-    for _ in range(5):
-        loss = loss_fn(gm(*args, **kwargs), args)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+    losses = _train_steps(gm, opt, (args, kwargs), loss_fn)
     assert losses[-1] < losses[0], losses
     states = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     assert any(t.dtype == torch.uint8 and t.device.type == DEVICE.type for t in states)

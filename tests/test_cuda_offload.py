@@ -16,7 +16,7 @@ from fxmem.nn.offload import OffloadedOptimizer, OffloadRegion, OffloadRuntime, 
 from fxmem.program import Program
 
 from .conftest import on_device
-from .test_offload import _Body, _gpt, _regions, _train, _transform
+from .test_offload import _Body, _gpt, _regions, _train, _transform, reference_grads, run_bodies
 
 pytestmark = pytest.mark.cuda
 DEVICE = torch.device("cuda")
@@ -114,23 +114,11 @@ def test_copies_run_on_a_side_stream_into_pinned_memory_and_prefetch(monkeypatch
         streams.append((stream, torch.cuda.current_stream(device)))
         return stream
 
-    def run(modules):
-        h, total = x, 0
-        for module, w in zip(modules, weights):
-            total = total + module(h, w)
-            h = torch.tanh(h @ w)
-        return total
-
-    ref = run([r.body for r in regions])
-    ref.backward()
-    ref_grads = [x.grad.clone()] + [w.grad.clone() for w in weights]
-    x.grad = None
-    for w in weights:
-        w.grad = None
+    ref, ref_grads = reference_grads(regions, x, weights)
     for cls, name, fn in ((_Entry, "start_write", start_write), (_Entry, "start_read", start_read),
                           (_Packed, "unpack", unpack), (_Store, "side_stream", side_stream)):
         monkeypatch.setattr(cls, name, fn)
-    got = run(regions)
+    got = run_bodies(regions, x, weights)
     got.backward()
     assert torch.equal(ref, got)
     for a, b in zip(ref_grads, [x.grad] + [w.grad for w in weights]):

@@ -235,6 +235,25 @@ class _Body(nn.Module):
         return z + (x[:1, :1] * 3).exp().sum()
 
 
+def run_bodies(modules, x, weights):
+    """Three `_Body` calls chained as the region tests chain them (each reads x's tanh-transformed successor)."""
+    h, total = x, 0
+    for module, w in zip(modules, weights):
+        total = total + module(h, w)
+        h = torch.tanh(h @ w)
+    return total
+
+
+def reference_grads(regions, x, weights):
+    """The plain bodies' result and gradients (of x, then each weight); the gradients are cleared after."""
+    ref = run_bodies([r.body for r in regions], x, weights)
+    ref.backward()
+    grads = [x.grad.clone()] + [w.grad.clone() for w in weights]
+    for tensor in [x, *weights]:
+        tensor.grad = None
+    return ref, grads
+
+
 def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
     torch.manual_seed(0)
     rt = OffloadRuntime("disk", prefetch=1, min_bytes=0, scratch_root=str(tmp_path), unlink_early=False)
@@ -253,24 +272,10 @@ def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
         log.append(("use", self.entry.slot))
         return real_unpack(self)
 
-    def run(mods):
-        h = x
-        total = 0
-        for m, w in zip(mods, ws):
-            out = m(h, w)
-            total = total + out
-            h = torch.tanh(h @ w)
-        return total
-
-    ref = run([r.body for r in regions])
-    ref.backward()
-    gref = [x.grad.clone()] + [w.grad.clone() for w in ws]
-    x.grad = None
-    for w in ws:
-        w.grad = None
+    ref, gref = reference_grads(regions, x, ws)
     monkeypatch.setattr(_Entry, "start_read", start_read)
     monkeypatch.setattr(_Packed, "unpack", unpack)
-    got = run(regions)
+    got = run_bodies(regions, x, ws)
     store = rt._stores and next(iter(rt._stores))
     assert store.count > 0
     got.backward()
