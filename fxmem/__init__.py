@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute), loaded on first use so `import fxmem` stays light
 _LAZY = {
-    "estimate": ("api", "estimate"),
+    "estimate": ("sizing", "estimate"),
     "MemoryEstimate": ("costmodel", "MemoryEstimate"),
-    "plan_batch": ("api", "plan_batch"),
+    "plan_batch": ("sizing", "plan_batch"),
     "transform": ("api", "transform"),
     "TransformResult": ("api", "TransformResult"),
     "load": ("api", "load"),

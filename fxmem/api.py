@@ -20,13 +20,12 @@ import torch
 from torch import fx, nn
 
 from . import __version__, costmodel
-from .capture import capture, first_meta_tensor
+from .capture import capture
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
 from .intent import require_intents
 from .lossguard import make_evaluator
 from .measure import measure as measure_memory
-from .meta_models import capture_meta
 from .nn.lowbit import QuantLinear
 from .nn.offload import WeightStreamer
 from .pipeline import PassManager, load_passes
@@ -148,43 +147,6 @@ def _model_named(program: Program, model_file) -> str:
     """How errors about the model name it: its model file when there is one, else its class."""
     path = getattr(model_file, "__file__", None)
     return str(path) if path else f"the model ({program.model_name})"
-
-
-def as_program(model_or_program, args=(), kwargs=None, mode: str | None = None) -> Program:
-    """A Program as it is, or a model captured at (args, kwargs) in `mode` (default train); a model built on the
-    meta device is captured for estimates (`fxmem.meta_models`)."""
-    if isinstance(model_or_program, Program):
-        return model_or_program
-    if isinstance(model_or_program, nn.Module) and first_meta_tensor(model_or_program, (), None):
-        return capture_meta(model_or_program, args, kwargs, mode or "train")
-    return capture(model_or_program, args, kwargs, mode=mode or "train")
-
-
-# (ten parameters: keyword options of the cost model's estimate, passed through)
-@keeps_model_state
-def estimate(model_or_program, args=(), kwargs=None, *, mode: str | None = None, optimizer: str = "adamw",
-             method: str = "static", world_size: int = 1, zero_stage: int = 0, loss_fn=None,
-             device: str | None = None) -> costmodel.MemoryEstimate:
-    """Estimate the memory of a training step (or an inference forward) without allocating real tensors: a model
-    is captured at (args, kwargs) first, a Program is estimated as it is (see `fxmem.costmodel.estimate`)."""
-    costmodel.check_estimate_options(method, optimizer, world_size, zero_stage)
-    program = as_program(model_or_program, args, kwargs, mode)
-    return costmodel.estimate(program, args, kwargs, mode=mode, optimizer=optimizer, method=method,
-                              world_size=world_size, zero_stage=zero_stage, loss_fn=loss_fn, device=device)
-
-
-# (thirteen parameters: keyword options of the cost model's plan_batch, passed through)
-@keeps_model_state
-def plan_batch(model_or_program, args=(), kwargs=None, *, budget: int, mode: str | None = None,
-               optimizer: str = "adamw", loss_fn=None, batch_dim: int = 0, device: str = "cpu",
-               context_bytes: int | None = None, fragmentation: float | None = None, max_batch: int = 1 << 16,
-               method: str = "static") -> dict:
-    """The largest batch size whose estimated peak fits `budget` bytes: a model is captured at (args, kwargs)
-    first (see `fxmem.costmodel.plan_batch`)."""
-    program = as_program(model_or_program, args, kwargs, mode)
-    return costmodel.plan_batch(program, args, kwargs, budget=budget, mode=mode, optimizer=optimizer,
-                                loss_fn=loss_fn, batch_dim=batch_dim, device=device, context_bytes=context_bytes,
-                                fragmentation=fragmentation, max_batch=max_batch, method=method)
 
 
 def _require_budgets(report, records) -> None:
