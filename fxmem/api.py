@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from . import __version__, costmodel
 from .capture import capture
+from .budgets import further_steps, require_reachable, stated_slack
 from .errors import BudgetError, FxmemError, StrictBudgetError
 from .files import write_text, writing
 from .intent import require_intents
@@ -69,7 +70,9 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     """Capture `model`, run the policy's passes, return the transformed module and a report.
 
     policy: a preset name ("low", "medium", "high", "inference"), a YAML path, a dict with the policy schema, or
-    a Policy. budget: bytes, a fraction (0.4) or a size/fraction string ("4GiB", "40%"), overriding the policy's.
+    a Policy. budget: bytes, a fraction (0.4) or a size/fraction string ("4GiB", "40%"), overriding the policy's;
+    required: out of reach of the enabled passes it is a BudgetError naming the lowest peak reached and what would go
+    further, unless `budget_strict=False` makes it a target (the result, the miss first in the report).
     activation_budget: the same for the activations kept at the end of forward
     (`passes.checkpoint.activation_budget`; the checkpoint pass is enabled for it; out of reach, it is an error
     unless the policy's budgets are targets). overrides: `--set` strings ("passes.checkpoint.solver=greedy"). Extra
@@ -90,8 +93,9 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     pol = load_policy(policy, overrides=overrides)
     for keyword, value in option_overrides.items():
         pol = pol.with_overrides({keyword.replace("__", "."): value}, where=f"transform({keyword}=...)")
-    if budget is not None:  # a budget the user asked for is a requirement, not a target
-        pol = pol.with_overrides({"budget": _whole_bytes(budget), "budget_strict": True},
+    if budget is not None:  # a budget the user asked for is a requirement unless the call makes it a target
+        pol = pol.with_overrides({"budget": _whole_bytes(budget),
+                                  "budget_strict": _budget_required(pol, overrides, option_overrides)},
                                  where="transform(budget=...)")
     if activation_budget is not None:
         pol = pol.with_overrides({"passes.checkpoint.enabled": True,
@@ -112,10 +116,9 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
                         _model_named(program, model_file))
     original = program.snapshot()
     before = costmodel.estimate(program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
-    if pol.budget is not None:
-        b = pol.budget.resolve(before.peak) if hasattr(pol.budget, "resolve") else int(pol.budget)
-        if b <= 0:
-            raise BudgetError(f"budget resolves to {b} bytes; it must be positive")
+    budget_bytes = _budget_bytes(pol, before)
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise BudgetError(f"budget resolves to {budget_bytes} bytes; it must be positive")
     measured_before = _measure(program, pol, loss_fn) if measure else None
     pm = PassManager(pol, strict=strict, calibration=calibration, loss_fn=loss_fn, log=log,
                      model_file=model_file, evaluate=evaluator)
@@ -123,6 +126,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     result_program = pm.run(program, before)
     t_passes = time.perf_counter() - t1
     after = costmodel.estimate(result_program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
+    require_reachable(pol, budget_bytes, before, after, pm.records, result_program.module)
     measured_after = _measure(result_program, pol, loss_fn) if measure else None
     result_program.module.train(pol.mode == "train")
     report = Report(
@@ -130,8 +134,8 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
         before=before, after=after, measured_before=measured_before, measured_after=measured_after,
         passes=pm.records, code_before=_full_code(original.module), code_after=_full_code(result_program.module),
         specialized=[str(s) for s in program.specialized], notes=list(program.notes),
-        budget=(pol.budget.resolve(before.peak) if pol.budget is not None and hasattr(pol.budget, "resolve")
-                else None),
+        budget=budget_bytes, budget_further=(further_steps(pol, after, result_program.module)
+                                             if budget_bytes is not None and after.peak > budget_bytes else None),
         versions={"fxmem": __version__, "torch": torch.__version__},
         timing={"capture_s": round(t_capture, 3), "passes_s": round(t_passes, 3),
                 "total_s": round(time.perf_counter() - t0, 3)})
@@ -152,9 +156,9 @@ def _model_named(program: Program, model_file) -> str:
 def _require_budgets(report, records) -> None:
     """strict: a result over its budget is an error, as a failed pass is. A budget pass (checkpoint) states its
     tolerance (`slack`, measured peak <= budget * (1 + slack)); the estimate, and the measurement when there is one,
-    must be within it. (Without strict the report says OVER and the run succeeds: a policy's budget can be a target.)"""
-    stated = (r.budget_metrics().slack for r in records)
-    slack = next((value for value in stated if value is not None), 0.0)
+    must be within it. (Without strict, a required budget the estimate misses is a BudgetError already
+    (`fxmem.budgets`); a target's miss is reported and the run succeeds.)"""
+    slack = stated_slack(records)
     misses = []
     if report.budget is not None:
         peaks = [report.after.peak] + ([report.measured_after.peak] if report.measured_after is not None else [])
@@ -170,6 +174,22 @@ def _require_budgets(report, records) -> None:
         raise StrictBudgetError("strict: the result is over its budget (" + "; ".join(misses)
                           + f"; tolerance {slack:.0%}). The report's notes say what each pass reached: run without "
                             "--strict to write it, raise the budget, or enable a pass that can take the rest")
+
+
+def _budget_required(pol, overrides, option_overrides) -> bool:
+    """Whether `budget=` is required: yes, unless the same call sets `budget_strict` itself (a keyword override,
+    or a `--set budget_strict=...` string), which `pol` already holds."""
+    texts = [overrides] if isinstance(overrides, str) else list(overrides)
+    named = "budget_strict" in option_overrides or any(
+        str(text).partition("=")[0].strip() == "budget_strict" for text in texts)
+    return pol.budget_strict if named else True
+
+
+def _budget_bytes(pol, before) -> int | None:
+    """The policy's budget in bytes (a fraction resolved against the baseline's peak), or None."""
+    if pol.budget is None:
+        return None
+    return pol.budget.resolve(before.peak) if hasattr(pol.budget, "resolve") else int(pol.budget)
 
 
 def _whole_bytes(value):

@@ -351,6 +351,9 @@ def _print_summary(a, res, out) -> None:
         return
     b, af = res.before, res.after
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
+    miss = res.report.budget_miss()
+    if miss:
+        print(f"OVER BUDGET: {miss}")
     for line in shortfall_lines(res.records):
         print(f"SHORT OF THE POLICY: {line}")
     print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")

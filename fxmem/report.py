@@ -3,7 +3,8 @@
 What it shows:
 - summary: memory before/after by category, estimated (cost model, no tensors allocated) and, when the run was
   measured, measured (real steps under `fxmem.measure`); FLOPs per step before/after (estimated);
-- warnings first: what a lossy pass was asked and did not do (one line each, `fxmem.intent`), passes that were
+- warnings first: a missed budget (the lowest peak reached and what would go further, `fxmem.budgets`), what a
+  lossy pass was asked and did not do (one line each, `fxmem.intent`), passes that were
   rolled back or failed, ops the cost model does not know;
 - per pass: status, what changed and where (module paths), why, the measured output deviation;
 - the graph diff (unified diff of the generated code, without codegen's `; x = None` tails) and a table of the
@@ -29,6 +30,7 @@ from typing import Any
 
 from .costmodel import MemoryEstimate
 from .files import write_bytes, write_text
+from .budgets import miss_line, stated_slack
 from .intent import intent_line, shortfall_lines
 from .lossguard import KIND_WORDS
 from .measure import MemoryProfile, TimelinePoint
@@ -112,6 +114,7 @@ class Report:
     specialized: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     budget: int | None = None
+    budget_further: list | None = None  # over the budget: what would go further (`fxmem.budgets.further_steps`)
     versions: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)  # the only non-deterministic part
 
@@ -169,6 +172,20 @@ class Report:
                      + ("fits" if mp <= self.budget else f"OVER by {format_bytes(mp - self.budget)}"))
         return line
 
+    def budget_miss(self) -> str | None:
+        """Over the budget (the estimate): one line naming the budget, the lowest peak the passes reached and what
+        would go further; the first warning of the report and the first line of the CLI summary."""
+        if self.budget is None or self.after.peak <= self.budget:
+            return None
+        slack = stated_slack(self.passes)
+        if (self.policy or {}).get("budget_strict") is False:
+            verdict = "missed (a target, budget_strict: false)"
+        elif slack:  # required, and within the budget pass's tolerance (beyond it, transform raises a BudgetError)
+            verdict = f"missed (within the stated tolerance of {slack:.0%})"
+        else:
+            verdict = "missed"
+        return miss_line(self.budget, self.before, self.after, self.passes, self.budget_further, verdict)
+
     def activation_budget(self) -> int | None:
         """The activation budget in bytes a pass planned for (passes.checkpoint.activation_budget), if one did."""
         stated = (r.budget_metrics().activation_budget for r in self.passes)
@@ -204,7 +221,8 @@ class Report:
             "passes": [_pass_dict(r, deterministic) for r in self.passes],
             "graph": {"code_before": self.code_before, "code_after": self.code_after, "diff": self.graph_diff(),
                       "replaced_nodes": self.replaced_nodes()},
-            "warnings": {"shortfalls": self.shortfalls(),
+            "budget_further": self.budget_further,
+            "warnings": {"budget": self.budget_miss(), "shortfalls": self.shortfalls(),
                          "rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
                                          for r in self.problem_passes()],
                          "unknown_ops": self.unknown_ops()},
@@ -249,7 +267,7 @@ class Report:
                    measured_after=est(m.get("after"), MemoryProfile), passes=passes,
                    code_before=d["graph"]["code_before"], code_after=d["graph"]["code_after"],
                    specialized=list(d.get("specialized", [])), notes=list(d.get("notes", [])),
-                   budget=d.get("budget"), versions=dict(d.get("versions", {})), timing=dict(d.get("timing", {})))
+                   budget=d.get("budget"), budget_further=d.get("budget_further"), versions=dict(d.get("versions", {})), timing=dict(d.get("timing", {})))
 
     @classmethod
     def load(cls, path) -> "Report":
@@ -330,7 +348,9 @@ class Report:
         return _scrub(text) if deterministic else text
 
     def _warning_lines(self) -> list[str]:
-        out = [f"short of the policy: {line}" for line in self.shortfalls()]
+        miss = self.budget_miss()
+        out = [miss] if miss else []
+        out += [f"short of the policy: {line}" for line in self.shortfalls()]
         for r in self.problem_passes():
             what = "was ROLLED BACK" if r.status == "rolled_back" else "FAILED and was rolled back"
             out.append(f"pass `{r.name}` {what}: {r.reason or 'no reason recorded'}")
@@ -338,8 +358,6 @@ class Report:
         if unk:
             out.append(f"{len(unk)} op(s) unknown to the cost model (estimated as outputs only, nothing saved "
                        f"for backward): {', '.join(unk)}")
-        if self.budget is not None and self.after.peak > self.budget:
-            out.append(self.budget_line())
         ab = self.activation_budget()
         if ab is not None and self.after.activations > ab:
             out.append(self.activation_budget_line())

@@ -29,9 +29,10 @@ def _gpt():
 
 def _transform(model, x, budget="60%", **opts):
     offload = {"min_bytes": 0, "bandwidth": "1GB/s", **opts}
-    # the pipeline's own verification runs in eval mode (offload inactive); these tests check train mode exactly
+    # the pipeline's own verification runs in eval mode (offload inactive); these tests check train mode exactly.
+    # The budget is a target: offload alone goes as low as it can (a required one out of its reach is an error)
     return fxmem.transform(model, x, policy={"version": 1, "verify": {"enabled": False},
-                                             "passes": {"offload": offload}}, budget=budget)
+                                             "passes": {"offload": offload}}, budget=budget, budget_strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +403,7 @@ def test_checkpoint_plus_offload_is_exact_and_offloads_block_inputs(tmp_path):
     ref = copy.deepcopy(model)
     res = fxmem.transform(model, x, policy={"version": 1, "verify": {"enabled": False}, "passes": {
         "checkpoint": {}, "offload": {"min_bytes": 0, "scratch_dir": str(tmp_path), "bandwidth": "1GB/s"}}},
-                          budget="1%")
+                          budget="1%", budget_strict=False)  # a target: as low as the two passes go
     gm = res.module
     wrapped = [m for m in _regions(gm).values() if m.inputs_too]
     assert wrapped, res.report.to_markdown()
@@ -440,7 +441,8 @@ def test_report_is_deterministic_with_probed_rates():
     for _ in range(2):
         model, x = _gpt()
         res = fxmem.transform(model, x, policy={"version": 1, "verify": {"enabled": False},
-                                                "passes": {"offload": {"min_bytes": 0}}}, budget="60%")
+                                                "passes": {"offload": {"min_bytes": 0}}}, budget="60%",
+                              budget_strict=False)
         assert _regions(res.module)
         rec = next(r for r in res.report.passes if r.name == "offload")
         assert rec.metrics["bandwidth_bytes_per_s"] > 0 and rec.metrics["flops_per_s"] > 0

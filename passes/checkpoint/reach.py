@@ -80,7 +80,8 @@ def budget_message(budget: int, min_peak: int, estimate) -> str:
             f"parameters {format_bytes(estimate.params)}, gradients {format_bytes(estimate.grads)}, optimizer state "
             f"{format_bytes(estimate.optimizer_state)}, buffers {format_bytes(estimate.buffers)}, inputs "
             f"{format_bytes(estimate.inputs)} (together {format_bytes(fixed)}), plus the inputs each recomputed "
-            f"region keeps and the last region's activations. Raise the budget, or enable the offload pass.")
+            f"region keeps and the last region's activations. Raise the budget, enable the offload pass, or make "
+            f"the budget a target (budget_strict: false) to get the result over budget.")
 
 
 def activation_message(act_budget: int, min_acts: int, before: int) -> str:
