@@ -1,9 +1,9 @@
 """`fxmem optimize | estimate | diff | policies`.
 
 A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
-Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, output path, a result that cannot be
-written), 3 refused by --strict (a pass failed or was rolled back, a lossy pass did less than its policy asked, or
-the result is over its budget), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt
+Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, a required budget out of reach, output
+path, a result that cannot be written), 3 refused by --strict (a pass failed or was rolled back, a lossy pass did
+less than its policy asked, or the result is over its budget), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt
 or SIGTERM unwinds like an exception, so every cleanup runs: scratch files are removed and `--out` is left as it
 was, or holds the complete result. The exit status says which: once the result is complete on disk a signal no
 longer changes the outcome (exit 0), and a run that was interrupted before is never reported as a success.
@@ -29,7 +29,8 @@ MODEL_FILE_HELP = ("a Python file defining build_model() and example_inputs() (o
                    "calibration_data(), evaluate(module) with evaluate_mode = 'max' or 'min'); it is user code and "
                    "runs as such")
 _FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
-EXIT_CODES_HELP = ("exit codes: 0 success; 2 user error (policy, model file, inputs, budget, output path); 3 refused "
+EXIT_CODES_HELP = ("exit codes: 0 success; 2 user error (policy, model file, inputs, budget, a required budget out "
+                   "of reach, output path); 3 refused "
                    "by --strict (a pass failed or was rolled back, a lossy pass did less than its policy asked, or "
                    "the result is over its budget); 1 internal error; 130 interrupted (SIGINT); 143 terminated "
                    "(SIGTERM)")
@@ -178,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES_HELP)
     o.add_argument("model", help=MODEL_FILE_HELP)
     o.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
-    o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak")
+    o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak; "
+                   "required (out of reach: exit 2) unless --set budget_strict=false makes it a target")
     o.add_argument("--activation-budget", help="activations kept at the end of forward: a size like 1GiB or a "
                    "fraction like 30%% of the baseline's (what torch.compile's activation_memory_budget bounds)")
     o.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")

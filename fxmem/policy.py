@@ -251,8 +251,9 @@ class Policy:
     description: str = ""
     mode: Mode = "train"
     budget: Budget | None = None
-    # strict: a budget checkpointing cannot reach is an error (BudgetError). Presets use false: the budget is a
-    # target, the passes go as low as they can and the report says so. An explicit --budget / budget= is strict.
+    # strict (required): a budget the enabled passes cannot reach is an error (BudgetError, fxmem/budgets.py). Presets
+    # use false: a target, the passes go as low as they can and the report says so first. --budget / budget= are
+    # strict unless the same call sets budget_strict.
     budget_strict: bool = True
     optimizer: Optimizer = "adamw"
     passes: dict[str, PassSection] = field(default_factory=dict, metadata={"parse": _parse_passes})
