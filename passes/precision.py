@@ -32,6 +32,8 @@ intent apart from capability). Four parts, each a small function over the graph:
    activations are stored in the low dtype except inside the islands. Model-written float-to-float casts
    (`x.to(q.dtype)`, `.float()` on an fp32 value: no-ops in the fp32 graph) follow the plan. Graph outputs are
    cast back to their original dtype, so the loss is computed in fp32. Redundant cast pairs are removed.
+   A value that may hold finite numbers beyond the low dtype's range (an attention mask of `finfo(float32).min`)
+   is cast saturating, so it still masks instead of turning into -inf (`fxmem.extreme_values`).
    `params: bf16` stores the parameters in bf16 (use `fxmem.make_optimizer`, which keeps fp32 master weights and
    fp32 optimizer state for them); `params: fp32` (default) keeps fp32 master parameters (autocast semantics:
    gradients reach the fp32 parameters through the casts).
@@ -66,6 +68,7 @@ from torch.utils import _pytree as pytree
 from fxmem import ops as optable
 from fxmem.compare import deviation
 from fxmem.errors import PolicyError
+from fxmem.extreme_values import beyond_range, saturating_cast
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import exclusion_steps, first_accepted, guard_for, guard_items
 from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
@@ -305,6 +308,7 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
     cur: dict[fx.Node, torch.dtype | None] = {}
     casts: dict[tuple, fx.Node] = {}
     stats = {"casts_inserted": 0, "retargeted": 0, "outputs_cast": 0}
+    beyond = beyond_range(gm, low)  # e.g. finfo(float32).min in attention masks: their casts saturate
 
     def is_param(a):
         return _is_param_attr(gm, a)
@@ -317,6 +321,8 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
                 if recast and (is_param(a) or a.op == "placeholder") and dt != torch.float32:
                     c = g.call_function(cast_param, (a, dt))
                     stats["params_recast"] = stats.get("params_recast", 0) + 1
+                elif a in beyond and torch.finfo(dt).max < torch.finfo(cur[a]).max:
+                    c = saturating_cast(g, a, dt)
                 else:
                     c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
             c.name = f"{a.name}_{_SHORT.get(dt, 'cast')}"
