@@ -10,6 +10,8 @@ intent apart from capability). Four parts, each a small function over the graph:
    become a `call_module` to `fxmem.nn.lowbit.QuantLinear` (bitsandbytes `Linear8bitLt` with the
    LLM.int8() outlier threshold, or `Linear4bit` with optional double quantization). Skip rules: module patterns
    (`skip_modules`: lm_head / classifier / score by default), layers under `min_params` weights, tied weights.
+   Other large weights (convolutions, embedding tables, 3-D expert weights) stay in full precision: the intent
+   names them with the ops that use them (`fxmem.weights_left`), in the report's warnings and the CLI summary.
    The state_dict changes for swapped layers only: `<path>.weight` becomes `<path>.inner.weight` (int8 / uint8
    packed) plus bitsandbytes' own state keys (`<path>.inner.SCB`, `<path>.inner.weight.absmax`, ...); every other
    name is kept. QLoRA wraps the 4-bit base in `LoRALinear` (`<path>.lora_A`, `<path>.lora_B`) and freezes every
@@ -76,6 +78,7 @@ from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.optim import make_optimizer
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, deep_copy, module_path
+from fxmem.weights_left import describe as describe_weights_left, weights_left
 from fxmem.step import compute_loss
 
 aten = torch.ops.aten
@@ -924,9 +927,10 @@ def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, ki
     sites, skipped = linear_sites(program.module, opts)
     log.notes.extend(f"{sk['module']}: linear kept ({sk['why']})" for sk in skipped)
     setting = "passes.precision.qlora" if opts.weights in ("none", "fp32") else "passes.precision.weights"
+    not_covered = describe_weights_left(weights_left(program.module, opts.min_params), program.module)
     if not sites:
         log.intents.append(Intent(setting, f"{kind} weights", "quantized none", False, _no_site_reason(skipped),
-                                  "lower passes.precision.min_params or narrow skip_modules"))
+                                  "lower passes.precision.min_params or narrow skip_modules", not_covered))
         return program
     guard_kind = "4bit" if kind in ("nf4", "fp4") else kind
     guard = _guard(ctx, program, opts, guard_kind)
@@ -956,7 +960,8 @@ def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, ki
     stopped_by, change = guard_stop(outcome.asked)
     done = len(sites) - len(excluded)
     log.intents.append(Intent(setting, f"{kind} weights on {len(sites)} linear(s)",
-                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change))
+                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change,
+                              not_covered))
     return kept
 
 
