@@ -346,7 +346,7 @@ def cmd_optimize(a) -> int:
 
 
 def _print_summary(a, res, out) -> None:
-    from .intent import shortfall_lines
+    from .intent import coverage_lines, shortfall_lines
     from .units import format_bytes
     if a.json:
         print(res.report.to_json())
@@ -358,6 +358,8 @@ def _print_summary(a, res, out) -> None:
         print(f"OVER BUDGET: {miss}")
     for line in shortfall_lines(res.records):
         print(f"SHORT OF THE POLICY: {line}")
+    for line in coverage_lines(res.records):
+        print(f"NOT COVERED BY THE POLICY: {line}")
     print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")
     for r in ("params", "grads", "optimizer_state", "activations", "peak"):
         print(f"{r:18s}{format_bytes(getattr(b, r)):>14s}{format_bytes(getattr(af, r)):>14s}")

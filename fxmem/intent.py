@@ -28,6 +28,7 @@ class Intent:
     complete: bool
     stopped_by: str = ""  # e.g. "the guard (top-1 agreement 96.1% < 97.0% on 2 calibration item(s))"
     change: str = ""  # e.g. "lower verify.top1_agreement (now 97.0%) or give evaluate"
+    not_covered: str = ""  # what the setting cannot reach, e.g. weights bitsandbytes cannot hold, and why
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +48,8 @@ def intent_line(pass_name: str, intent: dict, status: str = "applied", reason: s
         word = "rolled back" if status == "rolled_back" else "failed and was rolled back"
         return f"{head}, achieved nothing: the pass {word} ({reason or 'no reason recorded'})"
     line = f"{head}, {intent['achieved']}"
+    if intent.get("not_covered"):
+        line += f"; not covered: {intent['not_covered']}"
     if intent.get("complete"):
         return line
     if intent.get("stopped_by"):
@@ -64,6 +67,13 @@ def shortfall_lines(records) -> list[str]:
     """One line per intent a pass did not fully achieve (`PassRecord.intents`), in pass order."""
     return [intent_line(rec.name, it, rec.status, rec.reason) for rec in records
             for it in rec.intents if is_shortfall(it, rec.status)]
+
+
+def coverage_lines(records) -> list[str]:
+    """One line per intent achieved in full whose setting leaves part of the model out (`Intent.not_covered`):
+    e.g. int8 weights on every linear while the convolutions keep fp32."""
+    return [intent_line(rec.name, it, rec.status, rec.reason) for rec in records
+            for it in rec.intents if it.get("not_covered") and not is_shortfall(it, rec.status)]
 
 
 def require_intents(records) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from .costmodel import MemoryEstimate
 from .files import write_bytes, write_text
 from .budgets import miss_line, stated_slack
-from .intent import intent_line, shortfall_lines
+from .intent import coverage_lines, intent_line, shortfall_lines
 from .lossguard import KIND_WORDS
 from .measure import MemoryProfile, TimelinePoint
 from .pass_api import Change, GuardMetrics, PassRecord
@@ -137,6 +137,10 @@ class Report:
         what stopped it, which setting to change); rolled-back passes have their own warning."""
         return shortfall_lines([r for r in self.passes if r.status not in ("rolled_back", "failed")])
 
+    def not_covered(self) -> list[str]:
+        """One line per lossy setting achieved where it applies that leaves part of the model out, with why."""
+        return coverage_lines(self.passes)
+
     def unknown_ops(self) -> list[str]:
         ops: set[str] = set()
         for e in (self.before, self.after, self.measured_before, self.measured_after):
@@ -223,6 +227,7 @@ class Report:
                       "replaced_nodes": self.replaced_nodes()},
             "budget_further": self.budget_further,
             "warnings": {"budget": self.budget_miss(), "shortfalls": self.shortfalls(),
+                         "not_covered": self.not_covered(),
                          "rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
                                          for r in self.problem_passes()],
                          "unknown_ops": self.unknown_ops()},
@@ -351,6 +356,7 @@ class Report:
         miss = self.budget_miss()
         out = [miss] if miss else []
         out += [f"short of the policy: {line}" for line in self.shortfalls()]
+        out += [f"not covered by the policy: {line}" for line in self.not_covered()]
         for r in self.problem_passes():
             what = "was ROLLED BACK" if r.status == "rolled_back" else "FAILED and was rolled back"
             out.append(f"pass `{r.name}` {what}: {r.reason or 'no reason recorded'}")

@@ -13,6 +13,8 @@ Rewrites (`passes.attention.rewrite`):
                     from the module's training flag (`fxmem.nn.attention.sdpa_dropout`). The report says which
                     SDPA backend runs for each site on this device, in train and in eval mode (probed with
                     `torch.nn.attention.sdpa_kernel`): a fall-back to the math kernel loses the memory win.
+                    With an additive mask, rows it masks fully (left padding) get eager attention's value and
+                    gradient, selected at run time (`fxmem.attention_rows`).
     hab             (lossy) `fxmem.nn.attention.HybridAttention`: top-k per query over blocks of query rows (the
                     full matrix never exists; backward keeps O(Lq * k)); with `rank_ratio`, q/k come from new
                     low-rank projections built from a per-head truncated SVD of the existing q/k weights.
@@ -38,6 +40,7 @@ from typing import Literal
 import torch
 from torch import fx
 
+from fxmem.attention_rows import SdpaCall, emit_fully_masked_rows
 from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, find_attention, glob_match,
                                    trace_projection, val)
 from fxmem.costmodel import node_costs
@@ -205,6 +208,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
         details = {"rewrite": kind, "scale": site.scale_value, "is_causal": info.get("is_causal", False),
                    "mask": info.get("mask", "none"), "dropout_p": site.dropout_p, "gqa_groups": site.gqa_groups,
                    "enable_gqa": info.get("enable_gqa", False), "backend": backend,
+                   "fully_masked_rows": info.get("fully_masked_rows"),
                    "saved_bytes_before": saved_before, "saved_bytes_after": saved_after,
                    "notes": list(site.notes)}
         for key in ("rel_error", "top_k", "rank", "rank_ratio", "band", "lowrank_dtype"):
@@ -302,16 +306,27 @@ def _emit_sdpa(program: Program, site: AttentionSite, opts) -> tuple[fx.Node, di
             out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
                                   {"attn_mask": mask, "dropout_p": p, "is_causal": site.causal, "scale": scale,
                                    "enable_gqa": enable_gqa})
-        final = out
+        call = SdpaCall(q, k, v, mask, scale, site.gqa_groups if enable_gqa else 1)
+        final = _with_fully_masked_rows(g, site, call, out) if mask_kind == "additive" else out
+        corrected = final is not out
         if site.batch_dims == 1:
-            final = g.call_function(aten.squeeze.dim, (out, 0))
+            final = g.call_function(aten.squeeze.dim, (final, 0))
     added = [n for n in g.nodes if n not in before]
     for n in added:
         _copy_meta(n, site.output) if n is final else n.meta.setdefault(
             "nn_module_stack", site.output.meta.get("nn_module_stack"))
     removed = _replace(g, site, final)
     return out, {"removed": removed, "added": [n.name for n in added if n is not out], "is_causal": site.causal,
-                 "mask": mask_kind, "enable_gqa": enable_gqa}
+                 "mask": mask_kind, "enable_gqa": enable_gqa, "fully_masked_rows": "eager" if corrected else None}
+
+
+def _with_fully_masked_rows(g: fx.Graph, site: AttentionSite, call: SdpaCall, out: fx.Node) -> fx.Node:
+    """`out` whose rows the additive mask masks fully get eager attention's value and gradient
+    (`fxmem.attention_rows`); `out` itself where the mask is not a float tensor."""
+    mask_val = val(site.masks[0].node)
+    if not isinstance(mask_val, torch.Tensor) or not mask_val.is_floating_point():
+        return out
+    return emit_fully_masked_rows(g, call, out, mask_val.dtype, len(val(site.q).shape) + (site.batch_dims == 1))
 
 
 def _replace(g: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:

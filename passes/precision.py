@@ -10,6 +10,8 @@ intent apart from capability). Four parts, each a small function over the graph:
    become a `call_module` to `fxmem.nn.lowbit.QuantLinear` (bitsandbytes `Linear8bitLt` with the
    LLM.int8() outlier threshold, or `Linear4bit` with optional double quantization). Skip rules: module patterns
    (`skip_modules`: lm_head / classifier / score by default), layers under `min_params` weights, tied weights.
+   Other large weights (convolutions, embedding tables, 3-D expert weights) stay in full precision: the intent
+   names them with the ops that use them (`fxmem.weights_left`), in the report's warnings and the CLI summary.
    The state_dict changes for swapped layers only: `<path>.weight` becomes `<path>.inner.weight` (int8 / uint8
    packed) plus bitsandbytes' own state keys (`<path>.inner.SCB`, `<path>.inner.weight.absmax`, ...); every other
    name is kept. QLoRA wraps the 4-bit base in `LoRALinear` (`<path>.lora_A`, `<path>.lora_B`) and freezes every
@@ -32,6 +34,8 @@ intent apart from capability). Four parts, each a small function over the graph:
    activations are stored in the low dtype except inside the islands. Model-written float-to-float casts
    (`x.to(q.dtype)`, `.float()` on an fp32 value: no-ops in the fp32 graph) follow the plan. Graph outputs are
    cast back to their original dtype, so the loss is computed in fp32. Redundant cast pairs are removed.
+   A value that may hold finite numbers beyond the low dtype's range (an attention mask of `finfo(float32).min`)
+   is cast saturating, so it still masks instead of turning into -inf (`fxmem.extreme_values`).
    `params: bf16` stores the parameters in bf16 (use `fxmem.make_optimizer`, which keeps fp32 master weights and
    fp32 optimizer state for them); `params: fp32` (default) keeps fp32 master parameters (autocast semantics:
    gradients reach the fp32 parameters through the casts).
@@ -66,6 +70,7 @@ from torch.utils import _pytree as pytree
 from fxmem import ops as optable
 from fxmem.compare import deviation
 from fxmem.errors import PolicyError
+from fxmem.extreme_values import beyond_range, saturating_cast
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import exclusion_steps, first_accepted, guard_for, guard_items
 from fxmem.nn.lowbit import FrozenLinear, LoRALinear, QuantLinear
@@ -73,6 +78,7 @@ from fxmem.nn.recast import cast_param, install as install_recast
 from fxmem.optim import make_optimizer
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, deep_copy, module_path
+from fxmem.weights_left import describe as describe_weights_left, weights_left
 from fxmem.step import compute_loss
 
 aten = torch.ops.aten
@@ -305,6 +311,7 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
     cur: dict[fx.Node, torch.dtype | None] = {}
     casts: dict[tuple, fx.Node] = {}
     stats = {"casts_inserted": 0, "retargeted": 0, "outputs_cast": 0}
+    beyond = beyond_range(gm, low)  # e.g. finfo(float32).min in attention masks: their casts saturate
 
     def is_param(a):
         return _is_param_attr(gm, a)
@@ -317,6 +324,8 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
                 if recast and (is_param(a) or a.op == "placeholder") and dt != torch.float32:
                     c = g.call_function(cast_param, (a, dt))
                     stats["params_recast"] = stats.get("params_recast", 0) + 1
+                elif a in beyond and torch.finfo(dt).max < torch.finfo(cur[a]).max:
+                    c = saturating_cast(g, a, dt)
                 else:
                     c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
             c.name = f"{a.name}_{_SHORT.get(dt, 'cast')}"
@@ -918,9 +927,10 @@ def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, ki
     sites, skipped = linear_sites(program.module, opts)
     log.notes.extend(f"{sk['module']}: linear kept ({sk['why']})" for sk in skipped)
     setting = "passes.precision.qlora" if opts.weights in ("none", "fp32") else "passes.precision.weights"
+    not_covered = describe_weights_left(weights_left(program.module, opts.min_params), program.module)
     if not sites:
         log.intents.append(Intent(setting, f"{kind} weights", "quantized none", False, _no_site_reason(skipped),
-                                  "lower passes.precision.min_params or narrow skip_modules"))
+                                  "lower passes.precision.min_params or narrow skip_modules", not_covered))
         return program
     guard_kind = "4bit" if kind in ("nf4", "fp4") else kind
     guard = _guard(ctx, program, opts, guard_kind)
@@ -950,7 +960,8 @@ def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, ki
     stopped_by, change = guard_stop(outcome.asked)
     done = len(sites) - len(excluded)
     log.intents.append(Intent(setting, f"{kind} weights on {len(sites)} linear(s)",
-                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change))
+                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change,
+                              not_covered))
     return kept
 
 
