@@ -26,14 +26,15 @@ Call `program.refresh()` after outlining (the PassManager does it after every pa
 """
 from __future__ import annotations
 
-import heapq
 import operator
 import re
 from typing import Callable, Iterable
 
+import networkx as nx
 from torch import fx, nn
 
 from .errors import FxmemError
+from .fx_digraph import as_digraph
 from .program import Program
 
 __all__ = ["outline", "OutlineError", "region_boundary", "unique_name", "stable_toposort"]
@@ -207,32 +208,18 @@ def _common_stack(members: list[fx.Node]) -> dict:
 
 
 def stable_toposort(graph: fx.Graph) -> None:
-    """Re-order `graph` topologically, keeping each node as early as its original position allows.
-
-    Kahn's algorithm with a heap on the original positions: when the graph is already ordered nothing moves.
-    """
+    """Re-order `graph` topologically, keeping each node as early as its original position allows (the
+    lexicographic topological order on the original positions: when the graph is already ordered nothing moves)."""
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
-    heap = [pos[n] for n in nodes if indeg[n] == 0]
-    heapq.heapify(heap)
-    order: list[fx.Node] = []
-    while heap:
-        n = nodes[heapq.heappop(heap)]
-        order.append(n)
-        for u in n.users:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, pos[u])
-    if len(order) != len(nodes):
-        raise OutlineError("graph has a cycle after outlining")
+    position = {n: i for i, n in enumerate(nodes)}
+    try:
+        order = list(nx.lexicographical_topological_sort(as_digraph(graph), key=position.__getitem__))
+    except nx.NetworkXUnfeasible:
+        raise OutlineError("graph has a cycle after outlining") from None
     if order == nodes:
         return
-    # move nodes into place: append each after the previous one
-    output = [n for n in order if n.op == "output"]
-    prev = None
-    for n in order:
-        if prev is not None and prev.next is not n:
-            prev.append(n)
-        prev = n
-    del output
+    previous = None
+    for node in order:  # move nodes into place: append each after the previous one
+        if previous is not None and previous.next is not node:
+            previous.append(node)
+        previous = node
