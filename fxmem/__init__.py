@@ -22,6 +22,8 @@ _LAZY = {
     "estimate": ("sizing", "estimate"),
     "MemoryEstimate": ("costmodel", "MemoryEstimate"),
     "plan_batch": ("sizing", "plan_batch"),
+    "fit_batch": ("fit", "fit_batch"),
+    "FitResult": ("fit", "FitResult"),
     "transform": ("api", "transform"),
     "TransformResult": ("api", "TransformResult"),
     "load": ("api", "load"),

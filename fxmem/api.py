@@ -53,6 +53,7 @@ class TransformResult:
     measured_before: Any = None
     measured_after: Any = None
     records: list = field(default_factory=list)
+    fit_summary: str = ""  # `fxmem.fit_batch`'s search, when the batch was fitted to the budget
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)

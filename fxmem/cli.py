@@ -188,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace an existing result of fxmem optimize at --out atomically (never a directory holding "
                         "anything else, nor the working directory or one holding the model or policy file)")
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
+    o.add_argument("--fit", choices=["batch"], help="batch: the largest batch whose transformed step fits --budget "
+                   "(a size), by the cost model; the result is transformed and written at that batch")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
     o.add_argument("--strict", action="store_true",
@@ -333,16 +335,28 @@ def cmd_optimize(a) -> int:
         mf = load_model_file(a.model)
         check_inputs(mf)
         log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        calibration = mf.calibration(limit=64)
-        res = transform(mf.model, mf.args, mf.kwargs, policy=a.policy, budget=budget,
-                        activation_budget=activation_budget, calibration=calibration,
-                        loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
-                        overrides=a.set, log=log, model_file=mf.module)
+        options = dict(policy=a.policy, activation_budget=activation_budget, calibration=mf.calibration(limit=64),
+                       loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
+                       overrides=a.set, log=log, model_file=mf.module)
+        res = _fitted(mf, budget, options) if a.fit else transform(mf.model, mf.args, mf.kwargs, budget=budget,
+                                                                    **options)
         out.write(res)
         _print_summary(a, res, out)
         return 0
     finally:
         out.discard()
+
+
+def _fitted(mf, budget, options: dict):
+    """--fit batch: the result at the largest batch that fits the budget (`fxmem.fit_batch`), its search in the
+    report's notes."""
+    from .fit import fit_batch
+    if budget is None:
+        raise FxmemError("--fit batch: give the memory cap with --budget (a size like 16GiB)")
+    fit = fit_batch(mf.model, mf.args, mf.kwargs, budget=budget, **options)
+    fit.result.report.notes.append(fit.summary())
+    fit.result.fit_summary = fit.summary()
+    return fit.result
 
 
 def _print_summary(a, res, out) -> None:
@@ -353,6 +367,8 @@ def _print_summary(a, res, out) -> None:
         return
     b, af = res.before, res.after
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
+    if res.fit_summary:
+        print(res.fit_summary)
     miss = res.report.budget_miss()
     if miss:
         print(f"OVER BUDGET: {miss}")

@@ -31,23 +31,11 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
         fragmentation = 0.10 if str(device).startswith("cuda") else 0.0
     usable = int((budget - context_bytes) * (1.0 - fragmentation))
     args, kwargs = (args or program.example_args), (kwargs or program.example_kwargs)
-    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    example_batch = next((t.shape[batch_dim] for t in flat if isinstance(t, torch.Tensor) and t.dim() > batch_dim),
-                         None)
-    if example_batch is None:
-        raise ValueError("no tensor input has a batch dim to scale")
+    example_batch = batch_size(args, kwargs, batch_dim)
 
     @functools.cache
     def peak_at(batch: int) -> int:
-        scaled = []
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.dim() > batch_dim \
-                    and tensor.shape[batch_dim] == example_batch:
-                rows = torch.arange(batch, device=tensor.device) % example_batch
-                scaled.append(tensor.index_select(batch_dim, rows))
-            else:
-                scaled.append(tensor)
-        scaled_args, scaled_kwargs = pytree.tree_unflatten(scaled, spec)
+        scaled_args, scaled_kwargs = scaled_inputs(args, kwargs, batch_dim, batch)
         try:
             return estimate(program, scaled_args, scaled_kwargs, mode=mode, optimizer=optimizer, method=method,
                             loss_fn=loss_fn).peak
@@ -67,6 +55,29 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
     guess = max(1, min(max_batch, 1 + (usable - peak_one) // per_sample))  # linear in the batch from the first two
     batch = largest_fitting(lambda n: peak_at(n) <= usable, guess, max_batch)
     return {"batch": batch, "peak": peak_at(batch), "usable": usable, "per_sample": per_sample}
+
+
+def batch_size(args, kwargs, batch_dim: int = 0) -> int:
+    """The batch size of example inputs: the size along `batch_dim` of their first tensor that has that dim."""
+    flat = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    size = next((t.shape[batch_dim] for t in flat if isinstance(t, torch.Tensor) and t.dim() > batch_dim), None)
+    if size is None:
+        raise ValueError("no tensor input has a batch dim to scale")
+    return size
+
+
+def scaled_inputs(args, kwargs, batch_dim: int, batch: int) -> tuple[tuple, dict]:
+    """(args, kwargs) with every tensor whose size along `batch_dim` is the example batch grown (or cut) to `batch`
+    rows, the example's rows repeated in order."""
+    example_batch = batch_size(args, kwargs, batch_dim)
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    scaled = []
+    for tensor in flat:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > batch_dim and tensor.shape[batch_dim] == example_batch:
+            rows = torch.arange(batch, device=tensor.device) % example_batch
+            tensor = tensor.index_select(batch_dim, rows)
+        scaled.append(tensor)
+    return pytree.tree_unflatten(scaled, spec)
 
 
 def _runs_at(program: Program, args, kwargs, mode, loss_fn) -> bool:
