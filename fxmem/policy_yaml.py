@@ -163,8 +163,9 @@ def _walk(loader, node, path: KeyPath, locs: dict, display: str, active: set) ->
         out: dict[str, Any] = {}
         for k, v in node.value:
             if not isinstance(k, yaml.ScalarNode):
+                kind = "list" if isinstance(k, yaml.SequenceNode) else "mapping"
                 raise PolicyError(f"{display}:{k.start_mark.line + 1} {format_key_path(path)}: "
-                                  f"expected a string key, got a {'list' if isinstance(k, yaml.SequenceNode) else 'mapping'}")
+                                  f"expected a string key, got a {kind}")
             key = k.value  # keys are names: 'on', 'yes', '1' stay strings
             p = path + (key,)
             if not path:

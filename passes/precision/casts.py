@@ -23,150 +23,166 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
 
     recast: casts of parameters become `fxmem.nn.recast.cast_param` and the module gets the recast hooks, so
     autograd saves the parameter (alive anyway) instead of its low-precision copy and casts again in backward."""
-    g = gm.graph
-    compact = opts.islands == "compact"
-    cur: dict[fx.Node, torch.dtype | None] = {}
-    casts: dict[tuple, fx.Node] = {}
-    stats = {"casts_inserted": 0, "retargeted": 0, "outputs_cast": 0}
+    rewrite = CastRewrite(gm, decisions, opts, low, recast)
+    for n in list(gm.graph.nodes):
+        rewrite.visit(n)
+    gm.graph.lint()
+    gm.recompile()
+    if rewrite.stats.get("params_recast"):
+        install_recast(gm)
+    return rewrite.stats
 
-    def is_param(a):
-        return is_param_attr(gm, a)
 
-    def cast(a: fx.Node, dt: torch.dtype, before: fx.Node) -> fx.Node:
-        key = (a, dt)
-        c = casts.get(key)
-        if c is None:
-            with g.inserting_before(before):
-                if recast and (is_param(a) or a.op == "placeholder") and dt != torch.float32:
-                    c = g.call_function(cast_param, (a, dt))
-                    stats["params_recast"] = stats.get("params_recast", 0) + 1
-                else:
-                    c = g.call_function(aten._to_copy.default, (a,), {"dtype": dt})
-            c.name = f"{a.name}_{DTYPE_NAMES.get(dt, 'cast')}"
-            c.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-            c.meta["fxmem_precision"] = "cast"
-            casts[key] = c
-            cur[c] = dt
-            stats["casts_inserted"] += 1
-        return c
+class CastRewrite:
+    """One application of a plan, node by node in graph order: the dtype every value has under the plan so far
+    (`dtypes`; None for non-float values), the casts made (one per value and dtype, reused), and counters."""
 
-    def float_inputs(n):
-        return [a for a in node_args(n) if cur.get(a) is not None]
+    def __init__(self, gm: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions,
+                 low: torch.dtype, recast: bool):
+        self.gm, self.graph, self.decisions = gm, gm.graph, decisions
+        self.low, self.recast, self.compact = low, recast, opts.islands == "compact"
+        self.dtypes: dict[fx.Node, torch.dtype | None] = {}
+        self.casts: dict[tuple, fx.Node] = {}
+        self.stats = {"casts_inserted": 0, "retargeted": 0, "outputs_cast": 0}
 
-    def target_for(n, d: Decision) -> torch.dtype | None:
-        ins = float_inputs(n)
-        if not ins:
-            return None
-        if d.cls == LOW:
-            return low
-        if d.cls == FP32:
-            return torch.float32
-        if d.cls == OPAQUE:
-            return None  # per input: original dtype
-        if d.cls == INPLACE:
-            return cur.get(n.args[0])  # the mutated tensor is never cast (a cast would mutate a copy)
-        dts = {cur[a] for a in ins}
-        nonparam = {cur[a] for a in ins if not is_param(a)}
-        if compact:
-            if low in dts or (not nonparam and ins):
-                if low == torch.float16 and any(x not in (low,) for x in nonparam):
-                    return torch.float32  # fp16: mixed with fp32 values promotes (range)
-                return low
-            return next(iter(dts)) if len(dts) == 1 else torch.float32
-        # autocast: torch's type promotion, made explicit where dtypes differ
-        if len(dts) == 1:
-            return next(iter(dts))
-        return torch.float32 if torch.float32 in dts else max(dts, key=lambda x: torch.finfo(x).bits)
-
-    for n in list(g.nodes):
+    def visit(self, n: fx.Node) -> None:
         if n.op == "placeholder":
-            cur[n] = orig_float_dtype(n)
-            continue
-        if n.op == "get_attr":
-            v = None
-            try:
-                obj = attr_of(gm, n.target)
-                if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-                    v = obj.dtype
-            except AttributeError:
-                pass
-            cur[n] = v
-            continue
-        if n.op == "output":
-            def fix(a):
-                if isinstance(a, fx.Node) and cur.get(a) is not None:
-                    want = orig_float_dtype(a)
-                    if want is not None and cur[a] != want:
-                        stats["outputs_cast"] += 1
-                        return cast(a, want, n)
-                return a
-            n.args = fx.node.map_arg(n.args, fix)
-            continue
-        d = decisions.get(n.name)
-        if d is None:
-            cur[n] = orig_float_dtype(n)
-            continue
-        if d.cls == RETARGET:
-            src = n.args[0]
-            if cur.get(src) is not None:
-                n.replace_all_uses_with(src)
-                g.erase_node(n)
-                stats["retargeted"] += 1
-                continue
-            cur[n] = orig_float_dtype(n)
-            continue
-        if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
-            src = n.args[0]
-            if isinstance(src, fx.Node) and cur.get(src) is not None and n.kwargs.get("dtype") is not None \
-                    and n.kwargs["dtype"] != cur[src]:
-                n.kwargs = {**n.kwargs, "dtype": cur[src]}
-                stats["asserts_updated"] = stats.get("asserts_updated", 0) + 1
-            cur[n] = None
-            continue
-        if n.op == "call_function" and n.target is operator.getitem:
+            self.dtypes[n] = orig_float_dtype(n)
+        elif n.op == "get_attr":
+            self.dtypes[n] = self._attr_dtype(n)
+        elif n.op == "output":
+            n.args = fx.node.map_arg(n.args, lambda arg: self._as_output(arg, n))
+        elif n.name not in self.decisions:
+            self.dtypes[n] = orig_float_dtype(n)
+        elif self.decisions[n.name].cls == RETARGET:
+            self._retarget(n)
+        elif n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
+            self._update_assert(n)
+        elif n.op == "call_function" and n.target is operator.getitem:
             parent = n.args[0]
-            cur[n] = cur.get(parent) if orig_float_dtype(n) is not None and cur.get(parent) is not None \
-                else orig_float_dtype(n)
-            continue
-        want = target_for(n, d)
+            self.dtypes[n] = self.dtypes.get(parent) if orig_float_dtype(n) is not None \
+                and self.dtypes.get(parent) is not None else orig_float_dtype(n)
+        else:
+            self._cast_inputs(n, self.decisions[n.name])
 
+    def cast(self, value: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+        """`value` in `dtype`: the cast made for it earlier, or a new one inserted before `before`."""
+        key = (value, dtype)
+        made = self.casts.get(key)
+        if made is None:
+            with self.graph.inserting_before(before):
+                if self.recast and (self.is_param(value) or value.op == "placeholder") and dtype != torch.float32:
+                    made = self.graph.call_function(cast_param, (value, dtype))
+                    self.stats["params_recast"] = self.stats.get("params_recast", 0) + 1
+                else:
+                    made = self.graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+            made.name = f"{value.name}_{DTYPE_NAMES.get(dtype, 'cast')}"
+            made.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+            made.meta["fxmem_precision"] = "cast"
+            self.casts[key] = made
+            self.dtypes[made] = dtype
+            self.stats["casts_inserted"] += 1
+        return made
+
+    def is_param(self, n) -> bool:
+        return is_param_attr(self.gm, n)
+
+    def _attr_dtype(self, n: fx.Node) -> torch.dtype | None:
+        try:
+            obj = attr_of(self.gm, n.target)
+        except AttributeError:
+            return None
+        return obj.dtype if isinstance(obj, torch.Tensor) and obj.is_floating_point() else None
+
+    def _as_output(self, arg, output: fx.Node):
+        """A graph output is cast back to its original dtype (the loss is computed in fp32)."""
+        if isinstance(arg, fx.Node) and self.dtypes.get(arg) is not None:
+            want = orig_float_dtype(arg)
+            if want is not None and self.dtypes[arg] != want:
+                self.stats["outputs_cast"] += 1
+                return self.cast(arg, want, output)
+        return arg
+
+    def _retarget(self, n: fx.Node) -> None:
+        """A model-written float-to-float cast that is a no-op in the fp32 graph follows the plan: it goes."""
+        src = n.args[0]
+        if self.dtypes.get(src) is not None:
+            n.replace_all_uses_with(src)
+            self.graph.erase_node(n)
+            self.stats["retargeted"] += 1
+            return
+        self.dtypes[n] = orig_float_dtype(n)
+
+    def _update_assert(self, n: fx.Node) -> None:
+        """An export-time dtype check of a value whose dtype the plan changed checks the new dtype."""
+        src = n.args[0]
+        if isinstance(src, fx.Node) and self.dtypes.get(src) is not None and n.kwargs.get("dtype") is not None \
+                and n.kwargs["dtype"] != self.dtypes[src]:
+            n.kwargs = {**n.kwargs, "dtype": self.dtypes[src]}
+            self.stats["asserts_updated"] = self.stats.get("asserts_updated", 0) + 1
+        self.dtypes[n] = None
+
+    def _cast_inputs(self, n: fx.Node, d: Decision) -> None:
+        """Cast the float inputs of `n` to the dtype its class runs in; record the dtype of its result."""
+        want = self._target_dtype(n, d)
         mixed = d.cls == ACC and n.op == "call_function" and optable.packet(n.target) in BATCH_NORMS
         first = n.args[0] if n.args else None
 
-        def fix(a, n=n, want=want, d=d, mixed=mixed, first=first):
-            if not isinstance(a, fx.Node) or cur.get(a) is None:
-                return a
-            w = want
+        def fix(arg):
+            if not isinstance(arg, fx.Node) or self.dtypes.get(arg) is None:
+                return arg
+            dtype = want
             if d.cls == OPAQUE:
-                w = orig_float_dtype(a)
-            elif mixed and a is not first:
+                dtype = orig_float_dtype(arg)
+            elif mixed and arg is not first:
                 # batch norm's mixed-dtype kernel: low-precision input, weight/bias/running statistics in fp32
-                w = torch.float32
-            if w is None or cur[a] == w:
-                return a
-            return cast(a, w, n)
+                dtype = torch.float32
+            if dtype is None or self.dtypes[arg] == dtype:
+                return arg
+            return self.cast(arg, dtype, n)
         n.args = fx.node.map_arg(n.args, fix)
         n.kwargs = fx.node.map_arg(n.kwargs, fix)
         # explicit fp32 result dtypes (softmax(x, dtype=float32) in HF code) follow the plan in LOW/ACC ops
         if d.cls in (ACC, LOW) and n.target in (aten.softmax.int, aten.log_softmax.int) and len(n.args) > 2 \
                 and n.args[2] == torch.float32 and want is not None and want != torch.float32:
             n.args = n.args[:2] + (None,) + tuple(n.args[3:])
-        od = orig_float_dtype(n)
-        if od is None:
-            cur[n] = None
-        elif d.cls == OPAQUE:
-            cur[n] = od
-        elif d.cls == FP32:
-            cur[n] = torch.float32
-        elif want is not None:
-            cur[n] = want
-        else:
-            cur[n] = od
-    g.lint()
-    gm.recompile()
-    if stats.get("params_recast"):
-        install_recast(gm)
-    return stats
+        self.dtypes[n] = self._result_dtype(n, d, want)
+
+    def _result_dtype(self, n: fx.Node, d: Decision, want: torch.dtype | None) -> torch.dtype | None:
+        original = orig_float_dtype(n)
+        if original is None:
+            return None
+        if d.cls == OPAQUE:
+            return original
+        if d.cls == FP32:
+            return torch.float32
+        return want if want is not None else original
+
+    def _target_dtype(self, n: fx.Node, d: Decision) -> torch.dtype | None:
+        """The dtype the float inputs of `n` are cast to (None: each keeps its own)."""
+        ins = [arg for arg in node_args(n) if self.dtypes.get(arg) is not None]
+        if not ins:
+            return None
+        if d.cls == LOW:
+            return self.low
+        if d.cls == FP32:
+            return torch.float32
+        if d.cls == OPAQUE:
+            return None  # per input: original dtype
+        if d.cls == INPLACE:
+            return self.dtypes.get(n.args[0])  # the mutated tensor is never cast (a cast would mutate a copy)
+        dts = {self.dtypes[arg] for arg in ins}
+        nonparam = {self.dtypes[arg] for arg in ins if not self.is_param(arg)}
+        if self.compact:
+            if self.low in dts or (not nonparam and ins):
+                if self.low == torch.float16 and any(x not in (self.low,) for x in nonparam):
+                    return torch.float32  # fp16: mixed with fp32 values promotes (range)
+                return self.low
+            return next(iter(dts)) if len(dts) == 1 else torch.float32
+        # autocast: torch's type promotion, made explicit where dtypes differ
+        if len(dts) == 1:
+            return next(iter(dts))
+        return torch.float32 if torch.float32 in dts else max(dts, key=lambda x: torch.finfo(x).bits)
 
 
 def simplify_casts(gm: fx.GraphModule) -> int:

@@ -93,7 +93,8 @@ def _is_float_noop_cast(n: fx.Node) -> bool:
     kw = dict(n.kwargs)
     kw.pop("dtype", None)
     kw.pop("layout", None)
-    if kw.get("device") not in (None,) and node_value(src) is not None and torch.device(kw["device"]) != node_value(src).device:
+    if kw.get("device") not in (None,) and node_value(src) is not None \
+            and torch.device(kw["device"]) != node_value(src).device:
         return False
     kw.pop("device", None)
     kw.pop("copy", None)
