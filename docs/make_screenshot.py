@@ -28,7 +28,7 @@ def build_report(policy: str):
     import examples.gpt as ex
     from fxmem.api import transform
     from fxmem.pipeline import load_passes
-    from fxmem.policy import load_policy
+    from fxmem.policy_loader import load_policy
     registry = load_passes()
     pol = load_policy(policy)
     off = [f"passes.{n}.enabled=false" for n, sec in sorted(pol.passes.items()) if sec.enabled and n not in registry]

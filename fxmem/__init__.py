@@ -27,7 +27,7 @@ _LAZY = {
     "transform": ("api", "transform"),
     "TransformResult": ("api", "TransformResult"),
     "load": ("api", "load"),
-    "load_policy": ("policy", "load_policy"),
+    "load_policy": ("policy_loader", "load_policy"),
     "Policy": ("policy", "Policy"),
     "Report": ("report", "Report"),
     "calibrate": ("calibrate", "calibrate"),

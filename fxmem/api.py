@@ -30,7 +30,7 @@ from .measure import measure as measure_memory
 from .nn.lowbit import QuantLinear
 from .nn.offload import WeightStreamer
 from .pipeline import PassManager, load_passes
-from .policy import load_policy
+from .policy_loader import load_policy
 from .program import Program, deep_copy
 from .report import Report
 from .resultdir import RESULT_KIND, STRUCTURE, WEIGHTS, load_result, write_manifest

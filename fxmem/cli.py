@@ -410,7 +410,8 @@ def cmd_diff(a) -> int:
 
 def cmd_policies(a) -> int:
     from .pipeline import load_passes
-    from .policy import list_presets, load_policy
+    from .policy_loader import load_policy
+    from .policy_presets import list_presets
     load_passes()
     if a.action == "list":
         for name in list_presets():

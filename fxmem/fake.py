@@ -57,9 +57,16 @@ def module_tensors(module: nn.Module) -> list:
 def sizing_device(tensors) -> torch.device:
     """The device a model built on the meta device is sized for: that of its first input not on meta, else the
     CPU."""
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            return tensor.device
+    return first_sized_device(tensor.device for tensor in tensors if isinstance(tensor, torch.Tensor))
+
+
+def first_sized_device(devices) -> torch.device:
+    """The first of `devices` (torch.device or its name) that is not meta, else the CPU: where the fresh tensors of
+    a model built on the meta device (`fxmem.meta_models`) are made, beside inputs on the device it is sized for."""
+    for device in devices:
+        device = torch.device(device)
+        if device.type != "meta":
+            return device
     return torch.device("cpu")
 
 

@@ -826,7 +826,7 @@ def test_within_blocks_keeps_regions_inside_blocks_for_fsdp():
     such candidates: every region stays in one block, both blocks can be made, and the step is still exact; a
     policy that declares `passes.offload.distributed: fsdp` turns it on."""
     from fxmem.distributed import declared_mode, make_blocks
-    from fxmem.policy import load_policy
+    from fxmem.policy_loader import load_policy
 
     def fsdp_declared(policy):
         return declared_mode(policy) == "fsdp"

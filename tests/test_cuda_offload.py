@@ -12,7 +12,8 @@ from torch import nn
 
 import fxmem
 from fxmem.costmodel import estimate
-from fxmem.nn.offload import OffloadedOptimizer, OffloadRegion, OffloadRuntime, _Entry, _Packed, _Store
+from fxmem.nn.offload import OffloadedOptimizer, OffloadRegion, OffloadRuntime
+from fxmem.nn.offload.store import OffloadEntry, PackedTensor, StepStore
 from fxmem.program import Program
 
 from .conftest import on_device
@@ -93,8 +94,8 @@ def test_copies_run_on_a_side_stream_into_pinned_memory_and_prefetch(monkeypatch
     weights = [nn.Parameter(torch.randn(16, 16, device=DEVICE)) for _ in range(3)]
     x = torch.randn(8, 16, device=DEVICE, requires_grad=True)
     log, streams, pinned = [], [], []
-    real_write, real_read, real_unpack, real_side = _Entry.start_write, _Entry.start_read, _Packed.unpack, \
-        _Store.side_stream
+    real_write, real_read = OffloadEntry.start_write, OffloadEntry.start_read
+    real_unpack, real_side = PackedTensor.unpack, StepStore.side_stream
 
     def start_write(self, u8):
         real_write(self, u8)
@@ -115,8 +116,8 @@ def test_copies_run_on_a_side_stream_into_pinned_memory_and_prefetch(monkeypatch
         return stream
 
     ref, ref_grads = reference_grads(regions, x, weights)
-    for cls, name, fn in ((_Entry, "start_write", start_write), (_Entry, "start_read", start_read),
-                          (_Packed, "unpack", unpack), (_Store, "side_stream", side_stream)):
+    for cls, name, fn in ((OffloadEntry, "start_write", start_write), (OffloadEntry, "start_read", start_read),
+                          (PackedTensor, "unpack", unpack), (StepStore, "side_stream", side_stream)):
         monkeypatch.setattr(cls, name, fn)
     got = run_bodies(regions, x, weights)
     got.backward()

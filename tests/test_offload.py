@@ -1,4 +1,4 @@
-"""Activation offload (passes/offload.py, fxmem/nn/offload.py): exactness, scratch-file lifetime, cost model."""
+"""Activation offload (passes/offload.py, fxmem/nn/offload/): exactness, scratch-file lifetime, cost model."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,8 @@ from torch import nn
 import fxmem
 from fxmem.costmodel import estimate
 from fxmem.errors import PolicyError
-from fxmem.nn.offload import OffloadRegion, OffloadRuntime, _Entry, _Packed, live_scratch_dirs
+from fxmem.nn.offload import OffloadRegion, OffloadRuntime, live_scratch_dirs
+from fxmem.nn.offload.store import OffloadEntry, PackedTensor
 from fxmem.program import Program
 
 from .conftest import example_module, planner_sets
@@ -262,7 +263,7 @@ def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
     ws = [nn.Parameter(torch.randn(16, 16)) for _ in range(3)]
     x = torch.randn(8, 16, requires_grad=True)
     log = []
-    real_read, real_unpack = _Entry.start_read, _Packed.unpack
+    real_read, real_unpack = OffloadEntry.start_read, PackedTensor.unpack
 
     def start_read(self):
         if self.buf is None:
@@ -274,8 +275,8 @@ def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
         return real_unpack(self)
 
     ref, gref = reference_grads(regions, x, ws)
-    monkeypatch.setattr(_Entry, "start_read", start_read)
-    monkeypatch.setattr(_Packed, "unpack", unpack)
+    monkeypatch.setattr(OffloadEntry, "start_read", start_read)
+    monkeypatch.setattr(PackedTensor, "unpack", unpack)
     got = run_bodies(regions, x, ws)
     store = rt._stores and next(iter(rt._stores))
     assert store.count > 0

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from fxmem.errors import FxmemError, PolicyError
-from fxmem.policy import (KNOWN_PASSES, Budget, PassSection, Policy, Size, VerifyOptions, list_presets,
-                          load_policy, options_class, preset_path, register_options, registered_options,
-                          unregister_options)
+from fxmem.policy import (KNOWN_PASSES, Budget, PassSection, Policy, Size, VerifyOptions, options_class,
+                          register_options, registered_options, unregister_options)
+from fxmem.policy_loader import load_policy
+from fxmem.policy_presets import list_presets, preset_path
 from fxmem.units import format_bytes, format_size, parse_budget, parse_size
 
 
@@ -813,11 +814,11 @@ def test_many_aliases_and_long_extends_chains_are_refused(tmp_path):
 def test_presets_read_the_same_with_limits():
     """What the limited reader makes of each preset is what PyYAML's safe loader makes of it (with the policy
     reader's float rule): limits change nothing for real policies."""
-    from fxmem.policy import _Loader, _parse_yaml
+    from fxmem.policy_yaml import PolicyYamlLoader, parse_yaml
     for name in list_presets():
         text = preset_path(name).read_text()
-        data, _ = _parse_yaml(text, name)
-        assert data == yaml.load(text, Loader=_Loader)
+        data, _ = parse_yaml(text, name)
+        assert data == yaml.load(text, Loader=PolicyYamlLoader)
     # a realistic user file with anchors, merge keys and a --set value using them reads as before
     text = textwrap.dedent("""
         version: 1
@@ -826,8 +827,8 @@ def test_presets_read_the_same_with_limits():
         passes:
           checkpoint: {<<: *base, solver: auto}
     """)
-    data, _ = _parse_yaml(text, "user.yaml")
-    assert data == yaml.load(text, Loader=_Loader)
+    data, _ = parse_yaml(text, "user.yaml")
+    assert data == yaml.load(text, Loader=PolicyYamlLoader)
 
 
 def test_a_dict_policy_that_contains_itself_is_refused_naming_the_key():

@@ -8,7 +8,7 @@ import torch
 import fxmem
 from fxmem.errors import PolicyError
 from fxmem.pipeline import load_passes
-from fxmem.policy import load_policy
+from fxmem.policy_loader import load_policy
 
 load_passes()
 

@@ -63,7 +63,7 @@ def _run(prog: Program, mode="train", loss_fn=None, policy=None, **opts):
 
 def _float_in_dtypes(node):
     out = []
-    for a in P._node_args(node):
+    for a in P.node_args(node):
         v = a.meta.get("fxmem_val")
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             out.append(v.dtype)
@@ -427,7 +427,7 @@ def test_guard_refusing_everything_keeps_every_site_and_says_why():
 def test_guard_backs_off_the_largest_site_errors_first():
     """Refused whole, nf4 goes back to fp32 first on the linears whose own error is largest, 1, 2, 4, ... of them,
     until the whole model is within the limit (outputs judged as values: relative error decides)."""
-    from fxmem.policy import load_policy
+    from fxmem.policy_loader import load_policy
     values = load_policy({"version": 1, "verify": {"outputs": "values"}})
     ex, prog = _example("gpt", mode="inference")
     full = _run(prog, mode="inference", compute="fp32", weights="nf4", policy=values, tolerance=10.0)
@@ -460,7 +460,7 @@ def test_through_pass_manager_with_policy():
     """The policy validates passes.precision against PrecisionOptions; the manager applies and verifies it."""
     from fxmem.costmodel import estimate
     from fxmem.pipeline import PassManager
-    from fxmem.policy import load_policy
+    from fxmem.policy_loader import load_policy
     off = {k: {"enabled": False} for k in ("attention", "pruning", "gating", "checkpoint", "offload")}
     pol = load_policy({"version": 1, "name": "t", "mode": "train", "optimizer": "adamw8bit",
                        "passes": {**off, "precision": {"enabled": True, "compute": "bf16", "weights": "fp32",

@@ -58,7 +58,7 @@ def _run(prog: Program, mode="train", loss_fn=None, **opts):
 
 def _float_in_dtypes(node):
     out = []
-    for a in P._node_args(node):
+    for a in P.node_args(node):
         v = a.meta.get("fxmem_val")
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             out.append(v.dtype)

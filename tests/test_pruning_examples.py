@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 import fxmem
 from fxmem.modelfile import split_inputs
 from fxmem.pipeline import PassContext, load_passes
-from fxmem.policy import load_policy
+from fxmem.policy_loader import load_policy
 from fxmem.step import compute_loss
 from tests.conftest import example, example_module
 

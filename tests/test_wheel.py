@@ -47,7 +47,7 @@ def test_wheel_works_outside_source_tree(wheel, tmp_path):
     assert not (target / "passes").exists()
     script = textwrap.dedent("""
         import torch, fxmem
-        from fxmem.policy import list_presets
+        from fxmem.policy_presets import list_presets
         from fxmem.pipeline import load_passes
         assert fxmem.__file__.startswith(TARGET), fxmem.__file__
         assert {"low", "medium", "high", "inference"} <= set(list_presets())

@@ -16,6 +16,7 @@ except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int,
     except ImportError:
         from torch.fx.experimental.symbolic_shapes import hint_int as _example_size
 
+from ..fake import first_sized_device
 from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker
 
@@ -125,13 +126,6 @@ def _is_view(func) -> bool:
     return any(ret.alias_info is not None for ret in func._schema.returns)
 
 
-def _sizing_device(args, kwargs) -> str:
-    """The device a call's fresh tensors are made on: its tensors', where a model built on the meta device shows
-    its parameters as meta tensors (`fxmem.meta_models`) beside inputs on the device it is sized for."""
-    metas = [arg for arg in pytree.tree_leaves((args, [value for _, value in kwargs])) if isinstance(arg, TensorMeta)]
-    return next((meta.device for meta in metas if meta.device != "meta"), "cpu")
-
-
 class FreshCall:
     """A recorded call made again on fresh fake tensors: its arguments, and the leaves needing grad with the
     position of the argument each one is (None: inside a list, or by keyword)."""
@@ -139,7 +133,9 @@ class FreshCall:
     def __init__(self, args, kwargs):
         self.leaves: list = []
         self.positions: list = []
-        self.device = _sizing_device(args, kwargs)
+        # a model built on the meta device shows its parameters as meta tensors beside inputs on the sized device
+        leaves = pytree.tree_leaves((args, [value for _, value in kwargs]))
+        self.device = first_sized_device(leaf.device for leaf in leaves if isinstance(leaf, TensorMeta))
         self.args = [self.make(arg, position) for position, arg in enumerate(args)]
         self.kwargs = {key: self.make(value, None) for key, value in kwargs}
 

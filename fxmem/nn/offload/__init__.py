@@ -1,0 +1,93 @@
+"""Offload runtime: saved activations, frozen weights, gradients and optimizer state moved to a slower tier.
+
+`OffloadRegion` (here) + `OffloadRuntime` (runtime): activations a region saves go to "disk" (a scratch file) or
+"cpu" (pinned host memory) while it runs and come back one region ahead in backward (store, scratch).
+`WeightStreamer` (weights): frozen weights streamed in block by block. `OffloadedOptimizer` (optimizer):
+gradients and the optimizer step on the host. `probe_bandwidth` (bandwidth): how fast a tier is.
+Design: docs/design/offload.md.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .. import recast
+from ..regions import RegionInfo
+from .bandwidth import probe_bandwidth
+from .optimizer import OffloadedOptimizer
+from .runtime import OffloadRuntime, RegionScope
+from .scratch import SCRATCH_PREFIX, TIERS
+from .store import live_scratch_dirs
+from .weights import WeightStreamer
+
+__all__ = ["OffloadRuntime", "OffloadRegion", "WeightStreamer", "OffloadedOptimizer", "probe_bandwidth",
+           "SCRATCH_PREFIX", "TIERS", "live_scratch_dirs"]
+
+
+def _is_fake(args) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(a, FakeTensor) or (isinstance(a, torch.Tensor) and a.device.type == "meta")
+               for a in pytree.tree_leaves(args))  # (an argument can be a tuple: a multi-output region's result)
+
+
+class OffloadRegion(nn.Module):
+    """Runs `body` with saved tensors offloaded to the runtime's tier (docs/design/offload.md).
+
+    index: position of this region among the model's offload regions (0 starts a new step's store).
+    last: the last region of the forward (drops the runtime's reference to the step's store).
+    param_args: positions of arguments that are parameters/buffers (never offloaded).
+    inputs_too: also offload saved tensors that are region inputs (used around checkpoint regions, whose
+    inputs are the only thing they save); otherwise only tensors created inside the region are offloaded.
+    """
+
+    def __init__(self, body: nn.Module, runtime: OffloadRuntime, index: int = 0, last: bool = True,
+                 param_args: Iterable[int] = (), inputs_too: bool = False, label: str = "",
+                 model_body: Callable | None = None, keep_ops: frozenset = frozenset()):
+        super().__init__()
+        self.body = body
+        self.runtime = runtime
+        self.index, self.last = int(index), bool(last)
+        self.param_args = tuple(param_args)
+        self.inputs_too = bool(inputs_too)
+        self.label = label
+        # what the cost model runs: the body, or (around a checkpoint region) the checkpoint's own body
+        kind = "recompute" if model_body is not None else "offload"
+        self.fxmem_region = RegionInfo(kind=kind, body=model_body if model_body is not None else self.body,
+                                       keep_ops=frozenset(keep_ops), tier=runtime.tier,
+                                       offload_inputs=model_body is not None)
+
+    def forward(self, *args):
+        if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _is_fake(args):
+            return self.body(*args)
+        rt = self.runtime
+        if self.inputs_too:
+            skip_idx = self.param_args
+        else:
+            skip_idx = range(len(args))
+        skip = set()
+        for i in skip_idx:
+            for a in pytree.tree_leaves(args[i]):
+                if isinstance(a, torch.Tensor):
+                    try:
+                        skip.add(a.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):
+                        pass
+        store = rt.begin(self.index == 0)
+        scope = RegionScope(store, store.new_slot(), skip, rt.min_bytes)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack), recast.aside():
+                out = self.body(*args)
+            scope.flush()
+        except BaseException:
+            rt.abort()  # the step is abandoned: remove its scratch file now
+            raise
+        if self.last:
+            rt.end()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"label={self.label!r}, tier={self.runtime.tier!r}, index={self.index}, "
+                f"prefetch={self.runtime.prefetch}, inputs_too={self.inputs_too}")

@@ -1,0 +1,104 @@
+"""What the offload regions of one model share and what each call installs: `OffloadRuntime` (the tier, the prefetch
+depth, the current step's store) and `RegionScope` (the saved-tensor hooks of one region call)."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .scratch import TIERS
+from .store import OffloadEntry, PackedTensor, StepStore, u8_view
+
+
+class RegionScope:
+    """Pack/unpack hooks of one region call."""
+
+    def __init__(self, store: StepStore, slot: int, skip: set, min_bytes: int):
+        self.store, self.slot, self.skip, self.min_bytes = store, slot, skip, min_bytes
+        self.entries: dict[tuple, OffloadEntry] = {}
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        n = int(st.nbytes())
+        key = (st.data_ptr(), n)
+        if n == 0 or n < self.min_bytes or key[0] in self.skip:
+            return t
+        if self.store.tier == "cpu" and t.device.type != "cuda":
+            return t  # the host tier only moves device tensors
+        e = self.entries.get(key)
+        if e is None:
+            e = OffloadEntry(self.store, self.slot, n, t.device)
+            e.start_write(u8_view(t))
+            self.entries[key] = e
+            self.store.slots[self.slot].append(weakref.ref(e))
+            self.store.bytes_offloaded += n
+            self.store.count += 1
+        return PackedTensor(e, t)
+
+    @staticmethod
+    def unpack(p):
+        return p.unpack() if isinstance(p, PackedTensor) else p
+
+    def flush(self) -> None:
+        for e in self.entries.values():
+            e.finish_write()
+        self.entries.clear()
+
+
+class OffloadRuntime:
+    """Shared by the OffloadRegions of one model: tier, prefetch depth, the current step's store."""
+
+    def __init__(self, tier: str = "disk", prefetch: int = 1, min_bytes: int = 0, scratch_root: str | None = None,
+                 unlink_early: bool = True):
+        if tier not in TIERS:
+            raise ValueError(f"offload tier must be one of {TIERS}, got {tier!r}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.tier, self.prefetch, self.min_bytes = tier, int(prefetch), int(min_bytes)
+        self.scratch_root, self.unlink_early = scratch_root, unlink_early
+        self._store: StepStore | None = None
+        self._stores: "weakref.WeakSet[StepStore]" = weakref.WeakSet()
+        self.last_step_bytes = 0  # bytes offloaded by the most recent step (for reports/benchmarks)
+        self.last_step_count = 0
+
+    def __deepcopy__(self, memo):
+        return OffloadRuntime(self.tier, self.prefetch, self.min_bytes, self.scratch_root, self.unlink_early)
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_store"], d["_stores"] = None, None
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._stores = weakref.WeakSet()
+
+    def begin(self, first: bool) -> StepStore:
+        if first or self._store is None:
+            self._store = StepStore(self)
+            self._stores.add(self._store)
+        return self._store
+
+    def end(self) -> None:
+        if self._store is not None:
+            self.last_step_bytes, self.last_step_count = self._store.bytes_offloaded, self._store.count
+        self._store = None  # the step's saved tensors keep the store alive until backward releases them
+
+    def abort(self) -> None:
+        """The current step failed in forward: close its store (its saved tensors become unusable)."""
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def close(self) -> None:
+        """Remove every scratch file of this runtime now (saved tensors not yet used by backward become
+        unusable)."""
+        self._store = None
+        for s in list(self._stores):
+            s.close()

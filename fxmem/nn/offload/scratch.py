@@ -1,0 +1,66 @@
+"""Scratch files of the offload tiers and the threads that write and read them: a directory of our own per file,
+removed on success, failure and exit; whole-buffer positional I/O that releases the GIL."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+
+SCRATCH_PREFIX = "fxmem-offload-"
+TIERS = ("cpu", "disk")
+
+# one writer and one reader thread for the whole process (I/O releases the GIL)
+_EXECUTORS: dict[str, ThreadPoolExecutor] = {}
+_EXEC_LOCK = threading.Lock()
+
+
+def executor(kind: str) -> ThreadPoolExecutor:
+    with _EXEC_LOCK:
+        ex = _EXECUTORS.get(kind)
+        if ex is None:
+            ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxmem-offload-{kind}")
+            _EXECUTORS[kind] = ex
+        return ex
+
+
+
+def cleanup_files(fd_box: list, path: str | None, dir_: str | None) -> None:
+    """Close the scratch file and remove it and its directory (idempotent; runs from finalizers)."""
+    fd = fd_box[0] if fd_box else None
+    if fd is not None:
+        fd_box[0] = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass
+    if dir_:
+        shutil.rmtree(dir_, ignore_errors=True)
+
+
+def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    """Write all of `mv` at `offset` (os.pwritev may write less than asked)."""
+    _transfer_all(os.pwritev, fd, mv, offset, "short write to")
+
+
+def pread_all(fd: int, mv: memoryview, offset: int) -> None:
+    """Read all of `mv` from `offset` (os.preadv may read less than asked)."""
+    _transfer_all(os.preadv, fd, mv, offset, "short read from")
+
+
+def _transfer_all(transfer, fd: int, mv: memoryview, offset: int, shortfall: str) -> None:
+    mv = mv.cast("B")
+    done = 0
+    while done < len(mv):
+        count = transfer(fd, [mv[done:]], offset + done)
+        if count <= 0:
+            raise OSError(f"fxmem offload: {shortfall} scratch file ({done} of {len(mv)} bytes)")
+        done += count

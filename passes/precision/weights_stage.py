@@ -1,0 +1,132 @@
+"""The weights stage: linears swapped for bitsandbytes int8 / nf4 / fp4 layers (LoRA-wrapped for QLoRA targets),
+judged end to end by the guard, the linears whose own error is largest backed off first."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxmem.depgroups import attr_of
+from fxmem.intent import Intent, guard_stop
+from fxmem.lossguard import exclusion_steps, first_accepted
+from fxmem.pass_api import Change, PassContext
+from fxmem.program import Program
+from fxmem.weights_left import describe as describe_weights_left, weights_left
+
+from .linears import LinearSite, build_quant, linear_sites, swap_linear
+from .lora import add_dense_lora, lora_module
+from .measure import record_values, site_error_module
+from .nodes import matching_pattern
+from .options import PrecisionOptions
+from .stage import SITE_ITEMS, StageLog, back_off_why, by_error, stage_guard
+
+
+def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, kind: str, compute: torch.dtype,
+                  log: StageLog) -> Program:
+    """Swap the linears for bitsandbytes layers; the guard judges the whole model, backing off the linears whose own
+    output error is largest first. Returns the program kept (the given one when nothing was accepted)."""
+    sites, skipped = linear_sites(program.module, opts)
+    log.notes.extend(f"{sk['module']}: linear kept ({sk['why']})" for sk in skipped)
+    setting = "passes.precision.qlora" if opts.weights in ("none", "fp32") else "passes.precision.weights"
+    not_covered = describe_weights_left(weights_left(program.module, opts.min_params), program.module)
+    if not sites:
+        log.intents.append(Intent(setting, f"{kind} weights", "quantized none", False, _no_site_reason(skipped),
+                                  "lower passes.precision.min_params or narrow skip_modules", not_covered))
+        return program
+    guard_kind = "4bit" if kind in ("nf4", "fp4") else kind
+    guard = stage_guard(ctx, program, opts, guard_kind)
+    quant = {s.node.name: build_quant(program.module, s, opts, kind, compute) for s in sites}
+    errors = _weight_site_errors(program, sites, quant, guard)
+    log.sites.extend({"site": s.node.name, "module": s.path, "decision": kind, "rel": errors[s.node.name],
+                      "reverted": False} for s in sites)
+
+    def build(excluded):
+        cand = program.snapshot()
+        changes = swap_sites(cand, opts, kind, quant, set(excluded), compute, ctx.seed)
+        cand.refresh()
+        return cand, changes
+    outcome = first_accepted(guard, build, exclusion_steps(by_error(errors)), guard_kind)
+    kept = outcome.program
+    if kept is None:  # nothing accepted: every linear keeps its weights (QLoRA targets get a dense-base adapter)
+        excluded = {s.node.name for s in sites}
+        kept, changes = build(excluded) if opts.qlora is not None else (program, [
+            Change("precision.reverted", s.path, [s.node.name], [s.node.name], "", 0, {"decision": kind})
+            for s in sites])
+    else:
+        changes, excluded = outcome.payload, set(outcome.state)
+    log.changes.extend(_explain_reverts(changes, outcome, errors))
+    log.record(outcome)
+    for row in log.sites:
+        row["reverted"] = row["site"] in excluded
+    stopped_by, change = guard_stop(outcome.asked)
+    done = len(sites) - len(excluded)
+    log.intents.append(Intent(setting, f"{kind} weights on {len(sites)} linear(s)",
+                              f"quantized {done} of {len(sites)}", done == len(sites), stopped_by, change,
+                              not_covered))
+    return kept
+
+
+def _no_site_reason(skipped: list[dict]) -> str:
+    """Why no linear could take quantized weights, from the skip rules that kept them."""
+    if not skipped:
+        return "the model has no linear layer"
+    shown = ", ".join(f"{sk['module']}: {sk['why']}" for sk in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    return f"no linear qualifies ({shown})"
+
+
+def _weight_site_errors(program: Program, sites: list, quant: dict, guard) -> dict[str, float]:
+    """Each linear's own relative output error with its quantized layer, on the guard data (ordering only)."""
+    if guard is None:
+        return {s.node.name: float("nan") for s in sites}
+    keep = {n for s in sites for n in (s.node.name, s.x.name)}
+    values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
+    return {s.node.name: site_error_module(s.node, quant[s.node.name], values, s.x)[1] for s in sites}
+
+
+def swap_sites(cand: Program, opts: PrecisionOptions, kind: str, quant: dict, excluded: set,
+               compute: torch.dtype, seed: int) -> list[Change]:
+    """Swap every site of `cand` not in `excluded` for its quantized layer (LoRA-wrapped for QLoRA targets); an
+    excluded QLoRA target gets an adapter on its original weights. Returns the Changes."""
+    gm = cand.module
+    targets = opts.qlora.targets if opts.qlora is not None else []
+    changes = []
+    for s in linear_sites(gm, opts)[0]:
+        lora = opts.qlora is not None and matching_pattern(s.path, targets) is not None
+        if s.node.name in excluded:
+            changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name], "", 0,
+                                  {"decision": kind}))
+            if lora:
+                changes.append(add_dense_lora(gm, s, opts, compute, seed))
+            continue
+        changes.append(_swap_one(gm, s, opts, kind, quant[s.node.name], lora, seed))
+    return changes
+
+
+def _swap_one(gm, s: LinearSite, opts: PrecisionOptions, kind: str, mod: nn.Module, lora: bool, seed: int) -> Change:
+    w = attr_of(gm, s.weight)
+    b = attr_of(gm, s.bias) if s.bias else None
+    dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+    if lora:
+        mod = lora_module(mod, opts.qlora, w.device, seed)
+    name_before = s.node.name
+    target = swap_linear(gm, s, mod)
+    qbytes = (mod.base if lora else mod).weight_bytes()
+    inner = f"{target}.{'base.' if lora else ''}"
+    return Change("precision.quantize" + ("+lora" if lora else ""), s.path, [name_before], [target],
+                  f"aten.linear -> bitsandbytes {kind} linear" + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
+                  + f"; weights frozen; state_dict: {s.weight} -> {inner}inner.weight (+ bitsandbytes state keys); "
+                    f"bias -> {inner}bias", dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes})
+
+
+def _explain_reverts(changes: list[Change], outcome, errors: dict) -> list[Change]:
+    """Fill in why each backed-off site kept its precision (the guard's verdict on the whole model) and each kept
+    site's own error."""
+    why = back_off_why(outcome, "it")
+    for c in changes:
+        rel = errors.get(c.nodes_before[0] if c.nodes_before else "", float("nan"))
+        c.details["rel"] = rel
+        if c.kind == "precision.reverted":
+            what = c.details.get("decision", "")
+            c.reason = f"{what}: kept in its original precision: {why} (its own relative error {rel:.3g})"
+        elif c.kind.startswith("precision.quantize"):
+            c.reason += f" (site relative error {rel:.3g})"
+    return changes
