@@ -13,7 +13,7 @@ import fxmem
 from fxmem.budgets import further_steps
 from fxmem.cli import main
 from fxmem.errors import BudgetError
-from fxmem.policy import load_policy
+from fxmem.policy_loader import load_policy
 
 from .conftest import ROOT
 
