@@ -58,7 +58,7 @@ def fit_batch(model, args: Any = (), kwargs: dict | None = None, *, budget: Any,
     kwargs = dict(kwargs or {})
     cap = _cap_bytes(budget)
     probes: dict[int, int] = {}
-    probe_options = {**transform_options, "measure": False}
+    probe_options = {**transform_options, "measure": False, "strict": False}  # a probe over the cap is an answer
     probe_options["overrides"] = [*transform_options.get("overrides", ()), "verify.enabled=false",
                                   "budget_strict=false"]
 

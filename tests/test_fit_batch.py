@@ -63,6 +63,13 @@ def test_checkpointing_fits_a_larger_batch_than_the_plain_model(fitted):
     assert f"fit: batch {fit.batch} is the largest" in fit.summary()
 
 
+def test_strict_applies_to_the_result_not_to_the_probes_over_the_cap():
+    model, args = example()
+    cap = int(fxmem.estimate(model, args, loss_fn=loss_fn).peak * 1.2)
+    fit = fxmem.fit_batch(model, args, budget=cap, policy="low", loss_fn=loss_fn, strict=True, max_batch=64)
+    assert any(peak > cap for peak in fit.probes.values()) and fit.result.after.peak <= cap
+
+
 def test_a_fraction_or_an_unreachable_cap_is_refused():
     model, args = example()
     with pytest.raises(fxmem.PolicyError, match="a batch search needs a cap in bytes"):
