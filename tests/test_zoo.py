@@ -38,13 +38,14 @@ ESTIMATE_CASES = [(name, mode) for name in BUILDERS for mode in ("train", "infer
 
 class _Zoo(dict):
     """(name, policy) -> (model, args, kwargs, loss_fn, TransformResult), transformed on first use; medium starts
-    from low's captured program (both train mode), the others capture the model."""
+    from a copy of low's captured program (both train mode; a snapshot would share its submodules), the others
+    capture the model."""
 
     def __missing__(self, key):
         name, policy = key
         if policy == "medium":
             model, args, kwargs, loss_fn, low = self[name, "low"]
-            start = low.original.snapshot()
+            start = copy.deepcopy(low.original)
         else:
             model, args, kwargs, loss_fn = BUILDERS[name]()
             start = copy.deepcopy(model)
