@@ -12,16 +12,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-import torch
-
 import fxmem
-from fxmem.compare import compare_outputs
 from fxmem.errors import BudgetError
-from fxmem.pipeline import compare_buffers, compare_grads
-from fxmem.step import default_loss
+
+from .exactness import difference
 
 FRACTIONS = (0.0, 0.3, 0.7)
-ATOL, RTOL = 1e-5, 1e-4  # the `low` policy's verify tolerances
 
 
 @dataclass
@@ -63,38 +59,6 @@ class FuzzModelResult:
     crash: str | None = None  # capturing or measuring the model itself failed
 
 
-def _train_step(module, args, seed: int):
-    """Seeded training forward + default loss + backward: (output, {param: grad}, {buffer: value after})."""
-    for p in module.parameters():
-        p.grad = None
-    module.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        out = module(*args)
-        default_loss(out).backward()
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    return out.detach(), grads, buffers
-
-
-def exactness_error(model, result_module, args, seed: int = 0) -> str | None:
-    """How `result_module` differs from `model` (both left untouched: copies run), or None: the starting state,
-    the eval output, and a seeded training step's output, gradients and buffers after it."""
-    ref, got = copy.deepcopy(model), copy.deepcopy(result_module)
-    start = compare_buffers(dict(ref.state_dict()), dict(got.state_dict()), 0.0, 0.0)
-    if start is not None:
-        return "starting state: " + start
-    ref.eval(), got.eval()
-    with torch.no_grad():
-        err = compare_outputs(ref(*args), got(*args), atol=ATOL, rtol=RTOL)
-    if err is not None:
-        return "eval " + err
-    (o1, g1, b1), (o2, g2, b2) = _train_step(ref, args, seed), _train_step(got, args, seed)
-    err = compare_outputs(o1, o2, atol=ATOL, rtol=RTOL) or compare_grads(g1, g2, ATOL, RTOL) \
-        or compare_buffers(b1, b2, ATOL, RTOL)
-    return None if err is None else "train step: " + err
-
-
 def _slack(records) -> float:
     return next((float(r.metrics["slack"]) for r in records
                  if r.name == "checkpoint" and (r.metrics or {}).get("slack") is not None), 0.0)
@@ -112,7 +76,7 @@ def transform_once(case, program, run: FuzzRun, overrides=(), check_exact: bool 
         run.slack = _slack(res.records)
         run.measured = fxmem.measure(copy.deepcopy(res.module), case.args, mode="train").peak
         if check_exact:
-            run.exact_error = exactness_error(case.model, res.module, case.args)
+            run.exact_error = difference(case.model, res.module, case.args)
     except BudgetError as e:
         run.refused = str(e)
     except Exception as e:  # noqa: BLE001  (a crash is a finding: counted by type, not raised)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import importlib
 import warnings
-from collections.abc import Mapping
 
 import pytest
 import torch
@@ -19,17 +18,13 @@ from torch import nn
 
 import fxmem
 from fxmem.capture_defaults import capture_defaults
-from fxmem.compare import compare_outputs
 from fxmem.errors import InputShapeError
 from fxmem.modelfile import split_inputs
-from fxmem.pipeline import compare_buffers, compare_grads
-from fxmem.step import compute_loss
 
 from .conftest import EXAMPLE_NAMES
+from .exactness import difference
 
 warnings.filterwarnings("ignore")
-
-ATOL, RTOL = 1e-5, 1e-4  # the `low` policy's verify tolerances
 
 # (build_model kwargs, example_inputs kwargs): every bundled example, small
 SMALL_EXAMPLES = {
@@ -128,58 +123,16 @@ def results(tmp_path_factory):
     return _Results(tmp_path_factory)
 
 
-def _fields_of(reference, got):
-    """The model's output restricted to the fields the result returns: the model, called with the user's own
-    arguments, also returns the cache (`past_key_values`, `cache`) that capture turned off inside the graph."""
-    if not isinstance(reference, Mapping) or not isinstance(got, Mapping):
-        return reference
-    dropped = set(reference) - set(got)
-    assert dropped <= {"past_key_values", "cache"}, f"the result drops output fields {sorted(dropped)}"
-    return {key: reference[key] for key in got}
-
-
-def _train_step(module, args, kwargs, loss_fn, fields=None):
-    """A seeded training forward + loss + backward: (output, gradients, buffers after)."""
-    for p in module.parameters():
-        p.grad = None
-    module.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        out = module(*args, **kwargs)
-        if fields is not None:
-            out = _fields_of(out, fields)
-        compute_loss(loss_fn, out, args, kwargs).backward()
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    return out, grads, buffers
-
-
-def _difference(model, module, args, kwargs, loss_fn) -> str | None:
-    """How `module`, called with the user's own arguments, differs from `model` (copies run), or None."""
-    ref, got = copy.deepcopy(model), copy.deepcopy(module)
-    ref.eval(), got.eval()
-    with torch.no_grad():
-        got_out = got(*args, **kwargs)
-        err = compare_outputs(_fields_of(ref(*args, **kwargs), got_out), got_out, atol=ATOL, rtol=RTOL)
-    if err is not None:
-        return "eval output: " + err
-    got_out, got_grads, got_buffers = _train_step(got, args, kwargs, loss_fn)
-    ref_out, ref_grads, ref_buffers = _train_step(ref, args, kwargs, loss_fn, fields=got_out)
-    err = compare_outputs(ref_out, got_out, atol=ATOL, rtol=RTOL) or \
-        compare_grads(ref_grads, got_grads, ATOL, RTOL) or compare_buffers(ref_buffers, got_buffers, ATOL, RTOL)
-    return None if err is None else "training step: " + err
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_result_takes_the_users_own_arguments_and_low_stays_exact(results, case):
     model, args, kwargs, loss_fn, module, _ = results[case]
-    assert _difference(model, module, args, kwargs, loss_fn) is None, case
+    assert difference(model, module, args, kwargs, loss_fn) is None, case
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_loaded_result_takes_the_users_own_arguments_and_stays_exact(results, case):
     model, args, kwargs, loss_fn, _, loaded = results[case]
-    assert _difference(model, loaded, args, kwargs, loss_fn) is None, case
+    assert difference(model, loaded, args, kwargs, loss_fn) is None, case
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -382,6 +382,22 @@ def test_static_backward_counts_the_temporaries_of_a_pow_loss():
     assert est.peak_at == "loss (backward)", est.peak_at
 
 
+
+def test_the_traced_estimate_takes_a_loss_that_reads_a_real_tensor():
+    """A loss_fn that closes over a tensor of its own (fixed targets, class weights) runs in the traced estimate's
+    fake step as in the static trace: the tensor is a constant there, not an error."""
+    torch.manual_seed(0)
+    model, x = _Head(), torch.randn(64, 32)
+    targets = torch.randint(0, 512, (64,))
+
+    def loss_fn(out, inputs):
+        return torch.nn.functional.cross_entropy(out, targets)
+    program = fxmem.capture(model, (x,))
+    program.refresh()
+    traced = fxmem.estimate(program, mode="train", loss_fn=loss_fn, method="traced")
+    meas = fxmem.measure(copy.deepcopy(program.module), (x,), loss_fn=loss_fn)
+    assert traced.peak == meas.peak, (traced.peak, meas.peak)
+
 def _formula(func, *args, grad_mask=(True,)):
     from fxmem.costmodel import call_signature, formula_temps
     with FakeTensorMode():

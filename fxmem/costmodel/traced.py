@@ -35,7 +35,8 @@ def traced_estimate(program: Program, args, kwargs, mode: str, optimizer: str, l
                     static_inputs: bool = False) -> MemoryEstimate:
     """The step of `program` at inputs (args, kwargs) in `mode`, run on fakes and tracked storage by storage
     (`static_inputs`: the inputs' sizes concrete, not symbolic)."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
+    # (a real tensor the loss_fn reads, e.g. fixed targets, is a constant in the fake step, as in the static trace)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     device = sizing_device(flat)
     on_device = meta_as_device(fake_mode, flat, device)  # noqa: F841 - (the memo holds them weakly)
