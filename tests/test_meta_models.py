@@ -56,7 +56,8 @@ def test_a_meta_model_is_estimated_as_the_materialized_one(name):
     assert all(p.device.type == "meta" for p in meta.parameters())  # the user's model is left as it was
 
 
-@pytest.mark.parametrize("name", ["gpt", "unet", "hf_llama"])
+# (not the U-Net: its search costs about 40 s of estimates here; its estimates' equality is checked above)
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_plan_batch_of_a_meta_model_is_the_materialized_ones(name):
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = example(name)
