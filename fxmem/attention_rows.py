@@ -1,22 +1,16 @@
 """Fully masked query rows: what eager attention gives them, after the SDPA rewrite, without the score matrix.
 
-A left-padded batch through a Hugging Face decoder builds an additive mask whose rows for padding queries hold
-`finfo(dtype).min` in every column (causal and padding together). Eager attention adds the scores to it and every
-sum rounds to that same value, so the row's softmax is exactly uniform: the output is the mean of v, and autograd
-still sends the softmax Jacobian at the uniform distribution back to the scores (the add passes the gradient on
-unchanged). The fused SDPA kernels agree on the forward value but not on that gradient: their log-sum-exp rounds
-at such magnitudes (the CPU flash kernel gives the keys n times the gradient), so the rewrite would change the
-gradients of any model whose loss reads a padding position's output (HF's shifted labels do, at the last one).
+A left-padded batch through a Hugging Face decoder has query rows whose additive mask is `finfo(dtype).min` in
+every column. Eager attention gives them a uniform softmax (the mean of v) and still sends the softmax Jacobian
+back to q and k; the fused SDPA kernels agree on the value, not on that gradient (their log-sum-exp rounds).
+`emit_fully_masked_rows` selects those rows at run time from the mask and replaces them, with `where`, by
 
-`emit_fully_masked_rows` adds, after the SDPA node, the exact eager value and gradient for those rows, selected at
-run time from the mask (rows whose every entry is the dtype's lowest value), with `where`:
+    mean_j v_j + (L - L.detach()),    L = scale * q_row @ mean_j k_j (v_j - mean v)^T
 
-    out_row = mean_j v_j + (L - L.detach()),    L = scale * q_row @ mean_j k_j (v_j - mean v)^T
-
-L is softmax attention's first-order term at the uniform distribution, so its gradient towards q and k is the
-one eager gives; its value is removed exactly (x - x = 0). The extra work is two (D x Dv) products per head,
-nothing of size (Lq x Lk); SDPA's rows that `where` replaces get a zero output gradient, so its backward adds
-nothing for them.
+(L is attention's first-order term at the uniform distribution: eager's gradient, zero value). Cost: two
+(D x Dv) products per head. Limits: attention dropout in training does not reach these rows; a learned additive
+bias gets no gradient from them (where that changes a gradient, verification rolls the pass back). Design:
+docs/design/overview.md, "Padded batches".
 """
 from __future__ import annotations
 
