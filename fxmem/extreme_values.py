@@ -15,6 +15,8 @@ import math
 import torch
 from torch import fx
 
+from .depgroups import attr_of
+
 aten = torch.ops.aten
 
 # ops whose output is bounded whatever their input: the flow of out-of-range values stops there
@@ -29,11 +31,10 @@ def _literal_beyond(arg, limit: float) -> bool:
 
 
 def _constant_beyond(gm: fx.GraphModule, node: fx.Node, limit: float) -> bool:
-    owner = gm
-    *path, name = str(node.target).split(".")
-    for part in path:
-        owner = getattr(owner, part, None)
-    tensor = getattr(owner, name, None)
+    try:
+        tensor = attr_of(gm, str(node.target))
+    except AttributeError:
+        return False
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch.nn.Parameter) \
             or not tensor.is_floating_point() or tensor.numel() == 0:
         return False
