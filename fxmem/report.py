@@ -34,6 +34,7 @@ from .budgets import miss_line, stated_slack
 from .intent import coverage_lines, intent_line, shortfall_lines
 from .lossguard import KIND_WORDS
 from .measure import MemoryProfile, TimelinePoint
+from .report_plots import histograms_svg, svg_for_html, timeline_png, timeline_svg
 from .pass_api import Change, GuardMetrics, PassRecord
 from .units import format_bytes as _format_bytes
 
@@ -490,7 +491,7 @@ class Report:
         P.append("<ul class=\"facts\">" + "".join(f"<li>{_inline_code(s)}</li>" for s in self._summary_facts())
                  + "</ul>")
         P.append("<h2 id=\"timeline\">Memory timeline</h2>")
-        P.append("<figure class=\"plot\">" + _svg_for_html(svg if svg is not None else timeline_svg(self))
+        P.append("<figure class=\"plot\">" + svg_for_html(svg if svg is not None else timeline_svg(self))
                  + "<figcaption>Live bytes during one step, before vs after. Each phase is scaled to the same "
                    "width so phases line up; dashed lines mark the peaks.</figcaption></figure>")
         P.append("<h2 id=\"passes\">Passes</h2>")
@@ -588,7 +589,7 @@ class Report:
         hsvg = histograms_svg(rec.metrics.get("histograms") if isinstance(rec.metrics, dict) else None,
                               title=f"{rec.name}: coldness per layer")
         if hsvg:
-            P.append("<figure class=\"plot\">" + _svg_for_html(hsvg) + "<figcaption>Coldness histograms from "
+            P.append("<figure class=\"plot\">" + svg_for_html(hsvg) + "<figcaption>Coldness histograms from "
                      "calibration: how many hidden units of each layer fire on what fraction of the calibration "
                      "inputs (units on the left are cold).</figcaption></figure>")
         mlines = _metric_lines(rec.metrics)
@@ -612,182 +613,6 @@ class Report:
         write_text(paths["svg"], svg)
         write_bytes(paths["png"], timeline_png(self))
         return paths
-
-
-# ============================================================================================ plot
-
-def _points(timeline) -> list[tuple[str, str, int, int]]:
-    out = []
-    for p in timeline or []:
-        if isinstance(p, dict):
-            out.append((p["phase"], p["label"], int(p["live"]), int(p["peak"])))
-        else:
-            out.append((p.phase, p.label, int(p.live), int(p.peak)))
-    return out
-
-
-PHASES = ("forward", "backward", "optimizer")
-MAX_POINTS_PER_PHASE = 1500
-
-
-def _phases(*timelines) -> list[str]:
-    """Phases present, canonical ones first in step order, any others in order of appearance."""
-    seen: list[str] = []
-    for tl in timelines:
-        for phase, *_ in _points(tl):
-            if phase not in seen:
-                seen.append(phase)
-    return [p for p in PHASES if p in seen] + [p for p in seen if p not in PHASES]
-
-
-def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
-    """x in phase units (phase k spans [k, k+1], so before and after line up phase by phase; each op gets an equal
-    share of its phase and the phase ends with a closing point at k+1), y = the most bytes live during each op.
-    Long timelines (measured: one point per aten op) keep the max per bucket, so no spike is lost."""
-    groups: dict[int, list[int]] = {}
-    for phase, _label, live, peak in _points(timeline):
-        groups.setdefault(phases.index(phase), []).append(max(live, peak))
-    xs: list[float] = []
-    ys: list[int] = []
-    for k in sorted(groups):
-        vals = groups[k]
-        if len(vals) > MAX_POINTS_PER_PHASE:
-            n = len(vals)
-            vals = [max(vals[i * n // MAX_POINTS_PER_PHASE:(i + 1) * n // MAX_POINTS_PER_PHASE])
-                    for i in range(MAX_POINTS_PER_PHASE)]
-        n = len(vals)
-        for i, v in enumerate(vals):
-            xs.append(k + i / n)
-            ys.append(v)
-        xs.append(k + 1.0)  # op i spans [k + i/n, k + (i+1)/n] (drawn with steps-post)
-        ys.append(vals[-1])
-    return xs, ys
-
-
-def _unit(maxval: int) -> tuple[str, float]:
-    for unit, scale in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if maxval >= scale:
-            return unit, float(scale)
-    return "B", 1.0
-
-
-_BEFORE, _AFTER, _BUDGET = "#3b6fb6", "#2e9a5a", "#c0392b"
-
-
-def timeline_figure(report: Report):
-    """A matplotlib Figure (Agg canvas, no pyplot state): estimated timeline before vs after, and the measured
-    one in a second panel when the run was measured."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    panels = [("estimated (cost model, static)", report.before, report.after)]
-    if report.measured:
-        panels.append(("measured (fxmem.measure, real step)", report.measured_before, report.measured_after))
-    fig = Figure(figsize=(10, 3.6 * len(panels) + 0.4), dpi=100)
-    FigureCanvasAgg(fig)
-    values = [report.budget or 0]
-    for _t, b, a in panels:
-        for e in (b, a):
-            if e is not None:
-                values.append(e.peak)
-                values.extend(max(p[2], p[3]) for p in _points(e.timeline))
-    unit, scale = _unit(max(values))
-    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    for ax, (title, b, a) in zip(axes, panels):
-        phases = _phases(*(e.timeline for e in (b, a) if e is not None)) or ["forward"]
-        for e, color, tag in ((b, _BEFORE, "before"), (a, _AFTER, "after")):
-            if e is None:
-                continue
-            xs, ys = _series(e.timeline, phases)
-            if xs:
-                ax.plot(xs, [y / scale for y in ys], color=color, lw=1.6, drawstyle="steps-post",
-                        label=f"{tag}: peak {format_bytes(e.peak)}")
-            ax.axhline(e.peak / scale, color=color, lw=1, ls="--", alpha=0.8)
-        if report.budget is not None:
-            ax.axhline(report.budget / scale, color=_BUDGET, lw=1.2, ls=":",
-                       label=f"budget {format_bytes(report.budget)}")
-        for k in range(1, len(phases)):
-            ax.axvline(k, color="#999999", lw=0.8)
-        ax.set_xlim(0, len(phases))
-        ax.set_ylim(bottom=0)
-        ax.set_xticks([k + 0.5 for k in range(len(phases))])
-        ax.set_xticklabels(phases)
-        ax.set_ylabel(f"live memory ({unit})")
-        ax.set_title(f"{report.model_name}: memory during one {report.mode} step, {title}", fontsize=11)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=9, frameon=False)
-    fig.tight_layout()
-    return fig
-
-
-def _render(report: Report, fmt: str) -> bytes:
-    import matplotlib  # (heavy: loaded only to draw)
-    with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
-                                "font.family": "DejaVu Sans"}):
-        fig = timeline_figure(report)
-        buf = io.BytesIO()
-        meta = {"Date": None} if fmt == "svg" else {"Software": None}
-        fig.savefig(buf, format=fmt, metadata=meta)
-    return buf.getvalue()
-
-
-def histograms_svg(hist, title: str = "coldness per layer", max_layers: int = 24) -> str | None:
-    """Small multiples of per-layer histograms ({"bin_edges": [...], layer: counts}) as deterministic SVG text;
-    None when there is nothing to draw. Layers past `max_layers` are left out (the metrics list keeps them all)."""
-    if not isinstance(hist, dict):
-        return None
-    edges = hist.get("bin_edges")
-    layers = [(k, v) for k, v in hist.items() if k != "bin_edges" and isinstance(v, (list, tuple)) and v
-              and all(isinstance(c, (int, float)) for c in v)]
-    if not layers or not isinstance(edges, (list, tuple)) or len(edges) < 2:
-        return None
-    shown = layers[:max_layers]
-    import matplotlib  # (heavy: loaded only to draw)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cols = min(4, len(shown))
-    rows = (len(shown) + cols - 1) // cols
-    with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
-                                "font.family": "DejaVu Sans"}):
-        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 1.9 * rows + 0.5), squeeze=False)
-        for ax in axes.flat[len(shown):]:
-            ax.axis("off")
-        for ax, (name, counts) in zip(axes.flat, shown):
-            lo = [float(x) for x in edges[:-1]][:len(counts)]
-            width = [float(b) - float(a) for a, b in zip(edges[:-1], edges[1:])][:len(counts)]
-            ax.bar(lo, counts, width=width, align="edge", color="#1f4e8c", edgecolor="white", linewidth=0.5)
-            ax.set_title(str(name) if len(str(name)) <= 34 else "…" + str(name)[-33:], fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.set_xlim(float(edges[0]), float(edges[-1]))
-        for ax in axes[-1]:
-            ax.set_xlabel("firing frequency", fontsize=7)
-        for ax in axes[:, 0]:
-            ax.set_ylabel("hidden units", fontsize=7)
-        more = f" (first {len(shown)} of {len(layers)} layers)" if len(layers) > len(shown) else ""
-        fig.suptitle(title + more, fontsize=10)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="svg", metadata={"Date": None})
-        plt.close(fig)
-    return buf.getvalue().decode("utf-8")
-
-
-def timeline_svg(report: Report) -> str:
-    """The timeline plot as SVG text, byte-for-byte deterministic (fixed hash salt, no date)."""
-    return _render(report, "svg").decode("utf-8")
-
-
-def timeline_png(report: Report) -> bytes:
-    return _render(report, "png")
-
-
-def _svg_for_html(svg: str) -> str:
-    """Inline SVG for HTML5: no XML prolog, no RDF metadata, no namespace URIs (the HTML parser puts inline
-    <svg> and xlink:href in the right namespaces), so the file holds no external URL at all."""
-    svg = re.sub(r"<\?xml[^>]*\?>\s*", "", svg)
-    svg = re.sub(r"<!DOCTYPE[^>]*>\s*", "", svg)
-    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)
-    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
-    return svg.strip()
 
 
 # ============================================================================================ helpers

@@ -17,8 +17,8 @@ from torch import nn
 from fxmem.costmodel import MemoryEstimate
 from fxmem.measure import MemoryProfile, TimelinePoint
 from fxmem.pipeline import Change, PassRecord
-from fxmem.report import (Report, _series, clean_code, diff_text, graph_diff, replaced_nodes, timeline_png,
-                          timeline_svg)
+from fxmem.report import Report, clean_code, diff_text, graph_diff, replaced_nodes
+from fxmem.report_plots import _series, timeline_png, timeline_svg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -284,7 +284,7 @@ def test_svg_deterministic_across_processes():
     """SVG ids come from svg.hashsalt, not object ids: another interpreter renders the same bytes."""
     here = hashlib.sha256(timeline_svg(_report(measured=True)).encode()).hexdigest()
     code = ("import hashlib, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import test_report as t; "
-            "from fxmem.report import timeline_svg; "
+            "from fxmem.report_plots import timeline_svg; "
             "print(hashlib.sha256(timeline_svg(t._report(measured=True)).encode()).hexdigest())"
             % (str(ROOT), str(ROOT / "tests")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
