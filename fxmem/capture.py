@@ -11,23 +11,18 @@ What capture adds on top of a bare `ep.module()`:
   (`fxmem.capture_hints`); torch's long output goes to a file the message names (`fxmem.capture_output`);
 - sizes PyG computes from tensor values (pooling without `size=`) stay symbolic (`fxmem.library_sizes`);
 - custom `torch.autograd.Function`s are recorded while export traces: non-strict export inlines a Function's
-  forward and drops its custom backward (see `_FunctionCalls`), so when one was called, the captured module's
+  forward and drops its custom backward (`fxmem.capture_functions`), so when one was called, the captured module's
   gradients are compared with the model's and a difference is a `CaptureError`, never a silent wrong gradient.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import inspect
 import logging
-import os
 import re
-import sys
-import threading
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from .capture_defaults import capture_defaults, defaults_bound, describe_defaults
+from .capture_functions import DROPPED, FunctionCalls, ModuleTracker, TensorHook, is_user_file, record_function_calls
 from .capture_hints import hint_for
 from .capture_modes import make_mode_switchable
 from .capture_output import export_output_kept, write_details
@@ -48,10 +44,6 @@ from .mode_graphs import attach_mode_graph, attach_mode_refusal
 from .program import (Program, SpecializedDim, buffers_kept, copy_buffer_persistence, keep_persistence_when_copied,
                       module_stack)
 from .userstate import keeps_model_state, mode_set
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FXMEM_DIR = os.path.dirname(os.path.abspath(__file__))
-
 
 @keeps_model_state
 def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mode: str = "train",
@@ -106,7 +98,7 @@ def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dyn
                      check: bool) -> Program:
     """Export `model` in `mode` into a Program and, with `check`, compare it with the model (see `capture`)."""
     notes: list[str] = []
-    functions = _FunctionCalls()
+    functions = FunctionCalls()
     ep = _export_in_mode(model, args, kwargs, mode, dynamic, dynamic_shapes, functions, notes)
     program = _program_from_export(ep, model, args, kwargs, mode, notes)
     if check:
@@ -116,7 +108,7 @@ def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dyn
             _check_gradients(program, model, args, kwargs, mode, functions)
         else:
             program.notes.append(
-                f"the model uses {functions.describe()}; {_DROPPED}, and check=False skipped the gradient "
+                f"the model uses {functions.describe()}; {DROPPED}, and check=False skipped the gradient "
                 "comparison: the captured module's gradients may differ from the model's")
     if check:
         _serve_other_mode(program, model, args, kwargs, dynamic, dynamic_shapes)
@@ -124,7 +116,7 @@ def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dyn
     return program
 
 
-def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shapes, functions: _FunctionCalls,
+def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shapes, functions: FunctionCalls,
                     notes: list[str]):
     """Export `model` in `mode`: with dynamic dims when asked (static shapes, with a note, when that fails)."""
     with mode_set(model, mode == "train"):
@@ -167,39 +159,6 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
     return out
 
 
-class _ModuleTracker:
-    """Forward hooks that keep the stack of module paths being run, to say where capture failed."""
-
-    def __init__(self, model: nn.Module):
-        self.stack: list[str] = []
-        self.deepest: list[str] = []
-        self.handles = []
-        for name, mod in model.named_modules():
-            self.handles.append(mod.register_forward_pre_hook(self._pre(name or "<root>")))
-            self.handles.append(mod.register_forward_hook(self._post(), always_call=True))
-
-    def _pre(self, name):
-        def hook(mod, inp):
-            self.stack.append(name)
-            self.deepest = list(self.stack)
-        return hook
-
-    def _post(self):
-        def hook(mod, inp, out):
-            if self.stack:
-                self.stack.pop()
-        return hook
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
-# what torch.export does with the two things `_FunctionCalls` records
-_DROPPED = ("torch.export (non-strict) inlines a custom Function's forward and drops its backward, and drops gradient "
-            "hooks registered on tensors in forward")
-
-
 def first_meta_tensor(model: nn.Module, args, kwargs) -> str | None:
     """The first parameter, buffer or example input on the meta device, described for a message; None if none."""
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
@@ -226,141 +185,13 @@ def _refuse_meta(model: nn.Module, args, kwargs) -> None:
                        "fxmem.plan_batch take it as it is (estimates only)")
 
 
-@dataclass
-class _FunctionUse:
-    """One custom autograd.Function class the model called, or its gradient hooks on tensors, while export traced."""
-    name: str                                      # "custom torch.autograd.Function module.qualname", or the hook's
-    paths: list[str] = field(default_factory=list)  # nn.Module paths it was called in, first call first
-    where: str | None = None                       # source line of the first call
-
-    def describe(self) -> str:
-        at = f" at {self.where}" if self.where else ""
-        paths = ", ".join(repr(p) for p in self.paths[:3])
-        more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
-        return f"{self.name} (in module {paths}{more}{at})"
-
-
-class _FunctionCalls:
-    """Custom `torch.autograd.Function`s the model calls, and gradient hooks it registers on tensors in forward
-    (`Tensor.register_hook`, which export drops as well: the hook never runs on the captured module's gradients),
-    recorded while export traces.
-
-    Non-strict export runs the model's python: `Function.apply` runs the C++ autograd node's forward, whose aten
-    ops the pre-dispatch tracer records one by one; the Function itself leaves nothing in the graph, so its
-    backward is replaced by autograd's derivative of the inlined forward. (torch 2.13 keeps a Function only
-    through `torch._export.wrappers.allow_in_pre_dispatch_graph`, an experimental decorator the user must put on
-    `apply`, which calls the class again by import path at run time; strict export runs the forward under
-    no_grad.) The calls are recorded by wrapping `torch.autograd.Function.apply` for the duration of the export,
-    with the module path from `_ModuleTracker`."""
-
-    def __init__(self):
-        self.uses: dict[type, _FunctionUse] = {}
-        self.tracker: _ModuleTracker | None = None
-
-    # Functions that implement an op export keeps as one node (torch.library.custom_op's register_autograd,
-    # higher-order ops): the op's autograd kernel runs them again when the graph runs, backward included
-    KEPT_BY_EXPORT = ("torch._library.", "torch._higher_order_ops.")
-
-    def record(self, cls: type) -> None:
-        if self.tracker is None or not self.tracker.stack:
-            return  # not the model's code (export's own machinery)
-        if (cls.__module__ or "").startswith(self.KEPT_BY_EXPORT):
-            return
-        self._add(cls, f"custom torch.autograd.Function {cls.__module__}.{cls.__qualname__}")
-
-    def record_hook(self) -> None:
-        if self.tracker is not None and self.tracker.stack:
-            self._add(_TensorHook, "a gradient hook registered in forward (Tensor.register_hook)")
-
-    def _add(self, key, name: str) -> None:
-        path = self.tracker.stack[-1]
-        use = self.uses.get(key)
-        if use is None:
-            use = self.uses[key] = _FunctionUse(name, where=_calling_line())
-        if path not in use.paths:
-            use.paths.append(path)
-
-    def describe(self) -> str:
-        return "; ".join(u.describe() for u in self.uses.values())
-
-
-class _TensorHook:
-    """Key of `_FunctionCalls.uses` for gradient hooks on tensors."""
-
-
-def _is_user_file(filename: str) -> bool:
-    """Model code: a real file outside torch and fxmem."""
-    f = os.path.abspath(filename)
-    return not (f.startswith(_TORCH_DIR) or f.startswith(_FXMEM_DIR) or "<" in filename)
-
-
-def _calling_line() -> str | None:
-    """file:line of the innermost model-code frame calling in."""
-    f = sys._getframe(2)
-    while f is not None:
-        if _is_user_file(f.f_code.co_filename):
-            return f"{f.f_code.co_filename}:{f.f_lineno}"
-        f = f.f_back
-    return None
-
-
-_ACTIVE_CALLS: contextvars.ContextVar[_FunctionCalls | None] = contextvars.ContextVar("fxmem_function_calls",
-                                                                                    default=None)
-_APPLY_LOCK = threading.Lock()
-_APPLY_DEPTH = 0
-_ORIGINAL_APPLY: Any = None
-
-
-_ORIGINAL_HOOK: Any = None
-
-
-def _recording_apply(cls, *args, **kwargs):
-    calls = _ACTIVE_CALLS.get()
-    if calls is not None:
-        calls.record(cls)
-    return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
-
-
-def _recording_register_hook(self, hook):
-    calls = _ACTIVE_CALLS.get()
-    if calls is not None:
-        calls.record_hook()
-    return _ORIGINAL_HOOK(self, hook)
-
-
-@contextlib.contextmanager
-def _record_function_calls(calls: _FunctionCalls):
-    """Wrap `torch.autograd.Function.apply` (subclasses inherit it; overrides reach it through super().apply) and
-    `torch.Tensor.register_hook` while `calls` is active in this context; the originals are put back when the last
-    recorder ends."""
-    global _APPLY_DEPTH, _ORIGINAL_APPLY, _ORIGINAL_HOOK
-    fn_cls = torch.autograd.Function
-    with _APPLY_LOCK:
-        if _APPLY_DEPTH == 0:
-            _ORIGINAL_APPLY = fn_cls.__dict__["apply"]
-            fn_cls.apply = classmethod(functools.wraps(_ORIGINAL_APPLY.__func__)(_recording_apply))
-            _ORIGINAL_HOOK = torch.Tensor.__dict__["register_hook"]
-            torch.Tensor.register_hook = functools.wraps(_ORIGINAL_HOOK)(_recording_register_hook)
-        _APPLY_DEPTH += 1
-    token = _ACTIVE_CALLS.set(calls)
-    try:
-        yield
-    finally:
-        _ACTIVE_CALLS.reset(token)
-        with _APPLY_LOCK:
-            _APPLY_DEPTH -= 1
-            if _APPLY_DEPTH == 0:
-                fn_cls.apply = _ORIGINAL_APPLY
-                torch.Tensor.register_hook = _ORIGINAL_HOOK
-
-
-def _export(model, args, kwargs, dynamic_shapes, functions: _FunctionCalls | None = None):
-    tracker = _ModuleTracker(model)
-    functions = functions if functions is not None else _FunctionCalls()
+def _export(model, args, kwargs, dynamic_shapes, functions: FunctionCalls | None = None):
+    tracker = ModuleTracker(model)
+    functions = functions if functions is not None else FunctionCalls()
     functions.tracker = tracker
     output = None
     try:
-        with export_output_kept() as output, warnings_quiet(), _record_function_calls(functions), \
+        with export_output_kept() as output, warnings_quiet(), record_function_calls(functions), \
                 library_sizes_symbolic():
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         output.replay()
@@ -415,7 +246,7 @@ def _user_frame(exc: BaseException) -> str | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         for fr in traceback.extract_tb(e.__traceback__):
-            if not _is_user_file(fr.filename):
+            if not is_user_file(fr.filename):
                 continue
             best = f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
         e = e.__cause__ or e.__context__
@@ -617,7 +448,7 @@ def _capture_other_mode(program: Program, model: nn.Module, args, kwargs, other:
     """The capture of `other` mode, checked against the model, and where it parts from the program's graph (for
     messages); a CaptureError that starts with `found` when it fails or differs."""
     word = _MODE_WORDS[other]
-    functions = _FunctionCalls()
+    functions = FunctionCalls()
     notes: list[str] = []
     try:
         ep = _export_in_mode(model, args, kwargs, other, dynamic, dynamic_shapes, functions, notes)
@@ -646,7 +477,7 @@ def _user_line(node: torch.fx.Node) -> str | None:
     """file:line and code of the innermost model-code frame that made `node` (its stack trace), or None."""
     found = None
     for m in _FRAME.finditer(node.meta.get("stack_trace") or ""):
-        if _is_user_file(m["file"]):
+        if is_user_file(m["file"]):
             found = f"{m['file']}:{m['line']}: {m['code'].strip()}"
     return found
 
@@ -681,7 +512,7 @@ def _located(node: torch.fx.Node, line: str | None) -> str:
 
 
 def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
-                     functions: _FunctionCalls) -> None:
+                     functions: FunctionCalls) -> None:
     """The model called custom autograd.Functions, whose backward export dropped: the captured module's gradients
     (parameters and floating inputs) must equal the model's on the example inputs, in the captured mode with the
     same RNG seed as `_check_outputs`, for one fixed random cotangent per output. Only run when a Function was
@@ -700,12 +531,12 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
                     ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=False)
                 except Exception as e:  # noqa: BLE001 - the model's own backward fails: said in a note
                     program.notes.append(
-                        f"{used} ({_DROPPED}): the captured module's gradients are autograd's "
+                        f"{used} ({DROPPED}): the captured module's gradients are autograd's "
                         "derivative of the inlined forward, not the Function's backward; they could not be compared "
                         f"because the model's backward raised {_first_line(e)}")
                     return
             if not ref.outputs:
-                program.notes.append(f"{used} ({_DROPPED}); gradients were "
+                program.notes.append(f"{used} ({DROPPED}); gradients were "
                                      "not compared: no output of the model requires grad")
                 return
             try:
@@ -736,7 +567,7 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
     if diff is not None:
         hint = ("register the operation with torch.library.custom_op and give it its backward with "
                 "register_autograd (plus register_fake): export keeps a custom op as one node with its backward")
-        if _TensorHook in functions.uses:
+        if TensorHook in functions.uses:
             hint = ("register gradient hooks on the captured module's parameters after capture, or make what the hook "
                     "does part of the computation; for a Function: " + hint)
         if any(u.name.endswith(" torch.utils.checkpoint.CheckpointFunction") for u in functions.uses.values()):
@@ -744,9 +575,9 @@ def _check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str
                     "(fxmem's checkpoint pass chooses what to recompute); or " + hint)
         raise CaptureError(
             f"captured {type(model).__name__} computes different gradients from the model: {diff}. {used[0].upper()}"
-            f"{used[1:]}; {_DROPPED}. hint: {hint}")
+            f"{used[1:]}; {DROPPED}. hint: {hint}")
     program.notes.append(
-        f"{used}: {_DROPPED}; autograd's derivative of the "
+        f"{used}: {DROPPED}; autograd's derivative of the "
         "inlined forward gives the same gradients on the example inputs (parameters"
         + (" and inputs" if ref.inputs else "") + f", {mode} mode), so the capture is kept")
 
