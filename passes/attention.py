@@ -40,9 +40,11 @@ from typing import Literal
 import torch
 from torch import fx
 
+from fxmem.attention_constants import emit_scale
+from fxmem.attention_match import existing_sdpa, find_attention, glob_match, trace_projection
+from fxmem.attention_nodes import val
 from fxmem.attention_rows import SdpaCall, emit_fully_masked_rows
-from fxmem.attention_match import (AttentionSite, emit_scale, existing_sdpa, find_attention, glob_match,
-                                   trace_projection, val)
+from fxmem.attention_site import AttentionSite
 from fxmem.costmodel import node_costs
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import exclusion_steps, first_accepted, guard_for
