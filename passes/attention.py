@@ -41,8 +41,9 @@ import torch
 from torch import fx
 
 from fxmem.attention_constants import emit_scale
-from fxmem.attention_match import existing_sdpa, find_attention, glob_match, trace_projection
+from fxmem.attention_match import existing_sdpa, find_attention, glob_match
 from fxmem.attention_nodes import val
+from fxmem.attention_projection import trace_projection
 from fxmem.attention_rows import SdpaCall, emit_fully_masked_rows
 from fxmem.attention_site import AttentionSite
 from fxmem.costmodel import node_costs
