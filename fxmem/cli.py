@@ -318,7 +318,8 @@ def _flag_budget(flag: str, value: str | None, key: str | None = None) -> str | 
 
 
 def cmd_optimize(a) -> int:
-    from .api import OutputDir, transform
+    from .api import transform
+    from .output_dir import OutputDir
     from .modelfile import check_inputs, load_model_file
     budget = _flag_budget("--budget", a.budget)
     activation_budget = _flag_budget("--activation-budget", a.activation_budget,
