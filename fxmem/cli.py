@@ -370,9 +370,9 @@ def _print_summary(a, res, out) -> None:
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
     if res.fit_summary:
         print(res.fit_summary)
-    miss = res.report.budget_miss()
-    if miss:
-        print(f"OVER BUDGET: {miss}")
+    for miss in (res.report.budget_miss(), res.report.activation_budget_miss()):
+        if miss:
+            print(f"OVER BUDGET: {miss}")
     for line in shortfall_lines(res.records):
         print(f"SHORT OF THE POLICY: {line}")
     for line in coverage_lines(res.records):
