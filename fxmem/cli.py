@@ -318,7 +318,8 @@ def _flag_budget(flag: str, value: str | None, key: str | None = None) -> str | 
 
 
 def cmd_optimize(a) -> int:
-    from .api import OutputDir, transform
+    from .api import transform
+    from .output_dir import OutputDir
     from .modelfile import check_inputs, load_model_file
     budget = _flag_budget("--budget", a.budget)
     activation_budget = _flag_budget("--activation-budget", a.activation_budget,
@@ -369,9 +370,9 @@ def _print_summary(a, res, out) -> None:
     print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
     if res.fit_summary:
         print(res.fit_summary)
-    miss = res.report.budget_miss()
-    if miss:
-        print(f"OVER BUDGET: {miss}")
+    for miss in (res.report.budget_miss(), res.report.activation_budget_miss()):
+        if miss:
+            print(f"OVER BUDGET: {miss}")
     for line in shortfall_lines(res.records):
         print(f"SHORT OF THE POLICY: {line}")
     for line in coverage_lines(res.records):

@@ -196,6 +196,12 @@ class Report:
         stated = (r.budget_metrics().activation_budget for r in self.passes)
         return next((value for value in stated if value is not None), None)
 
+    def activation_budget_miss(self) -> str | None:
+        """Over the activation budget (the estimate): its line, beside `budget_miss` at the top of the warnings and
+        of the CLI summary."""
+        budget = self.activation_budget()
+        return self.activation_budget_line() if budget is not None and self.after.activations > budget else None
+
     def activation_budget_line(self) -> str | None:
         ab = self.activation_budget()
         if ab is None:
@@ -227,7 +233,8 @@ class Report:
             "graph": {"code_before": self.code_before, "code_after": self.code_after, "diff": self.graph_diff(),
                       "replaced_nodes": self.replaced_nodes()},
             "budget_further": self.budget_further,
-            "warnings": {"budget": self.budget_miss(), "shortfalls": self.shortfalls(),
+            "warnings": {"budget": self.budget_miss(), "activation_budget": self.activation_budget_miss(),
+                         "shortfalls": self.shortfalls(),
                          "not_covered": self.not_covered(),
                          "rolled_back": [{"pass": r.name, "status": r.status, "reason": r.reason}
                                          for r in self.problem_passes()],
@@ -354,8 +361,7 @@ class Report:
         return _scrub(text) if deterministic else text
 
     def _warning_lines(self) -> list[str]:
-        miss = self.budget_miss()
-        out = [miss] if miss else []
+        out = [miss for miss in (self.budget_miss(), self.activation_budget_miss()) if miss]
         out += [f"short of the policy: {line}" for line in self.shortfalls()]
         out += [f"not covered by the policy: {line}" for line in self.not_covered()]
         for r in self.problem_passes():
@@ -365,9 +371,6 @@ class Report:
         if unk:
             out.append(f"{len(unk)} op(s) unknown to the cost model (estimated as outputs only, nothing saved "
                        f"for backward): {', '.join(unk)}")
-        ab = self.activation_budget()
-        if ab is not None and self.after.activations > ab:
-            out.append(self.activation_budget_line())
         for tag, e, m in (("before", self.before, self.measured_before), ("after", self.after, self.measured_after)):
             if m is not None and m.peak and abs(e.peak - m.peak) > ESTIMATE_WARN_FRACTION * m.peak:
                 out.append(f"the cost model's peak {tag} ({format_bytes(e.peak)}, estimated) is "

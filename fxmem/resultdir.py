@@ -239,3 +239,33 @@ def _place_legacy_tensors(gm: fx.GraphModule, tensors: dict, ties: dict, d: Path
         fm, fk, fn, _ = by_name[first]
         (mod._parameters if kind == "parameter" else mod._buffers)[n] = \
             (fm._parameters if fk == "parameter" else fm._buffers)[fn]
+
+
+# what a result held before its manifest listed its files ("files"); such results are recognised by their keys
+LEGACY_RESULT_FILES = frozenset({"module.pt", "weights.safetensors", "transformed.py", "original.py", "manifest.json",
+                                  "report.md", "report.html", "report.json", "memory_timeline.png",
+                                  "memory_timeline.svg"})
+
+
+def not_an_fxmem_result(d: Path, entries: list[str]) -> str | None:
+    """None when `d` is a result fxmem wrote holding only the files it wrote; else why not (for a message)."""
+    if "manifest.json" not in entries:
+        return "it is not a result written by fxmem (no manifest.json)"
+    try:
+        man = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        man = None
+    if not isinstance(man, dict):
+        return "its manifest.json was not written by fxmem"
+    if man.get("kind") == RESULT_KIND and isinstance(man.get("files"), list):
+        files = {str(f) for f in man["files"]}
+    elif isinstance(man.get("fxmem"), str) and "format" in man and "module_sha256" in man:
+        files = set(LEGACY_RESULT_FILES)  # written before manifests listed their files
+    else:
+        return "its manifest.json was not written by fxmem"
+    files.add("manifest.json")
+    extra = [e for e in entries if e not in files or os.path.islink(d / e) or not (d / e).is_file()]
+    if extra:
+        shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+        return f"it holds {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} fxmem did not write ({shown})"
+    return None

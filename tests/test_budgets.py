@@ -163,3 +163,21 @@ def test_cli_target_budget_writes_the_result_and_says_the_miss_first(tmp_path, c
                  "--out", str(strict), "--quiet", "--strict"])
     assert code == 3 and "strict: the result is over its budget" in capsys.readouterr().err
     assert not strict.exists()
+
+
+def test_a_target_activation_budget_missed_is_said_first_as_the_peak_budget_is(tmp_path, capsys):
+    """An activation budget below what checkpointing reaches, as a target: the result, with the miss at the top of
+    the report's warnings, in its JSON and as an OVER BUDGET line of the CLI summary."""
+    res = _transform({"checkpoint": {}}, activation_budget=1000, budget_strict=False)
+    miss = res.report.activation_budget_miss()
+    assert miss is not None and "OVER the activation budget by" in miss
+    assert res.report.to_dict()["warnings"]["activation_budget"] == miss
+    markdown = res.report.to_markdown()
+    assert markdown.split("## ⚠ Warnings\n\n", 1)[1].startswith(f"- **{miss}**")
+    policy = _policy_file(tmp_path, "{checkpoint: {activation_budget: 1000}}")
+    code = main(["optimize", MLP, "--policy", policy, "--set", "budget_strict=false", "--out", str(tmp_path / "out"),
+                 "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = [line for line in captured.out.splitlines() if line.strip()]
+    assert summary[1].startswith("OVER BUDGET: activation budget 1000 B: ")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fxmem
-from fxmem import api
+from fxmem import api, output_dir, resultdir, staging, swap
 from fxmem.cli import main
 
 from .conftest import ROOT
@@ -158,7 +158,7 @@ def test_out_file_or_symlink_is_refused_and_nothing_is_left(tmp_path, monkeypatc
 
 
 def test_scratch_removal_handles_files_and_links(tmp_path):
-    """`_remove_path` removes what it is given, whatever it is (shutil.rmtree(ignore_errors=True) silently keeps a
+    """`staging.remove_path` removes what it is given, whatever it is (shutil.rmtree(ignore_errors=True) silently keeps a
     file), and never what a link points to."""
     f = tmp_path / "f"
     f.write_text("x")
@@ -168,10 +168,10 @@ def test_scratch_removal_handles_files_and_links(tmp_path):
     link = tmp_path / "l"
     os.symlink(d, link)
     for p in (f, link):
-        api._remove_path(p)
+        staging.remove_path(p)
         assert not os.path.lexists(p)
     assert (d / "k").exists()
-    api._remove_path(d)
+    staging.remove_path(d)
     assert not d.exists()
 
 
@@ -185,7 +185,7 @@ def test_signal_during_the_overwrite_swap_is_held_until_it_is_done(result_dir, c
     is the new result (never neither), no scratch is left, and since the result is then complete on disk the run
     succeeds (exit 0), with a line saying the signal came after."""
     ino = result_dir.stat().st_ino
-    real_exchange, real_replace = api._exchange, os.replace
+    real_exchange, real_replace = swap.exchange, os.replace
     calls = []
 
     def exchange_then_signal(a, b):
@@ -204,7 +204,7 @@ def test_signal_during_the_overwrite_swap_is_held_until_it_is_done(result_dir, c
             return out
         return real_replace(a, b)
 
-    monkeypatch.setattr(api, "_exchange", exchange_then_signal)
+    monkeypatch.setattr(output_dir, "exchange", exchange_then_signal)
     monkeypatch.setattr(os, "replace", replace_with_signal)
     rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     monkeypatch.undo()
@@ -214,7 +214,7 @@ def test_signal_during_the_overwrite_swap_is_held_until_it_is_done(result_dir, c
     assert f"{word} after the run had completed: the result is complete in {result_dir}; exit status 0" in err
     assert "Traceback" not in err
     assert result_dir.stat().st_ino != ino and (result_dir / "manifest.json").exists()
-    assert api._not_an_fxmem_result(result_dir, sorted(os.listdir(result_dir))) is None
+    assert resultdir.not_an_fxmem_result(result_dir, sorted(os.listdir(result_dir))) is None
     assert not scratch_left(result_dir.parent)
 
 
@@ -231,7 +231,7 @@ def test_failed_second_rename_puts_the_previous_result_back(result_dir, capsys, 
                 raise OSError(28, "No space left on device")
         return real_replace(a, b)
 
-    monkeypatch.setattr(api, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(output_dir, "exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", second_fails)
     rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     monkeypatch.undo()
@@ -248,7 +248,7 @@ def test_interrupt_before_the_swap_leaves_the_previous_result(result_dir, capsys
         (d / "weights.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "_write_result_files", interrupted)
+    monkeypatch.setattr(output_dir, "write_result_files", interrupted)
     rc, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     assert rc == 130
     assert f"interrupted; nothing was written ({result_dir} is unchanged)" in err
@@ -274,14 +274,14 @@ def test_internal_error_while_writing_leaves_the_previous_result(result_dir, cap
 _DRIVER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import fxmem.api as api, fxmem.cli as cli
+    import fxmem.output_dir as output_dir, fxmem.cli as cli
     marker = Path(sys.argv[1])
-    real = api._write_result_files
+    real = output_dir.write_result_files
     def write_then_wait(result, d):  # test hook: the save is under way, with files on disk; wait to be stopped
         real(result, d)
         marker.write_text(str(d))
         time.sleep(120)
-    api._write_result_files = write_then_wait
+    output_dir.write_result_files = write_then_wait
     sys.exit(cli.main(sys.argv[2:]))
 """)
 
@@ -668,7 +668,7 @@ def test_os_error_while_writing_is_a_user_error_naming_the_path(tmp_path, capsys
     def disk_full(result, d):
         (d / "weights.safetensors").write_bytes(b"partial")
         raise OSError(28, "No space left on device", str(d / "weights.safetensors"))
-    monkeypatch.setattr(api, "_write_result_files", disk_full)
+    monkeypatch.setattr(output_dir, "write_result_files", disk_full)
     out = tmp_path / "a" / "b"
     code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", out)
     line = one_line(err)
@@ -683,17 +683,17 @@ def test_two_runs_to_the_same_new_out(tmp_path, capsys):
     mf = mfmod.load_model_file(MLP)
     res = fxmem.transform(mf.model, mf.args, mf.kwargs, policy={"version": 1, "passes": {}})
     out = tmp_path / "X"
-    a = api.OutputDir(out)
-    b = api.OutputDir(out)
+    a = output_dir.OutputDir(out)
+    b = output_dir.OutputDir(out)
     a.write(res)
     with pytest.raises(fxmem.FxmemError, match="created by another process") as ei:
         b.write(res)
     b.discard()
     assert "\n" not in str(ei.value)
-    assert api._not_an_fxmem_result(out, sorted(os.listdir(out))) is None
+    assert resultdir.not_an_fxmem_result(out, sorted(os.listdir(out))) is None
     assert os.listdir(tmp_path) == ["X"]
     # with --overwrite the later run replaces the earlier one's result
-    c, d = api.OutputDir(out, overwrite=True), api.OutputDir(out, overwrite=True)
+    c, d = output_dir.OutputDir(out, overwrite=True), output_dir.OutputDir(out, overwrite=True)
     c.write(res)
     d.write(res)
     assert os.listdir(tmp_path) == ["X"] and (out / "manifest.json").exists()
@@ -777,11 +777,11 @@ def test_a_full_disk_while_writing_any_file_is_a_user_error_naming_it(tmp_path, 
     """Whichever file the disk fills up on: one-line FxmemError naming the file and the system's reason, the
     previous result byte for byte as it was, no scratch left."""
     out = tmp_path / "X"
-    api.OutputDir(out).write(small_result)
+    output_dir.OutputDir(out).write(small_result)
     before, ino = _snapshot(out), out.stat().st_ino
     _fill_disk_at(monkeypatch, name)
     with pytest.raises(fxmem.FxmemError) as ei:
-        with api.OutputDir(out, overwrite=True) as o:
+        with output_dir.OutputDir(out, overwrite=True) as o:
             o.write(small_result)
     monkeypatch.undo()
     assert str(ei.value) == (f"{out}: writing the result failed at {name}: No space left on device; nothing was "
@@ -878,7 +878,7 @@ def test_a_signal_once_the_result_is_written_keeps_the_success(tmp_path, moment,
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
     if moment == "summary":
         assert f"{word} after the run had completed: the result is complete in X; exit status 0" in r.stderr
-    assert api._not_an_fxmem_result(tmp_path / "X", sorted(os.listdir(tmp_path / "X"))) is None
+    assert resultdir.not_an_fxmem_result(tmp_path / "X", sorted(os.listdir(tmp_path / "X"))) is None
     assert not scratch_left(tmp_path)
 
 
@@ -924,7 +924,7 @@ def test_an_interrupt_turned_into_something_else_is_still_an_interruption(tmp_pa
 
 _HOLD_SCRATCH = textwrap.dedent("""
     import sys, time
-    from fxmem.api import OutputDir
+    from fxmem.output_dir import OutputDir
     out = OutputDir(sys.argv[1])  # a run to sys.argv[1] with its scratch directory, half written
     (out.staging / "result").mkdir()
     (out.staging / "result" / "weights.safetensors").write_bytes(b"partial")
@@ -956,7 +956,7 @@ def test_scratch_left_by_a_killed_run_is_removed_by_the_next_run_and_only_that(t
         named_alike = _alike(tmp_path, "X", None)
         other_output = _alike(tmp_path, "X", json.dumps({"kind": "fxmem-staging", "output": "Y", "pid": 1}))
         not_json = _alike(tmp_path, "X", "junk")
-        with api.OutputDir(out) as live:  # a second run while the first is alive: the first's scratch stays
+        with output_dir.OutputDir(out) as live:  # a second run while the first is alive: the first's scratch stays
             assert killed.is_dir() and live.staging.is_dir()
             p.kill()
             p.wait(timeout=30)
@@ -991,14 +991,14 @@ def test_a_previous_result_in_a_leftover_scratch_directory_is_never_removed(tmp_
         if len(calls) >= 2 and Path(b) == result_dir:  # the new result into place, then the previous one back
             raise OSError(28, "No space left on device")
         return real_replace(a, b)
-    monkeypatch.setattr(api, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(output_dir, "exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", second_and_back_fail)
     code, _, err = run(capsys, "optimize", MLP, *FAST, "--out", result_dir, "--overwrite")
     monkeypatch.undo()
     assert code == 2 and "the previous result is in" in one_line(err), err
     kept = Path(one_line(err).split("the previous result is in ")[1].split(";")[0])
     assert (kept / "manifest.json").exists() and not result_dir.exists()
-    api.OutputDir(result_dir).discard()
+    output_dir.OutputDir(result_dir).discard()
     assert (kept / "manifest.json").exists()
     # killed between the renames: fxmem's marker, nobody holding its lock, the previous result inside, no target
     shutil.rmtree(kept.parent)
@@ -1008,8 +1008,8 @@ def test_a_previous_result_in_a_leftover_scratch_directory_is_never_removed(tmp_
     (scratch / "previous").mkdir()
     (scratch / "previous" / "manifest.json").write_text("{}")
     with pytest.warns(RuntimeWarning, match="holds the previous result of"):
-        api.OutputDir(other).discard()
+        output_dir.OutputDir(other).discard()
     assert (scratch / "previous" / "manifest.json").exists()
     shutil.rmtree(scratch / "previous")  # once the output exists again, or without a previous result: removed
-    api.OutputDir(other).discard()
+    output_dir.OutputDir(other).discard()
     assert not scratch.exists()

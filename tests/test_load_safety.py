@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.api import TransformResult, save_result
+from fxmem.api import TransformResult
+from fxmem.output_dir import save_result
 from fxmem.cli import main
 from fxmem.compare import compare_outputs
 from fxmem.errors import FxmemError

@@ -209,7 +209,7 @@ def test_rolled_back_and_unknown_ops_are_prominent():
     # nothing to warn about: no warnings section
     clean = _report(unknown=(), passes=[_passes()[1]])
     assert "Warnings" not in clean.to_markdown() and 'id="warnings"' not in clean.to_html()
-    assert json.loads(clean.to_json())["warnings"] == {"budget": None, "shortfalls": [], "not_covered": [],
+    assert json.loads(clean.to_json())["warnings"] == {"budget": None, "activation_budget": None, "shortfalls": [], "not_covered": [],
                                                        "rolled_back": [], "unknown_ops": []}
 
 
