@@ -188,8 +188,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace an existing result of fxmem optimize at --out atomically (never a directory holding "
                         "anything else, nor the working directory or one holding the model or policy file)")
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
-    o.add_argument("--fit", choices=["batch"], help="batch: the largest batch whose transformed step fits --budget "
-                   "(a size), by the cost model; the result is transformed and written at that batch")
+    o.add_argument("--fit", choices=["batch"], help="batch: among the batches whose transformed step fits --budget "
+                   "(a size) by the cost model, the one with the most samples/s by its estimate; the result is "
+                   "transformed and written at that batch")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
     o.add_argument("--strict", action="store_true",
@@ -348,8 +349,8 @@ def cmd_optimize(a) -> int:
 
 
 def _fitted(mf, budget, options: dict):
-    """--fit batch: the result at the largest batch that fits the budget (`fxmem.fit_batch`), its search in the
-    report's notes."""
+    """--fit batch: the result at the batch `fxmem.fit_batch` chooses under the budget, its search in the report's
+    notes."""
     from .fit import fit_batch
     if budget is None:
         raise FxmemError("--fit batch: give the memory cap with --budget (a size like 16GiB)")
