@@ -1,14 +1,17 @@
-"""How `fxmem.fit_batch` tries a batch size: what the policy's step costs there, in memory and in time.
+"""How `fxmem.fit_batch` and `fxmem.fit_length` try a size: what the policy's step costs there, in memory and time.
 
 The passes that do not read the budget (attention, pruning, gating, precision and any pass of the user's) make
-the same changes at every batch: the guard of lossy changes judges them on the same rows. So they run once, at
-the example batch, and each probe re-sizes that program (the example rows repeated along the batch dim, which
-capture keeps dynamic) and runs only the budget passes (checkpoint, offload), which plan for the batch they see.
-A program that does not re-size (a batch dim specialized at capture) falls back to transforming the model at
-every batch. Probes skip verification; a probe over the cap is an answer, not an error.
+the same changes at every size: the guard of lossy changes judges them on the same rows. So they run once, at
+the example inputs, and each probe re-sizes that program (the example's rows or tokens repeated along the dim,
+which capture keeps dynamic) and runs only the budget passes (checkpoint, offload), which plan for the size they
+see. When the program does not re-size, the model is transformed at that size instead: if that runs, the dim was
+specialized at capture and every later probe transforms the model; if it does not either, the model does not run
+at that size (a sequence longer than its position table), which counts as not fitting. Probes skip verification;
+a probe over the cap is an answer, not an error.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,78 +22,107 @@ from .errors import FxmemError
 from .policy_loader import load_policy
 from .registry import BUDGET_PASSES
 
-# errors that say a captured program does not run at another batch size (as plan_batch treats them)
+# errors that say a program or model does not run at another size (as plan_batch treats them)
 RESIZE_ERRORS = (RuntimeError, ValueError, IndexError, FxmemError)
+# the peak of a size the model does not run at: above any cap
+DOES_NOT_RUN = sys.maxsize
+
+
+@dataclass(frozen=True)
+class Axis:
+    """What is searched: its name in messages ("batch", "length"), the inputs' dim, the largest size tried."""
+    word: str
+    dim: int
+    limit: int
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One batch tried: the estimated peak of its transformed step, and that step's cost in FLOP-equivalents
-    (roofline: forward, backward, what the budget passes add in recomputation and exposed transfers)."""
-    batch: int
+    """One size tried: the estimated peak of its transformed step (DOES_NOT_RUN when the model does not run at
+    it), and that step's cost in FLOP-equivalents (roofline: forward, backward, what the budget passes add in
+    recomputation and exposed transfers)."""
+    size: int
     peak: int
     step_cost: float
 
     @property
     def cost_per_sample(self) -> float:
-        return self.step_cost / self.batch
+        return self.step_cost / self.size
 
 
-class BatchProber:
-    """Probes of one model under one policy and cap; `options` are fit_batch's transform options."""
+class SizeProber:
+    """Probes of one model under one policy and cap along one axis; `options` are the fit's transform options."""
 
-    def __init__(self, model, inputs: tuple[tuple, dict], cap: int, policy: Any, options: dict, batch_dim: int):
-        self.model, self.inputs, self.cap, self.policy, self.batch_dim = model, inputs, cap, policy, batch_dim
+    def __init__(self, model, inputs: tuple[tuple, dict], cap: int, policy: Any, options: dict, axis: Axis):
+        self.model, self.inputs, self.cap, self.policy, self.axis = model, inputs, cap, policy, axis
         self.options = {**options, "measure": False, "strict": False}  # a probe over the cap is an answer
         self.probes: dict[int, Probe] = {}
-        self.notes: list[str] = []
+        self.resize_notes: list[str] = []
+        self.not_running: tuple[int, str] | None = None  # the smallest size the model does not run at, and why
+        self.policy_read = _policy_of(policy, self.options)
         self._staged: TransformResult | None = None
         self._resizes = True
-        self.policy_read = _policy_of(policy, self.options)
 
-    def fits(self, batch: int) -> bool:
-        return self.probe(batch).peak <= self.cap
+    @property
+    def notes(self) -> list[str]:
+        """What the search should say: a program that did not re-size, the smallest size the model does not run at."""
+        failure = ([f"the model does not run at {self.axis.word} {self.not_running[0]} ({self.not_running[1]}): "
+                    "taken as not fitting"] if self.not_running is not None else [])
+        return self.resize_notes + failure
 
-    def program_at(self, batch: int):
-        """The transformed program of the probe at `batch` (probed now if it was not)."""
-        self.probes.pop(batch, None)
-        return self._run(batch).program
+    def fits(self, size: int) -> bool:
+        return self.probe(size).peak <= self.cap
 
-    def probe(self, batch: int) -> Probe:
-        if batch not in self.probes:
-            self._run(batch)
-        return self.probes[batch]
+    def probe(self, size: int) -> Probe:
+        if size not in self.probes:
+            self._run(size)
+        return self.probes[size]
 
-    def _run(self, batch: int) -> TransformResult:
-        scaled = scaled_inputs(*self.inputs, self.batch_dim, batch)
-        result = self._budget_passes_at(batch, scaled) if self._resizes else None
-        if result is None:
-            result = self._transform(self.model, scaled, self.options)
-        self.probes[batch] = Probe(batch, result.after.peak, self._step_cost(result))
-        return result
+    def program_at(self, size: int):
+        """The transformed program of the probe at `size` (probed again), None when the model does not run there."""
+        self.probes.pop(size, None)
+        result = self._run(size)
+        return result.program if result is not None else None
 
     def staged(self) -> TransformResult:
-        """The model at the example batch with every enabled pass but the budget passes applied."""
+        """The model at the example inputs with every enabled pass but the budget passes applied."""
         if self._staged is None:
             options = {key: value for key, value in self.options.items() if key != "activation_budget"}
             off = [name for name in BUDGET_PASSES if name in self.policy_read.passes]
             self._staged = self._transform(self.model, self.inputs, options, disable=off)
         return self._staged
 
-    def _budget_passes_at(self, batch: int, scaled: tuple[tuple, dict]) -> TransformResult | None:
-        """The staged program re-sized to `batch`, with the budget passes run on it; None (and every later probe
-        transforms the model) when the program does not run at that batch."""
-        program = self.staged().program.snapshot()
-        program = replace(program, example_args=scaled[0], example_kwargs=scaled[1])
+    def _run(self, size: int) -> TransformResult | None:
+        scaled = scaled_inputs(*self.inputs, self.axis.dim, size)
+        resize_error = None
+        if self._resizes:
+            try:
+                result = self._budget_passes_at(scaled)
+            except RESIZE_ERRORS as error:
+                resize_error, result = error, None
+        else:
+            result = None
+        if result is None:
+            try:
+                result = self._transform(self.model, scaled, self.options)
+            except RESIZE_ERRORS as error:
+                if self.not_running is None or size < self.not_running[0]:
+                    self.not_running = (size, _first_line(error))
+                self.probes[size] = Probe(size, DOES_NOT_RUN, float("inf"))
+                return None
+            if resize_error is not None:
+                self._resizes = False
+                self.resize_notes.append(f"the program does not re-size to {self.axis.word} {size} "
+                                  f"({_first_line(resize_error)}); every size is transformed from the model")
+        self.probes[size] = Probe(size, result.after.peak, self._step_cost(result))
+        return result
+
+    def _budget_passes_at(self, scaled: tuple[tuple, dict]) -> TransformResult:
+        """The staged program re-sized to the scaled inputs, with the budget passes run on it."""
+        program = replace(self.staged().program.snapshot(), example_args=scaled[0], example_kwargs=scaled[1])
         others = [name for name in self.policy_read.enabled_passes if name not in BUDGET_PASSES]
-        try:
-            program.refresh()
-            return self._transform(program, scaled, self.options, disable=others)
-        except RESIZE_ERRORS as error:
-            self._resizes = False
-            self.notes.append(f"the program does not re-size to batch {batch} ({str(error).splitlines()[0][:160]}); "
-                              "every batch is transformed from the model")
-            return None
+        program.refresh()
+        return self._transform(program, scaled, self.options, disable=others)
 
     def _transform(self, model, inputs: tuple[tuple, dict], options: dict, disable=()) -> TransformResult:
         overrides = [*options.get("overrides", ()), "verify.enabled=false", "budget_strict=false",
@@ -110,10 +142,14 @@ class BatchProber:
         return cost
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:160]
+
+
 def _policy_of(policy: Any, options: dict):
     """The policy as transform reads it: its overrides and typed keyword settings (dots as double underscores)."""
     read = load_policy(policy, overrides=options.get("overrides", ()))
     for keyword, value in options.items():
         if "__" in keyword:
-            read = read.with_overrides({keyword.replace("__", "."): value}, where=f"fit_batch({keyword}=...)")
+            read = read.with_overrides({keyword.replace("__", "."): value}, where=f"fit({keyword}=...)")
     return read
