@@ -23,6 +23,7 @@ _LAZY = {
     "MemoryEstimate": ("costmodel", "MemoryEstimate"),
     "plan_batch": ("sizing", "plan_batch"),
     "fit_batch": ("fit", "fit_batch"),
+    "fit_length": ("fit", "fit_length"),
     "FitResult": ("fit", "FitResult"),
     "transform": ("api", "transform"),
     "TransformResult": ("api", "TransformResult"),

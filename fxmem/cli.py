@@ -188,8 +188,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace an existing result of fxmem optimize at --out atomically (never a directory holding "
                         "anything else, nor the working directory or one holding the model or policy file)")
     o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
-    o.add_argument("--fit", choices=["batch"], help="batch: the largest batch whose transformed step fits --budget "
-                   "(a size), by the cost model; the result is transformed and written at that batch")
+    o.add_argument("--fit", choices=["batch", "length"],
+                   help="batch: among the batches whose transformed step fits --budget (a size) by the cost model, "
+                   "the one with the most samples/s by its estimate; length: the longest sequence (dim 1 of the "
+                   "inputs) that fits; the result is transformed and written at that size")
     o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
     o.add_argument("--strict", action="store_true",
@@ -339,8 +341,8 @@ def cmd_optimize(a) -> int:
         options = dict(policy=a.policy, activation_budget=activation_budget, calibration=mf.calibration(limit=64),
                        loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
                        overrides=a.set, log=log, model_file=mf.module)
-        res = _fitted(mf, budget, options) if a.fit else transform(mf.model, mf.args, mf.kwargs, budget=budget,
-                                                                    **options)
+        res = (_fitted(mf, a.fit, budget, options) if a.fit
+               else transform(mf.model, mf.args, mf.kwargs, budget=budget, **options))
         out.write(res)
         _print_summary(a, res, out)
         return 0
@@ -348,13 +350,14 @@ def cmd_optimize(a) -> int:
         out.discard()
 
 
-def _fitted(mf, budget, options: dict):
-    """--fit batch: the result at the largest batch that fits the budget (`fxmem.fit_batch`), its search in the
-    report's notes."""
-    from .fit import fit_batch
+def _fitted(mf, what: str, budget, options: dict):
+    """--fit batch|length: the result at the size `fxmem.fit_batch` / `fxmem.fit_length` chooses under the budget,
+    its search in the report's notes."""
+    from .fit import fit_batch, fit_length
     if budget is None:
-        raise FxmemError("--fit batch: give the memory cap with --budget (a size like 16GiB)")
-    fit = fit_batch(mf.model, mf.args, mf.kwargs, budget=budget, **options)
+        raise FxmemError(f"--fit {what}: give the memory cap with --budget (a size like 16GiB)")
+    search = fit_batch if what == "batch" else fit_length
+    fit = search(mf.model, mf.args, mf.kwargs, budget=budget, **options)
     fit.result.report.notes.append(fit.summary())
     fit.result.fit_summary = fit.summary()
     return fit.result

@@ -1,12 +1,15 @@
-"""The largest batch whose transformed program fits a memory cap: `fxmem.fit_batch`.
+"""The batch to train at, or the longest sequence, under a memory cap: `fxmem.fit_batch`, `fxmem.fit_length`.
 
 HF Trainer's `auto_find_batch_size` finds a batch by running out of memory and halving. fxmem answers before the
-first step: it transforms the model under the policy at a batch size (the example inputs' rows repeated along the
-batch dim), with the cap as the budget, and asks the cost model whether the result's peak fits. Each probe plans
-for its own batch (a plan tuned at batch 8 is not the best one at batch 64), so the search transforms at every
-batch it tries: a guess from the plan at the example batch (`fxmem.plan_batch` on its program), then brackets and
-bisection (`costmodel.batch.largest_fitting`). Probes skip verification (no real steps of the original model at
-large batches); the result at the chosen batch is transformed again with the policy's verification as given.
+first step. It searches for the largest size (batch, or sequence length) whose transformed step fits the cap by
+the cost model: a guess from the plan at the example inputs (`fxmem.plan_batch` on its program), then brackets
+and bisection (`costmodel.batch.largest_fitting`), each size probed as `fit_probes` says (the budget passes plan
+again at every size). For a batch it then takes, among the batches probed that fit, the one with the most samples
+per second by the cost model's time estimate (the roofline cost of the step, recomputation and exposed transfers
+included, per sample): a smaller batch that needs less recomputation can train faster than the largest one. Ties
+within `TIE_TOLERANCE` go to the larger batch (per-step costs such as the optimizer's are not in the estimate). A
+length fit takes the longest. The result at the chosen size is transformed again from the model, with the
+policy's verification as given.
 """
 from __future__ import annotations
 
@@ -17,75 +20,107 @@ from .api import TransformResult, transform
 from .costmodel import plan_batch
 from .costmodel.batch import batch_size, largest_fitting, scaled_inputs
 from .errors import BudgetError, FxmemError, PolicyError
+from .fit_probes import DOES_NOT_RUN, Axis, Probe, SizeProber
 from .units import format_bytes, parse_size
+
+# a batch whose estimated cost per sample is within this share of the cheapest counts as a tie
+TIE_TOLERANCE = 0.02
 
 
 @dataclass
 class FitResult:
-    """The batch chosen, the transformed model at that batch, its inputs, and every probe's estimated peak
-    in bytes."""
-    batch: int
+    """The size chosen along the axis searched (`what`: "batch" or "length"), the transformed model at that size,
+    its inputs, the largest size that fits, and every probe (estimated peak and step cost)."""
+    size: int
+    what: str
     result: TransformResult
     args: tuple
     kwargs: dict
     budget: int
-    probes: dict[int, int] = field(default_factory=dict)
+    largest: int = 0
+    probes: dict[int, Probe] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        tried = ", ".join(f"{batch}: {format_bytes(peak)}" for batch, peak in sorted(self.probes.items()))
-        return (f"fit: batch {self.batch} is the largest whose transformed step fits {format_bytes(self.budget)} by "
-                f"the estimate (peak {format_bytes(self.result.after.peak)}); estimated peak by batch: {tried}")
+        tried = ", ".join(f"{size}: " + (format_bytes(probe.peak) if probe.peak != DOES_NOT_RUN else "does not run")
+                          for size, probe in sorted(self.probes.items()))
+        chosen = (f"{self.what} {self.size} is the largest whose transformed step fits {format_bytes(self.budget)}"
+                  if self.size == self.largest else
+                  f"{self.what} {self.size} trains the most samples per second by the estimate "
+                  f"({self.speedup():.2f}x {self.what} {self.largest}'s, the largest that fits "
+                  f"{format_bytes(self.budget)})")
+        return (f"fit: {chosen} (peak {format_bytes(self.result.after.peak)}); estimated peak by {self.what}: "
+                f"{tried}" + "".join(f"; {note}" for note in self.notes))
+
+    def speedup(self) -> float:
+        """Estimated samples per second at the chosen size over the largest size's."""
+        return self.probes[self.largest].cost_per_sample / self.probes[self.size].cost_per_sample
 
 
 def _cap_bytes(budget: Any) -> int:
     if isinstance(budget, str):
         if budget.strip().endswith("%"):
-            raise PolicyError(f"fit_batch: budget {budget!r} is a fraction of the baseline; a batch search needs a "
+            raise PolicyError(f"fit: budget {budget!r} is a fraction of the baseline; a search across sizes needs a "
                               "cap in bytes (e.g. '16GiB')")
         return parse_size(budget)
     if isinstance(budget, float) and budget < 1:
-        raise PolicyError(f"fit_batch: budget {budget!r} is a fraction; give a cap in bytes (e.g. '16GiB')")
+        raise PolicyError(f"fit: budget {budget!r} is a fraction; give a cap in bytes (e.g. '16GiB')")
     return int(budget)
 
 
 def fit_batch(model, args: Any = (), kwargs: dict | None = None, *, budget: Any, policy: Any = "high",
               batch_dim: int = 0, max_batch: int = 4096, **transform_options) -> FitResult:
-    """The largest batch (inputs scaled along `batch_dim`, at most `max_batch`) whose step, transformed by
-    `policy` with `budget` (bytes or "16GiB") as its cap, fits by the cost model; with the result at that batch.
-    `transform_options` go to every `fxmem.transform` call (loss_fn, overrides, measure for the final one, ...).
-    BudgetError when not even batch 1 fits."""
+    """The batch (inputs scaled along `batch_dim`, at most `max_batch`) that trains the most samples per second
+    by the estimate among those whose step, transformed by `policy` with `budget` (bytes or "16GiB") as its cap,
+    fits by the cost model; with the result at that batch. `transform_options` go to every `fxmem.transform`
+    call (loss_fn, overrides, measure for the final one, ...). BudgetError when not even batch 1 fits."""
+    return _fit(model, (args, kwargs), budget, policy, Axis("batch", batch_dim, max_batch), transform_options)
+
+
+def fit_length(model, args: Any = (), kwargs: dict | None = None, *, budget: Any, policy: Any = "high",
+               seq_dim: int = 1, max_length: int = 1 << 16, **transform_options) -> FitResult:
+    """The longest sequence (every input whose size along `seq_dim` is the example's: its tokens repeated, at most
+    `max_length`) whose step, transformed by `policy` with `budget` as its cap, fits by the cost model; a length
+    the model does not run at (past its position table) counts as not fitting. As `fit_batch` otherwise."""
+    return _fit(model, (args, kwargs), budget, policy, Axis("length", seq_dim, max_length), transform_options)
+
+
+def _fit(model, inputs: tuple, budget: Any, policy: Any, axis: Axis, transform_options: dict) -> FitResult:
+    args, kwargs = inputs
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     cap = _cap_bytes(budget)
-    probes: dict[int, int] = {}
-    probe_options = {**transform_options, "measure": False, "strict": False}  # a probe over the cap is an answer
-    probe_options["overrides"] = [*transform_options.get("overrides", ()), "verify.enabled=false",
-                                  "budget_strict=false"]
-
-    def fits(batch: int) -> bool:
-        if batch not in probes:
-            scaled_args, scaled_kwargs = scaled_inputs(args, kwargs, batch_dim, batch)
-            result = transform(model, scaled_args, scaled_kwargs, policy=policy, budget=cap, **probe_options)
-            probes[batch] = result.after.peak
-        return probes[batch] <= cap
-
-    example = batch_size(args, kwargs, batch_dim)
-    if not fits(1):
-        raise BudgetError(f"fit_batch: not even batch 1 fits the cap of {format_bytes(cap)} (estimated peak "
-                          f"{format_bytes(probes[1])} after the policy's passes); raise the cap or enable passes "
-                          "that go further")
-    batch = largest_fitting(fits, _guess(model, args, kwargs, cap, policy, probe_options, example), max_batch)
-    final_args, final_kwargs = scaled_inputs(args, kwargs, batch_dim, batch)
+    prober = SizeProber(model, (args, kwargs), cap, policy, transform_options, axis)
+    if not prober.fits(1):
+        raise BudgetError(f"fit: not even {axis.word} 1 fits the cap of {format_bytes(cap)} ("
+                          + (f"estimated peak {format_bytes(prober.probes[1].peak)} after the policy's passes); raise "
+                             "the cap or enable passes that go further" if not prober.notes else prober.notes[-1] + ")"))
+    largest = largest_fitting(prober.fits, _guess(prober, batch_size(args, kwargs, axis.dim)), axis.limit)
+    size = fastest(prober, largest) if axis.word == "batch" else largest
+    final_args, final_kwargs = scaled_inputs(args, kwargs, axis.dim, size)
     result = transform(model, final_args, final_kwargs, policy=policy, budget=cap,
                        **{**transform_options, "overrides": [*transform_options.get("overrides", ()),
                                                               "budget_strict=false"]})
-    return FitResult(batch, result, final_args, final_kwargs, cap, probes)
+    return FitResult(size, axis.word, result, final_args, final_kwargs, cap, largest, dict(prober.probes),
+                     prober.notes)
 
 
-def _guess(model, args, kwargs, cap: int, policy, probe_options: dict, example: int) -> int:
-    """Where the search starts: the largest batch at which the plan made at the example batch fits the cap."""
-    planned = transform(model, args, kwargs, policy=policy, budget=cap, **probe_options)
+def fastest(prober: SizeProber, largest: int) -> int:
+    """Among the sizes probed that fit (and half and three quarters of the largest), the one with the least
+    estimated cost per sample; the larger of those within TIE_TOLERANCE of it."""
+    for share in (0.75, 0.5):
+        prober.probe(max(1, int(largest * share)))
+    fitting = [probe for probe in prober.probes.values() if probe.size <= largest and probe.peak <= prober.cap]
+    cheapest = min(probe.cost_per_sample for probe in fitting)
+    return max(probe.size for probe in fitting if probe.cost_per_sample <= cheapest * (1 + TIE_TOLERANCE))
+
+
+def _guess(prober: SizeProber, example: int) -> int:
+    """Where the search starts: the largest size at which the plan made at the example inputs fits the cap."""
+    program = prober.program_at(example)
+    if program is None:
+        return example
     try:
-        return max(1, plan_batch(planned.program, budget=cap)["batch"])
-    except (RuntimeError, ValueError, FxmemError):  # the transformed program does not re-size: start at the example batch
+        return max(1, plan_batch(program, budget=prober.cap, batch_dim=prober.axis.dim)["batch"])
+    except (RuntimeError, ValueError, FxmemError):  # the transformed program does not re-size: start there
         return example

@@ -23,6 +23,9 @@ CANONICAL_ORDER: tuple[str, ...] = ("attention", "pruning", "gating", "precision
 # one of them may stop short of the budget instead of failing (checkpoint before offload)
 TAKES_BUDGET_REST: frozenset[str] = frozenset({"offload"})
 
+# passes that read the budget (the others make the same changes whatever it is, e.g. at another batch size)
+BUDGET_PASSES: tuple[str, ...] = ("checkpoint", "offload")
+
 
 @dataclass(frozen=True)
 class Registration:

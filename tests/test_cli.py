@@ -130,7 +130,7 @@ def test_optimize_prints_only_its_own_output(tmp_path):
     not to before anything else) and no warning from inside torch about copying graphs (copying a graph's pytree
     specs trips a deprecation in torch 2.13's pytree), only fxmem's progress lines and summary."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "fxmem.cli", "optimize", GPT, "--policy", "high", "--budget", "40%",
+    r = subprocess.run([sys.executable, "-m", "fxmem.cli", "optimize", GPT, "--policy", "low", "--budget", "40%",
                         "--set", "budget_strict=false", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -141,28 +141,27 @@ def test_optimize_prints_only_its_own_output(tmp_path):
 
 
 def test_optimize_over_a_target_budget_is_said_and_strict_makes_it_an_error(tmp_path, capsys):
-    """The U-Net at 30% of its peak is out of reach on CPU (checkpointing's lowest is above it, and offloading to the
-    CPU frees no CPU memory). As a target (budget_strict=false) the run succeeds and its summary says OVER the
+    """The U-Net at 30% of its peak is out of reach of `low` (checkpointing's lowest is above it). As a target (budget_strict=false) the run succeeds and its summary says OVER the
     budget, first; with --strict the miss is an error (exit 3, --strict's own code; the budget named) and nothing is
     written. (Required, it is a BudgetError: tests/test_budgets.py.)"""
     unet = str(ROOT / "examples" / "unet.py")
     out = tmp_path / "out"
     target = ("--budget", "30%", "--set", "budget_strict=false")
-    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", *target, "--out", str(out))
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "low", *target, "--out", str(out))
     assert code == 0, err
     assert [ln for ln in stdout.splitlines() if ln.strip()][1].startswith("OVER BUDGET: budget ")
     line = next(ln for ln in stdout.splitlines() if ln.startswith("budget "))
     assert "OVER the budget by" in line
     assert (out / "report.md").exists()
     strict = tmp_path / "strict"
-    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", *target, "--out", str(strict),
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "low", *target, "--out", str(strict),
                             "--strict")
     assert code == 3
     assert "strict: the result is over its budget" in err and "OVER the budget by" in err
     assert not strict.exists()
     # a budget that is met passes --strict
     ok = tmp_path / "ok"
-    code, stdout, err = run(capsys, "optimize", unet, "--policy", "high", "--budget", "90%", "--out", str(ok),
+    code, stdout, err = run(capsys, "optimize", unet, "--policy", "low", "--budget", "90%", "--out", str(ok),
                             "--strict")
     assert code == 0, err
     assert "fits" in next(ln for ln in stdout.splitlines() if ln.startswith("budget "))

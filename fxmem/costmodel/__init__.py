@@ -13,7 +13,7 @@ searches for what fits a budget. `estimate` takes a Program: `fxmem.estimate(mod
 """
 from .batch import plan_batch, smallest_fitting_prefix
 from .costs import (CPU_BALANCE, DRAW_COST_PER_BYTE_CPU, SLOW_KERNELS_CPU, NodeCost, default_balance, node_costs,
-                    op_cost)
+                    op_cost, step_cost)
 from .estimator import check_estimate_options, estimate, estimate_from_trace, program_key
 from .formula import TensorMeta, call_signature, formula_temps
 from .liveness import off_loss_path
@@ -28,4 +28,4 @@ __all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "Candida
            "build_region_model", "call_signature", "check_estimate_options", "default_balance", "estimate",
            "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path", "op_cost",
            "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",
-           "smallest_fitting_prefix", "trace_forward", "value_key"]
+           "smallest_fitting_prefix", "step_cost", "trace_forward", "value_key"]

@@ -46,6 +46,18 @@ def default_balance(program: Program) -> float:
     return 100.0 if param is not None and param.device.type == "cuda" else CPU_BALANCE
 
 
+def step_cost(program: Program, mode: str | None = None, loss_fn=None, balance: float | None = None) -> float:
+    """Roofline cost of one step of `program` at its example inputs, in FLOP-equivalents: every forward op's
+    `op_cost` and, in train mode, twice that for the backward of each op whose output requires grad (the
+    convention of the estimate's FLOPs). Recomputation is not in it: the passes that add some state its cost."""
+    mode = mode or program.mode
+    balance = default_balance(program) if balance is None else balance
+    traced = trace_forward(program, program.example_args, program.example_kwargs, mode, loss_fn)
+    backward = 2.0 if mode == "train" else 0.0
+    return sum(op_cost(record, balance) * (1.0 + (backward if record.out_rg else 0.0))
+               for record in traced.recorder.records)
+
+
 @dataclass
 class NodeCost:
     """What one graph node costs: bytes it creates, bytes autograd keeps for it, its FLOPs."""
