@@ -1,32 +1,6 @@
-"""Policies: YAML -> a typed, validated `Policy`.
-
-A policy says what the user wants (budget, mode, optimizer, which passes with which options); the passes and
-the cost model decide what is possible. Schema (version 1):
-
-    version: 1                          # required in every file
-    name: high                          # default: the file's stem ("custom" for dicts); not inherited
-    description: ...                    # not inherited
-    extends: medium                     # a preset name, or a path relative to this file
-    mode: train | inference             # default train
-    budget: 30% | 6GiB | 0.3 | null     # see fxmem.units
-    optimizer: none | sgd | sgd-momentum | adam | adamw | adamw8bit | adam8bit | paged_adamw8bit
-    passes:                             # attention, pruning, gating, precision, checkpoint, offload
-      checkpoint: {enabled: true, solver: auto}
-    verify: {atol: 1e-5, rtol: 1e-4, grad_atol: 1e-5, grad_rtol: 1e-4, seed: 0, enabled: true,
-             lossy_tolerance: null, top1_agreement: null, loss_increase: null, metric_tolerance: null,
-             outputs: auto, guard_items: 8}   # the guard of lossy changes: fxmem/lossguard.py
-
-Pass sections. `passes.NAME` is a mapping with `enabled` plus the pass's options (`passes.NAME: false` is short for
-`{enabled: false}`, an empty section means enabled with defaults). A section that is present without `enabled`
-is enabled; inherited and `--set` sections keep the `enabled` they merge onto. An absent section is disabled.
-A pass registers its options dataclass (`fxmem.pass_api.register`, or `register_options(name, cls)` for options
-alone); its section is then validated against that dataclass (unknown keys, types, defaults) and
-`PassSection.options` holds the instance. Unregistered passes keep their keys in `PassSection.raw` with
-`options=None`.
-
-Every validation error is a `PolicyError` whose message is one line: `FILE:LINE KEY.PATH: what was expected`,
-with the file and line the value came from (a parent file for inherited values, `--set '...'` for overrides).
-Reading and validating a policy: `fxmem.policy_loader.load_policy`.
+"""Policies: YAML -> a typed, validated `Policy` (what the user wants: budget, mode, optimizer, which passes with
+which options). The schema, the pass sections' rules and the errors: docs/design/policy.md. Reading and validating
+a policy: `fxmem.policy_loader.load_policy`.
 """
 from __future__ import annotations
 
