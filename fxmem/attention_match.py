@@ -37,7 +37,11 @@ from .program import Program, module_path
 
 
 class _NoMatch(Exception):
-    """Not attention at all (leave silently)."""
+    """Not attention at all (leave silently); `stop` is the node where the walk gave up, if any."""
+
+    def __init__(self, stop: fx.Node | None = None):
+        super().__init__()
+        self.stop = stop
 
 
 def find_attention(program: Program | fx.GraphModule) -> list[AttentionSite]:
@@ -71,7 +75,11 @@ def _match(site: AttentionSite) -> None:
     chain_down, out_node, p_node = _walk_down(site)
     site.output = out_node
     # ---- the score product above the softmax
-    chain_up, scores = _walk_up(site)
+    try:
+        chain_up, scores = _walk_up(site)
+    except _NoMatch as e:
+        _declined_above(e.stop)
+        raise
     site.scores = scores
     qk_operands(site, scores)
     v_operand(site, out_node, p_node)
@@ -155,6 +163,22 @@ def _cast_step(site: AttentionSite, source: fx.Node, cast: fx.Node, where: str) 
         record_change(site, cast, dtype(source), dtype(cast), where)
 
 
+def _declined_above(stop: fx.Node | None) -> None:
+    """The walk up from a softmax whose probabilities feed a value product stopped at `stop`: when a product lies
+    above `stop` (Q @ K^T within a few ops), this is attention the rewrite cannot take, and it says where."""
+    if stop is None or not _reached_from_product(stop):
+        return
+    raise Reject(f"{_opname(stop)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
+
+
+def _reached_from_product(n: fx.Node, depth: int = 4) -> bool:
+    """A matmul / einsum / baddbmm is among the inputs of `n`, at most `depth` ops up."""
+    if depth == 0 or not isinstance(n, fx.Node) or n.op != "call_function":
+        return False
+    return any(is_op(x, MATMUL | EINSUM | {aten.baddbmm.default}) or _reached_from_product(x, depth - 1)
+               for x in n.all_input_nodes)
+
+
 def _reaches_matmul(n: fx.Node, depth: int = 3) -> bool:
     if depth == 0:
         return False
@@ -196,7 +220,7 @@ def _walk_up(site: AttentionSite):
                 raise Reject(f"add with alpha={alpha} on the scores")
             s, m = _pick_score_operand(a, b)
             if s is None:
-                raise _NoMatch()
+                raise _NoMatch(cur)
             if not isinstance(m, fx.Node):
                 cur = s  # adding a constant to every score does not change the softmax... but keep it exact:
                 raise Reject("a scalar is added to the scores")
@@ -240,8 +264,8 @@ def _walk_up(site: AttentionSite):
             continue
         if is_op(cur, DROPOUT):
             raise Reject("dropout on the scores before the softmax (SDPA drops probabilities)")
-        raise _NoMatch()
-    raise _NoMatch()
+        raise _NoMatch(cur)
+    raise Reject("more than 32 ops between the softmax and the score product")
 
 
 def _pick_score_operand(a, b):

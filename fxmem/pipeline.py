@@ -267,6 +267,7 @@ class PassManager:
         if result.verdicts:
             rec.metrics["guard"] = [verdict.to_dict() for verdict in result.verdicts]
         if not result.modified:
+            rec.reason = result.reason
             rec.seconds = time.perf_counter() - t0
             self.log(f"[{entry.name}] no change")
             return None
