@@ -73,8 +73,9 @@ def check_precision(site: AttentionSite) -> None:
     else:
         _check_cast_back(widen[0], narrow, attention)
         site.softmax_dtype = widen[0].target
-        site.notes.append(f"softmax computed in {widen[0].target} on {attention} scores, then cast back: "
-                          f"SDPA runs in {attention} (its kernels compute the softmax in float32)")
+        wide, low = (str(d).removeprefix("torch.") for d in (widen[0].target, attention))
+        site.notes.append(f"softmax computed in {wide} on {low} scores, then cast back: SDPA runs in {low} (its "
+                          "kernels compute the softmax in float32)")
     for mask in site.masks:
         if mask.kind == "additive" and dtype(mask.node) != attention:
             raise Reject(f"additive mask {mask.node.name} is {dtype(mask.node)} while the attention computes in "
