@@ -2,9 +2,9 @@
 
 Anchored on every softmax. From the softmax the matcher walks
 
-    down  through dtype casts that do not change the dtype, `_assert_tensor_metadata`, and one dropout, to the
-          value product  P @ V  (matmul / bmm / einsum);
-    up    through the masks (additive `add`, `masked_fill(-inf)`, `where(cond, s, -inf)`, `baddbmm`'s bias), the
+    down  through casts, `_assert_tensor_metadata`, and one dropout, to the value product  P @ V  (matmul / bmm /
+          einsum);
+    up    through casts, the masks (additive `add`, `masked_fill(-inf)`, `where(cond, s, -inf)`, `baddbmm`'s bias), the
           scale (`mul` / `div` by a constant, a 0-dim constant tensor or a shape-derived python scalar, on the scores,
           on q or on k), to the score product  Q @ K^T  (matmul / bmm / einsum), peeling K's transpose (transpose,
           permute, mT) and Llama's repeat_kv (unsqueeze -> expand -> reshape) for grouped-query attention.
@@ -15,7 +15,8 @@ reports "not rewritten: <reason>". Every check is explicit: the softmax dim, the
 semantics (bool keep-mask vs additive) and that it does not enlarge the score shape, dropout placement, dtypes,
 that no intermediate (scores, probabilities) is used outside the attention, and batch shapes that SDPA accepts.
 
-The causal proof of a mask: `fxmem.attention_causal`; q, k and v and their checks: `fxmem.attention_operands`.
+The causal proof of a mask: `fxmem.attention_causal`; q, k and v and their checks: `fxmem.attention_operands`;
+the dtypes along the site (a softmax computed in float32 on bf16/fp16 scores, cast back): `fxmem.attention_precision`.
 """
 from __future__ import annotations
 
@@ -27,15 +28,20 @@ from torch import fx
 
 from .attention_causal import finish_masks
 from .attention_constants import float_const, is_neg_inf, scale_operands, scale_value
-from .attention_nodes import (ASSERTS, CASTS, DROPOUT, EINSUM, MATMUL, SDPA, SOFTMAX, aten, consumers, dtype, is_op,
-                              norm_dim, shape)
+from .attention_nodes import (ASSERTS, CASTS, DROPOUT, EINSUM, MATMUL, SDPA, SOFTMAX, aten, consumers, device, dtype,
+                              is_op, norm_dim, shape)
 from .attention_operands import check_shapes, qk_operands, v_operand
+from .attention_precision import check_precision, record_change, softmax_output_dtype
 from .attention_site import AttentionSite, MaskTerm, Reject
 from .program import Program, module_path
 
 
 class _NoMatch(Exception):
-    """Not attention at all (leave silently)."""
+    """Not attention at all (leave silently); `stop` is the node where the walk gave up, if any."""
+
+    def __init__(self, stop: fx.Node | None = None):
+        super().__init__()
+        self.stop = stop
 
 
 def find_attention(program: Program | fx.GraphModule) -> list[AttentionSite]:
@@ -69,7 +75,11 @@ def _match(site: AttentionSite) -> None:
     chain_down, out_node, p_node = _walk_down(site)
     site.output = out_node
     # ---- the score product above the softmax
-    chain_up, scores = _walk_up(site)
+    try:
+        chain_up, scores = _walk_up(site)
+    except _NoMatch as e:
+        _declined_above(e.stop)
+        raise
     site.scores = scores
     qk_operands(site, scores)
     v_operand(site, out_node, p_node)
@@ -87,6 +97,7 @@ def _match(site: AttentionSite) -> None:
     # assert nodes hanging off the chain go too
     extra = [u for n in site.nodes for u in n.users if is_op(u, ASSERTS)]
     site.nodes = _ordered(sm.graph, set(site.nodes) | set(extra))
+    check_precision(site)
     check_shapes(site)
     finish_masks(site)
     site.scale_value = scale_value(site.scale)
@@ -121,10 +132,7 @@ def _walk_down(site: AttentionSite):
                 raise _NoMatch()
             return chain, u, cur
         if is_op(u, CASTS):
-            if dtype(u) != dtype(cur):
-                if _reaches_matmul(u):
-                    raise Reject(f"the probabilities are cast from {dtype(cur)} to {dtype(u)} before P @ V")
-                raise _NoMatch()
+            _cast_step(site, cur, u, "probabilities")
             chain.append(u)
             cur = u
             continue
@@ -144,6 +152,31 @@ def _walk_down(site: AttentionSite):
         if _reaches_matmul(u):
             raise Reject(f"{_opname(u)} ({u.name}) between softmax and P @ V has no SDPA equivalent")
         raise _NoMatch()
+
+
+def _cast_step(site: AttentionSite, source: fx.Node, cast: fx.Node, where: str) -> None:
+    """A cast on the attention's path: a device move is no attention SDPA can take; a dtype change is judged with the
+    others once the site is known (`fxmem.attention_precision`)."""
+    if device(cast) != device(source):
+        raise Reject(f"the {where} move from {device(source)} to {device(cast)} ({cast.name})")
+    if dtype(cast) != dtype(source):
+        record_change(site, cast, dtype(source), dtype(cast), where)
+
+
+def _declined_above(stop: fx.Node | None) -> None:
+    """The walk up from a softmax whose probabilities feed a value product stopped at `stop`: when a product lies
+    above `stop` (Q @ K^T within a few ops), this is attention the rewrite cannot take, and it says where."""
+    if stop is None or not _reached_from_product(stop):
+        return
+    raise Reject(f"{_opname(stop)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
+
+
+def _reached_from_product(n: fx.Node, depth: int = 4) -> bool:
+    """A matmul / einsum / baddbmm is among the inputs of `n`, at most `depth` ops up."""
+    if depth == 0 or not isinstance(n, fx.Node) or n.op != "call_function":
+        return False
+    return any(is_op(x, MATMUL | EINSUM | {aten.baddbmm.default}) or _reached_from_product(x, depth - 1)
+               for x in n.all_input_nodes)
 
 
 def _reaches_matmul(n: fx.Node, depth: int = 3) -> bool:
@@ -177,8 +210,7 @@ def _walk_up(site: AttentionSite):
             return chain, cur
         chain.append(cur)
         if is_op(cur, CASTS):
-            if dtype(cur) != dtype(cur.args[0]):
-                raise Reject(f"scores are cast from {dtype(cur.args[0])} to {dtype(cur)} before the softmax")
+            _cast_step(site, cur.args[0], cur, "scores")
             cur = cur.args[0]
             continue
         if is_op(cur, {aten.add.Tensor}):
@@ -188,7 +220,7 @@ def _walk_up(site: AttentionSite):
                 raise Reject(f"add with alpha={alpha} on the scores")
             s, m = _pick_score_operand(a, b)
             if s is None:
-                raise _NoMatch()
+                raise _NoMatch(cur)
             if not isinstance(m, fx.Node):
                 cur = s  # adding a constant to every score does not change the softmax... but keep it exact:
                 raise Reject("a scalar is added to the scores")
@@ -232,8 +264,8 @@ def _walk_up(site: AttentionSite):
             continue
         if is_op(cur, DROPOUT):
             raise Reject("dropout on the scores before the softmax (SDPA drops probabilities)")
-        raise _NoMatch()
-    raise _NoMatch()
+        raise _NoMatch(cur)
+    raise Reject("more than 32 ops between the softmax and the score product")
 
 
 def _pick_score_operand(a, b):
@@ -270,8 +302,6 @@ def _add_mask(site, m, at: fx.Node, kind: str, source: str) -> None:
     else:
         if md == torch.bool:
             raise Reject(f"a bool tensor is added to the scores ({m.name})")
-        if md is not None and md != dtype(at):
-            raise Reject(f"additive mask dtype {md} differs from the scores' {dtype(at)}")
     # the mask must broadcast into the scores without enlarging them
     ms, os_ = shape(m), shape(at)
     if ms is None or os_ is None:
@@ -291,12 +321,9 @@ def _check_softmax(site: AttentionSite) -> None:
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
     if norm_dim(int(dim), len(s)) != len(s) - 1:
         raise Reject(f"softmax over dim {dim}, not the key dim (last)")
-    if sm.target is aten.softmax.int:
-        dt = sm.args[2] if len(sm.args) > 2 else sm.kwargs.get("dtype")
-        if dt is not None and dt != dtype(x):
-            raise Reject(f"softmax computed in {dt} on {dtype(x)} scores (SDPA's precision differs)")
-    if sm.target is aten._softmax.default and len(sm.args) > 2 and sm.args[2]:
-        raise Reject("softmax with half_to_float")
+    wider = softmax_output_dtype(sm)
+    if wider is not None:
+        record_change(site, sm, dtype(x), wider, "softmax")
 
 
 def existing_sdpa(program) -> list[fx.Node]:

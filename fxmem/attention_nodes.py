@@ -13,9 +13,9 @@ aten = torch.ops.aten
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 MATMUL = {aten.matmul.default, aten.bmm.default}
 EINSUM = {aten.einsum.default}
-# ops that pass the probabilities through unchanged when they keep the dtype
-CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default, aten.clone.default,
-         aten.contiguous.default, aten.alias.default}
+# ops that pass the scores or probabilities through unchanged when they keep the dtype (and the device)
+CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
+         aten.type_as.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
 DROPOUT = {aten.dropout.default}
 ASSERTS = {aten._assert_tensor_metadata.default}
 SDPA = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -60,6 +60,11 @@ def shape(n) -> tuple | None:
 def dtype(n):
     v = val(n)
     return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def device(n):
+    v = val(n)
+    return v.device if isinstance(v, torch.Tensor) else None
 
 
 def same_shape(a, b) -> bool:

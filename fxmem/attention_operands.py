@@ -122,9 +122,9 @@ def check_shapes(site: AttentionSite) -> None:
     for name, n in (("q", q), ("k", k), ("v", v)):
         if not isinstance(n, fx.Node) or not isinstance(val(n), torch.Tensor):
             raise Reject(f"{name} is not a tensor")
-    dts = {dtype(q), dtype(k), dtype(v), dtype(site.softmax)}
+    dts = {dtype(q), dtype(k), dtype(v), dtype(site.scores), dtype(site.output)}
     if len(dts) != 1:
-        raise Reject(f"q, k, v and scores have different dtypes {sorted(map(str, dts))}")
+        raise Reject(f"q, k, v, scores and output have different dtypes {sorted(map(str, dts))}")
     if next(iter(dts)) not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise Reject(f"dtype {next(iter(dts))} is not supported by SDPA")
     sq, sk, sv = sym_shape(q), sym_shape(k), sym_shape(v)

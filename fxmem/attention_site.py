@@ -36,6 +36,9 @@ class AttentionSite:
     scale_value: float | None = None  # the product at the example inputs
     masks: list = field(default_factory=list)  # MaskTerm
     causal: bool = False  # the only mask is provably causal -> is_causal=True
+    # the wider dtype the softmax computes in (cast back before P @ V; `fxmem.attention_precision`), None when none
+    softmax_dtype: Any = None
+    dtype_changes: list = field(default_factory=list)  # attention_precision.DtypeChange, in walk order
     dropout_p: float = 0.0
     dropout_train: Any = False  # bool or the ModeFlag node
     gqa_groups: int = 1  # query heads per key/value head (1 = no grouping)
@@ -63,6 +66,8 @@ class AttentionSite:
             parts.append(f"dropout={self.dropout_p:g}")
         if self.gqa_groups > 1:
             parts.append(f"gqa={self.gqa_groups}")
+        if self.softmax_dtype is not None:
+            parts.append(f"softmax in {str(self.softmax_dtype).removeprefix('torch.')}")
         return ", ".join(parts)
 
 

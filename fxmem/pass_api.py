@@ -62,6 +62,8 @@ class PassResult:
     # on what was kept (`fxmem.lossguard.Verdict`); a lossy pass without verdicts is judged by the manager
     intents: list = field(default_factory=list)
     verdicts: list = field(default_factory=list)
+    # one line: why the pass changed nothing (the record's reason when it is unchanged); its notes say more
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import costmodel
-from .compare import compare_outputs, deviation
+from .compare import (ACCURACY_FACTOR, Precision, compare_named, compare_outputs, deviation, dtype_name,
+                      least_precise_of)
 from .errors import FxmemError, PassError, PolicyError
 from .lossguard import KIND_LIMITS, KIND_WORDS, GuardOptions, guard_for
 from .nn.modes import mode_dispatch, mode_graph
@@ -32,6 +33,7 @@ from .pass_api import Change, DeviceInfo, PassContext, PassRecord, PassResult, r
 from .program import Program, buffers_kept
 from .registry import (CANONICAL_ORDER, LOAD_ERRORS, REGISTRY, Registration, budget_rest_taken, load_passes,
                        pass_class, pass_module)
+from .shadow import float32_shadow, program_precision
 from .step import compute_loss
 from .units import format_bytes
 
@@ -47,6 +49,30 @@ class Reference:
     outputs: Any
     grads: dict | None
     buffers: dict | None = None  # train-mode references: the buffers after the step (batch-norm statistics)
+    # a program computing in bf16/fp16: that dtype, and the same run of its float32 shadow (`fxmem.shadow`), or why
+    # the shadow did not run
+    low_precision: torch.dtype | None = None
+    shadow: Reference | None = None
+    shadow_error: str | None = None
+
+    def precision(self, got: Reference, field: str) -> Precision:
+        """How `got`'s `field` (outputs, grads, buffers) is judged against this one's (`fxmem.compare.Precision`)."""
+        low = least_precise_of([self.low_precision, got.low_precision])
+        if low is None or self.shadow is None or got.shadow is None:
+            return Precision(low)
+        return Precision(low, getattr(self.shadow, field), getattr(got.shadow, field))
+
+    def precision_words(self, got: Reference) -> str | None:
+        """How the comparison with `got` judged low-precision values, for the report; None for float32 or wider."""
+        precision = self.precision(got, "outputs")
+        if precision.dtype is None:
+            return None
+        low = dtype_name(precision.dtype)
+        if precision.ref_shadow is not None:
+            return (f"{low}: the float32 shadows agree within the tolerances, and the {low} results are no further "
+                    f"from float32 than {ACCURACY_FACTOR:g}x the previous program's plus one {low} rounding")
+        why = self.shadow_error or got.shadow_error or "not run"
+        return f"{low}: at torch.testing.assert_close's {low} tolerances or the policy's (float32 shadow: {why})"
 
 
 @contextlib.contextmanager
@@ -68,14 +94,14 @@ def long_lived_frozen():
 
 
 def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want_grads: bool = True,
-                  training: bool = False) -> Reference:
+                  training: bool = False, shadow: bool = True) -> Reference:
     """Outputs (and parameter/input gradients in train mode) on the example inputs, deterministically.
 
     Runs in eval mode (dropout off, batch-norm from running statistics) so two programs can be compared
     exactly. `training`: the seeded training-mode step instead (forward and backward), the path eval mode does not
     take: dropout draws, batch statistics, checkpoint and offload regions (which only recompute or offload in
     training with autograd on); the buffers after the step are returned too. Buffers, `.grad`, the mode and the
-    global RNG state are left as they were.
+    global RNG state are left as they were. A program computing in bf16/fp16 also runs its float32 shadow (`shadow`).
     """
     gm = program.module
     was = gm.training
@@ -104,35 +130,34 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
         for n, p in gm.named_parameters():
             p.grad = prev_grads.get(n)
         gm.train(was)
-    return Reference(out, grads, buffers)
+    ref = Reference(out, grads, buffers, low_precision=program_precision(program, out, grads))
+    if shadow and ref.low_precision is not None:
+        try:
+            ref.shadow = run_reference(float32_shadow(program), mode, loss_fn, seed, want_grads, training, False)
+        except Exception as e:  # noqa: BLE001 - then the dtype's tolerances judge (`fxmem.compare`)
+            ref.shadow_error = f"{type(e).__name__}: {e}"
+    return ref
 
 
-def _compare_named(ref: dict, got: dict, what: str, atol: float, rtol: float, required: bool) -> str | None:
-    """The first tensor of `ref` (by name) that `got` does not match, said as `what` (a format with the name), or
-    None. `required`: a missing or reshaped one is a difference too (else it is passed over)."""
-    for name, a in ref.items():
-        b = got.get(name)
-        if b is None or b.shape != a.shape:
-            if not required:
-                continue
-            return (f"{what.format(name)} missing after the pass" if b is None else
-                    f"{what.format(name)}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
-        if not a.is_floating_point():
-            if not torch.equal(a, b):
-                return f"{what.format(name)} differs"
-        elif not torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol):
-            d = (a.double() - b.double()).abs().max().item()
-            return f"{what.format(name)}: max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
-    return None
+def compare_references(ref: Reference, got: Reference, verify, *, buffers: bool = False) -> str | None:
+    """How `got` differs from `ref` within the policy's verify tolerances: outputs, gradients (when both have them)
+    and, with `buffers`, the buffers after a training step; each at the precision it was computed in."""
+    err = compare_outputs(ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol,
+                          precision=ref.precision(got, "outputs"))
+    if err is None and ref.grads is not None and got.grads is not None:
+        err = compare_grads(ref.grads, got.grads, verify.grad_atol, verify.grad_rtol, ref.precision(got, "grads"))
+    if err is None and buffers and ref.buffers:
+        err = compare_buffers(ref.buffers, got.buffers or {}, verify.atol, verify.rtol, ref.precision(got, "buffers"))
+    return err
 
 
-def compare_grads(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
-    return _compare_named(ref, got, "gradient of {}", atol, rtol, required=True)
+def compare_grads(ref: dict, got: dict, atol: float, rtol: float, precision: Precision | None = None) -> str | None:
+    return compare_named(ref, got, "gradient of {}", atol, rtol, required=True, precision=precision)
 
 
-def compare_buffers(ref: dict, got: dict, atol: float, rtol: float) -> str | None:
+def compare_buffers(ref: dict, got: dict, atol: float, rtol: float, precision: Precision | None = None) -> str | None:
     """Buffers present in both after the step (a pass may add or drop its own)."""
-    return _compare_named(ref, got, "buffer {} after the step", atol, rtol, required=False)
+    return compare_named(ref, got, "buffer {} after the step", atol, rtol, required=False, precision=precision)
 
 
 # ============================================================================================ manager
@@ -267,6 +292,7 @@ class PassManager:
         if result.verdicts:
             rec.metrics["guard"] = [verdict.to_dict() for verdict in result.verdicts]
         if not result.modified:
+            rec.reason = result.reason
             rec.seconds = time.perf_counter() - t0
             self.log(f"[{entry.name}] no change")
             return None
@@ -293,14 +319,19 @@ class PassManager:
             return True
         mode = self.policy.mode
         exact = rec.exact
-        got = run_reference(new, mode, self.loss_fn, verify.seed, want_grads=exact)
+        got = run_reference(new, mode, self.loss_fn, verify.seed, want_grads=exact, shadow=exact)
         dev_orig = deviation(original.outputs, got.outputs)
         dev_prev = deviation(current_ref.outputs, got.outputs)
         rec.deviation = {"vs_original": dev_orig.to_dict(), "vs_previous": dev_prev.to_dict()}
+        judged = current_ref.precision_words(got) if exact else None
+        if judged:
+            rec.deviation["precision"] = judged
         if exact:
-            err = compare_outputs(current_ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol)
+            err = compare_outputs(current_ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol,
+                                  precision=current_ref.precision(got, "outputs"))
             if err is None and current_ref.grads is not None and got.grads is not None:
-                err = compare_grads(current_ref.grads, got.grads, verify.grad_atol, verify.grad_rtol)
+                err = compare_grads(current_ref.grads, got.grads, verify.grad_atol, verify.grad_rtol,
+                                    current_ref.precision(got, "grads"))
                 rec.grad_deviation = {"checked": len(current_ref.grads), "ok": err is None}
             if err is not None:
                 self._rollback(rec, f"exact pass changed the result: {err}", t0)
@@ -355,11 +386,7 @@ class PassManager:
                                       "runs; outputs and gradients compared in eval mode"}
             return got
         ref = self._train_ref
-        err = compare_outputs(ref.outputs, got.outputs, atol=verify.atol, rtol=verify.rtol)
-        if err is None and ref.grads is not None:
-            err = compare_grads(ref.grads, got.grads, verify.grad_atol, verify.grad_rtol)
-        if err is None and ref.buffers:
-            err = compare_buffers(ref.buffers, got.buffers or {}, verify.atol, verify.rtol)
+        err = compare_references(ref, got, verify, buffers=True)
         rec.train_check = {"compared": True, "ok": err is None, "checked": len(ref.grads or {})}
         if err is not None:
             rec.train_check["why"] = err

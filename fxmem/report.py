@@ -737,6 +737,8 @@ def _deviation_lines(rec) -> list[str]:
         if d:
             out.append(f"output deviation vs {label} (measured on the example inputs): max abs "
                        f"{_num(d.get('max_abs'))}, relative {_num(d.get('rel'))}")
+    if dev.get("precision"):
+        out.append(f"compared in {dev['precision']}")
     g = rec.grad_deviation
     if g:
         if "ok" in g:

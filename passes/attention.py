@@ -198,7 +198,7 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
             new, info = _emit_sdpa(program, site, opts)
         done.append((site, new, kind, info))
     if not done:
-        return PassResult(program, False, changes, notes, metrics)
+        return PassResult(program, False, changes, notes, metrics, reason=declined_summary(sites))
     program.refresh()
     after = _saved_by_node(program, mode) if opts.site_bytes else {}
     for site, new, kind, info in done:
@@ -232,6 +232,20 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
     # SDPA draws attention dropout in its own kernel: the same distribution, not the same numbers as the manual form
     return PassResult(program, True, changes, notes, metrics,
                       draws_differ=any(site.dropout_p > 0 for site, *_ in done))
+
+
+def declined_summary(sites: list[AttentionSite], shown: int = 3) -> str:
+    """One line naming the sites not rewritten, grouped by reason ('' when every site was rewritten)."""
+    by_reason: dict[str, list[str]] = {}
+    for site in sites:
+        if not site.ok:
+            by_reason.setdefault(site.reason, []).append(site.module or "<root>")
+    parts = []
+    for reason, modules in by_reason.items():
+        more = f" and {len(modules) - shown} more" if len(modules) > shown else ""
+        parts.append(f"{', '.join(modules[:shown])}{more}: {reason}")
+    count = sum(len(m) for m in by_reason.values())
+    return f"{count} attention site(s) not rewritten: " + "; ".join(parts) if parts else ""
 
 
 def _label(kind):
