@@ -80,11 +80,9 @@ def test_options_validation():
 def test_backend_probe_tries_the_dispatchers_choice_first():
     """The probe reports what SDPA's dispatcher runs: on Hopper GPUs torch 2.11 picks cuDNN before flash and
     memory-efficient, which a fixed order misreported (found on an H200). On CPU: flash, or math with dropout."""
-    attention = pass_module("attention")
-    _BACKEND_ORDER, _dispatcher_choice, _probe_order = (attention._BACKEND_ORDER, attention._dispatcher_choice,
-                                                        attention._probe_order)
+    from fxmem.sdpa_backend import BACKEND_ORDER, dispatcher_choice, probe_order
     q = torch.randn(2, 4, 64, 32)
-    assert _dispatcher_choice(q, q, q, None, 0.0, False, None, False) == "FLASH_ATTENTION"
-    assert _dispatcher_choice(q, q, q, None, 0.1, False, None, False) == "MATH"
-    assert _probe_order("CUDNN_ATTENTION") == ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-    assert _probe_order(None) == _probe_order("OVERRIDEABLE") == _BACKEND_ORDER
+    assert dispatcher_choice(q, q, q, None, 0.0, False, None, False) == "FLASH_ATTENTION"
+    assert dispatcher_choice(q, q, q, None, 0.1, False, None, False) == "MATH"
+    assert probe_order("CUDNN_ATTENTION") == ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    assert probe_order(None) == probe_order("OVERRIDEABLE") == BACKEND_ORDER
