@@ -148,7 +148,7 @@ class ForwardWalk:
             if key in plan.base_keys or key in plan.out_keys or key in plan.saved_until:
                 continue
             made = plan.created_in.get(key, last)
-            frees_at[plan.liveness.dies_at(max(last, made), made)].append(key)
+            frees_at[plan.liveness.dies_at(key, max(last, made), made)].append(key)
         return frees_at
 
     def _drop(self, key: int) -> None:

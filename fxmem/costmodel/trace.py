@@ -33,6 +33,8 @@ from ..step import compute_loss
 from .formula import call_signature
 from .measured_saves import measured_slots
 from .grad_layouts import layout_of
+from .graph_run import CodegenInterpreter
+from .storage_keys import StorageKeys
 
 
 @dataclass
@@ -85,7 +87,7 @@ class DispatchRecorder(TorchDispatchMode):
         self.module = ""
         self.region: str | None = None
         self.storage_bytes: dict[int, int] = {}
-        self.keep_alive: list = []  # storages must not be freed and their ids reused during the trace
+        self.storages = StorageKeys(lambda: len(self.records) - 1)  # storage -> key, and when each was freed
         self.grad_enabled = True
         self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
         self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
@@ -109,12 +111,10 @@ class DispatchRecorder(TorchDispatchMode):
     def key(self, tensor) -> tuple[int, bool]:
         """(the tensor's storage key, whether this is the first time the storage is seen)."""
         storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key not in self.storage_bytes:
+        key, new = self.storages.key(storage)
+        if new:
             self.storage_bytes[key] = int(storage.nbytes())
-            self.keep_alive.append(storage)
-            return key, True
-        return key, False
+        return key, new
 
     def recipe_holders(self) -> dict[int, list[int]]:
         """Recipe output storage -> the recipe outputs whose recipes hold it as a nested recipe (a U-Net cat's
@@ -296,7 +296,7 @@ class DispatchRecorder(TorchDispatchMode):
             record.grad_alias = info.grad_alias
 
 
-class _RecordingInterpreter(fx.Interpreter):
+class _RecordingInterpreter(CodegenInterpreter):
     def __init__(self, module, recorder: DispatchRecorder):
         super().__init__(module)
         self.recorder = recorder
@@ -319,7 +319,7 @@ class _RecordingInterpreter(fx.Interpreter):
             # a tensor of the op's own making it saves besides its output (max pooling's indices), a recipe too
             for record in recorder.records[first:]:
                 for saved in list(record.saved):
-                    other = scope.recipe_of_storage(saved)
+                    other = scope.recipe_of_storage(recorder.storages.address(saved))
                     if other is not None and other is not recipe and recorder.recipe_of.get(saved) is not other:
                         self._as_recipe(saved, other, n, first)
         return out
@@ -360,7 +360,7 @@ class _RecordingInterpreter(fx.Interpreter):
             self.recorder.region = enclosing
 
 
-class _StepInterpreter(fx.Interpreter):
+class _StepInterpreter(CodegenInterpreter):
     """Runs a region's body node by node, counting its nodes as steps (labels stay the region's)."""
 
     def __init__(self, module, recorder: DispatchRecorder):
@@ -467,7 +467,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
     try:
         with fake_mode, grad_ctx:
             params = list(module.parameters())
-            base_keys = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
+            base_keys, state_storages = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
             # the CPU kernels' output layouts below the recorder (a reshape copies where the real run's does), and
             # what the module's forward hooks enter (recipes register there)
             with CpuKernelLayouts(), recorder, recast_scope(module):
@@ -482,24 +482,28 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     recorder.loss_key = recorder.key(loss)[0]
                     out_keys.add(recorder.loss_key)
     finally:
+        recorder.storages.stop()
         module.train(was_training)
+    del state_storages  # (held until the trace was over)
     recorder.measure_unknown_saves()
     return ForwardTrace(recorder, base_keys, out_keys, params)
 
 
-def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> dict:
-    """Parameters, buffers and inputs first, so they are known storages (the baseline): storage key -> "param" |
-    "buffer" | "input"."""
+def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> tuple[dict, list]:
+    """Parameters, buffers and inputs first, so they are known storages (the baseline): (storage key -> "param" |
+    "buffer" | "input", the storages of the parameters' and buffers' fakes, to hold while the trace runs)."""
     recorder.node = "<params>"
     base_keys = {}
+    storages = []
     for tensor in state:
-        # the fake mode memoizes conversions: every use of this parameter sees this fake storage
-        base_keys[recorder.key(fake_mode.from_tensor(tensor))[0]] = "param" if isinstance(tensor, nn.Parameter) \
-            else "buffer"
+        # the fake mode memoizes conversions to this storage while it lives: every use of this parameter sees it
+        fake = fake_mode.from_tensor(tensor)
+        storages.append(fake.untyped_storage())
+        base_keys[recorder.key(fake)[0]] = "param" if isinstance(tensor, nn.Parameter) else "buffer"
     for tensor in fake_flat:
         if isinstance(tensor, torch.Tensor):
             base_keys.setdefault(recorder.key(tensor)[0], "input")
-    return base_keys
+    return base_keys, storages
 
 
 def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesting: dict | None = None,
