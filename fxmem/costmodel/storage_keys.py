@@ -44,6 +44,11 @@ class StorageKeys:
             self._finalizers.append(weakref.finalize(storage, self._release, address, key))
         return key, True
 
+    def alias(self, storage, key: int) -> None:
+        """`storage` is the one under `key` (a real parameter, whose fake holds `key`): a composite op such as
+        `aten.rnn_tanh_cell` dispatches a view of the real one before the fake mode converts it."""
+        self._live[storage._cdata] = key
+
     def address(self, key: int) -> int:
         """The `_cdata` of the storage under `key` (what fxmem.nn.recast looks recipes up by)."""
         return self._address.get(key, key)

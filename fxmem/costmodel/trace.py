@@ -499,7 +499,10 @@ def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: li
         # the fake mode memoizes conversions to this storage while it lives: every use of this parameter sees it
         fake = fake_mode.from_tensor(tensor)
         storages.append(fake.untyped_storage())
-        base_keys[recorder.key(fake)[0]] = "param" if isinstance(tensor, nn.Parameter) else "buffer"
+        key = recorder.key(fake)[0]
+        base_keys[key] = "param" if isinstance(tensor, nn.Parameter) else "buffer"
+        if not isinstance(tensor, FakeTensor):
+            recorder.storages.alias(tensor.untyped_storage(), key)
     for tensor in fake_flat:
         if isinstance(tensor, torch.Tensor):
             base_keys.setdefault(recorder.key(tensor)[0], "input")
