@@ -169,7 +169,8 @@ class _OpGrads:
     handed_over: bool = False
     handed_expanded: bool = False
     accumulated: int = 0  # bytes added into existing gradients once the formula returns
-    sums: list = field(default_factory=list)  # (key, bytes): gradients this op adds to a join's gradient slice
+    sums: list = field(default_factory=list)  # (key, bytes added, bytes of the sum): gradients this op adds to
+    # ones its inputs have (out of place)
     # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
     covered: set = field(default_factory=set)
     renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
@@ -177,6 +178,7 @@ class _OpGrads:
     fresh: set = field(default_factory=set)  # inputs whose gradient the formula makes new (`formula_run`), not a
     # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
     copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
+    views: set = field(default_factory=set)  # inputs whose gradient the formula makes a view of an output's
     new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
 
 
@@ -323,6 +325,7 @@ class StaticBackward:
                              for key, layout, wanted in zip(record.out_keys, record.out_layouts, grad_mask))
         run = formula_run(record.call, grad_mask, grad_strides)
         op.fresh = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and made.fresh}
+        op.views = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and not made.fresh}
         op.passthrough = op.passthrough or self._hands_on(record, run)
         self._hand_join_slices(op)
         self._join_split_grads(record)
@@ -508,20 +511,26 @@ class StaticBackward:
 
     def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
         """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
-        gradients and temporaries (it is added once the formula returns)."""
+        gradients and temporaries. Autograd adds it to the old one once the op's backward has released what it
+        held, out of place under a dispatch mode (what fxmem.measure runs; without one, into a dense old one in
+        place): the sum is a new buffer then, the old and new ones go."""
         record = op.record
         self._bump(record.node, record.module)
+        if key not in record.out_keys:
+            # the new one: nothing of its own where it is a view of the output's gradient (add's, a sum's expanded);
+            # the sum: the new one's size where the old one is a view (a join's slice, a sum's expanded gradient:
+            # its buffer is held apart), else the old one's
+            added = 0 if key in op.views and key not in op.fresh else nbytes
+            self.live_bytes += added
+            self._bump(record.node, record.module)
+            op.sums.append((key, added, nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])))
+            self.grad_views.discard(key)
+            return
         self.live_bytes += nbytes
         self._bump(record.node, record.module)
-        if key in self.grad_views:
-            self.grad_views.discard(key)
-            if key not in record.out_keys:
-                # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not add
-                # into in place: the sum is a new buffer, made once this op's backward has released what it held
-                op.sums.append((key, nbytes))
-                return
-            # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that
-            # slice, released below; the input's is a new buffer, as for any in-place op
+        # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that slice,
+        # released below; the input's is a new buffer, as for any in-place op
+        self.grad_views.discard(key)
         if key in record.out_keys and written_positions(record.func):
             # in place: the output's gradient goes below, the input's stays (on a view, CopySlices's copy of the
             # whole base's gradient, the view's part written into it)
@@ -529,13 +538,13 @@ class StaticBackward:
         op.accumulated += nbytes
 
     def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
-        """Old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer
-        when this input held it: the slices of inputs created later were consumed before, their producers ran
-        first). Returns the node's peak with them."""
-        for key, nbytes in op.sums:
-            self.live_bytes += nbytes
+        """Old gradient + new one, a new buffer (`sums`); then the new gradient and the old one go
+        (a join's slice with the join's buffer when this input held it: the slices of inputs created later were
+        consumed before, their producers ran first). Returns the node's peak with them."""
+        for key, added, total in op.sums:
+            self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            self.live_bytes -= nbytes + self.grad_live[key]
-            self.grad_live[key] = nbytes
+            self.live_bytes -= added + self.grad_live[key]
+            self.grad_live[key] = total
         return node_peak
