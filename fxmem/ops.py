@@ -295,7 +295,8 @@ _reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "pe
 _reg(["detach"], OpInfo(VIEW, _none, _flops_zero, no_grad=True))  # (a gradient never flows through it)
 _reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
-_reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split"],
+_reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split", "unsafe_split_with_sizes",
+      "unsafe_chunk"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_alias="joined"))
 
 _reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
@@ -365,6 +366,14 @@ def grad_free(op) -> bool:
     """The op's output never requires grad (a creation op reading only its input's shape, dtype or device)."""
     info = lookup(op)
     return info is not None and info.no_grad
+
+
+def view_grad_is_new(op) -> bool:
+    """A view whose backward makes its input's gradient a new buffer from its outputs' (select, slice: zeros of
+    the input's shape with the gradient copied in; expand: the gradient summed; split, unbind: the outputs'
+    gradients joined), not a view of it (a transpose, a reshape)."""
+    info = lookup(op)
+    return info is not None and info.category == VIEW and info.grad_passthrough and not info.grad_view
 
 
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))

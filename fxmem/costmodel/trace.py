@@ -71,6 +71,10 @@ class OpRecord:
     # with the storage keys, which tensor a gradient belongs to (`fxmem.costmodel.grad_layouts`)
     in_layouts: list = field(default_factory=list)
     out_layouts: list = field(default_factory=list)
+    # positional input -> (the record of the view that made that very tensor, which of its outputs it is), for
+    # views whose backward makes a new buffer (`fxmem.ops.view_grad_is_new`: select, slice, split): its gradient is
+    # its own until that view's backward
+    view_inputs: dict = field(default_factory=dict)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -107,6 +111,8 @@ class DispatchRecorder(TorchDispatchMode):
         # group id: held together from the group's first unpack to its last
         self.recipe_group: dict[int, int] = {}
         self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
+        # tensor -> (the record of the view (`view_grad_is_new`) that made it, which of its outputs it is)
+        self.view_made = WeakIdKeyDictionary()
 
     def key(self, tensor) -> tuple[int, bool]:
         """(the tensor's storage key, whether this is the first time the storage is seen)."""
@@ -191,6 +197,7 @@ class DispatchRecorder(TorchDispatchMode):
         if out_rg:
             self._record_saves(record, func, args, kwargs)
             self._record_grad_alias(record, func, args, kwargs)
+            self._record_views(record, func, args, outs)
         elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
             # an op outside the table run with grad off on inputs needing grad: a custom autograd Function's
             # forward, whose backward keeps what this trace cannot see. (Without a backward anywhere, in inference,
@@ -259,6 +266,16 @@ class DispatchRecorder(TorchDispatchMode):
             record.recast = [key for key in record.saved if key in self.recast_keys]
             record.saved = [key for key in record.saved if key not in self.recast_keys]
             self.hold_recipe_args(record)
+
+    def _record_views(self, record: OpRecord, func, args, outs) -> None:
+        """Which inputs are views whose backward makes a new buffer (`OpRecord.view_inputs`), and the outputs that
+        are such views."""
+        record.view_inputs = {position: self.view_made[arg] for position, arg in enumerate(args)
+                              if isinstance(arg, torch.Tensor) and arg in self.view_made}
+        if optable.view_grad_is_new(func):
+            for position, out in enumerate(outs):
+                if isinstance(out, torch.Tensor):
+                    self.view_made[out] = (record.idx, position)
 
     @staticmethod
     def _slot_keys(record: OpRecord, slots, kw_keys: dict) -> list:
