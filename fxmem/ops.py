@@ -334,7 +334,7 @@ _reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit
 _reg(["native_group_norm", "group_norm"], OpInfo(NORM, _group_norm, _flops_norm))
 _reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out", 1)], _flops_norm))
 _reg(["sum"], OpInfo(REDUCTION, _none, _flops_reduce, grad_alias="expanded"))
-_reg(["mean", "cumsum", "any", "all", "argmax", "argmin"], OpInfo(REDUCTION, _none, _flops_reduce))
+_reg(["mean", "cumsum", "any", "all", "argmax", "argmin", "histc", "bincount"], OpInfo(REDUCTION, _none, _flops_reduce))
 _reg(["amax", "amin", "logsumexp", "prod"], OpInfo(REDUCTION, _in0_out0, _flops_reduce))
 _reg(["max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "topk", "sort"],
      OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))

@@ -30,7 +30,7 @@ from ..nn.regions import region_info
 from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
-from .formula import call_signature
+from .formula import call_signature, formula_run
 from .measured_saves import measured_slots
 from .grad_layouts import layout_of
 from .graph_run import CodegenInterpreter
@@ -111,6 +111,8 @@ class DispatchRecorder(TorchDispatchMode):
         # group id: held together from the group's first unpack to its last
         self.recipe_group: dict[int, int] = {}
         self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
+        self.deferred: list = []  # (record, func, args, kwargs, outputs) of ops `settle_deferred` decides on
+        self.settled: list = []  # records it gave a backward, for `confirm_settled`
         # tensor -> (the record of the view (`view_grad_is_new`) that made it, which of its outputs it is)
         self.view_made = WeakIdKeyDictionary()
 
@@ -199,12 +201,41 @@ class DispatchRecorder(TorchDispatchMode):
             self._record_grad_alias(record, func, args, kwargs)
             self._record_views(record, func, args, outs)
         elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
-            # an op outside the table run with grad off on inputs needing grad: a custom autograd Function's
-            # forward, whose backward keeps what this trace cannot see. (Without a backward anywhere, in inference,
-            # an op costs its outputs alone, which are tracked: never unknown.)
+            # an op outside the table run with grad off on inputs needing grad: a custom op whose autograd formula
+            # runs it below autograd, or an op inside a custom autograd Function's forward (`settle_deferred`).
+            # (Without a backward anywhere, in inference, an op costs its outputs alone, which are tracked: never
+            # unknown.)
             record.known = False
+            if float_out:  # (held to the node's end: its arguments too, for what it saves)
+                self.deferred.append((record, func, args, kwargs, outs))
         self.records.append(record)
         return out
+
+    def settle_deferred(self) -> None:
+        """The ops outside the table run with grad off on inputs needing grad (`deferred`), once the graph node that
+        ran them returned: one whose output autograd then gave a backward (a custom op with a registered autograd
+        formula: transformers' grouped_mm fallback for mixture-of-experts layers) has one, and what it saves and
+        its formula holds are measured on fakes, as for any op outside the table. The others (ops inside a custom
+        autograd Function's forward, whose backward this trace cannot see) stay unknown."""
+        for record, func, args, kwargs, outs in self.deferred:
+            if any(isinstance(out, torch.Tensor) and out.requires_grad for out in outs):
+                record.out_rg = True
+                self._record_saves(record, func, args, kwargs)
+                self._record_grad_alias(record, func, args, kwargs)
+                self._record_views(record, func, args, outs)
+                self.settled.append(record)
+        self.deferred = []
+
+    def confirm_settled(self) -> None:
+        """After the trace (the measuring runs need no recorder above them): an op `settle_deferred` gave a
+        backward whose own formula, run on fakes, makes no gradient (an op without an autograd formula of its own,
+        inside a custom autograd Function's forward) has none this trace can see after all: unknown again."""
+        for record in self.settled:
+            masks = (True,) * len(record.out_keys)
+            if record.call is None or not any(made is not None for made in formula_run(record.call, masks).grads):
+                record.out_rg, record.known, record.saved = False, False, []
+                self.unknown_saves = [(saver, kw) for saver, kw in self.unknown_saves if saver is not record]
+        self.settled = []
 
     def _inputs(self, args) -> tuple[list, list, list, list]:
         """(storage key, bytes, requires grad) per positional argument, and the storages inside list arguments."""
@@ -326,6 +357,7 @@ class _RecordingInterpreter(CodegenInterpreter):
         recorder.recast_node = n.op == "call_function" and n.target is cast_param
         first = len(recorder.records)
         out = super().run_node(n)
+        recorder.settle_deferred()
         scope = recast_active()
         recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
         if recipe is not None and recorder.recipe_of.get(recorder.key(out)[0]) is not recipe:
@@ -496,12 +528,14 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     args, kwargs = inputs
                     fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
                     loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
+                    recorder.settle_deferred()
                     recorder.loss_key = recorder.key(loss)[0]
                     out_keys.add(recorder.loss_key)
     finally:
         recorder.storages.stop()
         module.train(was_training)
     del state_storages  # (held until the trace was over)
+    recorder.confirm_settled()
     recorder.measure_unknown_saves()
     return ForwardTrace(recorder, base_keys, out_keys, params)
 
