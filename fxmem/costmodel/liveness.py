@@ -81,11 +81,14 @@ class TraceLiveness:
 
     @classmethod
     def of(cls, traced: ForwardTrace) -> "TraceLiveness":
-        records = traced.recorder.records
+        recorder = traced.recorder
+        records = recorder.records
         last_use = {key: record.idx for record in records for key in record.in_keys + record.out_keys
                     + record.list_keys if key is not None}
-        return cls(records, traced.recorder.storage_bytes, traced.base_keys, step_ends(records), last_use,
-                   traced.recorder.storages.released)
+        # (the recorder keeps every recipe it met, and the tensors those hold, longer than the step does)
+        held = {key for keys in recorder.recipe_holds.values() for key in keys}
+        released = {key: at for key, at in recorder.storages.released.items() if key not in held}
+        return cls(records, recorder.storage_bytes, traced.base_keys, step_ends(records), last_use, released)
 
     def dies_at(self, key: int, last: int, made: int) -> int:
         """The record after which storage `key`, made at record `made` and last used at record `last`, is freed

@@ -113,6 +113,7 @@ class DispatchRecorder(TorchDispatchMode):
         self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
         self.deferred: list = []  # (record, func, args, kwargs, outputs) of ops `settle_deferred` decides on
         self.settled: list = []  # records it gave a backward, for `confirm_settled`
+        self.node_held: list = []  # storages the current graph node's ops save (`_hold_saved`)
         # tensor -> (the record of the view (`view_grad_is_new`) that made it, which of its outputs it is)
         self.view_made = WeakIdKeyDictionary()
 
@@ -200,6 +201,7 @@ class DispatchRecorder(TorchDispatchMode):
             self._record_saves(record, func, args, kwargs)
             self._record_grad_alias(record, func, args, kwargs)
             self._record_views(record, func, args, outs)
+            self._hold_saved(record, (*args, *kwargs.values(), *outs))
         elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
             # an op outside the table run with grad off on inputs needing grad: a custom op whose autograd formula
             # runs it below autograd, or an op inside a custom autograd Function's forward (`settle_deferred`).
@@ -223,8 +225,17 @@ class DispatchRecorder(TorchDispatchMode):
                 self._record_saves(record, func, args, kwargs)
                 self._record_grad_alias(record, func, args, kwargs)
                 self._record_views(record, func, args, outs)
+                self._hold_saved(record, (*args, *kwargs.values(), *outs))
                 self.settled.append(record)
         self.deferred = []
+
+    def _hold_saved(self, record: OpRecord, tensors) -> None:
+        """The storages `record` saves stay until its graph node returns (`node_held`): the node's recipes are told
+        apart by storage then, and a recipe's output autograd no longer holds (max pooling's indices, saved as the
+        recipe) would be gone."""
+        saved = set(record.saved)
+        self.node_held.extend(tensor.untyped_storage() for tensor in tensors
+                              if isinstance(tensor, torch.Tensor) and self.key(tensor)[0] in saved)
 
     def confirm_settled(self) -> None:
         """After the trace (the measuring runs need no recorder above them): an op `settle_deferred` gave a
@@ -371,6 +382,7 @@ class _RecordingInterpreter(CodegenInterpreter):
                     other = scope.recipe_of_storage(recorder.storages.address(saved))
                     if other is not None and other is not recipe and recorder.recipe_of.get(saved) is not other:
                         self._as_recipe(saved, other, n, first)
+        recorder.node_held = []
         return out
 
     def _as_recipe(self, key: int, recipe, n, first: int) -> None:
@@ -529,6 +541,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
                     loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
                     recorder.settle_deferred()
+                    recorder.node_held = []
                     recorder.loss_key = recorder.key(loss)[0]
                     out_keys.add(recorder.loss_key)
     finally:
