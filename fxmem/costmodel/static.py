@@ -459,7 +459,10 @@ class StaticBackward:
             self.view_grads.setdefault(view, {})[out] = nbytes
             return self.live_bytes
         if key not in self.grad_live:
-            self.grad_live[key] = nbytes
+            # as `_input_grads` gives a gradient by storage: the whole storage's (q of a qkv: all three's, which
+            # their other views' gradients then fill)
+            self.grad_live[key] = nbytes if key in self.param_keys else max(nbytes, self.storage_bytes.get(key, 0))
+            self.live_bytes += self.grad_live[key] - nbytes
             return self.live_bytes
         total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
         self.live_bytes += total
