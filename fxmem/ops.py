@@ -295,7 +295,8 @@ _reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "pe
 _reg(["detach"], OpInfo(VIEW, _none, _flops_zero, no_grad=True))  # (a gradient never flows through it)
 _reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
-_reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split"],
+_reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split", "unsafe_split_with_sizes",
+      "unsafe_chunk"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_alias="joined"))
 
 _reg(["mm"], OpInfo(MATMUL, _mm, _flops_mm))
@@ -333,7 +334,7 @@ _reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit
 _reg(["native_group_norm", "group_norm"], OpInfo(NORM, _group_norm, _flops_norm))
 _reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out", 1)], _flops_norm))
 _reg(["sum"], OpInfo(REDUCTION, _none, _flops_reduce, grad_alias="expanded"))
-_reg(["mean", "cumsum", "any", "all", "argmax", "argmin"], OpInfo(REDUCTION, _none, _flops_reduce))
+_reg(["mean", "cumsum", "any", "all", "argmax", "argmin", "histc", "bincount"], OpInfo(REDUCTION, _none, _flops_reduce))
 _reg(["amax", "amin", "logsumexp", "prod"], OpInfo(REDUCTION, _in0_out0, _flops_reduce))
 _reg(["max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "topk", "sort"],
      OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))
@@ -365,6 +366,14 @@ def grad_free(op) -> bool:
     """The op's output never requires grad (a creation op reading only its input's shape, dtype or device)."""
     info = lookup(op)
     return info is not None and info.no_grad
+
+
+def view_grad_is_new(op) -> bool:
+    """A view whose backward makes its input's gradient a new buffer from its outputs' (select, slice: zeros of
+    the input's shape with the gradient copied in; expand: the gradient summed; split, unbind: the outputs'
+    gradients joined), not a view of it (a transpose, a reshape)."""
+    info = lookup(op)
+    return info is not None and info.category == VIEW and info.grad_passthrough and not info.grad_view
 
 
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))

@@ -31,12 +31,7 @@ MEDIUM = ["vit", "qwen2_left_padded", "lstm", "pyg_gin"]
 # an SSM's linears, convolutions, an LSTM, a graph layer); every model goes through low above
 INFERENCE = ["qwen2_left_padded", "whisper", "mamba", "resnet", "lstm", "pyg_sage"]
 ESTIMATE_TOLERANCE = 0.02
-# (model, mode) pairs whose static estimate misses measurement by more than the tolerance today (issue 30 §4):
-# mixtral train: transformers' grouped_mm fallback is an op the table does not know (static 3.8% high);
-# mamba train: the selective scan's per-timestep select/slice backward buffers are not counted (static 3.4% low)
-ESTIMATE_MISSES = {("mixtral", "train"), ("mamba", "train")}
-ESTIMATE_CASES = [(name, mode) for name in BUILDERS for mode in ("train", "inference")
-                  if (name, mode) not in ESTIMATE_MISSES]
+ESTIMATE_CASES = [(name, mode) for name in BUILDERS for mode in ("train", "inference")]
 
 
 class _Zoo(dict):

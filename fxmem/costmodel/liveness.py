@@ -69,26 +69,35 @@ def seed_gradient(records: list, loss_key: int | None) -> tuple[int | None, int]
 @dataclass
 class TraceLiveness:
     """The facts of one trace every liveness walk reads: its records, storage bytes, the storages that exist
-    before the step (`base_keys`), per graph node its last record (`step_end`), and per storage the last record
-    reading or making it (`last_use`)."""
+    before the step (`base_keys`), per graph node its last record (`step_end`), per storage the last record
+    reading or making it (`last_use`), and the record after which the traced code freed it (`released`: not for
+    what autograd held to the trace's end)."""
     records: list
     storage_bytes: dict
     base_keys: dict
     step_end: dict
     last_use: dict
+    released: dict
 
     @classmethod
     def of(cls, traced: ForwardTrace) -> "TraceLiveness":
-        records = traced.recorder.records
+        recorder = traced.recorder
+        records = recorder.records
         last_use = {key: record.idx for record in records for key in record.in_keys + record.out_keys
                     + record.list_keys if key is not None}
-        return cls(records, traced.recorder.storage_bytes, traced.base_keys, step_ends(records), last_use)
+        # (the recorder keeps every recipe it met, and the tensors those hold, longer than the step does)
+        held = {key for keys in recorder.recipe_holds.values() for key in keys}
+        released = {key: at for key, at in recorder.storages.released.items() if key not in held}
+        return cls(records, recorder.storage_bytes, traced.base_keys, step_ends(records), last_use, released)
 
-    def dies_at(self, last: int, made: int) -> int:
-        """The record after which a storage made at record `made` and last used at record `last` is freed: a value
-        an earlier node made is referenced by the graph until the node using it last returns (a composite like
-        matmul holds its inputs over all the ops it dispatches); a temporary a node makes itself dies at its last
-        use."""
+    def dies_at(self, key: int, last: int, made: int) -> int:
+        """The record after which storage `key`, made at record `made` and last used at record `last`, is freed
+        when nothing saves it: where the trace freed it (a composite op holds what it made until it returns);
+        else (autograd saved it in the trace, what a plan may not: a recomputed region's) a value an earlier node
+        made is referenced by the graph until the node using it last returns, and a temporary a node makes itself
+        dies at its last use."""
+        if key in self.released:
+            return max(self.released[key], last)
         if self.records[made].step == self.records[last].step:
             return last
         return self.step_end.get(self.records[last].step, last)
@@ -116,7 +125,8 @@ class TraceLiveness:
                     if self.base_keys.get(key) is None:
                         live += storage_bytes[key]
                         if key not in saved:
-                            drop_at[min(stop, self.dies_at(self.last_use.get(key, record.idx), record.idx))].append(key)
+                            dies = self.dies_at(key, self.last_use.get(key, record.idx), record.idx)
+                            drop_at[min(stop, dies)].append(key)
             high = max(high, live)
             for key in drop_at.pop(record.idx, ()):
                 live -= storage_bytes[key]

@@ -1,10 +1,11 @@
 """The static estimate: a liveness walk over the forward trace, then backward, then the optimizer step.
 
-The forward walk adds each op's new storages and frees a value after its last use unless something saved it
-(`SavePlan`); the backward walk runs the records in reverse, making each op's gradients (with the buffers autograd
-shares: a view's, a join's slices, add's one gradient for both inputs), the temporaries its formula holds
-(`formula_temps`), what regions recompute or bring back, and frees what the op saved. Works for models far bigger
-than RAM: nothing real is allocated.
+The forward walk adds each op's new storages and frees a value when the traced code let it go unless something
+saved it (`SavePlan`); the backward walk runs the records in reverse, making each op's gradients (with the buffers
+autograd shares: a view's, a join's slices, add's one gradient for both inputs; a select's or a chunk's own until
+that view's backward makes its input's), the temporaries its formula holds (`formula_temps`), what regions
+recompute or bring back, and frees what the op saved. Works for models far bigger than RAM: nothing real is
+allocated.
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ class ForwardWalk:
             if key in plan.base_keys or key in plan.out_keys or key in plan.saved_until:
                 continue
             made = plan.created_in.get(key, last)
-            frees_at[plan.liveness.dies_at(max(last, made), made)].append(key)
+            frees_at[plan.liveness.dies_at(key, max(last, made), made)].append(key)
         return frees_at
 
     def _drop(self, key: int) -> None:
@@ -169,7 +170,8 @@ class _OpGrads:
     handed_over: bool = False
     handed_expanded: bool = False
     accumulated: int = 0  # bytes added into existing gradients once the formula returns
-    sums: list = field(default_factory=list)  # (key, bytes): gradients this op adds to a join's gradient slice
+    sums: list = field(default_factory=list)  # (key, bytes added, bytes of the sum): gradients this op adds to
+    # ones its inputs have (out of place)
     # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
     covered: set = field(default_factory=set)
     renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
@@ -177,6 +179,8 @@ class _OpGrads:
     fresh: set = field(default_factory=set)  # inputs whose gradient the formula makes new (`formula_run`), not a
     # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
     copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
+    views: set = field(default_factory=set)  # inputs whose gradient the formula makes a view of an output's
+    view_sums: list = field(default_factory=list)  # (view record, its output, bytes): gradients added to a view's
     new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
 
 
@@ -211,6 +215,9 @@ class StaticBackward:
         # cat's ("sliced"), a sum's one-element gradient expanded ("expanded")
         self.grad_views: set[int] = set()
         self.grad_expanded: set[int] = set()  # of those, the expanded ones: every stride 0, views of them are views
+        # record of a view whose backward makes a new buffer (`OpRecord.view_inputs`) -> {output: bytes of its
+        # gradient}, held apart from its storage's until that backward
+        self.view_grads: dict[int, dict[int, int]] = {}
         self.node_high = 0  # the highest live bytes inside the current op's backward (transients included)
         self.free_saved_at: dict[int, list[int]] = defaultdict(list)
         for key, until in plan.saved_until.items():
@@ -306,6 +313,9 @@ class StaticBackward:
         """One op's backward: its outputs' gradients, recomputations and recipes made for it, its inputs'
         gradients and the formula's temporaries at once; then what it releases."""
         plan = self.plan
+        if record.idx in self.view_grads:
+            self._view_backward(record)
+            return
         node_peak_start = self.live_bytes
         self.node_high = self.live_bytes
         again = plan.recast_at.get(record.idx, 0)
@@ -318,16 +328,23 @@ class StaticBackward:
         # once the gradients of that op's outputs are made: with them live (a dropout's scaling after its mask
         # multiply saves nothing, so its gradient is made before)
         self._recompute(record)
-        op = self._op_grads(record)
         grad_strides = tuple(self.grad_layouts.take(key, layout) if wanted else None
                              for key, layout, wanted in zip(record.out_keys, record.out_layouts, grad_mask))
         run = formula_run(record.call, grad_mask, grad_strides)
+        # inputs that are views with a gradient of their own, read by an op whose output is not a view of them
+        routed = {position: made for position, made in enumerate(run.grads)
+                  if made is not None and position in record.view_inputs and record.in_rg[position]
+                  and record.in_keys[position] not in record.out_keys}
+        op = self._op_grads(record, skip=routed)
         op.fresh = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and made.fresh}
+        op.views = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and not made.fresh}
         op.passthrough = op.passthrough or self._hands_on(record, run)
+        self._hand_fresh_view_grads(op, routed)
         self._hand_join_slices(op)
         self._join_split_grads(record)
         self._hand_expanded_sum(op)
         self._input_grads(op)
+        self._hand_view_grads_as_is(op, routed)
         self._receive_layouts(op, run)
         # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
         # (the gradients it makes for inputs that have one already are added to theirs once it returns)
@@ -349,8 +366,113 @@ class StaticBackward:
             self.live_bytes += nbytes
         self._free_saved(record)
         node_peak = self._add_sums(op, node_peak)
+        for view, out, nbytes in op.view_sums:
+            node_peak = max(node_peak, self._add_to_view_grad(view, out, nbytes, record))
         self._end_region(record)
         _timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
+
+    def _hand_fresh_view_grads(self, op: _OpGrads, routed: dict) -> None:
+        """Inputs that are views whose backward makes a new buffer (`OpRecord.view_inputs`: `x[:, t]`, a chunk),
+        given a new gradient by the formula: it is the view's own (its bytes), apart from its storage's, until the
+        view's backward makes the base's from it; one added to the one the view has already is a new buffer once
+        this op's backward has released what it held (out of place)."""
+        record = op.record
+        for position, made in routed.items():
+            if not made.fresh:
+                continue
+            (view, out), nbytes = record.view_inputs[position], record.in_bytes[position]
+            self.live_bytes += nbytes
+            self._bump(record.node, record.module)
+            if out in self.view_grads.get(view, {}):
+                op.view_sums.append((view, out, nbytes))
+            else:
+                self.view_grads.setdefault(view, {})[out] = nbytes
+
+    def _hand_view_grads_as_is(self, op: _OpGrads, routed: dict) -> None:
+        """Such inputs given the output's gradient as it is (add's): the view's gradient holds that buffer when no
+        other input took it, else shares it (nothing of its own)."""
+        record = op.record
+        out_key = record.out_keys[0] if record.out_keys else None
+        for position, made in routed.items():
+            if made.fresh:
+                continue
+            view, out = record.view_inputs[position]
+            grads = self.view_grads.setdefault(view, {})
+            if out in grads:
+                op.view_sums.append((view, out, 0))
+                continue
+            grads[out] = 0
+            if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
+                    and out_key not in op.same:
+                grads[out] = self.grad_live.pop(out_key)
+                self.grad_views.discard(out_key)
+                op.handed_over = True
+
+    def _add_to_view_grad(self, view: int, out: int, nbytes: int, record) -> int:
+        """Output `out` of view `view` has a gradient; a new one (`nbytes` of its own) is added out of place: the sum
+        is a new buffer of the output's size, then both go. Returns the live bytes with the three."""
+        grads = self.view_grads[view]
+        total = self.plan.records[view].out_bytes[out]
+        self.live_bytes += total
+        self._bump(record.node, record.module)
+        high = self.live_bytes
+        self.live_bytes -= nbytes + grads[out]
+        grads[out] = total
+        return high
+
+    def _view_backward(self, record) -> None:
+        """The backward of a view whose outputs have gradients of their own (`view_grads`): a new buffer of its
+        input's size made from them (select, slice: zeros with it copied in; expand: it summed; split: them
+        joined, with the storage's gradient its other outputs got through views of theirs), with the formula's
+        temporaries; then the outputs' gradients go and the new one is handed on (`_hand_view_input_grad`)."""
+        node_peak_start = self.node_high = self.live_bytes
+        self._recompute(record)
+        grads = self.view_grads.pop(record.idx)
+        key, nbytes = record.in_keys[0], record.in_bytes[0]
+        joined = record.grad_alias == "joined" and key in self.grad_live and key not in self.param_keys
+        mask = tuple(out in grads or joined for out in range(len(record.out_keys)))
+        strides = tuple(self.grad_layouts.take(out_key, layout) if wanted else None
+                        for out_key, layout, wanted in zip(record.out_keys, record.out_layouts, mask))
+        run = formula_run(record.call, mask, strides)
+        self.live_bytes += nbytes + run.temps
+        self._bump(record.node, record.module)
+        self.live_bytes -= run.temps + sum(grads.values())
+        if joined:  # (what `_join_split_grads` joins)
+            self.live_bytes -= self.grad_live.pop(key)
+            self.grad_views.discard(key)
+            self.grad_expanded.discard(key)
+        node_peak = max(self.live_bytes, node_peak_start, self.node_high)
+        made = run.grads[0] if run.grads else None
+        self.grad_layouts.receive(key, record.in_layouts[0], made.strides if made is not None else None)
+        node_peak = max(node_peak, self._hand_view_input_grad(record, key, nbytes))
+        self._free_saved(record)
+        self._end_region(record)
+        _timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
+
+    def _hand_view_input_grad(self, record, key: int, nbytes: int) -> int:
+        """The gradient a view's backward made for its input (`key`, `nbytes`): the output's of the view it was
+        made from, or its storage's, added to what they have out of place. Returns the live bytes at the sum."""
+        if 0 in record.view_inputs:
+            view, out = record.view_inputs[0]
+            if out in self.view_grads.get(view, {}):
+                return self._add_to_view_grad(view, out, nbytes, record)
+            self.view_grads.setdefault(view, {})[out] = nbytes
+            return self.live_bytes
+        if key not in self.grad_live:
+            # as `_input_grads` gives a gradient by storage: the whole storage's (q of a qkv: all three's, which
+            # their other views' gradients then fill)
+            self.grad_live[key] = nbytes if key in self.param_keys else max(nbytes, self.storage_bytes.get(key, 0))
+            self.live_bytes += self.grad_live[key] - nbytes
+            return self.live_bytes
+        total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
+        self.live_bytes += total
+        self._bump(record.node, record.module)
+        high = self.live_bytes
+        self.live_bytes -= nbytes + self.grad_live[key]
+        self.grad_live[key] = total
+        self.grad_views.discard(key)
+        self.grad_expanded.discard(key)
+        return high
 
     def _seed_output_grads(self, record) -> None:
         """The gradients of the op's outputs (allocated by consumers; the graph's outputs get theirs from the
@@ -361,14 +483,15 @@ class StaticBackward:
                 self.grad_live[key] = self.storage_bytes.get(key, nbytes)
                 self.live_bytes += self.grad_live[key]
 
-    def _op_grads(self, record) -> _OpGrads:
+    def _op_grads(self, record, skip=()) -> _OpGrads:
+        """The op's inputs needing a gradient from the walk (`skip`: positions whose gradient is a view's own)."""
         info = optable.lookup(record.func)
         passthrough = info is not None and info.grad_passthrough
+        ins = [item for position, item in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
+               if position not in skip]
         # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
         # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
-        same = {key for key, rg in zip(record.in_keys, record.in_rg) if rg and key is not None
-                and key in record.out_keys} if passthrough else ()
-        ins = list(zip(record.in_keys, record.in_bytes, record.in_rg))
+        same = {key for key, _, rg in ins if rg and key is not None and key in record.out_keys} if passthrough else ()
         # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
         # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
         shares = record.grad_alias == "shared" and record.out_bytes and \
@@ -508,20 +631,26 @@ class StaticBackward:
 
     def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
         """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
-        gradients and temporaries (it is added once the formula returns)."""
+        gradients and temporaries. Autograd adds it to the old one once the op's backward has released what it
+        held, out of place under a dispatch mode (what fxmem.measure runs; without one, into a dense old one in
+        place): the sum is a new buffer then, the old and new ones go."""
         record = op.record
         self._bump(record.node, record.module)
+        if key not in record.out_keys:
+            # the new one: nothing of its own where it is a view of the output's gradient (add's, a sum's expanded);
+            # the sum: the new one's size where the old one is a view (a join's slice, a sum's expanded gradient:
+            # its buffer is held apart), else the old one's
+            added = 0 if key in op.views and key not in op.fresh else nbytes
+            self.live_bytes += added
+            self._bump(record.node, record.module)
+            op.sums.append((key, added, nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])))
+            self.grad_views.discard(key)
+            return
         self.live_bytes += nbytes
         self._bump(record.node, record.module)
-        if key in self.grad_views:
-            self.grad_views.discard(key)
-            if key not in record.out_keys:
-                # the old one is a view (a join's slice, a sum's expanded gradient), which autograd does not add
-                # into in place: the sum is a new buffer, made once this op's backward has released what it held
-                op.sums.append((key, nbytes))
-                return
-            # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that
-            # slice, released below; the input's is a new buffer, as for any in-place op
+        # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that slice,
+        # released below; the input's is a new buffer, as for any in-place op
+        self.grad_views.discard(key)
         if key in record.out_keys and written_positions(record.func):
             # in place: the output's gradient goes below, the input's stays (on a view, CopySlices's copy of the
             # whole base's gradient, the view's part written into it)
@@ -529,13 +658,13 @@ class StaticBackward:
         op.accumulated += nbytes
 
     def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
-        """Old slice + new gradient, a new buffer; then the new gradient and the slice go (with the join's buffer
-        when this input held it: the slices of inputs created later were consumed before, their producers ran
-        first). Returns the node's peak with them."""
-        for key, nbytes in op.sums:
-            self.live_bytes += nbytes
+        """Old gradient + new one, a new buffer (`sums`); then the new gradient and the old one go
+        (a join's slice with the join's buffer when this input held it: the slices of inputs created later were
+        consumed before, their producers ran first). Returns the node's peak with them."""
+        for key, added, total in op.sums:
+            self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            self.live_bytes -= nbytes + self.grad_live[key]
-            self.grad_live[key] = nbytes
+            self.live_bytes -= added + self.grad_live[key]
+            self.grad_live[key] = total
         return node_peak

@@ -30,9 +30,11 @@ from ..nn.regions import region_info
 from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
-from .formula import call_signature
+from .formula import call_signature, formula_run
 from .measured_saves import measured_slots
 from .grad_layouts import layout_of
+from .graph_run import CodegenInterpreter
+from .storage_keys import StorageKeys
 
 
 @dataclass
@@ -69,6 +71,10 @@ class OpRecord:
     # with the storage keys, which tensor a gradient belongs to (`fxmem.costmodel.grad_layouts`)
     in_layouts: list = field(default_factory=list)
     out_layouts: list = field(default_factory=list)
+    # positional input -> (the record of the view that made that very tensor, which of its outputs it is), for
+    # views whose backward makes a new buffer (`fxmem.ops.view_grad_is_new`: select, slice, split): its gradient is
+    # its own until that view's backward
+    view_inputs: dict = field(default_factory=dict)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -85,7 +91,7 @@ class DispatchRecorder(TorchDispatchMode):
         self.module = ""
         self.region: str | None = None
         self.storage_bytes: dict[int, int] = {}
-        self.keep_alive: list = []  # storages must not be freed and their ids reused during the trace
+        self.storages = StorageKeys(lambda: len(self.records) - 1)  # storage -> key, and when each was freed
         self.grad_enabled = True
         self.recast_node = False  # the current node is fxmem.nn.recast.cast_param
         self.recast_keys: set[int] = set()  # storages cast_param created (not saved when the module recasts)
@@ -105,16 +111,19 @@ class DispatchRecorder(TorchDispatchMode):
         # group id: held together from the group's first unpack to its last
         self.recipe_group: dict[int, int] = {}
         self.loss_key: int | None = None  # the loss's storage (train mode): backward runs from there
+        self.deferred: list = []  # (record, func, args, kwargs, outputs) of ops `settle_deferred` decides on
+        self.settled: list = []  # records it gave a backward, for `confirm_settled`
+        self.node_held: list = []  # storages the current graph node's ops save (`_hold_saved`)
+        # tensor -> (the record of the view (`view_grad_is_new`) that made it, which of its outputs it is)
+        self.view_made = WeakIdKeyDictionary()
 
     def key(self, tensor) -> tuple[int, bool]:
         """(the tensor's storage key, whether this is the first time the storage is seen)."""
         storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key not in self.storage_bytes:
+        key, new = self.storages.key(storage)
+        if new:
             self.storage_bytes[key] = int(storage.nbytes())
-            self.keep_alive.append(storage)
-            return key, True
-        return key, False
+        return key, new
 
     def recipe_holders(self) -> dict[int, list[int]]:
         """Recipe output storage -> the recipe outputs whose recipes hold it as a nested recipe (a U-Net cat's
@@ -191,13 +200,53 @@ class DispatchRecorder(TorchDispatchMode):
         if out_rg:
             self._record_saves(record, func, args, kwargs)
             self._record_grad_alias(record, func, args, kwargs)
+            self._record_views(record, func, args, outs)
+            self._hold_saved(record, (*args, *kwargs.values(), *outs))
         elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
-            # an op outside the table run with grad off on inputs needing grad: a custom autograd Function's
-            # forward, whose backward keeps what this trace cannot see. (Without a backward anywhere, in inference,
-            # an op costs its outputs alone, which are tracked: never unknown.)
+            # an op outside the table run with grad off on inputs needing grad: a custom op whose autograd formula
+            # runs it below autograd, or an op inside a custom autograd Function's forward (`settle_deferred`).
+            # (Without a backward anywhere, in inference, an op costs its outputs alone, which are tracked: never
+            # unknown.)
             record.known = False
+            if float_out:  # (held to the node's end: its arguments too, for what it saves)
+                self.deferred.append((record, func, args, kwargs, outs))
         self.records.append(record)
         return out
+
+    def settle_deferred(self) -> None:
+        """The ops outside the table run with grad off on inputs needing grad (`deferred`), once the graph node that
+        ran them returned: one whose output autograd then gave a backward (a custom op with a registered autograd
+        formula: transformers' grouped_mm fallback for mixture-of-experts layers) has one, and what it saves and
+        its formula holds are measured on fakes, as for any op outside the table. The others (ops inside a custom
+        autograd Function's forward, whose backward this trace cannot see) stay unknown."""
+        for record, func, args, kwargs, outs in self.deferred:
+            if any(isinstance(out, torch.Tensor) and out.requires_grad for out in outs):
+                record.out_rg = True
+                self._record_saves(record, func, args, kwargs)
+                self._record_grad_alias(record, func, args, kwargs)
+                self._record_views(record, func, args, outs)
+                self._hold_saved(record, (*args, *kwargs.values(), *outs))
+                self.settled.append(record)
+        self.deferred = []
+
+    def _hold_saved(self, record: OpRecord, tensors) -> None:
+        """The storages `record` saves stay until its graph node returns (`node_held`): the node's recipes are told
+        apart by storage then, and a recipe's output autograd no longer holds (max pooling's indices, saved as the
+        recipe) would be gone."""
+        saved = set(record.saved)
+        self.node_held.extend(tensor.untyped_storage() for tensor in tensors
+                              if isinstance(tensor, torch.Tensor) and self.key(tensor)[0] in saved)
+
+    def confirm_settled(self) -> None:
+        """After the trace (the measuring runs need no recorder above them): an op `settle_deferred` gave a
+        backward whose own formula, run on fakes, makes no gradient (an op without an autograd formula of its own,
+        inside a custom autograd Function's forward) has none this trace can see after all: unknown again."""
+        for record in self.settled:
+            masks = (True,) * len(record.out_keys)
+            if record.call is None or not any(made is not None for made in formula_run(record.call, masks).grads):
+                record.out_rg, record.known, record.saved = False, False, []
+                self.unknown_saves = [(saver, kw) for saver, kw in self.unknown_saves if saver is not record]
+        self.settled = []
 
     def _inputs(self, args) -> tuple[list, list, list, list]:
         """(storage key, bytes, requires grad) per positional argument, and the storages inside list arguments."""
@@ -260,6 +309,16 @@ class DispatchRecorder(TorchDispatchMode):
             record.saved = [key for key in record.saved if key not in self.recast_keys]
             self.hold_recipe_args(record)
 
+    def _record_views(self, record: OpRecord, func, args, outs) -> None:
+        """Which inputs are views whose backward makes a new buffer (`OpRecord.view_inputs`), and the outputs that
+        are such views."""
+        record.view_inputs = {position: self.view_made[arg] for position, arg in enumerate(args)
+                              if isinstance(arg, torch.Tensor) and arg in self.view_made}
+        if optable.view_grad_is_new(func):
+            for position, out in enumerate(outs):
+                if isinstance(out, torch.Tensor):
+                    self.view_made[out] = (record.idx, position)
+
     @staticmethod
     def _slot_keys(record: OpRecord, slots, kw_keys: dict) -> list:
         """The storages the slots (`fxmem.ops.Saved`) name in this record."""
@@ -296,7 +355,7 @@ class DispatchRecorder(TorchDispatchMode):
             record.grad_alias = info.grad_alias
 
 
-class _RecordingInterpreter(fx.Interpreter):
+class _RecordingInterpreter(CodegenInterpreter):
     def __init__(self, module, recorder: DispatchRecorder):
         super().__init__(module)
         self.recorder = recorder
@@ -309,6 +368,7 @@ class _RecordingInterpreter(fx.Interpreter):
         recorder.recast_node = n.op == "call_function" and n.target is cast_param
         first = len(recorder.records)
         out = super().run_node(n)
+        recorder.settle_deferred()
         scope = recast_active()
         recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
         if recipe is not None and recorder.recipe_of.get(recorder.key(out)[0]) is not recipe:
@@ -319,9 +379,10 @@ class _RecordingInterpreter(fx.Interpreter):
             # a tensor of the op's own making it saves besides its output (max pooling's indices), a recipe too
             for record in recorder.records[first:]:
                 for saved in list(record.saved):
-                    other = scope.recipe_of_storage(saved)
+                    other = scope.recipe_of_storage(recorder.storages.address(saved))
                     if other is not None and other is not recipe and recorder.recipe_of.get(saved) is not other:
                         self._as_recipe(saved, other, n, first)
+        recorder.node_held = []
         return out
 
     def _as_recipe(self, key: int, recipe, n, first: int) -> None:
@@ -360,7 +421,7 @@ class _RecordingInterpreter(fx.Interpreter):
             self.recorder.region = enclosing
 
 
-class _StepInterpreter(fx.Interpreter):
+class _StepInterpreter(CodegenInterpreter):
     """Runs a region's body node by node, counting its nodes as steps (labels stay the region's)."""
 
     def __init__(self, module, recorder: DispatchRecorder):
@@ -467,7 +528,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
     try:
         with fake_mode, grad_ctx:
             params = list(module.parameters())
-            base_keys = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
+            base_keys, state_storages = _base_keys(recorder, fake_mode, params + list(module.buffers()), fake_flat)
             # the CPU kernels' output layouts below the recorder (a reshape copies where the real run's does), and
             # what the module's forward hooks enter (recipes register there)
             with CpuKernelLayouts(), recorder, recast_scope(module):
@@ -479,27 +540,37 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     args, kwargs = inputs
                     fake_args = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((tuple(args), dict(kwargs)))[1])
                     loss = compute_loss(loss_fn, output, fake_args[0], fake_args[1])
+                    recorder.settle_deferred()
+                    recorder.node_held = []
                     recorder.loss_key = recorder.key(loss)[0]
                     out_keys.add(recorder.loss_key)
     finally:
+        recorder.storages.stop()
         module.train(was_training)
+    del state_storages  # (held until the trace was over)
+    recorder.confirm_settled()
     recorder.measure_unknown_saves()
     return ForwardTrace(recorder, base_keys, out_keys, params)
 
 
-def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> dict:
-    """Parameters, buffers and inputs first, so they are known storages (the baseline): storage key -> "param" |
-    "buffer" | "input"."""
+def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> tuple[dict, list]:
+    """Parameters, buffers and inputs first, so they are known storages (the baseline): (storage key -> "param" |
+    "buffer" | "input", the storages of the parameters' and buffers' fakes, to hold while the trace runs)."""
     recorder.node = "<params>"
     base_keys = {}
+    storages = []
     for tensor in state:
-        # the fake mode memoizes conversions: every use of this parameter sees this fake storage
-        base_keys[recorder.key(fake_mode.from_tensor(tensor))[0]] = "param" if isinstance(tensor, nn.Parameter) \
-            else "buffer"
+        # the fake mode memoizes conversions to this storage while it lives: every use of this parameter sees it
+        fake = fake_mode.from_tensor(tensor)
+        storages.append(fake.untyped_storage())
+        key = recorder.key(fake)[0]
+        base_keys[key] = "param" if isinstance(tensor, nn.Parameter) else "buffer"
+        if not isinstance(tensor, FakeTensor):
+            recorder.storages.alias(tensor.untyped_storage(), key)
     for tensor in fake_flat:
         if isinstance(tensor, torch.Tensor):
             base_keys.setdefault(recorder.key(tensor)[0], "input")
-    return base_keys
+    return base_keys, storages
 
 
 def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesting: dict | None = None,

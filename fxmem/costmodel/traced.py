@@ -3,7 +3,6 @@ storage tracker `fxmem.measure` uses, an exact simulated timeline without real m
 from __future__ import annotations
 
 import torch
-from torch import fx
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
@@ -14,10 +13,11 @@ from ..measure import StorageTracker, backward_label, optimizer_state_tensors
 from ..nn.recast import scope_for as recast_scope
 from ..program import Program, deep_copy, module_path
 from ..step import make_torch_optimizer, training_step
+from .graph_run import CodegenInterpreter
 from .memory import MemoryEstimate
 
 
-class _LabellingInterpreter(fx.Interpreter):
+class _LabellingInterpreter(CodegenInterpreter):
     """Runs the graph, remembering the node running (`current`) and naming it on the autograd nodes it makes."""
 
     def __init__(self, module):
