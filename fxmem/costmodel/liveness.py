@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..nn.regions import region_info
 from ..program import Program
+from .offload_times import OffloadTimes
 from .trace import ForwardTrace
 
 
@@ -207,6 +208,7 @@ class SavePlan:
         self._plan_selective_caches()
         self._plan_region_inputs()
         self.recompute_over = self._recompute_overs()
+        self.offload_times = OffloadTimes(self)
 
     def _plan_recipes(self) -> None:
         """Parameter casts and recipes under fxmem.nn.recast are not saved: backward casts the parameter again or

@@ -124,10 +124,7 @@ class ForwardWalk:
         plan = self.plan
         storage_bytes, base_keys = plan.storage_bytes, plan.base_keys
         frees_at = self._frees_at()
-        offload_free_at: dict[int, list[int]] = defaultdict(list)
-        for name, keys in plan.offloaded.items():
-            for key in keys:
-                offload_free_at[max(plan.region_last[name], plan.last_use.get(key, 0))].append(key)
+        offload_free_at = plan.offload_times.drop_at
         for record in plan.records:
             for key in record.new_keys:
                 if key not in base_keys:
@@ -220,8 +217,9 @@ class StaticBackward:
         self.view_grads: dict[int, dict[int, int]] = {}
         self.node_high = 0  # the highest live bytes inside the current op's backward (transients included)
         self.free_saved_at: dict[int, list[int]] = defaultdict(list)
+        kept_until = plan.offload_times.kept_until  # (offloaded, and kept on the device by another saver)
         for key, until in plan.saved_until.items():
-            self.free_saved_at[until].append(key)
+            self.free_saved_at[kept_until.get(key, until)].append(key)
         self.recomputed_live: dict[str, int] = {}
         # region -> the record in whose backward it recomputes
         self.recompute_at = {name: first_unpack(plan.records, plan.region_first[name], plan.region_last[name])
@@ -231,18 +229,7 @@ class StaticBackward:
         for name, recomputed in plan.recompute_keys.items():
             for key, until in recomputed.items():
                 self.recomputed_free_at[until].append((name, self.storage_bytes[key]))
-        self.reload_at = self._reloads()
-
-    def _reloads(self) -> dict[int, list[int]]:
-        """Offloaded tensors come back one region ahead (prefetch) of the region's backward."""
-        plan = self.plan
-        reload_at: dict[int, list[int]] = defaultdict(list)
-        order = sorted(plan.offloaded, key=lambda name: plan.region_first[name])
-        for position, name in enumerate(order):
-            later = order[position + 1] if position + 1 < len(order) else None
-            at = plan.region_last[later] if later is not None else plan.region_last[name]
-            reload_at[at].extend(plan.offloaded[name])
-        return reload_at
+        self.reload_at = plan.offload_times.reload_at
 
     def run(self) -> None:
         for record in reversed(self.plan.records):
@@ -285,6 +272,8 @@ class StaticBackward:
                 self.live_bytes -= self.storage_bytes[key]
             elif any(key in keys for keys in self.plan.offloaded.values()):
                 self.live_bytes -= self.storage_bytes[key]
+        for key in self.plan.offload_times.copy_free_at.get(record.idx, ()):
+            self.live_bytes -= self.storage_bytes[key]  # the reloaded copy of a storage kept on the device too
         for name, nbytes in self.recomputed_free_at.get(record.idx, ()):
             if name in self.recomputed_live:
                 self.recomputed_live[name] -= nbytes

@@ -27,6 +27,9 @@ class RegionScope:
             return t
         n = int(st.nbytes())
         key = (st.data_ptr(), n)
+        earlier = self.store.written_entry(t)
+        if earlier is not None:
+            return PackedTensor(earlier, t)  # an earlier region of this step wrote it (this region's input, say)
         if n == 0 or n < self.min_bytes or key[0] in self.skip:
             return t
         if self.store.tier == "cpu" and t.device.type != "cuda":
@@ -36,6 +39,7 @@ class RegionScope:
             e = OffloadEntry(self.store, self.slot, n, t.device)
             e.start_write(u8_view(t))
             self.entries[key] = e
+            self.store.remember(t, e)
             self.store.slots[self.slot].append(weakref.ref(e))
             self.store.bytes_offloaded += n
             self.store.count += 1

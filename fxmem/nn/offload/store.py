@@ -142,6 +142,7 @@ class StepStore:
         self._streams: dict = {}
         self.bytes_offloaded = 0
         self.count = 0
+        self._written: dict[int, tuple] = {}  # storage _cdata -> (weakref to it, weakref to its entry, version)
         if self.tier == "disk":
             self.dir = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=runtime.scratch_root)
             self.path = os.path.join(self.dir, "activations.bin")
@@ -169,6 +170,22 @@ class StepStore:
             off = self._next
             self._next += (nbytes + 4095) // 4096 * 4096  # page-aligned records
             return off
+
+    def written_entry(self, t: torch.Tensor) -> "OffloadEntry | None":
+        """The entry a region of this step wrote `t`'s storage to, unchanged since (None: none, it is gone, or `t`
+        was written in place after): a later region saving the same tensor (its input, say) keeps that entry."""
+        storage = t.untyped_storage()
+        found = self._written.get(storage._cdata)
+        if found is None or found[0]() is not storage or found[2] != t._version:
+            return None
+        return found[1]()
+
+    def remember(self, t: torch.Tensor, entry: OffloadEntry) -> None:
+        """`t`'s storage was written to `entry` (see `written_entry`); forgotten when the storage dies."""
+        storage = t.untyped_storage()
+        key, table = storage._cdata, self._written
+        table[key] = (weakref.ref(storage, lambda _ref, key=key: table.pop(key, None)), weakref.ref(entry),
+                      t._version)
 
     def side_stream(self, device):
         s = self._streams.get(device)
