@@ -2,12 +2,14 @@
 
 Activations (default). Candidate regions are module-boundary runs of consecutive graph nodes (`nn_module_stack`:
 the model's top-level modules, descending into a module that holds over half the saved bytes, e.g.
-`transformer` -> `transformer.h.0`, ...). Checkpoint regions already in the graph (the checkpoint pass runs
-first) are candidates too: their inputs are the only thing they keep, and offloading those is how fxmem goes
-below what checkpointing alone reaches. For each candidate the cost model gives the bytes autograd would
-save inside it and its FLOPs; compute time is FLOPs / FLOP/s (a quick matmul probe, or `compute_rate: '50GFLOP/s'`), transfer time is
-bytes / bandwidth (a quick probe of the tier, or `bandwidth: '2GB/s'`). Without a budget the choice depends on
-both rates: set both for a plan that does not change with the machine's load. The write overlaps the region's own forward,
+`transformer` -> `transformer.h.0`, ...); when those runs save less than half of the forward's bytes (functional
+ops at the root), also segments of the graph's other nodes (`fxmem.graph_segments`). Checkpoint regions already in
+the graph (the checkpoint pass runs first) are candidates too: their inputs are the only thing they keep, and
+offloading those is how fxmem goes below what checkpointing alone reaches. For each candidate the cost model gives
+the bytes autograd would save inside it and its FLOPs; compute time is FLOPs / FLOP/s (a quick matmul probe, or
+`compute_rate: '50GFLOP/s'`), transfer time is bytes / bandwidth (a quick probe of the tier, or
+`bandwidth: '2GB/s'`). Without a budget the choice depends on both rates: set both for a plan that does not change
+with the machine's load. The write overlaps the region's own forward,
 the read the next region's backward (~2x its forward); what they cannot hide is the estimated time cost.
 
 Choice. With a budget, candidates are taken largest and longest-lived first (bytes x how long they wait for
@@ -46,6 +48,7 @@ from torch import fx
 from fxmem.blocks import block_paths
 from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
 from fxmem.errors import PolicyError
+from fxmem.graph_segments import graph_segments, needs_segments, segment_name
 from fxmem.module_runs import finish_runs
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.remat import op_call
@@ -185,8 +188,22 @@ def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[s
         else:
             cur = Candidate(owner, [n], "run")
             out.append(cur)
+    if not explicit:
+        out = _with_graph_segments(out, nodes, saved_by_node)
     finish_runs(out, nodes, explicit, "passes.offload.regions")
     return out
+
+
+def _with_graph_segments(cands: list[Candidate], nodes: list[fx.Node], saved_by_node: dict[str, int]) -> list:
+    """`cands` and, when module runs hold little of what the forward saves, segments of the nodes they leave out
+    (`fxmem.graph_segments`), in graph order."""
+    owned = {n for c in cands for n in c.nodes}
+    if not needs_segments(owned, saved_by_node):
+        return cands
+    segments = graph_segments(nodes, lambda n: _is_run_node(n) and n not in owned, saved_by_node)
+    position = {n: i for i, n in enumerate(nodes)}
+    out = cands + [Candidate(segment_name(seg), seg, "run") for seg in segments]
+    return sorted(out, key=lambda c: position[c.nodes[0]])
 
 
 def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int) -> None:

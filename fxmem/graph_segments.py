@@ -1,0 +1,62 @@
+"""Candidate regions where the module structure gives none: the graph's own runs of nodes, cut by what they save.
+
+Checkpoint and offload find their regions at module boundaries (`nn_module_stack`). A model written with functional
+ops at its root (a CNN calling `F.conv2d` on its own parameters, a scan in a Python loop) has no such boundaries:
+its saves belong to no module run, and a pass built on module runs finds nothing to act on. When the module runs
+hold less than `MODULE_SHARE` of what the forward saves, the nodes they leave out are cut into segments: runs of
+consecutive nodes, each closed once it holds about 1/`SEGMENTS` of those nodes' saved bytes. A segment is named
+by its first and last node (`conv2d..relu_3`).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+from torch import fx
+
+MODULE_SHARE = 0.5  # module runs saving less than this share of the forward's bytes: the rest is segmented
+SEGMENTS = 8  # segments the left-out nodes' saved bytes are cut into (about)
+
+
+def needs_segments(owned: set, saved_by_node: dict[str, int]) -> bool:
+    """True when the nodes in module runs (`owned`) save less than MODULE_SHARE of all saved bytes."""
+    total = sum(saved_by_node.values())
+    in_runs = sum(saved_by_node.get(node.name, 0) for node in owned)
+    return total > 0 and in_runs < MODULE_SHARE * total
+
+
+def graph_segments(nodes: list[fx.Node], may_hold: Callable[[fx.Node], bool],
+                   saved_by_node: dict[str, int]) -> list[list[fx.Node]]:
+    """Runs of consecutive `nodes` that `may_hold` admits, each cut after it saves 1/SEGMENTS of their bytes.
+    Placeholders and attributes do not break a run; a getitem stays with the node whose tuple it reads (a run
+    hands on tensors, not a tuple); any other node `may_hold` refuses ends the run before it."""
+    share = sum(saved_by_node.get(node.name, 0) for node in nodes if may_hold(node)) / SEGMENTS
+    segments: list[list[fx.Node]] = []
+    current: list[fx.Node] | None = None
+    held = 0  # bytes the current segment saves
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if _reads_tuple_of(node, current):
+            current.append(node)
+            continue
+        if not may_hold(node) or node.target is operator.getitem:
+            current = None
+            continue
+        if current is None or held >= max(share, 1):
+            current, held = [], 0
+            segments.append(current)
+        current.append(node)
+        held += saved_by_node.get(node.name, 0)
+    return [segment for segment in segments if any(saved_by_node.get(node.name, 0) for node in segment)]
+
+
+def segment_name(segment: list[fx.Node]) -> str:
+    """`first..last` by node name (one node: its name)."""
+    first, last = segment[0].name, segment[-1].name
+    return first if first == last else f"{first}..{last}"
+
+
+def _reads_tuple_of(node: fx.Node, segment: list[fx.Node] | None) -> bool:
+    return segment is not None and node.op == "call_function" and node.target is operator.getitem \
+        and node.args[0] in segment
