@@ -5,7 +5,7 @@ ops at its root (a CNN calling `F.conv2d` on its own parameters, a scan in a Pyt
 its saves belong to no module run, and a pass built on module runs finds nothing to act on. When the module runs
 hold less than `MODULE_SHARE` of what the forward saves, the nodes they leave out are cut into segments: runs of
 consecutive nodes, each closed once it holds about 1/`SEGMENTS` of those nodes' saved bytes. A segment is named
-by its first and last node (`conv2d..relu_3`).
+by its first and last node (`graph:conv2d..relu_3`).
 """
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def graph_segments(nodes: list[fx.Node], may_hold: Callable[[fx.Node], bool],
 
 
 def segment_name(segment: list[fx.Node]) -> str:
-    """`first..last` by node name (one node: its name)."""
+    """`graph:first..last` by node name (one node: `graph:name`), apart from every module path."""
     first, last = segment[0].name, segment[-1].name
-    return first if first == last else f"{first}..{last}"
+    return f"graph:{first}" if first == last else f"graph:{first}..{last}"
 
 
 def _reads_tuple_of(node: fx.Node, segment: list[fx.Node] | None) -> bool:
