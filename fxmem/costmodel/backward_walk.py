@@ -1,0 +1,519 @@
+"""The static estimate's backward walk: the records in reverse, each op's gradients (with the buffers autograd shares:
+a view's, a join's slices, add's one gradient for both inputs; a select's or a chunk's own until that view's
+backward makes its input's), the temporaries its formula holds (`formula_temps`), what regions recompute or bring
+back, and what the op saved freed."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .. import ops as optable
+from ..ops import written_positions
+from .formula import covers_storage, formula_run
+from .forward_walk import ForwardWalk, timeline_add
+from .grad_layouts import GradLayouts, fresh_strides
+from .liveness import SavePlan, first_unpack
+
+
+@dataclass
+class _OpGrads:
+    """One op's backward in the walk: its inputs still to get a gradient, and what was handed on so far."""
+    record: object
+    ins: list  # (key, bytes, requires grad) per input
+    same: object = ()  # inputs whose gradient is the output's (a view, an in-place op passing it through)
+    shares: bool = False  # add's one gradient for both inputs
+    passthrough: bool = False
+    grad_view: bool = False  # the op table says the input's gradient may be a view of the output's
+    handed_over: bool = False
+    handed_expanded: bool = False
+    accumulated: int = 0  # bytes added into existing gradients once the formula returns
+    sums: list = field(default_factory=list)  # (key, bytes added, bytes of the sum): gradients this op adds to
+    # ones its inputs have (out of place)
+    # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
+    covered: set = field(default_factory=set)
+    renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
+    # its output's key
+    fresh: set = field(default_factory=set)  # inputs whose gradient the formula makes new (`formula_run`), not a
+    # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
+    copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
+    views: set = field(default_factory=set)  # inputs whose gradient the formula makes a view of an output's
+    view_sums: list = field(default_factory=list)  # (view record, its output, bytes): gradients added to a view's
+    new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
+
+
+class StaticBackward:
+    """The backward walk, from the last record to the first. Its live bytes continue the forward walk's.
+
+    What stays referenced until the step ends: its outputs, and what ops off the loss's path saved (`off_loss`:
+    records whose backward never runs; their graph stays referenced by the outputs they make). `seed`: the loss's
+    storage and the bytes of the gradient backward starts from (`seed_gradient`), live from its start to its
+    end."""
+
+    def __init__(self, plan: SavePlan, forward: ForwardWalk, off_loss: set, seed: tuple = (None, 0)):
+        self.plan = plan
+        self.storage_bytes = plan.storage_bytes
+        self.live, self.live_bytes = forward.live, forward.live_bytes
+        self.peak, self.timeline = forward.peak, forward.timeline
+        self.off_loss = off_loss
+        self.kept_by_outputs = set(plan.out_keys) | {key for record in plan.records if record.idx in off_loss
+                                                     for key in record.saved}
+        self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
+        self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
+        self.grad_layouts = GradLayouts()  # the strides of each tensor's gradient
+        self.seed = seed
+        if seed[0] is not None:
+            self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
+            self.live_bytes += seed[1]
+        # last forward reader of each storage whose backward runs (one without makes it no gradient: a detach, the
+        # device query of a norm's statistics)
+        self.read_until = {key: record.idx for record in plan.records if record.out_rg
+                           for key in record.in_keys + record.list_keys if key is not None}
+        # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a
+        # cat's ("sliced"), a sum's one-element gradient expanded ("expanded")
+        self.grad_views: set[int] = set()
+        self.grad_expanded: set[int] = set()  # of those, the expanded ones: every stride 0, views of them are views
+        # record of a view whose backward makes a new buffer (`OpRecord.view_inputs`) -> {output: bytes of its
+        # gradient}, held apart from its storage's until that backward
+        self.view_grads: dict[int, dict[int, int]] = {}
+        self.node_high = 0  # the highest live bytes inside the current op's backward (transients included)
+        self.free_saved_at: dict[int, list[int]] = defaultdict(list)
+        kept_until = plan.offload_times.kept_until  # (offloaded, and kept on the device by another saver)
+        for key, until in plan.saved_until.items():
+            self.free_saved_at[kept_until.get(key, until)].append(key)
+        self.recomputed_live: dict[str, int] = {}
+        # region -> the record in whose backward it recomputes
+        self.recompute_at = {name: first_unpack(plan.records, plan.region_first[name], plan.region_last[name])
+                             for name, info in plan.regions.items() if info is not None and info.kind == "recompute"}
+        # a recomputed tensor is freed once the last op (in backward order) that saved it has run its backward
+        self.recomputed_free_at: dict[int, list] = defaultdict(list)  # record index -> [(region, bytes)]
+        for name, recomputed in plan.recompute_keys.items():
+            for key, until in recomputed.items():
+                self.recomputed_free_at[until].append((name, self.storage_bytes[key]))
+        self.reload_at = plan.offload_times.reload_at
+
+    def run(self) -> None:
+        for record in reversed(self.plan.records):
+            for key in self.reload_at.get(record.idx, ()):
+                self.live_bytes += self.storage_bytes[key]
+            if not record.out_rg or record.idx in self.off_loss:
+                self._recompute(record)
+                # an op without a backward still frees what is held until its position (a region input held
+                # until the region's first op, e.g. a mask built there), and a region whose first op needs no
+                # grad (e.g. prim.device) still ends its recomputation here
+                self._free_saved(record)
+                self._end_region(record)
+                continue
+            self._op_backward(record)
+        # end of backward: only parameter grads stay (plus the step's outputs, still referenced by the caller)
+        for key in list(self.grad_live):
+            if key not in self.param_keys:
+                self.live_bytes -= self.grad_live.pop(key)
+        self.live_bytes -= self.seed[1]
+
+    def param_grad_bytes(self) -> int:
+        """Bytes of the parameters' gradients the walk holds at its end."""
+        return sum(nbytes for key, nbytes in self.grad_live.items() if key in self.param_keys)
+
+    def _bump(self, label: str, module: str) -> None:
+        self.node_high = max(self.node_high, self.live_bytes)
+        self.peak.see(self.live_bytes, f"{label} (backward)", "backward", module)
+
+    def _expanded_view(self, key: int) -> None:
+        self.grad_views.add(key)
+        self.grad_expanded.add(key)
+
+    def _free_saved(self, record) -> None:
+        """What the backward of `record` releases: tensors saved until it, recomputed tensors it saved."""
+        for key in self.free_saved_at.get(record.idx, ()):
+            if key in self.kept_by_outputs:
+                continue  # the step's outputs stay referenced by the caller until the step ends
+            if key in self.live:
+                self.live.discard(key)
+                self.live_bytes -= self.storage_bytes[key]
+            elif any(key in keys for keys in self.plan.offloaded.values()):
+                self.live_bytes -= self.storage_bytes[key]
+        for key in self.plan.offload_times.copy_free_at.get(record.idx, ()):
+            self.live_bytes -= self.storage_bytes[key]  # the reloaded copy of a storage kept on the device too
+        for name, nbytes in self.recomputed_free_at.get(record.idx, ()):
+            if name in self.recomputed_live:
+                self.recomputed_live[name] -= nbytes
+                self.live_bytes -= nbytes
+
+    def _recompute(self, record) -> None:
+        """The region's recomputation, if it runs in this record's backward (`recompute_at`): what it leaves for
+        the backward stays, what it holds above that while it runs goes again."""
+        region = record.region
+        if region and record.idx == self.recompute_at.get(region) and region not in self.recomputed_live:
+            self.recomputed_live[region] = self.plan.recompute_bytes.get(region, 0)
+            self.live_bytes += self.recomputed_live[region]
+            during = self.plan.recompute_over.get(region, 0)
+            if during:  # what the recomputation holds while it runs and drops: its own temporaries, inputs it
+                self.live_bytes += during  # makes again that no op in it saves
+                self._bump(record.node, record.module)
+                self.live_bytes -= during
+
+    def _end_region(self, record) -> None:
+        """At a region's first record its recomputed tensors are all released."""
+        region = record.region
+        if region and record.idx == self.plan.region_first.get(region) and region in self.recomputed_live:
+            self.live_bytes -= self.recomputed_live.pop(region)
+
+    def _op_backward(self, record) -> None:
+        """One op's backward: its outputs' gradients, recomputations and recipes made for it, its inputs'
+        gradients and the formula's temporaries at once; then what it releases."""
+        plan = self.plan
+        if record.idx in self.view_grads:
+            self._view_backward(record)
+            return
+        node_peak_start = self.live_bytes
+        self.node_high = self.live_bytes
+        again = plan.recast_at.get(record.idx, 0)
+        self.live_bytes += again  # parameter copies cast again, recipes recomputed for this op's backward
+        self.live_bytes += plan.held_from.get(record.idx, 0)  # a shared recipe, made here for this and earlier savers
+        self._seed_output_grads(record)
+        grad_mask = tuple(key is not None and key in self.grad_live for key in record.out_keys)  # (before a view
+        # hands one on)
+        # the region's recomputation runs in the backward of its last op that saves a tensor (its first unpack),
+        # once the gradients of that op's outputs are made: with them live (a dropout's scaling after its mask
+        # multiply saves nothing, so its gradient is made before)
+        self._recompute(record)
+        grad_strides = tuple(self.grad_layouts.take(key, layout) if wanted else None
+                             for key, layout, wanted in zip(record.out_keys, record.out_layouts, grad_mask))
+        run = formula_run(record.call, grad_mask, grad_strides)
+        # inputs that are views with a gradient of their own, read by an op whose output is not a view of them
+        routed = {position: made for position, made in enumerate(run.grads)
+                  if made is not None and position in record.view_inputs and record.in_rg[position]
+                  and record.in_keys[position] not in record.out_keys}
+        op = self._op_grads(record, skip=routed)
+        op.fresh = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and made.fresh}
+        op.views = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and not made.fresh}
+        op.passthrough = op.passthrough or self._hands_on(record, run)
+        self._hand_fresh_view_grads(op, routed)
+        self._hand_join_slices(op)
+        self._join_split_grads(record)
+        self._hand_expanded_sum(op)
+        self._input_grads(op)
+        self._hand_view_grads_as_is(op, routed)
+        self._receive_layouts(op, run)
+        # temporaries a backward formula holds with the gradients it makes (pow: x.pow(c - 1) and c * that)
+        # (the gradients it makes for inputs that have one already are added to theirs once it returns)
+        temps = run.temps + record.copy_slices
+        self.live_bytes += temps
+        self._bump(record.node, record.module)
+        self.live_bytes -= temps + op.accumulated
+        self._replace_copied(op)
+        node_peak = max(self.live_bytes, node_peak_start, self.node_high)  # (node_high: with the temporaries)
+        self.live_bytes -= again
+        self.live_bytes -= plan.held_until.get(record.idx, 0)  # a shared recipe's first saver: its last unpack
+        # the op's output grads die, and what it saved
+        for key in record.out_keys:
+            if key is not None and key in self.grad_live and key not in self.param_keys and key not in op.same:
+                self.live_bytes -= self.grad_live.pop(key)
+                self.grad_views.discard(key)
+        for key, nbytes in op.renewed:
+            self.grad_live[key] = nbytes
+            self.live_bytes += nbytes
+        self._free_saved(record)
+        node_peak = self._add_sums(op, node_peak)
+        for view, out, nbytes in op.view_sums:
+            node_peak = max(node_peak, self._add_to_view_grad(view, out, nbytes, record))
+        self._end_region(record)
+        timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
+
+    def _hand_fresh_view_grads(self, op: _OpGrads, routed: dict) -> None:
+        """Inputs that are views whose backward makes a new buffer (`OpRecord.view_inputs`: `x[:, t]`, a chunk),
+        given a new gradient by the formula: it is the view's own (its bytes), apart from its storage's, until the
+        view's backward makes the base's from it; one added to the one the view has already is a new buffer once
+        this op's backward has released what it held (out of place)."""
+        record = op.record
+        for position, made in routed.items():
+            if not made.fresh:
+                continue
+            (view, out), nbytes = record.view_inputs[position], record.in_bytes[position]
+            self.live_bytes += nbytes
+            self._bump(record.node, record.module)
+            if out in self.view_grads.get(view, {}):
+                op.view_sums.append((view, out, nbytes))
+            else:
+                self.view_grads.setdefault(view, {})[out] = nbytes
+
+    def _hand_view_grads_as_is(self, op: _OpGrads, routed: dict) -> None:
+        """Such inputs given the output's gradient as it is (add's): the view's gradient holds that buffer when no
+        other input took it, else shares it (nothing of its own)."""
+        record = op.record
+        out_key = record.out_keys[0] if record.out_keys else None
+        for position, made in routed.items():
+            if made.fresh:
+                continue
+            view, out = record.view_inputs[position]
+            grads = self.view_grads.setdefault(view, {})
+            if out in grads:
+                op.view_sums.append((view, out, 0))
+                continue
+            grads[out] = 0
+            if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
+                    and out_key not in op.same:
+                grads[out] = self.grad_live.pop(out_key)
+                self.grad_views.discard(out_key)
+                op.handed_over = True
+
+    def _add_to_view_grad(self, view: int, out: int, nbytes: int, record) -> int:
+        """Output `out` of view `view` has a gradient; a new one (`nbytes` of its own) is added out of place: the sum
+        is a new buffer of the output's size, then both go. Returns the live bytes with the three."""
+        grads = self.view_grads[view]
+        total = self.plan.records[view].out_bytes[out]
+        self.live_bytes += total
+        self._bump(record.node, record.module)
+        high = self.live_bytes
+        self.live_bytes -= nbytes + grads[out]
+        grads[out] = total
+        return high
+
+    def _view_backward(self, record) -> None:
+        """The backward of a view whose outputs have gradients of their own (`view_grads`): a new buffer of its
+        input's size made from them (select, slice: zeros with it copied in; expand: it summed; split: them
+        joined, with the storage's gradient its other outputs got through views of theirs), with the formula's
+        temporaries; then the outputs' gradients go and the new one is handed on (`_hand_view_input_grad`)."""
+        node_peak_start = self.node_high = self.live_bytes
+        self._recompute(record)
+        grads = self.view_grads.pop(record.idx)
+        key, nbytes = record.in_keys[0], record.in_bytes[0]
+        joined = record.grad_alias == "joined" and key in self.grad_live and key not in self.param_keys
+        mask = tuple(out in grads or joined for out in range(len(record.out_keys)))
+        strides = tuple(self.grad_layouts.take(out_key, layout) if wanted else None
+                        for out_key, layout, wanted in zip(record.out_keys, record.out_layouts, mask))
+        run = formula_run(record.call, mask, strides)
+        self.live_bytes += nbytes + run.temps
+        self._bump(record.node, record.module)
+        self.live_bytes -= run.temps + sum(grads.values())
+        if joined:  # (what `_join_split_grads` joins)
+            self.live_bytes -= self.grad_live.pop(key)
+            self.grad_views.discard(key)
+            self.grad_expanded.discard(key)
+        node_peak = max(self.live_bytes, node_peak_start, self.node_high)
+        made = run.grads[0] if run.grads else None
+        self.grad_layouts.receive(key, record.in_layouts[0], made.strides if made is not None else None)
+        node_peak = max(node_peak, self._hand_view_input_grad(record, key, nbytes))
+        self._free_saved(record)
+        self._end_region(record)
+        timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
+
+    def _hand_view_input_grad(self, record, key: int, nbytes: int) -> int:
+        """The gradient a view's backward made for its input (`key`, `nbytes`): the output's of the view it was
+        made from, or its storage's, added to what they have out of place. Returns the live bytes at the sum."""
+        if 0 in record.view_inputs:
+            view, out = record.view_inputs[0]
+            if out in self.view_grads.get(view, {}):
+                return self._add_to_view_grad(view, out, nbytes, record)
+            self.view_grads.setdefault(view, {})[out] = nbytes
+            return self.live_bytes
+        if key not in self.grad_live:
+            # as `_input_grads` gives a gradient by storage: the whole storage's (q of a qkv: all three's, which
+            # their other views' gradients then fill)
+            self.grad_live[key] = nbytes if key in self.param_keys else max(nbytes, self.storage_bytes.get(key, 0))
+            self.live_bytes += self.grad_live[key] - nbytes
+            return self.live_bytes
+        total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
+        self.live_bytes += total
+        self._bump(record.node, record.module)
+        high = self.live_bytes
+        self.live_bytes -= nbytes + self.grad_live[key]
+        self.grad_live[key] = total
+        self.grad_views.discard(key)
+        self.grad_expanded.discard(key)
+        return high
+
+    def _seed_output_grads(self, record) -> None:
+        """The gradients of the op's outputs (allocated by consumers; the graph's outputs get theirs from the
+        loss); an output no later op reads (SDPA's logsumexp, a norm's mean) gets none."""
+        for key, nbytes in zip(record.out_keys, record.out_bytes):
+            if key is not None and key not in self.grad_live and nbytes and key not in record.int_outs \
+                    and self.read_until.get(key, -1) > record.idx:
+                self.grad_live[key] = self.storage_bytes.get(key, nbytes)
+                self.live_bytes += self.grad_live[key]
+
+    def _op_grads(self, record, skip=()) -> _OpGrads:
+        """The op's inputs needing a gradient from the walk (`skip`: positions whose gradient is a view's own)."""
+        info = optable.lookup(record.func)
+        passthrough = info is not None and info.grad_passthrough
+        ins = [item for position, item in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
+               if position not in skip]
+        # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
+        # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
+        same = {key for key, _, rg in ins if rg and key is not None and key in record.out_keys} if passthrough else ()
+        # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
+        # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
+        shares = record.grad_alias == "shared" and record.out_bytes and \
+            sum(1 for key, nbytes, rg in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
+        if shares:
+            ins.sort(key=lambda item: self.plan.created_in.get(item[0], -1) if item[0] is not None else 0)
+        return _OpGrads(record, ins, same=same, shares=shares, passthrough=passthrough,
+                        grad_view=bool(info is not None and info.grad_view))
+
+    def _accumulate_transient(self, record, key: int) -> None:
+        """A gradient added into an existing one: a transient of its size."""
+        self._bump(record.node, record.module)
+        self.live_bytes += self.storage_bytes[key]
+        self._bump(record.node, record.module)
+        self.live_bytes -= self.storage_bytes[key]
+
+    def _hand_join_slices(self, op: _OpGrads) -> None:
+        """cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
+        until the last slice is consumed, held by the earliest-created input (whose producer runs last)."""
+        record, grad_live = op.record, self.grad_live
+        if not (record.grad_alias == "sliced" and record.list_keys and any(record.in_rg) and record.out_keys
+                and record.out_keys[0] in grad_live and not any(key in self.param_keys for key in record.list_keys)):
+            return
+        buffer = grad_live.pop(record.out_keys[0])
+        for key in sorted(dict.fromkeys(record.list_keys), key=lambda k: self.plan.created_in.get(k, -1)):
+            if key in grad_live:  # accumulated into an existing gradient: a transient of its size
+                self._accumulate_transient(record, key)
+                continue
+            if buffer is not None:
+                grad_live[key], buffer = buffer, None
+            else:
+                grad_live[key] = 0
+            self.grad_views.add(key)
+        if buffer is not None:
+            self.live_bytes -= buffer  # every input had a gradient already
+        op.ins = [item for item in op.ins if item[0] not in record.list_keys]
+
+    def _join_split_grads(self, record) -> None:
+        """split/unbind: backward joins its outputs' gradients (the views' under the storage's key) into a new
+        gradient of the input's size, alive with them."""
+        key = record.in_keys[0] if record.in_keys else None
+        if record.grad_alias != "joined" or key not in self.grad_live or key in self.param_keys:
+            return
+        self.live_bytes += record.in_bytes[0]
+        self._bump(record.node, record.module)
+        self.live_bytes -= self.grad_live[key]
+        self.grad_live[key] = record.in_bytes[0]
+
+    def _hand_expanded_sum(self, op: _OpGrads) -> None:
+        """sum hands its input its own gradient expanded to the input's shape, a view: no new buffer when every
+        stride is 0 (the sum made one element, or its gradient was such a view already), and the input is its
+        whole storage (a slice's backward makes the storage's gradient whole). Between the storage's maker and the
+        sum only views of the whole storage can sit, and those of a tensor whose strides are all 0 are views again;
+        a partial sum's expanded gradient is not (a reshape of it copies): counted whole."""
+        record, grad_live = op.record, self.grad_live
+        if record.grad_alias == "expanded" and record.in_rg and record.in_rg[0] and record.in_keys[0] is not None \
+                and record.in_keys[0] not in self.param_keys \
+                and record.in_keys[0] not in grad_live and record.out_keys[0] in grad_live \
+                and record.call is not None \
+                and covers_storage(record.call[1][0], self.storage_bytes.get(record.in_keys[0], 0)) \
+                and (record.out_keys[0] in self.grad_expanded
+                     or record.out_bytes[0] == record.call[1][0].dtype.itemsize):
+            key = record.in_keys[0]
+            grad_live[key] = grad_live.pop(record.out_keys[0])
+            self._expanded_view(key)
+            op.ins = op.ins[1:]
+
+    def _input_grads(self, op: _OpGrads) -> None:
+        """Each input needing a gradient gets one: the output's handed on (a view, add's shared buffer), a new
+        buffer, or an addition into the one it has."""
+        record, grad_live = op.record, self.grad_live
+        for key, nbytes, rg in op.ins:
+            if not rg or key is None:
+                continue
+            if key in op.same:
+                if key in op.fresh:  # a copy of the output's gradient (a reshape of a non-contiguous one)
+                    self.live_bytes += nbytes
+                    op.copied.append((key, nbytes))
+                continue
+            if op.shares and op.handed_over and nbytes == record.out_bytes[0] and key not in grad_live \
+                    and key not in self.param_keys and key not in op.fresh:
+                grad_live[key] = 0  # the same buffer the first input got
+                if op.handed_expanded:
+                    self._expanded_view(key)
+                continue
+            if key in op.covered:
+                continue
+            if key in grad_live:
+                self._accumulate(op, key, nbytes)
+                continue
+            out_key = record.out_keys[0] if record.out_keys else None
+            if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
+                    and (nbytes <= grad_live[out_key] or out_key in self.grad_expanded and key not in self.param_keys
+                         and (key == record.in_keys[0] or op.shares) and op.grad_view):
+                op.handed_expanded = out_key in self.grad_expanded
+                grad_live[key] = grad_live.pop(out_key)  # the output's grad becomes the input's (a view)
+                if op.handed_expanded:
+                    self._expanded_view(key)
+                op.handed_over = True
+                continue
+            grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
+            self.live_bytes += grad_live[key]
+            op.new_buffers.add(key)
+            views = sum(view_bytes for view_key, view_bytes, view_rg in op.ins if view_key == key and view_rg)
+            if key not in self.param_keys and views <= grad_live[key]:
+                op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
+
+    def _hands_on(self, record, run) -> bool:
+        """Whether the formula hands every input needing a gradient the output's as it is (clone's backward), each
+        input a whole storage: that storage's gradient is the one buffer, the output's handed on."""
+        made = [(position, grad) for position, grad in enumerate(run.grads) if grad is not None]
+        return bool(made) and all(not grad.fresh and covers_storage(record.call[1][position],
+                                                                    self.storage_bytes.get(record.in_keys[position], 0))
+                                  for position, grad in made)
+
+    def _receive_layouts(self, op: _OpGrads, run) -> None:
+        """Each input's gradient strides, as the formula lays it out; an expanded view of the output's gradient (a
+        partial sum's) that the walk counts whole, as a new buffer, is laid out as a new tensor is (the copy a
+        reshape makes of it is the one counted)."""
+        record = op.record
+        for position, made in enumerate(run.grads):
+            if made is None:
+                continue
+            key, layout = record.in_keys[position], record.in_layouts[position]
+            counted_whole = not made.fresh and key in op.new_buffers and layout is not None \
+                and any(stride == 0 and size > 1 for stride, size in zip(made.strides, layout.shape))
+            self.grad_layouts.receive(key, layout, fresh_strides(layout) if counted_whole else made.strides)
+
+    def _replace_copied(self, op: _OpGrads) -> None:
+        """A view's copied gradient replaces the one it was copied from under their storage's key (a buffer this
+        key held goes; one it shared with another input stays with that one)."""
+        for key, nbytes in op.copied:
+            self.live_bytes -= self.grad_live.get(key, 0)
+            self.grad_live[key] = nbytes
+            self.grad_views.discard(key)
+            self.grad_expanded.discard(key)
+
+    def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
+        """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
+        gradients and temporaries. Autograd adds it to the old one once the op's backward has released what it
+        held, out of place under a dispatch mode (what fxmem.measure runs; without one, into a dense old one in
+        place): the sum is a new buffer then, the old and new ones go."""
+        record = op.record
+        self._bump(record.node, record.module)
+        if key not in record.out_keys:
+            # the new one: nothing of its own where it is a view of the output's gradient (add's, a sum's expanded);
+            # the sum: the new one's size where the old one is a view (a join's slice, a sum's expanded gradient:
+            # its buffer is held apart), else the old one's
+            added = 0 if key in op.views and key not in op.fresh else nbytes
+            self.live_bytes += added
+            self._bump(record.node, record.module)
+            op.sums.append((key, added, nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])))
+            self.grad_views.discard(key)
+            return
+        self.live_bytes += nbytes
+        self._bump(record.node, record.module)
+        # an in-place op (dropout's scaling mul_) on a slice of a join (stack): its output's gradient is that slice,
+        # released below; the input's is a new buffer, as for any in-place op
+        self.grad_views.discard(key)
+        if key in record.out_keys and written_positions(record.func):
+            # in place: the output's gradient goes below, the input's stays (on a view, CopySlices's copy of the
+            # whole base's gradient, the view's part written into it)
+            op.renewed.append((key, self.storage_bytes.get(key, nbytes) if record.copy_slices else nbytes))
+        op.accumulated += nbytes
+
+    def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
+        """Old gradient + new one, a new buffer (`sums`); then the new gradient and the old one go
+        (a join's slice with the join's buffer when this input held it: the slices of inputs created later were
+        consumed before, their producers ran first). Returns the node's peak with them."""
+        for key, added, total in op.sums:
+            self.live_bytes += total
+            self._bump(op.record.node, op.record.module)
+            node_peak = max(node_peak, self.live_bytes)
+            self.live_bytes -= added + self.grad_live[key]
+            self.grad_live[key] = total
+        return node_peak
