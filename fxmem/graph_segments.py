@@ -33,20 +33,22 @@ def graph_segments(nodes: list[fx.Node], may_hold: Callable[[fx.Node], bool],
     share = sum(saved_by_node.get(node.name, 0) for node in nodes if may_hold(node)) / SEGMENTS
     segments: list[list[fx.Node]] = []
     current: list[fx.Node] | None = None
+    members: set[fx.Node] = set()  # the current segment's nodes
     held = 0  # bytes the current segment saves
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
             continue
-        if _reads_tuple_of(node, current):
+        if current is not None and _reads_tuple(node) in members:
             current.append(node)
             continue
         if not may_hold(node) or node.target is operator.getitem:
             current = None
             continue
         if current is None or held >= max(share, 1):
-            current, held = [], 0
+            current, members, held = [], set(), 0
             segments.append(current)
         current.append(node)
+        members.add(node)
         held += saved_by_node.get(node.name, 0)
     return [segment for segment in segments if any(saved_by_node.get(node.name, 0) for node in segment)]
 
@@ -57,6 +59,8 @@ def segment_name(segment: list[fx.Node]) -> str:
     return f"graph:{first}" if first == last else f"graph:{first}..{last}"
 
 
-def _reads_tuple_of(node: fx.Node, segment: list[fx.Node] | None) -> bool:
-    return segment is not None and node.op == "call_function" and node.target is operator.getitem \
-        and node.args[0] in segment
+def _reads_tuple(node: fx.Node) -> fx.Node | None:
+    """The node whose tuple `node` reads an element of (None: `node` is no getitem)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]
+    return None
