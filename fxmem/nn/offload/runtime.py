@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch import nn
 
 from .scratch import TIERS
 from .store import OffloadEntry, PackedTensor, StepStore, u8_view
@@ -19,7 +18,9 @@ class RegionScope:
         self.entries: dict[tuple, OffloadEntry] = {}
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
+        # parameters, and subclasses that hold no bytes of their own to write (the cost model's fake tensors, when
+        # a region's only inputs are parameters and nothing tells it apart as fake), are kept as they are
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta":
             return t
         try:
             st = t.untyped_storage()
