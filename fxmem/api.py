@@ -52,6 +52,7 @@ class TransformResult:
         return save_result(self, path, overwrite=overwrite)
 
 
+# (fifteen parameters: the public transform's keyword options, each documented in its docstring)
 @keeps_model_state
 def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any = "high", budget: Any = None,
               activation_budget: Any = None, calibration=None, loss_fn=None, evaluate=None, evaluate_mode=None,
@@ -80,25 +81,9 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     """
     load_passes()  # passes register their option classes, so the policy validates their sections
     t0 = time.perf_counter()
-    pol = load_policy(policy, overrides=overrides)
-    for keyword, value in option_overrides.items():
-        pol = pol.with_overrides({keyword.replace("__", "."): value}, where=f"transform({keyword}=...)")
-    if budget is not None:  # a budget the user asked for is a requirement unless the call makes it a target
-        pol = pol.with_overrides({"budget": _whole_bytes(budget),
-                                  "budget_strict": _budget_required(pol, overrides, option_overrides)},
-                                 where="transform(budget=...)")
-    if activation_budget is not None:
-        pol = pol.with_overrides({"passes.checkpoint.enabled": True,
-                                  "passes.checkpoint.activation_budget": _whole_bytes(activation_budget)},
-                                 where="transform(activation_budget=...)")
+    pol = _resolve_policy(policy, overrides, option_overrides, budget, activation_budget)
     evaluator = make_evaluator(evaluate, evaluate_mode, model_file)
-    if not isinstance(args, tuple):
-        args = (args,) if not isinstance(args, list) else tuple(args)
-    kwargs = dict(kwargs or {})
-    if isinstance(model, Program):
-        program = model
-    else:
-        program = capture(model, args, kwargs, mode=pol.mode)
+    program = model if isinstance(model, Program) else _capture(model, args, kwargs, pol.mode)
     t_capture = time.perf_counter() - t0
     program.refresh()
     if pol.mode == "train":  # a loss backward cannot run from is the user's error, said before any work
@@ -135,6 +120,30 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     return TransformResult(module=result_program.module, report=report, before=before, after=after,
                            program=result_program, original=original, policy=pol,
                            measured_before=measured_before, measured_after=measured_after, records=pm.records)
+
+
+def _resolve_policy(policy, overrides, option_overrides: dict, budget, activation_budget):
+    """The policy the call asks for: loaded with its `--set` overrides, then the keyword overrides and budgets
+    applied as typed values."""
+    pol = load_policy(policy, overrides=overrides)
+    for keyword, value in option_overrides.items():
+        pol = pol.with_overrides({keyword.replace("__", "."): value}, where=f"transform({keyword}=...)")
+    if budget is not None:  # a budget the user asked for is a requirement unless the call makes it a target
+        pol = pol.with_overrides({"budget": _whole_bytes(budget),
+                                  "budget_strict": _budget_required(pol, overrides, option_overrides)},
+                                 where="transform(budget=...)")
+    if activation_budget is not None:
+        pol = pol.with_overrides({"passes.checkpoint.enabled": True,
+                                  "passes.checkpoint.activation_budget": _whole_bytes(activation_budget)},
+                                 where="transform(activation_budget=...)")
+    return pol
+
+
+def _capture(model, args, kwargs, mode: str) -> Program:
+    """`model` captured on its example inputs (a single argument or a list taken as the positional arguments)."""
+    if not isinstance(args, tuple):
+        args = (args,) if not isinstance(args, list) else tuple(args)
+    return capture(model, args, dict(kwargs or {}), mode=mode)
 
 
 def _model_named(program: Program, model_file) -> str:

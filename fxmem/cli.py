@@ -216,93 +216,113 @@ def _parser() -> argparse.ArgumentParser:
 
 # ============================================================================================ estimate
 
-def cmd_estimate(a) -> int:
-    import torch  # noqa: F401
-
+def cmd_estimate(args) -> int:
     from . import costmodel
-    from .capture import capture
-    from .meta_models import capture_meta
-    from .modelfile import check_inputs, load_model_file
-    from .step import OPTIMIZERS
-    from .units import format_bytes, parse_size
-    budget = None
-    if a.budget is not None:
-        try:
-            budget = parse_size(a.budget)
-        except ValueError as e:
-            raise FxmemError(f"--budget: {e}") from None
-        if budget <= 0:
-            raise FxmemError(f"--budget: a device budget must be more than 0 bytes, got {a.budget!r}")
-    if a.optimizer not in OPTIMIZERS:
-        raise FxmemError(f"--optimizer: unknown optimizer {a.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
-    if a.world_size < 1:
-        raise FxmemError(f"--world-size: must be 1 or more, got {a.world_size}")
-    if a.meta and a.measure:
-        raise FxmemError("--measure: a model built with --meta has no weights to run; drop one of the two")
-    mf = load_model_file(a.model, on_meta=a.meta)
-    if a.meta:
-        program = capture_meta(mf.model, mf.args, mf.kwargs, a.mode)
-    else:
-        check_inputs(mf, mode=a.mode)
-        program = capture(mf.model, mf.args, mf.kwargs, mode=a.mode)
-    program.refresh()
-    est = costmodel.estimate(program, mode=a.mode, optimizer=a.optimizer, method=a.method, loss_fn=mf.loss_fn,
-                             world_size=a.world_size, zero_stage=a.zero_stage)
+    budget = _estimate_budget(args)
+    model_file, program = _estimate_program(args)
+    estimate = costmodel.estimate(program, mode=args.mode, optimizer=args.optimizer, method=args.method,
+                                  loss_fn=model_file.loss_fn, world_size=args.world_size, zero_stage=args.zero_stage)
     measured = None
-    if a.measure:
+    if args.measure:
         from .measure import measure
         from .program import deep_copy
-        measured = measure(deep_copy(program.module), mf.args, mf.kwargs, mode=a.mode, optimizer=a.optimizer,
-                           loss_fn=mf.loss_fn)
+        measured = measure(deep_copy(program.module), model_file.args, model_file.kwargs, mode=args.mode,
+                           optimizer=args.optimizer, loss_fn=model_file.loss_fn)
     plan = None
     if budget is not None:
-        plan = costmodel.plan_batch(program, budget=budget, mode=a.mode, optimizer=a.optimizer,
-                                    loss_fn=mf.loss_fn, device=a.device)
-    if a.json:
-        out = {"model": str(a.model), "estimate": est.to_dict(), "specialized": [str(s) for s in program.specialized],
-               "meta": a.meta}
+        plan = costmodel.plan_batch(program, budget=budget, mode=args.mode, optimizer=args.optimizer,
+                                    loss_fn=model_file.loss_fn, device=args.device)
+    if args.json:
+        out = {"model": str(args.model), "estimate": estimate.to_dict(),
+               "specialized": [str(s) for s in program.specialized], "meta": args.meta}
         if measured is not None:
             out["measured"] = measured.to_dict()
         if plan is not None:
             out["plan_batch"] = plan
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    rows = ["params", "buffers", "grads", "optimizer_state", "inputs", "activations", "peak"]
-    head = f"{'':18s}{'estimated (' + est.method + ')':>22s}"
+    _print_estimate(args, program, estimate, measured, plan)
+    return 0
+
+
+def _estimate_budget(args) -> int | None:
+    """The options of `fxmem estimate` checked before any work; the --budget in bytes (None without one)."""
+    import torch  # noqa: F401
+
+    from .step import OPTIMIZERS
+    from .units import parse_size
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_size(args.budget)
+        except ValueError as error:
+            raise FxmemError(f"--budget: {error}") from None
+        if budget <= 0:
+            raise FxmemError(f"--budget: a device budget must be more than 0 bytes, got {args.budget!r}")
+    if args.optimizer not in OPTIMIZERS:
+        raise FxmemError(f"--optimizer: unknown optimizer {args.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+    if args.world_size < 1:
+        raise FxmemError(f"--world-size: must be 1 or more, got {args.world_size}")
+    if args.meta and args.measure:
+        raise FxmemError("--measure: a model built with --meta has no weights to run; drop one of the two")
+    return budget
+
+
+def _estimate_program(args):
+    """The model file loaded (on the meta device with --meta) and its program captured and refreshed."""
+    from .capture import capture
+    from .meta_models import capture_meta
+    from .modelfile import check_inputs, load_model_file
+    model_file = load_model_file(args.model, on_meta=args.meta)
+    if args.meta:
+        program = capture_meta(model_file.model, model_file.args, model_file.kwargs, args.mode)
+    else:
+        check_inputs(model_file, mode=args.mode)
+        program = capture(model_file.model, model_file.args, model_file.kwargs, mode=args.mode)
+    program.refresh()
+    return model_file, program
+
+
+def _print_estimate(args, program, estimate, measured, plan) -> None:
+    """`fxmem estimate`'s table and lines: estimated (and measured) bytes by category, peaks, FLOPs, heaviest
+    modules, unknown ops, static dims, the largest batch under --budget."""
+    from .units import format_bytes
+    head = f"{'':18s}{'estimated (' + estimate.method + ')':>22s}"
     if measured is not None:
         head += f"{'measured':>16s}{'ratio':>8s}"
-    print(f"fxmem estimate: {Path(a.model).name}  mode={a.mode}  optimizer={est.optimizer}  "
-          f"world_size={a.world_size} zero_stage={a.zero_stage}")
+    print(f"fxmem estimate: {Path(args.model).name}  mode={args.mode}  optimizer={estimate.optimizer}  "
+          f"world_size={args.world_size} zero_stage={args.zero_stage}")
     print(head)
-    for r in rows:
-        line = f"{r:18s}{format_bytes(getattr(est, r)):>22s}"
+    for row in ("params", "buffers", "grads", "optimizer_state", "inputs", "activations", "peak"):
+        line = f"{row:18s}{format_bytes(getattr(estimate, row)):>22s}"
         if measured is not None:
-            m = getattr(measured, r)
-            ratio = f"{getattr(est, r) / m:.3f}" if m else "-"
-            line += f"{format_bytes(m):>16s}{ratio:>8s}"
+            measured_bytes = getattr(measured, row)
+            ratio = f"{getattr(estimate, row) / measured_bytes:.3f}" if measured_bytes else "-"
+            line += f"{format_bytes(measured_bytes):>16s}{ratio:>8s}"
         print(line)
-    if a.meta:
+    if args.meta:
         print(program.notes[-1])
-    print(f"peak at: {est.peak_at} ({est.peak_phase}{', ' + est.peak_module if est.peak_module else ''})")
+    print(f"peak at: {estimate.peak_at} ({estimate.peak_phase}"
+          f"{', ' + estimate.peak_module if estimate.peak_module else ''})")
     if measured is not None:
         print(f"measured peak at: {measured.peak_at} ({measured.peak_phase})")
         if measured.allocator:
             print(measured.allocator_line())
-    print(f"FLOPs per step (estimated): forward {est.flops_forward:.3g}, backward {est.flops_backward:.3g}")
-    if est.by_module:
+    print(f"FLOPs per step (estimated): forward {estimate.flops_forward:.3g}, "
+          f"backward {estimate.flops_backward:.3g}")
+    if estimate.by_module:
         print("heaviest modules (bytes saved for backward, estimated):")
-        for m, b in est.by_module[:10]:
-            print(f"  {format_bytes(b):>12s}  {m}")
-    print("unknown ops: " + (", ".join(est.unknown_ops) if est.unknown_ops else "none"))
+        for module, saved in estimate.by_module[:10]:
+            print(f"  {format_bytes(saved):>12s}  {module}")
+    print("unknown ops: " + (", ".join(estimate.unknown_ops) if estimate.unknown_ops else "none"))
     if program.specialized:
         print("static dims: " + "; ".join(str(s) for s in program.specialized))
     if plan is not None:
         if plan["batch"] == 0:
-            print(f"budget {a.budget}: even batch 1 does not fit (estimated peak {format_bytes(plan['peak'])})")
+            print(f"budget {args.budget}: even batch 1 does not fit (estimated peak {format_bytes(plan['peak'])})")
         else:
-            print(f"budget {a.budget} ({a.device}): largest batch that fits = {plan['batch']} "
+            print(f"budget {args.budget} ({args.device}): largest batch that fits = {plan['batch']} "
                   f"(estimated peak {format_bytes(plan['peak'])}, usable {format_bytes(plan['usable'])})")
-    return 0
 
 
 # ============================================================================================ optimize

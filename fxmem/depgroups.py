@@ -383,6 +383,8 @@ def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr
 
 
 def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
+    """Follow the group's channels (on dim `d` of `x`) into the user `u`: a consumer ends the path, an op that
+    keeps the channels joins the group (queued), anything else rejects the group."""
     if u.name in g.members:
         return
     if u.op == "output":
@@ -390,116 +392,134 @@ def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
     if u.op != "call_function":
         raise _Reject(f"{x.name} is used by {u.op} {u.target}")
     nm = _name(u)
-    nd = _ndim(u)
-    # consumers
-    wo = _weight_op(gm, u)
-    if wo is not None:
-        kind, w, b = wo
-        if u.args[_input_index(kind)] is not x or any(a is x for i, a in enumerate(u.args)
-                                                      if i != _input_index(kind)):
-            raise _Reject(f"{x.name} is a weight/bias operand of {u.name}")
-        want = (_ndim(x) or 1) - 1 if kind in ("linear", "addmm") else 1
-        if d != want:
-            raise _Reject(f"{u.name}: consumes the units on dim {d}, not its reduction dim")
-        if attr_uses.get(id(_safe_attr(gm, w.target)), 0) != 1:
-            raise _Reject(f"{u.name}: weight {w.target} is shared")
-        if not any(c.node == u.name for c in g.consumers):
-            g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, _CONS_WDIM[kind],
-                                        kind, x.name))
-        return
-    if nm == "pow" and u.args[0] is x and not isinstance(u.args[1], fx.Node):
+    weight_op = _weight_op(gm, u)
+    if weight_op is not None:
+        _visit_consumer(gm, g, x, d, u, weight_op, attr_uses)
+    elif nm == "pow" and u.args[0] is x and not isinstance(u.args[1], fx.Node):
         _add_member(g, u, d, queue)
-        return
-    if nm in _UNARY:
+    elif nm in _UNARY:
         if u.args[0] is not x:
             raise _Reject(f"{u.name} ({nm}) reads {x.name} as a non-data argument")
         _add_member(g, u, d, queue)
-        return
-    if nm in _POOL:
+    elif nm in _POOL:
         if d != 1 or u.args[0] is not x:
             raise _Reject(f"{u.name} ({nm}) on channel dim {d}")
         _add_member(g, u, 1, queue)
-        return
-    if nm in _BINARY:
-        if nd is None:
-            raise _Reject(f"{u.name}: no shape metadata")
-        od = d + (nd - (_ndim(x) or nd))
-        for a in list(u.args[:2]):
-            if a is not x:
-                _check_operand(gm, g, u, a, nd, od, queue, attr_uses)
-        if nm.endswith("_") and u.args[0] is not x and u.args[0].name not in g.members:
-            raise _Reject(f"{u.name}: in-place {nm} into a value outside the group")
-        _add_member(g, u, od, queue)
-        return
-    if nm in _BN:
-        if d != 1 or u.args[0] is not x:
-            raise _Reject(f"{u.name} ({nm}) normalizes dim 1, channels are on dim {d}")
-        for a in u.args[1:5]:
-            if isinstance(a, fx.Node):
-                if a.op != "get_attr":
-                    raise _Reject(f"{u.name}: normalization statistics {a.name} are not parameters/buffers")
-                g.params.append((a.target, 0))
-        if isinstance(_val(u), torch.Tensor):
-            _add_member(g, u, d, queue)
-            return
-        # tuple-returning variants: follow getitem 0
-        for gu in list(u.users):
-            if _name(gu) == "getitem" and gu.args[1] == 0:
-                _add_member(g, gu, d, queue)
-            elif _name(gu) == "getitem":
-                raise _Reject(f"{u.name}: statistics output {gu.name} used")
-        g.members[u.name] = d
-        return
-    if nm == "index_select":
+    elif nm in _BINARY:
+        _visit_binary(gm, g, x, d, u, queue, attr_uses)
+    elif nm in _BN:
+        _visit_batch_norm(g, x, d, u, queue)
+    elif nm == "index_select":
         dim = _norm_dim(u.args[1], _ndim(x))
         if u.args[0] is not x or dim == d:
             raise _Reject(f"{u.name}: index_select over the channel dim")
         _add_member(g, u, d, queue)
-        return
-    if nm == "expand_as" and len(u.args) > 1 and u.args[1] is x and u.args[0] is not x:
+    elif nm == "expand_as" and len(u.args) > 1 and u.args[1] is x and u.args[0] is not x:
         o = u.args[0]
+        nd = _ndim(u)
         od = d - (nd - (_ndim(o) or nd))
         if od >= 0 and _size(o, od) not in (1, None):
             raise _Reject(f"{u.name}: expand_as of {o.name} with channels")
         _add_member(g, u, d, queue)
-        return
-    if nm in _FACTORY_LIKE and u.args[0] is x:
+    elif nm in _FACTORY_LIKE and u.args[0] is x:
         shape = list(u.args[1])
-        if d < len(shape) and shape[d] == g.size:
-            g.literals.append((u.name, 1, d))
-            _add_member(g, u, d, queue)
-            return
-        raise _Reject(f"{u.name} ({nm}): new tensor without the channel dim")
-    if nm in _SCATTER:
-        dim = _norm_dim(u.args[1], nd)
-        if dim == d:
-            raise _Reject(f"{u.name}: {nm} over the channel dim")
-        for a in (u.args[0], u.args[2], u.args[3] if len(u.args) > 3 else None):
-            if isinstance(a, fx.Node) and a.name not in g.members:
-                _check_operand(gm, g, u, a, nd, d, queue, attr_uses)
-        if nm.endswith("_") and u.args[0].name not in g.members:
-            raise _Reject(f"{u.name}: {nm} accumulates into {u.args[0].name} outside the group")
+        if not (d < len(shape) and shape[d] == g.size):
+            raise _Reject(f"{u.name} ({nm}): new tensor without the channel dim")
+        g.literals.append((u.name, 1, d))
         _add_member(g, u, d, queue)
-        return
-    if nm in _VIEWS:
-        xin = _ndim(x)
-        shape = list(u.args[1])
-        if u.args[0] is not x or d != xin - 1 or not shape:
-            raise _Reject(f"channels coupled through a reshape: {u.name} ({nm})")
-        last = shape[-1]
-        if last == -1 and all(not (isinstance(s, int) and s == -1) for s in shape[:-1]):
-            pass
-        elif last == g.size:
-            g.literals.append((u.name, 1, len(shape) - 1))
-        else:
-            raise _Reject(f"channels coupled through a reshape: {u.name} ({nm} to {shape})")
-        _add_member(g, u, len(shape) - 1, queue)
-        return
-    if nm in ("sym_size", "size", "_assert_tensor_metadata"):
+    elif nm in _SCATTER:
+        _visit_scatter(gm, g, d, u, queue, attr_uses)
+    elif nm in _VIEWS:
+        _visit_view(g, x, d, u, queue)
+    elif nm in ("sym_size", "size", "_assert_tensor_metadata"):
         if nm == "sym_size" and _norm_dim(u.args[1], _ndim(x)) == d:
             raise _Reject(f"{u.name}: the channel count is read as a size")
+    else:
+        raise _Reject(f"channels coupled through {u.name} ({nm or u.op})")
+
+
+def _visit_consumer(gm, g: Group, x: fx.Node, d: int, u: fx.Node, weight_op, attr_uses):
+    """`u` is a linear/convolution reading `x` (`weight_op`: its kind, weight and bias): a consumer when it
+    reduces over the channels as its data input."""
+    kind, w, b = weight_op
+    if u.args[_input_index(kind)] is not x or any(a is x for i, a in enumerate(u.args)
+                                                  if i != _input_index(kind)):
+        raise _Reject(f"{x.name} is a weight/bias operand of {u.name}")
+    want = (_ndim(x) or 1) - 1 if kind in ("linear", "addmm") else 1
+    if d != want:
+        raise _Reject(f"{u.name}: consumes the units on dim {d}, not its reduction dim")
+    if attr_uses.get(id(_safe_attr(gm, w.target)), 0) != 1:
+        raise _Reject(f"{u.name}: weight {w.target} is shared")
+    if not any(c.node == u.name for c in g.consumers):
+        g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, _CONS_WDIM[kind],
+                                    kind, x.name))
+
+
+def _visit_binary(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
+    """add/sub/mul/div: the other operand must broadcast over the channels, be per-channel, or join the group."""
+    nm, nd = _name(u), _ndim(u)
+    if nd is None:
+        raise _Reject(f"{u.name}: no shape metadata")
+    od = d + (nd - (_ndim(x) or nd))
+    for a in list(u.args[:2]):
+        if a is not x:
+            _check_operand(gm, g, u, a, nd, od, queue, attr_uses)
+    if nm.endswith("_") and u.args[0] is not x and u.args[0].name not in g.members:
+        raise _Reject(f"{u.name}: in-place {nm} into a value outside the group")
+    _add_member(g, u, od, queue)
+
+
+def _visit_batch_norm(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
+    """A batch/instance norm over the channels: its affine parameters and statistics join the group."""
+    nm = _name(u)
+    if d != 1 or u.args[0] is not x:
+        raise _Reject(f"{u.name} ({nm}) normalizes dim 1, channels are on dim {d}")
+    for a in u.args[1:5]:
+        if isinstance(a, fx.Node):
+            if a.op != "get_attr":
+                raise _Reject(f"{u.name}: normalization statistics {a.name} are not parameters/buffers")
+            g.params.append((a.target, 0))
+    if isinstance(_val(u), torch.Tensor):
+        _add_member(g, u, d, queue)
         return
-    raise _Reject(f"channels coupled through {u.name} ({nm or u.op})")
+    # tuple-returning variants: follow getitem 0
+    for gu in list(u.users):
+        if _name(gu) == "getitem" and gu.args[1] == 0:
+            _add_member(g, gu, d, queue)
+        elif _name(gu) == "getitem":
+            raise _Reject(f"{u.name}: statistics output {gu.name} used")
+    g.members[u.name] = d
+
+
+def _visit_scatter(gm, g: Group, d: int, u: fx.Node, queue, attr_uses):
+    """scatter_add/index_add/scatter_reduce over another dim (a GNN's aggregation): its other tensors must fit."""
+    nm, nd = _name(u), _ndim(u)
+    dim = _norm_dim(u.args[1], nd)
+    if dim == d:
+        raise _Reject(f"{u.name}: {nm} over the channel dim")
+    for a in (u.args[0], u.args[2], u.args[3] if len(u.args) > 3 else None):
+        if isinstance(a, fx.Node) and a.name not in g.members:
+            _check_operand(gm, g, u, a, nd, d, queue, attr_uses)
+    if nm.endswith("_") and u.args[0].name not in g.members:
+        raise _Reject(f"{u.name}: {nm} accumulates into {u.args[0].name} outside the group")
+    _add_member(g, u, d, queue)
+
+
+def _visit_view(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
+    """A view/reshape that keeps the channels as the last dim (its shape literal recorded to slice with them)."""
+    nm = _name(u)
+    xin = _ndim(x)
+    shape = list(u.args[1])
+    if u.args[0] is not x or d != xin - 1 or not shape:
+        raise _Reject(f"channels coupled through a reshape: {u.name} ({nm})")
+    last = shape[-1]
+    if last == -1 and all(not (isinstance(s, int) and s == -1) for s in shape[:-1]):
+        pass
+    elif last == g.size:
+        g.literals.append((u.name, 1, len(shape) - 1))
+    else:
+        raise _Reject(f"channels coupled through a reshape: {u.name} ({nm} to {shape})")
+    _add_member(g, u, len(shape) - 1, queue)
 
 
 # ---------------------------------------------------------------------------------------------- slicing

@@ -240,6 +240,7 @@ class _ForwardLabels:
             h.remove()
 
 
+# (nine parameters: the measuring entry's keyword options, called by fxmem.measure and the benchmarks)
 def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, loss_fn=None,
                       steps: int = 2, label_fn=None, optimizer=None) -> MemoryProfile:
     """Run `steps` steps; profile the last one (the steady state: optimizer state exists)."""
@@ -271,25 +272,8 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
         for i in range(steps):
             last = i == steps - 1
             if last:
-                gc.collect()
-                with torch.no_grad():
-                    pass
-                tracker.seed(params)
-                tracker.seed(buffers)
-                tracker.seed((args, kwargs))
-                if optimizer is not None:
-                    tracker.seed(optimizer_state_tensors(optimizer))
-                prof.params = tracker.bytes_of(params)
-                prof.buffers = tracker.bytes_of(buffers)
-                prof.inputs = tracker.bytes_of((args, kwargs))
-                prof.optimizer_state = tracker.bytes_of(optimizer_state_tensors(optimizer)) if optimizer else 0
-                base = tracker.current
-                tracker.reset_peak()
-                tracker.record = True
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    counters_at_start = allocator_counters(device)
+                base, counters_at_start = _start_recording(tracker, prof, (params, buffers), (args, kwargs),
+                                                           optimizer, device)
             ctx = tracker if last else _nullcontext()
             with ctx:
                 if mode == "train":
@@ -319,6 +303,34 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
         tracker.close()
         if labels is not None:
             labels.close()
+
+
+def _start_recording(tracker, prof, model_state, inputs, optimizer, device):
+    """Before the profiled step: seed the tracker with what exists (parameters, buffers, inputs, optimizer state),
+    count it into `prof` and start recording; the live bytes at the start and the CUDA allocator's counters (None
+    off CUDA)."""
+    params, buffers = model_state
+    gc.collect()
+    with torch.no_grad():
+        pass
+    tracker.seed(params)
+    tracker.seed(buffers)
+    tracker.seed(inputs)
+    if optimizer is not None:
+        tracker.seed(optimizer_state_tensors(optimizer))
+    prof.params = tracker.bytes_of(params)
+    prof.buffers = tracker.bytes_of(buffers)
+    prof.inputs = tracker.bytes_of(inputs)
+    prof.optimizer_state = tracker.bytes_of(optimizer_state_tensors(optimizer)) if optimizer else 0
+    base = tracker.current
+    tracker.reset_peak()
+    tracker.record = True
+    counters_at_start = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        counters_at_start = allocator_counters(device)
+    return base, counters_at_start
 
 
 def _train_step_with_grad_capture(model, args, kwargs, optimizer, loss_fn, mark, prof, params):

@@ -25,6 +25,7 @@ from .nn.gating import GatedResidual
 from .nn.lowbit import QUANT_KINDS, FrozenLinear, LoRALinear, QuantLinear
 from .nn.modes import ModeFlag, ModeGraph, ModeRefusal
 from .nn.offload import TIERS, OffloadRegion, OffloadRuntime
+from .nn.regions import RegionInfo
 
 
 class ConfigError(ValueError):
@@ -192,10 +193,12 @@ def _offload_build(cfg: Config, children, runtimes) -> OffloadRegion:
             model_body = body.get_submodule(rest) if rest else body
         except AttributeError:
             raise ConfigError(f"{cfg.where}: model_body {path!r} is not a submodule") from None
-    return OffloadRegion(body, runtime, index=cfg.get("index", int), last=cfg.get("last", bool),
-                         param_args=cfg.ints("param_args"), inputs_too=cfg.get("inputs_too", bool),
-                         label=cfg.get("label", str), model_body=model_body,
-                         keep_ops=frozenset(cfg.strings("keep_ops")))
+    index, last, param_args = cfg.get("index", int), cfg.get("last", bool), cfg.ints("param_args")
+    inputs_too, label, keep_ops = cfg.get("inputs_too", bool), cfg.get("label", str), frozenset(cfg.strings("keep_ops"))
+    checkpoint_region = (RegionInfo(kind="recompute", body=model_body, keep_ops=keep_ops)
+                         if model_body is not None else None)
+    return OffloadRegion(body, runtime, index=index, last=last, param_args=param_args, inputs_too=inputs_too,
+                         label=label, checkpoint_region=checkpoint_region)
 
 
 def _quant_config(m: QuantLinear) -> dict:

@@ -4,6 +4,7 @@ site's dtypes and shapes, in train mode (with grad and dropout) and in eval."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -33,82 +34,108 @@ def probe_order(first) -> tuple:
 def probe_backend(node: fx.Node) -> dict:
     """Which SDPA kernel runs for this SDPA call node on this device, in train mode (with grad, dropout) and in
     eval: the kernel, and why when it is the math one."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    args = node.args
-    if node.target is sdpa_dropout:
-        q, k, v, mask, p, _, is_causal, scale, gqa = args
-    else:
-        q, k, v = args
-        kw = node.kwargs
-        mask, p, is_causal, scale, gqa = (kw.get("attn_mask"), kw.get("dropout_p", 0.0), kw.get("is_causal", False),
-                                          kw.get("scale"), kw.get("enable_gqa", False))
-    qv, kv, vv = val(q), val(k), val(v)
-    if not all(isinstance(t, torch.Tensor) for t in (qv, kv, vv)):
+    call = _SdpaCall.of(node)
+    query, key, value = val(call.query), val(call.key), val(call.value)
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return {}
-    device = qv.device
-
-    def small(t, rows=None):
-        s = [int(x) for x in t.shape]
-        s[0] = min(s[0], 2)
-        if len(s) >= 2:
-            s[-2] = min(s[-2], 64)
-        if rows is not None and len(s) >= 1:
-            s[-1] = min(s[-1], rows)
-        return torch.randn(s, dtype=t.dtype, device=device)
-
-    def mk_mask(lq, lk):
-        if mask is None:
-            return None
-        mv = val(mask)
-        s = [int(x) for x in mv.shape]
-        if len(s) >= 2:
-            s[-2] = min(s[-2], lq) if s[-2] != 1 else 1
-            s[-1] = min(s[-1], lk) if s[-1] != 1 else 1
-        if len(s) >= 4:
-            s[0] = min(s[0], 2)
-        if mv.dtype == torch.bool:
-            return torch.ones(s, dtype=torch.bool, device=device)
-        return torch.zeros(s, dtype=mv.dtype, device=device)
-
-    sc = float(scale) if isinstance(scale, (int, float)) else None
+    device = query.device
+    scale = float(call.scale) if isinstance(call.scale, (int, float)) else None
     results = {}
     for phase, train in (("train", True), ("eval", False)):
-        qs, ks, vs = small(qv), small(kv), small(vv)
-        m = mk_mask(qs.shape[-2], ks.shape[-2])
-        grad = train and bool(getattr(qv, "requires_grad", False) or getattr(kv, "requires_grad", False))
-        for t in (qs, ks, vs):
-            t.requires_grad_(grad)
-        dp = float(p) if train else 0.0
-        chosen = None
-        for name in probe_order(dispatcher_choice(qs, ks, vs, m, dp, bool(is_causal), sc, bool(gqa))):
-            be = getattr(SDPBackend, name, None)
-            if be is None:
-                continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    with sdpa_kernel([be]):
-                        o = torch.nn.functional.scaled_dot_product_attention(
-                            qs, ks, vs, attn_mask=m, dropout_p=dp, is_causal=bool(is_causal), scale=sc,
-                            enable_gqa=bool(gqa))
-                        if grad:
-                            o.sum().backward()
-                chosen = name.lower().replace("_attention", "")
-                break
-            except Exception:  # noqa: BLE001 - this backend cannot run this call
-                continue
-        results[phase] = chosen or "none"
+        small_q, small_k, small_v = _small_like(query, device), _small_like(key, device), _small_like(value, device)
+        mask = _small_mask(call.mask, small_q.shape[-2], small_k.shape[-2], device)
+        grad = train and bool(getattr(query, "requires_grad", False) or getattr(key, "requires_grad", False))
+        for tensor in (small_q, small_k, small_v):
+            tensor.requires_grad_(grad)
+        kwargs = {"attn_mask": mask, "dropout_p": float(call.dropout_p) if train else 0.0,
+                  "is_causal": bool(call.is_causal), "scale": scale, "enable_gqa": bool(call.gqa)}
+        results[phase] = _first_backend_that_runs(small_q, small_k, small_v, kwargs, grad) or "none"
     summary = (results["train"] if results["train"] == results["eval"]
                else f"train: {results['train']}, eval: {results['eval']}")
     out = {"device": str(device), "train": results["train"], "eval": results["eval"], "summary": summary}
     if "math" in (results["train"], results["eval"]):
-        why = []
-        if p and results["train"] == "math":
-            why.append(f"dropout_p={p:g} in train mode")
-        if gqa and results["train"] == "math":
-            why.append("enable_gqa")
-        out["fallback"] = ("the math SDPA kernel runs " + ("in train mode" if results["eval"] != "math" else
-                                                           "in both modes")
-                           + (f" ({', '.join(why)})" if why else "")
-                           + ": it materialises the score matrix, so the memory win is smaller there")
+        out["fallback"] = _fallback_line(call, results)
     return out
+
+
+@dataclass
+class _SdpaCall:
+    """The arguments of an SDPA call node (fx nodes or constants), from either call form."""
+    query: object
+    key: object
+    value: object
+    mask: object
+    dropout_p: object
+    is_causal: object
+    scale: object
+    gqa: object
+
+    @classmethod
+    def of(cls, node: fx.Node) -> "_SdpaCall":
+        if node.target is sdpa_dropout:
+            query, key, value, mask, dropout_p, _, is_causal, scale, gqa = node.args
+            return cls(query, key, value, mask, dropout_p, is_causal, scale, gqa)
+        query, key, value = node.args
+        kwargs = node.kwargs
+        return cls(query, key, value, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
+                   kwargs.get("is_causal", False), kwargs.get("scale"), kwargs.get("enable_gqa", False))
+
+
+def _small_like(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Random values of the tensor's dtype, at most 2 in the first dim and 64 rows."""
+    shape = [int(x) for x in tensor.shape]
+    shape[0] = min(shape[0], 2)
+    if len(shape) >= 2:
+        shape[-2] = min(shape[-2], 64)
+    return torch.randn(shape, dtype=tensor.dtype, device=device)
+
+
+def _small_mask(mask, query_len: int, key_len: int, device):
+    """A mask of the site's dtype that lets everything through, shrunk to the small inputs (None without one)."""
+    if mask is None:
+        return None
+    mask_value = val(mask)
+    shape = [int(x) for x in mask_value.shape]
+    if len(shape) >= 2:
+        shape[-2] = min(shape[-2], query_len) if shape[-2] != 1 else 1
+        shape[-1] = min(shape[-1], key_len) if shape[-1] != 1 else 1
+    if len(shape) >= 4:
+        shape[0] = min(shape[0], 2)
+    if mask_value.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return torch.zeros(shape, dtype=mask_value.dtype, device=device)
+
+
+def _first_backend_that_runs(query, key, value, kwargs: dict, grad: bool) -> str | None:
+    """The first backend (the dispatcher's choice, then the fixed order) that runs this call, and its backward
+    with `grad`: 'flash', 'efficient', 'cudnn' or 'math'; None when none does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    first = dispatcher_choice(query, key, value, kwargs["attn_mask"], kwargs["dropout_p"], kwargs["is_causal"],
+                              kwargs["scale"], kwargs["enable_gqa"])
+    for name in probe_order(first):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with sdpa_kernel([backend]):
+                    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, **kwargs)
+                    if grad:
+                        out.sum().backward()
+            return name.lower().replace("_attention", "")
+        except Exception:  # noqa: BLE001 - this backend cannot run this call
+            continue
+    return None
+
+
+def _fallback_line(call: _SdpaCall, results: dict) -> str:
+    """Why the math kernel runs, and what that costs."""
+    why = []
+    if call.dropout_p and results["train"] == "math":
+        why.append(f"dropout_p={call.dropout_p:g} in train mode")
+    if call.gqa and results["train"] == "math":
+        why.append("enable_gqa")
+    return ("the math SDPA kernel runs " + ("in train mode" if results["eval"] != "math" else "in both modes")
+            + (f" ({', '.join(why)})" if why else "")
+            + ": it materialises the score matrix, so the memory win is smaller there")

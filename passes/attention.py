@@ -367,56 +367,91 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str):
     qv, kv, vv = (_example(site, x) for x in ("q", "k", "v"))
     if qv is None:
         return None, {"why": "example values of q/k/v unavailable"}
-    lk = kv.shape[-2]
     if kind == "hab":
-        top_k = opts.top_k or max(1, math.ceil((1.0 - opts.sparsity_ratio) * lk))
-        mod = HybridAttention(scale=site.scale_value, causal=site.causal, top_k=top_k,
-                              chunk_size=opts.chunk_size)
-        params = {"top_k": top_k}
-        if opts.rank_ratio is not None:
-            pq, pk = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
-            if pq is None or pk is None or pq.x is not pk.x or pq.heads != pk.heads or site.gqa_groups > 1:
-                return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}
-            xv = _example_node(program, pq.x)
-            if xv is None or site.batch_dims != 2:
-                return None, {"why": "rank_ratio: example value of the projection input unavailable"}
-            w = _attr(program, pq.weight)
-            wk_ = _attr(program, pk.weight)
-            n = pq.heads * pq.head_dim
-            bq = _attr(program, pq.bias)[pq.offset:pq.offset + n] if pq.bias is not None else None
-            bk = _attr(program, pk.bias)[pk.offset:pk.offset + n] if pk.bias is not None else None
-            r = mod.set_low_rank(w[pq.offset:pq.offset + n], bq, wk_[pk.offset:pk.offset + n], bk, pq.heads,
-                                 opts.rank_ratio)
-            params.update({"rank": r, "rank_ratio": opts.rank_ratio})
+        mod, params, xv = _hybrid_module(program, site, opts, kv.shape[-2])
+        if mod is None:
+            return None, params
     else:
-        rank = opts.rank or max(1, math.ceil(math.log2(max(lk, 2))))
-        band = opts.band or opts.chunk_size
-        mod = SemiseparableAttention(scale=site.scale_value, causal=site.causal, rank=rank, band=band,
-                                     hierarchical=opts.hierarchical, lowrank_dtype=opts.lowrank_dtype,
-                                     seed=opts.seed, head_dim=qv.shape[-1])
-        params = {"rank": rank, "band": band, "lowrank_dtype": opts.lowrank_dtype}
+        (mod, params), xv = _semiseparable_module(site, opts, kv.shape[-2], qv.shape[-1]), None
     if site.scale_value is None or any(not isinstance(f, float) for _, f in site.scale):
         return None, {"why": "shape-dependent scale"}
-    mask_ex = None
-    if site.masks and not site.causal:
-        if any(m.kind != "additive" for m in site.masks):
-            return None, {"why": "bool masks other than causal are not supported by the approximation"}
-        if len(site.masks) > 1:
-            return None, {"why": "several additive masks"}
-        mask_ex = _example_node(program, site.masks[0].node)
-        if mask_ex is None:
-            return None, {"why": "example value of the mask unavailable"}
+    mask_ex, why = _approx_mask_example(program, site)
+    if why is not None:
+        return None, why
+    params["rel_error"] = _approx_error(site, mod, (qv, kv, vv), mask_ex, xv)
+    out, inserted = _insert_approx(program, site, opts, mod, kind, mask_ex)
+    if site.dropout_p:
+        site.notes.append(f"attention dropout (p={site.dropout_p:g}) is not applied by the approximation")
+    params.update(inserted)
+    return out, params
+
+
+def _hybrid_module(program: Program, site: AttentionSite, opts, key_len: int):
+    """HybridAttention for the site, its parameters and the example input of the q/k projection (low rank only);
+    (None, {"why": ...}, None) where rank_ratio cannot apply."""
+    top_k = opts.top_k or max(1, math.ceil((1.0 - opts.sparsity_ratio) * key_len))
+    mod = HybridAttention(scale=site.scale_value, causal=site.causal, top_k=top_k, chunk_size=opts.chunk_size)
+    params = {"top_k": top_k}
+    if opts.rank_ratio is None:
+        return mod, params, None
+    pq, pk = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
+    if pq is None or pk is None or pq.x is not pk.x or pq.heads != pk.heads or site.gqa_groups > 1:
+        return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}, None
+    xv = _example_node(program, pq.x)
+    if xv is None or site.batch_dims != 2:
+        return None, {"why": "rank_ratio: example value of the projection input unavailable"}, None
+    w = _attr(program, pq.weight)
+    wk_ = _attr(program, pk.weight)
+    n = pq.heads * pq.head_dim
+    bq = _attr(program, pq.bias)[pq.offset:pq.offset + n] if pq.bias is not None else None
+    bk = _attr(program, pk.bias)[pk.offset:pk.offset + n] if pk.bias is not None else None
+    rank = mod.set_low_rank(w[pq.offset:pq.offset + n], bq, wk_[pk.offset:pk.offset + n], bk, pq.heads,
+                            opts.rank_ratio)
+    params.update({"rank": rank, "rank_ratio": opts.rank_ratio})
+    return mod, params, xv
+
+
+def _semiseparable_module(site: AttentionSite, opts, key_len: int, head_dim: int):
+    """SemiseparableAttention for the site and its parameters."""
+    rank = opts.rank or max(1, math.ceil(math.log2(max(key_len, 2))))
+    band = opts.band or opts.chunk_size
+    mod = SemiseparableAttention(scale=site.scale_value, causal=site.causal, rank=rank, band=band,
+                                 hierarchical=opts.hierarchical, lowrank_dtype=opts.lowrank_dtype,
+                                 seed=opts.seed, head_dim=head_dim)
+    return mod, {"rank": rank, "band": band, "lowrank_dtype": opts.lowrank_dtype}
+
+
+def _approx_mask_example(program: Program, site: AttentionSite):
+    """(the example value of the site's one additive mask or None, None), or (None, {"why": ...}) where the
+    approximation cannot take the site's masks."""
+    if not site.masks or site.causal:
+        return None, None
+    if any(m.kind != "additive" for m in site.masks):
+        return None, {"why": "bool masks other than causal are not supported by the approximation"}
+    if len(site.masks) > 1:
+        return None, {"why": "several additive masks"}
+    mask_ex = _example_node(program, site.masks[0].node)
+    if mask_ex is None:
+        return None, {"why": "example value of the mask unavailable"}
+    return mask_ex, None
+
+
+def _approx_error(site: AttentionSite, mod, examples, mask_ex, xv) -> float:
+    """The approximation's relative error against exact attention on the example q, k, v (and mask)."""
+    qv, kv, vv = examples
     if site.gqa_groups > 1:
-        g_ = site.gqa_groups
-        kv = kv.repeat_interleave(g_, dim=1)
-        vv = vv.repeat_interleave(g_, dim=1)
+        kv = kv.repeat_interleave(site.gqa_groups, dim=1)
+        vv = vv.repeat_interleave(site.gqa_groups, dim=1)
     with torch.no_grad():
         exact = torch.nn.functional.scaled_dot_product_attention(
             qv, kv, vv, attn_mask=mask_ex, is_causal=site.causal, scale=site.scale_value)
         approx = mod(qv, kv, vv, mask_ex, xv) if getattr(mod, "q_proj", None) is not None else \
             mod(qv, kv, vv, mask_ex)
-    rel = float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
-    params["rel_error"] = rel
+    return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+
+
+def _insert_approx(program: Program, site: AttentionSite, opts, mod, kind: str, mask_ex):
+    """Register `mod` and call it in place of the site; the call node and what changed in the graph."""
     g = program.graph
     name = _free_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
     program.module.add_submodule(name, mod)
@@ -435,12 +470,9 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str):
         n.meta.setdefault("nn_module_stack", site.output.meta.get("nn_module_stack"))
     _copy_meta(final, site.output)
     removed = _replace(g, site, final)
-    if site.dropout_p:
-        site.notes.append(f"attention dropout (p={site.dropout_p:g}) is not applied by the approximation")
-    params.update({"removed": removed, "added": [n.name for n in added if n is not out],
-                   "is_causal": site.causal, "mask": "additive" if mask_ex is not None else
-                   ("causal" if site.causal else "none")})
-    return out, params
+    return out, {"removed": removed, "added": [n.name for n in added if n is not out],
+                 "is_causal": site.causal, "mask": "additive" if mask_ex is not None else
+                 ("causal" if site.causal else "none")}
 
 
 def _attr(program: Program, node: fx.Node) -> torch.Tensor:

@@ -423,9 +423,8 @@ def emit(program: Program, chosen: list[Candidate], o: OffloadOptions, tier: str
             call = c.nodes[0]
             ck = gm.get_submodule(call.target)
             params = tuple(j for j, a in enumerate(call.args) if isinstance(a, fx.Node) and a.op == "get_attr")
-            info = region_info(ck)
             wrapper = OffloadRegion(ck, runtime, index=i, last=(i == n - 1), param_args=params, inputs_too=True,
-                                    label=c.path, model_body=info.body, keep_ops=info.keep_ops)
+                                    label=c.path, checkpoint_region=region_info(ck))
             name = f"offload_{call.target}"
             gm.add_submodule(name, wrapper)
             call.target = name

@@ -501,7 +501,7 @@ def _zoo():
     runtime = OffloadRuntime(tier="disk", prefetch=2, min_bytes=0)
     root.ck = CheckpointRegion(_body(d), keep_ops={"addmm", "gelu"}, label="ck")
     root.off = OffloadRegion(root.ck, runtime, index=0, last=False, param_args=(1, 2), inputs_too=True, label="off",
-                             model_body=root.ck.body, keep_ops=root.ck.keep_ops)
+                             checkpoint_region=root.ck.fxmem_region)
     root.off2 = OffloadRegion(_body(d), runtime, index=1, last=True, param_args=(1, 2), label="off2")
     root.gate = GatedResidual(_body(d), 0, d, reduction=8, threshold=0.3, per_sample=False, label="gate")
     root.q8 = QuantLinear(torch.randn(d, d), torch.randn(d), "int8", threshold=5.0)

@@ -21,6 +21,7 @@ from torch import nn
 LOWRANK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# (nine parameters: aten's scaled_dot_product_attention arguments plus the mode flag; graphs call it by position)
 def sdpa_dropout(q, k, v, attn_mask, dropout_p: float, training: bool, is_causal: bool, scale, enable_gqa: bool):
     """SDPA with dropout on the probabilities only in training mode (`training` is the graph's ModeFlag)."""
     return torch.ops.aten.scaled_dot_product_attention.default(
@@ -45,6 +46,7 @@ class _TopKAttention(torch.autograd.Function):
     sparse probabilities are dense matmuls on the block (scatter into a zero C x Lk block), which is much faster on
     CPU than gathering k rows of K/V per query."""
 
+    # (nine parameters: autograd's ctx and the op's inputs, as Function.apply passes them)
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, top_k, chunk):
         B, H, L, E = q.shape

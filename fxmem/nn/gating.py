@@ -45,6 +45,7 @@ def _is_fake_or_tracing(x) -> bool:
 
 
 class GatedResidual(nn.Module):
+    # (ten parameters: the module's public options; saved results rebuild it from them, fxmem.module_configs)
     def __init__(self, body: nn.Module, x_index: int, features: int, *, feature_dim: int = -1,
                  reduction: int = 4, init_bias: float = 0.0, threshold: float = 0.5, per_sample: bool = True,
                  label: str = "", row_safe: bool = True):

@@ -8,7 +8,7 @@ Design: docs/design/offload.md.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -41,11 +41,13 @@ class OffloadRegion(nn.Module):
     param_args: positions of arguments that are parameters/buffers (never offloaded).
     inputs_too: also offload saved tensors that are region inputs (used around checkpoint regions, whose
     inputs are the only thing they save); otherwise only tensors created inside the region are offloaded.
+    checkpoint_region: around a checkpoint region, its RegionInfo: the cost model runs that region's body and
+    keeps its keep_ops (None: a plain offload region, modelled by its own body).
     """
 
     def __init__(self, body: nn.Module, runtime: OffloadRuntime, index: int = 0, last: bool = True,
                  param_args: Iterable[int] = (), inputs_too: bool = False, label: str = "",
-                 model_body: Callable | None = None, keep_ops: frozenset = frozenset()):
+                 checkpoint_region: RegionInfo | None = None):
         super().__init__()
         self.body = body
         self.runtime = runtime
@@ -54,10 +56,11 @@ class OffloadRegion(nn.Module):
         self.inputs_too = bool(inputs_too)
         self.label = label
         # what the cost model runs: the body, or (around a checkpoint region) the checkpoint's own body
-        kind = "recompute" if model_body is not None else "offload"
-        self.fxmem_region = RegionInfo(kind=kind, body=model_body if model_body is not None else self.body,
-                                       keep_ops=frozenset(keep_ops), tier=runtime.tier,
-                                       offload_inputs=model_body is not None)
+        wraps = checkpoint_region is not None
+        self.fxmem_region = RegionInfo(kind="recompute" if wraps else "offload",
+                                       body=checkpoint_region.body if wraps else self.body,
+                                       keep_ops=frozenset(checkpoint_region.keep_ops) if wraps else frozenset(),
+                                       tier=runtime.tier, offload_inputs=wraps)
 
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _is_fake(args):
