@@ -15,7 +15,7 @@ from torch import fx
 from . import __version__, costmodel
 from .capture import capture
 from .budgets import further_steps, require_reachable, stated_slack
-from .errors import BudgetError, FxmemError, StrictBudgetError
+from .errors import BudgetError, StrictBudgetError
 from .intent import require_intents
 from .lossguard import make_evaluator
 from .measure import measure as measure_memory
