@@ -1,22 +1,13 @@
 """Find hand-written attention in a captured (aten-level) graph: `find_attention(program) -> [AttentionSite]`.
 
-Anchored on every softmax. From the softmax the matcher walks
-
-    down  through casts, `_assert_tensor_metadata`, and one dropout, to the value product  P @ V  (matmul / bmm /
-          einsum);
-    up    through casts, the masks (additive `add`, `masked_fill(-inf)`, `where(cond, s, -inf)`, `baddbmm`'s bias), the
-          scale (`mul` / `div` by a constant, a 0-dim constant tensor or a shape-derived python scalar, on the scores,
-          on q or on k), to the score product  Q @ K^T  (matmul / bmm / einsum), peeling K's transpose (transpose,
-          permute, mT) and Llama's repeat_kv (unsqueeze -> expand -> reshape) for grouped-query attention.
-
-A softmax that does not sit between two such products (a classifier head, a gating softmax) is not an attention
-site. A site that is attention but cannot be rewritten *provably* exactly carries `reason` (why not) and the pass
-reports "not rewritten: <reason>". Every check is explicit: the softmax dim, the scale value, the mask's dtype
-semantics (bool keep-mask vs additive) and that it does not enlarge the score shape, dropout placement, dtypes,
-that no intermediate (scores, probabilities) is used outside the attention, and batch shapes that SDPA accepts.
+Anchored on every softmax, the matcher walks down to the value product P @ V and up through casts, masks and the
+scale to the score product Q @ K^T (peeling K's transpose and repeat_kv for grouped-query attention). A softmax
+between no such products is not a site; a site that cannot be rewritten *provably* exactly carries `reason`, and
+the pass reports "not rewritten: <reason>".
 
 The causal proof of a mask: `fxmem.attention_causal`; q, k and v and their checks: `fxmem.attention_operands`;
 the dtypes along the site (a softmax computed in float32 on bf16/fp16 scores, cast back): `fxmem.attention_precision`.
+Design: docs/design/attention.md, "The matcher".
 """
 from __future__ import annotations
 

@@ -1,34 +1,14 @@
 """Attention pass: hand-written attention -> `scaled_dot_product_attention` (exact), or an approximation (opt-in).
 
-Manual attention materialises the (Lq x Lk) score matrix several times (scores, masked scores, probabilities,
-dropout mask, dropped probabilities) and autograd keeps most of them for backward. SDPA's fused kernels keep
-memory linear in the sequence length. The matcher (`fxmem.attention_match.find_attention`) recognises the forms
-real code produces and proves each site equivalent (scale value, softmax dim, mask semantics, dropout placement,
-shapes, dtypes); what it cannot prove is reported as "not rewritten: <reason>" with the module path.
+Manual attention keeps the (Lq x Lk) score matrix several times for backward; SDPA's fused kernels keep memory
+linear in the sequence length. Sites come from `fxmem.attention_match.find_attention`, which proves each one
+equivalent; what it cannot prove is reported as "not rewritten: <reason>" with the module path.
 
-Rewrites (`passes.attention.rewrite`):
-    sdpa            (default, exact) `aten.scaled_dot_product_attention` with the matched scale, `is_causal=True`
-                    where the mask provably is causal (no mask tensor, so the fused kernel skips it), the mask
-                    otherwise (bool keep-mask or additive), `enable_gqa=True` for repeat_kv, and dropout_p read
-                    from the module's training flag (`fxmem.nn.attention.sdpa_dropout`). The report says which
-                    SDPA backend runs for each site on this device, in train and in eval mode (probed with
-                    `torch.nn.attention.sdpa_kernel`): a fall-back to the math kernel loses the memory win.
-                    With an additive mask, rows it masks fully (left padding) get eager attention's value and
-                    gradient, selected at run time (`fxmem.attention_rows`).
-    hab             (lossy) `fxmem.nn.attention.HybridAttention`: top-k per query over blocks of query rows (the
-                    full matrix never exists; backward keeps O(Lq * k)); with `rank_ratio`, q/k come from new
-                    low-rank projections built from a per-head truncated SVD of the existing q/k weights.
-    semiseparable   (lossy) `fxmem.nn.attention.SemiseparableAttention`: exact block band + low-rank far field
-                    (positive random features), one normaliser; causal; hierarchical; bf16/fp16 low-rank factors.
-                    Its error grows with |q|^2 + |k|^2 (random-feature variance): the guard backs such sites off.
-Per-site cost-model bytes (`site_bytes`, two static traces) go into each Change's `bytes_saved`.
-
-Exactness design: the pass class declares `exact = True` (what `rewrite: sdpa` is) and overrides
-`fxmem.pass_api.Pass.is_exact(options)`, which the PassManager consults: `hab`/`semiseparable` are lossy and judged
-end to end by the guard of lossy changes (`fxmem.lossguard`, kind `attention`; `tolerance` is its relative-error limit
-for this pass). Each approximated site measures its own relative error on the example inputs against exact attention:
-that orders the back-off (largest first, to exact SDPA), and never decides alone. What `rewrite` asked against how
-many sites took it is the pass's Intent.
+`rewrite`: `sdpa` (default, exact; `fxmem.nn.attention.sdpa_dropout`, fully masked rows `fxmem.attention_rows`),
+`hab` (`fxmem.nn.attention.HybridAttention`) or `semiseparable` (`SemiseparableAttention`), both lossy and judged by
+`fxmem.lossguard` (kind `attention`) through `is_exact(options)`. Per-site cost-model bytes (`site_bytes`) go into
+each Change's `bytes_saved`.
+Design: docs/design/attention.md.
 """
 from __future__ import annotations
 
