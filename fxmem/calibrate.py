@@ -5,18 +5,9 @@
     stats.layers["h.0.mlp.c_proj"].freq                          # per-unit firing frequency, a tensor
     stats.histograms()                                           # coldness histograms for the report
 
-Which units: the input of every linear / convolution whose weight is a parameter (MLP intermediates, conv
-channels, GNN hidden dims), one `LayerStats` per such input, keyed by the consuming module's path. Per unit
-(the channel dim: last for linear, 1 for conv):
-
-- `freq`: firing frequency, the share of positions where |a| > eps * scale. `scale` is the layer's mean |a| over
-  all its units in that batch: GELU/SiLU models rarely give exact zeros, so "fires" is relative to the layer's
-  typical magnitude (with ReLU, eps=0 counts exact non-zeros);
-- `mean` (signed), `mean_abs`, `var` (population variance over all positions seen), `count`.
-
-Data items may be a tensor, a tuple/list of positional args, a dict of keyword args, or `(args, kwargs)`.
-The model runs in eval mode under no_grad (buffers are not updated). A progress bar (tqdm, on stderr) shows while
-it runs unless `progress=False`; `max_batches` caps the number of items used.
+One `LayerStats` (`freq`, `mean`, `mean_abs`, `var`, `count` per unit) for the input of every linear / convolution
+whose weight is a parameter, keyed by the consuming module's path. The model runs in eval mode under no_grad.
+Design: docs/design/pruning-gating.md, "Calibration".
 """
 from __future__ import annotations
 

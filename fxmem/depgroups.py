@@ -1,26 +1,14 @@
 """Dependency groups: which hidden dimensions of a captured graph can be pruned together, found on the FX graph.
 
 A *group* is a set of hidden units (channels) that appear in several tensors and parameters at once and must be
-removed from all of them consistently, the idea of torch-pruning's DepGraph applied to fxmem's aten-level graph:
+removed from all of them consistently (torch-pruning's DepGraph on fxmem's aten-level graph): Linear -> act ->
+Linear, SwiGLU, Conv -> BN -> act -> Conv, GNN layer chains.
 
-    Linear -> act -> Linear                 producer rows, consumer columns
-    SwiGLU: silu(gate(x)) * up(x) -> down   two producers joined by the product, one consumer
-    Conv -> BN -> act [-> pool] -> Conv     producer out-channels, BN affine + running stats, consumer in-channels
-    GNN layer: lin -> gather -> * norm -> scatter_add(new_zeros[N, C]) -> + bias -> act -> next lin
-                                            plus the shape literal of the accumulator (C) and the bias
+    groups = find_groups(gm)            # a group coupled to values outside it: ok=False with a `reason`
+    slice_group(gm, group, keep)        # new sliced parameters/buffers under the same names; shape literals
 
-How it is found (`find_groups`): from every *producer* (aten.linear / conv2d / conv_transpose2d whose weight is a
-parameter used once) the channel dimension is followed forward through ops that keep it (pointwise activations,
-dropout, batch norm, pooling, index_select / scatter over another dim, broadcasting with a per-channel parameter or
-a size-1 operand, last-dim views) until it reaches *consumers* (a linear or convolution that reduces over it). A
-binary op whose other operand also carries C channels from another producer (through pointwise ops) joins that
-producer (SwiGLU). Anything else that touches the channel dimension couples it to values outside the group: a
-residual add with the stream, a concat, a split/reshape into heads, the graph output. Such a group is kept with
-`ok=False` and a `reason` naming the node and op, and no pass prunes it.
-
-`slice_group(gm, group, keep)` physically removes units: it builds NEW sliced parameters and buffers registered
-under the same names (existing ones are never modified: rollback snapshots share them) and rewrites the shape
-literals the group recorded. Call `program.refresh()` afterwards.
+Call `program.refresh()` after slicing.
+Design: docs/design/pruning-gating.md, "Dependency groups".
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """Gating insertion: wrap expensive residual branches `x + f(x)` as `x + g(x) * f(x)` (fxmem.nn.gating).
 
-What it does, in order:
+Residual branches are found on the graph (an `aten.add.Tensor(x, y)` whose y depends on x through a matmul-class
+op), chosen by `targets` (`auto`, or module path globs), outlined (`fxmem.outline`) and wrapped in `GatedResidual`.
+A branch whose only per-row input is x can skip per sample; others skip per batch, and the Change says so.
 
-1. Residual branches from the graph: an `aten.add.Tensor(x, y)` whose operands have the same shape, where y
-   depends on x and the nodes between them (the branch f: the ancestors of y that descend from x) contain a
-   matmul-class op (linear, matmul, conv, attention) and are used only by the add. The branch is named by the
-   deepest module path its compute nodes share (norm ops excluded: `h.0.attn`, `h.0.mlp`, `layers.1`).
-2. Which branches: `targets: [auto]` takes those whose module path or module type looks like attention, an MLP /
-   feed-forward, or a (graph) convolution layer; otherwise module path globs (`h.*.mlp`).
-3. Each chosen branch is outlined (`fxmem.outline`) into a child GraphModule and wrapped in `GatedResidual`
-   (gate `Linear(d -> d/reduction) -> ReLU -> Linear -> 2*sigmoid`, clamped at 1, last layer zero-initialised
-   with bias `init_bias`), which replaces the add.
-4. Per-sample skipping needs the branch's only per-row input to be x. Sizes of x the branch read from outside
-   (`sym_size` of the batch/sequence dims) are re-read from x inside the branch; a branch with another
-   per-row input (an attention mask, `edge_index` for a GNN) runs per batch only, and the Change says so.
-
-Exact at insertion (`exact = True`): g = 1 exactly while the last gate layer is zero (see fxmem.nn.gating), so
-outputs and gradients equal the original's. Train the gates with `fxmem.gating_loss(module)` added to the task
-loss; in eval mode branches are skipped where the gate is below `threshold`. The pass records, per branch, the
-skip rate on the calibration data (0 at insertion: all gates are open).
+Exact at insertion (`exact = True`): g = 1 exactly while the last gate layer is zero, so outputs and gradients
+equal the original's. Train the gates with `fxmem.gating_loss(module)` added to the task loss.
+Design: docs/design/pruning-gating.md, "The gating pass".
 """
 from __future__ import annotations
 

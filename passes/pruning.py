@@ -1,37 +1,13 @@
 """Structural pruning of cold hidden units, measured on real (calibration) data.
 
-What it does, in order:
-
-1. Dependency groups (`fxmem.depgroups.find_groups`): Linear->act->Linear, SwiGLU gate/up->down,
-   Conv->BN->act->Conv, GNN layer chains. A group whose channels are coupled to anything outside it (a residual
-   add, a concat, a head split, the graph output) is not pruned; the report lists it with the reason.
-   `skip` module globs exclude groups by any producer/consumer module path.
-2. Calibration (`fxmem.calibrate`) on the policy's calibration data (the model file's `calibration_data()` or
-   `fxmem.transform(..., calibration=...)`), capped at `max_batches`. The last `holdout` share of the items is
-   held out for the accuracy guard. Without calibration data and with `require_calibration` the pass changes
-   nothing and says why (the `high` preset's behaviour without data).
-3. Scores per unit j, summed over the group's consumers (W: the consumer weight, a: the consumer's input):
-   - `fluctuation` (default; FLAP-style): Var(a_j) * ||W[:, j]||^2, the output variance the unit explains
-     once its mean is compensated;
-   - `magnitude` (Wanda-style): E|a_j| * ||W[:, j]||;
-   - `frequency`: the unit's firing frequency (|a| > eps * layer scale).
-   `fraction` of each group's units with the lowest scores are removed, or, with `threshold`, the units firing
-   less often than `threshold`; at least `min_keep` units stay (a count, or a share of the group when < 1).
-4. Mean compensation (`compensate`): a removed unit is replaced by its calibration mean, folded into the bias
-   of linear consumers (b += W[:, pruned] @ mean[pruned]); conv consumers (zero padding makes the mean's
-   contribution position-dependent) and consumers without a bias get no compensation.
-5. Accuracy guard (`fxmem.lossguard`, kind `pruning`): each candidate is sliced for real and judged end to end on
-   the held-out items against the unpruned program: top-1 agreement for class-score outputs, relative output
-   error (`tolerance`), the loss, or, when an evaluate function is given (`fxmem.transform(evaluate=,
-   evaluate_mode=)`, a model file's `evaluate()`), its drop (`metric_tolerance`). While it refuses, the group
-   whose pruning alone moves the held-out outputs most (simulated by masking its consumers' inputs, which is what
-   slicing computes) backs off (its count times `backoff`). What was asked against what was removed is the pass's
-   Intent; `guard: false` prunes as asked, unjudged.
-6. Slicing: new, smaller parameters and buffers under the same names (never modified in place), shape literals
-   rewritten. Per group the report lists units, parameters and FLOPs removed; the metrics carry the per-layer
-   coldness histograms (firing frequency) and the calibration summary.
+In order: dependency groups (`fxmem.depgroups.find_groups`; coupled groups are reported, not pruned), calibration
+(`fxmem.calibrate`, the last `holdout` share held out), scores per unit (`fluctuation` (default), `magnitude` or
+`frequency`) choosing `fraction` or `threshold` of each group's units (at least `min_keep` stay), mean compensation
+folded into linear consumers' biases (`compensate`), the accuracy guard (`fxmem.lossguard`, kind `pruning`) with
+back-off by the group that moves the held-out outputs most, and slicing (`fxmem.depgroups.slice_group`).
 
 Lossy (`exact = False`): the PassManager rolls it back when the verdict it returns refuses.
+Design: docs/design/pruning-gating.md, "The pruning pass".
 """
 from __future__ import annotations
 

@@ -4,23 +4,11 @@
     y = gated(x, w1, b1, ...)                            # the branch's inputs, x among them at x_index
     loss = task_loss + 1e-2 * fxmem.gating_loss(model)   # sparsity pressure on the gates (training)
 
-The gate: a per-sample summary of x (the mean over every dim except the batch dim 0 and the feature dim), then
-`Linear(d -> d/reduction) -> ReLU -> Linear(-> 1)` giving u, and `g = min(1, 2 * sigmoid(u))`. The last Linear
-starts at zero weight and bias `init_bias` (>= 0), so u = init_bias and g = 1 *exactly* at insertion: the
-gated model computes `x + 1.0 * f(x)`, bit-identical to the original residual add (outputs and gradients).
-`gating_loss` penalises the unclamped `2 * sigmoid(u)`, so it always has a gradient towards closing.
-
-Training (module in train mode, or autograd tracing/fake tensors): soft gates, the branch always runs:
-`x + g * f(x)` with g per sample (broadcast over the other dims).
-
-Inference (eval mode, real tensors): hard gates with `threshold`. The gate runs first. Rows with g < threshold
-take `x` unchanged. If no row is open the branch is not called at all (per batch). With `per_sample` (and a
-branch whose only per-row input is x) the branch runs only on the open rows (index_select / index_copy);
-otherwise it runs on the whole batch and closed rows are masked. Open rows get `x + g * f(x)`.
-Counters per module: calls, calls skipped, rows, rows skipped (the branch's compute saved), read with
-`skip_stats(model)` and cleared with `reset_skip_stats(model)`.
-
-`force_open = True` makes the module compute `x + f(x)` (the original), for checks and ablations.
+g = min(1, 2 * sigmoid(u)) with the gate's last Linear zero at insertion, so g = 1 *exactly* and the module is
+bit-identical to the original residual add. Training: soft gates, the branch always runs. Eval mode, real
+tensors: hard gates with `threshold` (closed rows take x; no open row, no call). Counters: `skip_stats(model)`,
+`reset_skip_stats(model)`; `force_open = True` computes `x + f(x)`.
+Design: docs/design/pruning-gating.md, "GatedResidual".
 """
 from __future__ import annotations
 
