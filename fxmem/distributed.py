@@ -4,31 +4,12 @@
     module = fxmem.distribute(result.module, "fsdp")      # or "ddp", OffloadOptions, a Policy, a dict
     loss = loss_fn(module(x)); loss.backward(); opt.step()
 
-DDP: `DistributedDataParallel(module)` (one process per device; CPU with gloo works). Gradients are averaged
-across ranks in backward; offload and checkpoint regions run inside as usual.
-
-FSDP2: `fully_shard` on block boundaries found from the graph. In a captured graph, parameters are read with
-get_attr at the top of `forward` and no block module is ever called, so FSDP's per-module hooks would never run.
-`distribute` therefore makes each block a called module that owns its parameters: the graph nodes of block
-`h.3` (its `nn_module_stack`) are outlined (`fxmem.outline`) into a body GraphModule, and the parameter-holding
-module at `h.3` is replaced by a `ShardedBlock` that keeps the same children (state_dict keys are unchanged),
-takes the block's non-parameter inputs, and passes its *current* parameters to the body (FSDP swaps sharded and
-unsharded parameters on the module between its hooks). An existing checkpoint/offload region that covers a
-block becomes that block's body; regions inside a block (a checkpointed `h.3.attn`) are outlined with the rest of
-it, into its body. `fully_shard` is then applied to every block and to the root (the remaining
-parameters: embeddings, final norm, head). Options: `CPUOffloadPolicy` (`cpu_offload=True`, or the offload
-pass's `grads: true`), `MixedPrecisionPolicy` (`param_dtype`/`reduce_dtype`, or what the precision pass
-recorded in `module.fxmem_precision`).
-
-Blocks (`fxmem.blocks`) are the outermost repeated modules of one type under one parent with numeric names
-(`h.0`, `h.1`, ... / `layers.0`, ...), from the graph's `nn_module_stack`. A block whose parameters a node outside
-it reads (a checkpoint region joining `h.0.mlp` to `h.1.ln_1`), or that cannot be outlined as one call, is not made:
-its parameters are sharded with the root, and `distribute` warns, naming the block and the reason (also in
-`module.fxmem_distribute_notes`).
-
-Per-rank memory: `fxmem.estimate(program, world_size=W, zero_stage=S)` (DDP = stage 0, FSDP = stage 3) is the
-cost model's prediction; `measure_rank(module, args, ...)` measures one steady-state step on this rank (local
-shards of parameters and optimizer state, plus everything the step allocates).
+DDP wraps the module in `DistributedDataParallel`. FSDP2 needs called modules that own their parameters, which a
+captured graph has none of: each block (`fxmem.blocks`) is outlined into a body under a `ShardedBlock`, and
+`fully_shard` is applied to every block and to the root. A block that cannot be made is sharded with the root,
+with a warning (`module.fxmem_distribute_notes`). `measure_rank(module, args, ...)` measures one step on this
+rank; `fxmem.estimate(program, world_size=W, zero_stage=S)` predicts it.
+Design: docs/design/distributed.md.
 """
 from __future__ import annotations
 
