@@ -1,36 +1,13 @@
 """Offload pass: when checkpointing cannot reach the budget, move what is not needed now to a slower tier.
 
-Activations (default). Candidate regions are module-boundary runs of consecutive graph nodes (`nn_module_stack`:
-the model's top-level modules, descending into a module that holds over half the saved bytes, e.g.
-`transformer` -> `transformer.h.0`, ...); when those runs save less than half of the forward's bytes (functional
-ops at the root), also segments of the graph's other nodes (`fxmem.graph_segments`). Checkpoint regions already in
-the graph (the checkpoint pass runs first) are candidates too: their inputs are the only thing they keep, and
-offloading those is how fxmem goes below what checkpointing alone reaches. For each candidate the cost model gives
-the bytes autograd would save inside it and its FLOPs; compute time is FLOPs / FLOP/s (a quick matmul probe, or
-`compute_rate: '50GFLOP/s'`), transfer time is bytes / bandwidth (a quick probe of the tier, or
-`bandwidth: '2GB/s'`). Without a budget the choice depends on both rates: set both for a plan that does not change
-with the machine's load. The write overlaps the region's own forward,
-the read the next region's backward (~2x its forward); what they cannot hide is the estimated time cost.
-
-Choice. With a budget, candidates are taken largest and longest-lived first (bytes x how long they wait for
-backward) until the cost model's static estimate of the transformed program fits (binary search over the
-prefix of that order); the time the transfers cannot hide is reported. Without a budget, only regions whose
-transfers the neighbouring compute hides are offloaded. The last region in the forward is never chosen on
-its own: backward needs it immediately.
-
-Emission. Each chosen run is outlined (`fxmem.outline`) into an `OffloadRegion` (`fxmem.nn.offload`) that runs
-its body under `saved_tensors_hooks`; a chosen checkpoint region is wrapped in an OffloadRegion that offloads its
-saved inputs. All regions of the model share one `OffloadRuntime` (tier, prefetch depth, the step's scratch
-file). Tier `auto` is `cpu` (pinned host memory) for CUDA models and `disk` (a scratch file per step) on CPU.
-
-Weights (`weights: true`): frozen parameters (requires_grad False; all parameters in inference mode) are grouped
-into blocks, the blocks over `max_memory` of the device tier move to the slow tier, and a `WeightStreamer`
-call before each block's first use returns its weights (prefetching the next block). The cost model sees the
-fetched weights as tensors created at the fetch and freed after their last use.
-
-Gradients/optimizer (`grads: true`) and distribution (`distributed: ddp|fsdp`) act on the training loop, not the
-graph: the pass records the plan on the module (`module.fxmem_offload`), and `fxmem.make_optimizer(module, policy)`
-(an `fxmem.nn.offload.OffloadedOptimizer`) / `fxmem.distribute(module, options)` apply it.
+Activations (default): candidate regions (module-boundary runs, graph segments, checkpoint regions already in the
+graph) are measured by the cost model and timed by FLOP/s and tier bandwidth (probed, or `compute_rate` and
+`bandwidth`); with a budget the largest and longest-lived are taken until the static estimate fits, without one
+only those whose transfers compute hides. Each is outlined into an `OffloadRegion` (`fxmem.nn.offload`) sharing
+one `OffloadRuntime`. Weights (`weights: true`): frozen parameters in blocks over `max_memory` stream in through
+a `WeightStreamer`. Gradients/optimizer (`grads: true`) and `distributed` are recorded on the module
+(`module.fxmem_offload`) for `fxmem.make_optimizer` and `fxmem.distribute`.
+Design: docs/design/offload.md, "The pass".
 """
 from __future__ import annotations
 
