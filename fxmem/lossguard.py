@@ -4,22 +4,11 @@
     verdict = guard.judge(candidate)          # candidate: the transformed Program
     outcome = first_accepted(guard, build, exclusion_steps(sites_by_error))
 
-A candidate is run (eval mode, no gradients, fixed seed) on the guard data, the calibration items (the last
-`verify.guard_items`) or the example inputs, beside the program it came from. What decides:
-
-- `evaluate` given (`fxmem.transform(evaluate=fn, evaluate_mode=...)`, a model file's `evaluate()`): the task metric
-  alone; its drop may be at most `verify.metric_tolerance` (in the metric's own units);
-- otherwise: the relative output error (`verify.lossy_tolerance`, or the pass's own `tolerance`); for outputs that are
-  class scores (classifiers, language models) the top-1 agreement with the program before the change, the share of
-  predictions left unchanged (`verify.top1_agreement`); for other outputs, with a `loss_fn`, the loss's relative
-  increase (`verify.loss_increase`).
-
-Every measurable figure is recorded in the Verdict either way. Each limit left unset in the policy takes the default
-of the kind of change (`KIND_LIMITS`), sized to what the kind is known to cost: 4-bit weights move every linear's
-output far more than bf16 rounding does, whatever the weights, so they are not judged by bf16's tolerance. Each kind
-is judged on what it adds to the program it was given (the report also gives the deviation from the original).
-Per-site measurements never decide whether a kind of change is allowed: they order the back-off (`exclusion_steps`,
-largest first). Gating is exact when inserted (gates start open) and is verified as an exact pass: no guard here.
+What decides: the drop of the user's `evaluate` metric when given; otherwise the relative output error, plus the
+top-1 agreement for class-score outputs or, with a `loss_fn`, the loss's increase. Limits left unset take the
+kind's defaults (`KIND_LIMITS`). Per-site measurements only order the back-off (`exclusion_steps`, largest first).
+Gating is exact when inserted and is verified as an exact pass: no guard here.
+Design: docs/design/lossguard.md.
 """
 from __future__ import annotations
 
