@@ -3,20 +3,11 @@
     region = CheckpointRegion(body, keep_ops={"mm", "addmm"})   # body: the region's GraphModule
     y = region(x, w, b)  # train + grad: torch.utils.checkpoint(body, ..., use_reentrant=False)
 
-In training with autograd on, the body runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False,
-preserve_rng_state=True)`: only the region's inputs are kept, and the body runs again in backward. RNG state is
-restored for the recomputation, so dropout draws the same masks. A selective policy
-(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) saves the outputs of the ops named in
-`keep_ops` (aten packet names, e.g. "mm", "addmm", "bmm", "convolution") instead of recomputing them.
-
-Buffers the body updates in place (batch-norm running statistics) would be updated a second time by the
-recomputation; the region snapshots the inputs listed in `restore_args` before recomputing and copies them back
-afterwards, so buffers end the step exactly as without checkpointing. (Under torch.compile the recomputation is
-done by the compiler's partitioner on a functionalized graph; the restore is skipped there, and whether buffer
-updates are repeated under compile is not tested.)
-In eval mode or under no_grad the body is simply called.
-
-`fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=...)` tells the cost model what it does.
+In training with autograd on, only the region's inputs are kept and the body runs again in backward (RNG state
+restored, or dropout masks kept by a `DrawTape`); `keep_ops` saves those ops' outputs (selective checkpointing).
+Buffers the body updates in place are restored after the recomputation (`restore_args`). In eval mode or under
+no_grad the body is simply called. `fxmem_region = RegionInfo(kind="recompute", ...)` tells the cost model.
+Design: docs/design/checkpoint.md, "The runtime modules".
 """
 from __future__ import annotations
 

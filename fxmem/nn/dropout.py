@@ -1,29 +1,12 @@
 """Dropout that saves a bool mask: what `passes.checkpoint.compact_dropout` puts in place of CPU `aten.dropout`.
 
-On CPU `aten.dropout` draws Bernoulli numbers into a tensor of the input's dtype, divides it by 1 - p and
-multiplies, so autograd saves a float mask (4 bytes per element for fp32). `bool_mask_dropout` draws the same
-numbers into a bool tensor (the CPU generator's Bernoulli stream does not depend on the tensor's dtype), multiplies
-by it (viewed as uint8: CPU converts that to floats far faster than bool), then by the value 1/(1-p) the float mask
-held (rounded in the input's dtype, as the mask was): outputs and gradients are bit-identical, and the mask autograd
-saves takes 1 byte per element, drawn in the input's memory order as the float mask is (a transposed input too).
-An input with gaps or overlaps runs the original dropout.
-
     y = bool_mask_dropout(x, 0.1, training, 1.1111111640930176, torch.float32)
 
-The pass writes the scale as a literal for the dtype it saw (a Python float: nothing more is saved, no host sync);
-an input of another dtype (the user converted the module) gets the scale computed in its own dtype.
-
-Draw tapes. Recomputing a checkpoint region would draw its masks again, and on CPU drawing is the dearest part of
-a dropout-heavy forward. `DrawTape` runs a region's body: on the first call (the forward) every mask
-`bool_mask_dropout` draws is recorded; on later calls (the recomputation in backward) the recorded masks are
-returned in order instead of drawing. The tape lives as long as the checkpoint keeps the body for recomputation,
-so each mask is held from the forward to the region's backward, as a saved bool mask would be. The checkpoint pass
-uses a tape only for regions where every draw is one of these (other random ops replay from the restored RNG
-state, and skipping some draws would shift the others). Under torch.compile the function is aten.dropout again:
-the compiler draws with its own generator and its partitioner decides what to save.
-
-`bool_mask_dropout_remat` (what the checkpoint pass's `remat` puts in where a consumer saves the output) does not
-keep the output for backward: the consumer's saved copy is recomputed from the input and the mask.
+The same Bernoulli numbers as `aten.dropout`, drawn into a bool mask: outputs and gradients are bit-identical,
+and autograd saves 1 byte per element instead of the input dtype's. `DrawTape` records a checkpoint region's masks
+in the forward and hands them to the recomputation instead of drawing again. `bool_mask_dropout_remat` (for the
+checkpoint pass's `remat`) recomputes a consumer's saved output from the input and the mask.
+Design: docs/design/checkpoint.md, "Dropout masks" and "The runtime modules".
 """
 from __future__ import annotations
 
