@@ -1,35 +1,12 @@
 """Low-bit linear layers that the precision pass puts into graphs: bitsandbytes wrappers and LoRA adapters.
 
-`QuantLinear` holds a bitsandbytes `Linear8bitLt` (LLM.int8(), outlier threshold) or `Linear4bit` (nf4/fp4, optional
-double quantization) built from an fp32 weight. It exists so that
-
-- the graph can call it like `aten.linear` in any float dtype (input cast to the compute dtype, output cast back);
-- the cost model and `fxmem.measure` see every byte it holds: bitsandbytes keeps the int8 row scales (`SCB`) and the
-  4-bit quantization state (absmax, code, nested absmax/code) as plain tensor attributes of the weight, which
-  `module.parameters()` never yields; they are registered here as non-persistent buffers (the state_dict is the
-  bitsandbytes layer's own, unchanged);
-- `.to(device)` works: the inner layer is moved with bitsandbytes' own `.to` (which is what quantizes a
-  `Params4bit` on its first move) and the aux buffers are re-read from the moved weight;
-- a saved result keeps it exactly (`fxmem.load`): `quantized_state()` gives the weight and its quantization state
-  as tensors named as in the state_dict (bitsandbytes' own format: the int8 weight and `SCB`; the packed 4-bit
-  weight and `QuantState.as_dict(packed=True)`, whose non-tensor fields are JSON in a uint8 tensor) plus JSON
-  fields, `without_quantized_state()` takes them out while the module structure is described, and
-  `load_quantized_state()` rebuilds the same bitsandbytes parameters (`Int8Params`, `Params4bit.from_prequantized`)
-  in an empty layer (`QuantLinear.for_loading`);
-- a 4-bit weight keeps one layout in every mode. `Linear4bit.forward` re-lays the weight out for its CPU inference
-  kernel on an eval-mode CPU call whose input needs no grad (`packing_format_for_cpu`, bitsandbytes 0.50): that
-  kernel computes in bf16 and records no autograd, so later training-mode calls give no input gradient. The 4-bit matmul is
-  called here instead (`bitsandbytes.matmul_4bit`, the path `Linear4bit` takes on CUDA and in training), the inner
-  layer's repack is switched off, and a weight found in that layout (a result saved by an older fxmem) is put back
-  in the standard one with the weights it computes with (`standard_4bit_layout`).
-
-`LoRALinear` adds a trainable low-rank update to a frozen base (QLoRA when the base is a 4-bit `QuantLinear`):
-`y = base(x) + dropout(x) @ A^T @ B^T * alpha / rank`, B initialised to zero so the model starts unchanged.
-`FrozenLinear` is the base where the 4-bit weights were not kept (the precision pass's accuracy guard reverted
-them): the original weight, frozen, computing in the dtype the 4-bit layer would have used.
-
-The weights of a quantized linear are frozen (bitsandbytes' int8/4-bit weights take no gradient); the input
-gradient flows through.
+`QuantLinear` holds a bitsandbytes `Linear8bitLt` (LLM.int8()) or `Linear4bit` (nf4/fp4) built from an fp32 weight:
+callable like `aten.linear` in any float dtype, its quantization state visible to the cost model as buffers,
+movable with `.to`, saved and rebuilt exactly (`quantized_state`, `load_quantized_state`, `for_loading`), and one
+4-bit layout in every mode (`standard_4bit_layout`). `LoRALinear` adds a trainable low-rank update to a frozen base
+(QLoRA on a 4-bit base); `FrozenLinear` is the base where the guard reverted the 4-bit weights. Quantized weights
+are frozen; the input gradient flows through.
+Design: docs/design/precision.md, "The low-bit modules".
 """
 from __future__ import annotations
 
