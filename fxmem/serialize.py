@@ -3,18 +3,9 @@
 `fxmem.load` reads such a result only with `trust_code=True`: unpickling runs code. The reconstructors below are
 what those pickles name (`fxmem.serialize._new_graph_module`, ...), so they stay importable here; `dumps` writes the
 same pickle (for tests of the legacy path). New results describe their structure as JSON data (`fxmem.structure`).
-
-`GraphModule`'s own pickling re-traces the generated code with the graph's tracer class, which fails for
-exported graphs (pytree codegen, export's module-stack tracer). This format pickles the graph as data instead: nodes
-as (op, name, target, args, kwargs) with targets named (`aten.add.Tensor`, `operator.getitem`,
-`fxmem.nn.modes.count_batch`) and resolved again on load (by import: this path trusts its input).
-
-A GraphModule is pickled in two steps, as objects with a `__setstate__` are: first an empty instance (which the
-pickle memoizes), then its state (its `__dict__` and graph), filled in by `_fill_graph_module`. Anything inside
-the module that refers back to it (a submodule keeping its owner, e.g. the precision pass's copy-on-write mark
-`_fxmem_owner`, or a hook closing over the root) is then pickled as a reference to that one instance. Pickling the
-state as the constructor's arguments instead (as `GraphModule.__reduce__` does) meets the module again inside its
-own arguments, before it is memoized, and rebuilds a second copy around the half-built `_modules` dict.
+Graphs are pickled as data (nodes with named targets, resolved again on load by import), and a GraphModule as an
+empty instance first, then its state, so that anything inside it that refers back to it unpickles as that one
+instance. Design: docs/design/results.md, "The old pickle format".
 """
 from __future__ import annotations
 

@@ -4,19 +4,9 @@
     gm = build(doc, tensors)                                    # loading; StructureError says what is wrong
     code = generated_code(doc)                                  # the code `build` would give the module
 
-The document:
-
-    {"kind": "fxmem-structure", "version": 1, "mode": "train" | "inference",
-     "root": module, "tensors": [tensor, ...], "quantized": {path: bitsandbytes fields}}
-    module: {"class": name, "config": {...}, "modules": [[name, module | {"alias": path} | null], ...],
-             "graph": graph (GraphModules: `fxmem.graphdata`)}
-    tensor: {"name": path, "kind": "parameter" | "buffer", "dtype", "shape", "requires_grad" | "persistent",
-             "tie": path}   (tie: the same tensor as an earlier entry; stored once)
-
-A class is a plain container (`torch.nn.Module`), a `torch.fx.GraphModule` (config: class_name, recast: fxmem.nn.recast
-hooks installed, offload_plan) or one of fxmem's runtime modules (`fxmem.module_configs`); nothing else loads.
-Every parameter and buffer comes from the weights file (dtype and shape as described), and every tensor there must
-be used; quantized linears get their bitsandbytes state from it too (`QuantLinear.load_quantized_state`).
+Only plain containers, GraphModules (graphs: `fxmem.graphdata`) and fxmem's runtime modules
+(`fxmem.module_configs`) load; every parameter and buffer comes from the weights file, and every tensor there must
+be used. The document's fields: docs/design/results.md, "The module structure as data".
 """
 from __future__ import annotations
 
