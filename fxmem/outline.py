@@ -5,24 +5,10 @@ Passes that wrap part of a graph in a module (checkpoint regions, offload region
     from fxmem.outline import outline
     call = outline(program, nodes, "ckpt_h_0", wrap=lambda body: CheckpointRegion(body))
 
-What it does, in order:
-
-1. `nodes` is the region. get_attr nodes are never moved: parameters and buffers stay owned by the outer module
-   (state_dict keys are unchanged) and are passed into the region as arguments, like every other value the
-   region reads from outside. Placeholders of the child are named after the outer values they receive.
-2. The region must be *convex*: no path leaves the region and comes back into it (else it could not be one
-   call). A non-convex set raises `OutlineError` naming a node on the offending path.
-3. The child graph returns the region's values used outside (one value, or a tuple when there are several;
-   the outer graph then reads them with `operator.getitem` nodes that keep the original names' meaning).
-4. `wrap(child)` builds the module (e.g. a CheckpointRegion around the child); it is added to the outer module
-   under `name` (made unique: `ckpt_h_0`, `ckpt_h_0_1`, ...) and the region's nodes are replaced by the call.
-5. The outer graph is re-ordered topologically with the smallest possible change (a stable sort on the
-   original positions), so execution order, and therefore memory behaviour, stays as it was elsewhere.
-
-Node meta is kept: the child's nodes carry the original meta (`nn_module_stack`, `val`, `fxmem_val`, ...); the
-call node gets the region's common `nn_module_stack` prefix and `meta["val"]` of its outputs.
-
-Call `program.refresh()` after outlining (the PassManager does it after every pass).
+Parameters and buffers stay owned by the outer module and are passed in as arguments; the region must be convex
+(else `OutlineError` names a node on the offending path); the outer graph is re-ordered as little as possible, so
+execution order stays as it was elsewhere; node meta is kept. Call `program.refresh()` after outlining.
+Design: docs/design/overview.md, "Outlining a region".
 """
 from __future__ import annotations
 
