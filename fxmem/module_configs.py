@@ -216,8 +216,7 @@ def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
 
 
 def _stored_config(m: QuantizedWeight) -> dict:
-    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "double_quant": m.double_quant,
-            "blocksize": m.blocksize}
+    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "blocksize": m.blocksize}
 
 
 def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
@@ -228,8 +227,7 @@ def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
     if blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         raise ConfigError(f"{cfg.where}: blocksize must be a power of two from 32 to 4096, got {blocksize}")
     try:
-        return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"),
-                                           double_quant=cfg.get("double_quant", bool), blocksize=blocksize)
+        return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"), blocksize=blocksize)
     except ValueError as e:
         raise ConfigError(f"{cfg.where}: {e}") from None
 

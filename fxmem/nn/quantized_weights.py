@@ -8,13 +8,14 @@ copy, as bitsandbytes' `Linear4bit` makes for its matmul) and hands it to the op
 - int8: LLM.int8()'s row-wise absmax quantization (`bitsandbytes.functional.int8_vectorwise_quant`, no outliers):
   an int8 matrix and one fp32 scale per row. Rows are the output channels of a convolution, the rows of an
   embedding table, and each expert's own rows for a 3-D weight.
-- nf4 / fp4: `bitsandbytes.functional.quantize_4bit` (blocks of `blocksize` values, two codes a byte, optional
-  double quantization of the block scales). A 3-D weight whose experts fill whole blocks can be read one expert at
-  a time (`forward(index)`): each expert's slice has blocks of its own.
+- nf4 / fp4: `bitsandbytes.functional.quantize_4bit` (blocks of `blocksize` values, two codes a byte, one fp32
+  absmax a block). A 3-D weight whose experts fill whole blocks can be read one expert at a time
+  (`forward(index)`): each expert's slice has blocks of its own. The block scales are not double-quantized: that
+  would save 3 bytes a block but make dequantization two ops with a temporary between them, which backward's
+  recomputation (below) would hold where the cost model does not see it.
 
-Everything it holds is a persistent buffer (`qweight`, `scales` or `absmax`, and `nested_absmax`, `nested_code`,
-`offset` with double quantization), so the cost model, `fxmem.measure` and a saved result see every byte, and a
-result saved with `fxmem.save` loads bit-identical. The weight is frozen: nothing here takes a gradient; the input
+Everything it holds is a persistent buffer (`qweight`, `scales` or `absmax`), so the cost model, `fxmem.measure`
+and a saved result see every byte, and a result saved with `fxmem.save` loads bit-identical. The weight is frozen: nothing here takes a gradient; the input
 gradient of the op that reads it flows. In a module with the recast hooks (`fxmem.nn.recast`) the dequantized
 weight is saved for backward as this recipe and dequantized again there, so backward keeps the quantized bytes only.
 """
@@ -30,8 +31,6 @@ from .remat import register_recompute
 
 WEIGHT_KINDS = ("int8", "nf4", "fp4")
 BLOCKSIZE = 64
-_BUFFERS = {"int8": ("qweight", "scales"), "4bit": ("qweight", "absmax"),
-            "nested": ("qweight", "absmax", "nested_absmax", "nested_code", "offset")}
 
 
 def _functional():
@@ -46,21 +45,12 @@ def int8_rows(shape: tuple[int, ...]) -> int:
     return shape[0] * shape[1] if len(shape) == 3 else shape[0]
 
 
-def nesting_pays(shape: tuple[int, ...], blocksize: int = BLOCKSIZE) -> bool:
-    """Whether double quantization makes a 4-bit weight of this shape smaller: it turns each block's fp32 absmax
-    into a byte, at the price of a 256-entry fp32 code, one fp32 scale per 256 blocks and an offset."""
-    blocks = -(-math.prod(shape) // blocksize)
-    return 3 * blocks > 256 * 4 + 4 * -(-blocks // 256) + 4
-
-
 class QuantizedWeight(nn.Module):
     """A frozen weight held quantized; calling it gives the dequantized weight (or one slice of dim 0)."""
 
-    def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, double_quant: bool = True,
-                 blocksize: int = BLOCKSIZE):
+    def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, blocksize: int = BLOCKSIZE):
         super().__init__()
-        shape = tuple(int(d) for d in weight.shape)
-        self._configure(kind, shape, weight.dtype, double_quant and nesting_pays(shape, blocksize), blocksize)
+        self._configure(kind, tuple(int(d) for d in weight.shape), weight.dtype, blocksize)
         w = weight.detach().to(torch.float32)
         fn = _functional()
         with warnings.catch_warnings():
@@ -71,34 +61,29 @@ class QuantizedWeight(nn.Module):
                 return
             # flat: bitsandbytes 0.50's CPU dequantize_4bit gives wrong values for some 2-D and 3-D shapes (a last
             # dim below the block size); the flat layout is the same bytes and reads right
-            packed, state = fn.quantize_4bit(w.reshape(-1), blocksize=blocksize,
-                                             compress_statistics=self.double_quant, quant_type=kind)
+            packed, state = fn.quantize_4bit(w.reshape(-1), blocksize=blocksize, compress_statistics=False,
+                                             quant_type=kind)
         self._put(qweight=packed, absmax=state.absmax)
-        if self.double_quant:
-            self._put(nested_absmax=state.state2.absmax, nested_code=state.state2.code,
-                      offset=state.offset.reshape(()))
 
     @classmethod
     def for_loading(cls, shape: tuple[int, ...], kind: str, *, dtype: torch.dtype = torch.float32,
-                    double_quant: bool = True, blocksize: int = BLOCKSIZE) -> "QuantizedWeight":
+                    blocksize: int = BLOCKSIZE) -> "QuantizedWeight":
         """A module of this shape whose buffers are meta placeholders, for a saved result (the loader fills them)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(kind, tuple(shape), dtype, double_quant, blocksize)
+        self._configure(kind, tuple(shape), dtype, blocksize)
         for name, (size, buffer_dtype) in self.buffer_specs().items():
             self.register_buffer(name, torch.empty(size, dtype=buffer_dtype, device="meta"))
         return self
 
-    def _configure(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, double_quant: bool,
-                   blocksize: int) -> None:
+    def _configure(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, blocksize: int) -> None:
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"QuantizedWeight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         if len(shape) < 2 or min(shape) < 1:
             raise ValueError(f"QuantizedWeight needs a weight of 2 or more non-empty dims, got shape {shape}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"QuantizedWeight holds float32/bfloat16/float16 weights, got {dtype}")
-        self.kind, self.shape, self.dtype = kind, shape, dtype
-        self.double_quant, self.blocksize = bool(double_quant) and kind != "int8", int(blocksize)
+        self.kind, self.shape, self.dtype, self.blocksize = kind, shape, dtype, int(blocksize)
 
     def _put(self, **tensors: torch.Tensor) -> None:
         for name, tensor in tensors.items():
@@ -110,23 +95,10 @@ class QuantizedWeight(nn.Module):
         if self.kind == "int8":
             rows = int8_rows(self.shape)
             return {"qweight": ((rows, numel // rows), torch.int8), "scales": ((rows,), torch.float32)}
-        blocks = -(-numel // self.blocksize)
-        specs = {"qweight": (((numel + 1) // 2, 1), torch.uint8),
-                 "absmax": ((blocks,), torch.uint8 if self.double_quant else torch.float32)}
-        if self.double_quant:
-            specs.update(nested_absmax=((-(-blocks // 256),), torch.float32), nested_code=((256,), torch.float32),
-                         offset=((), torch.float32))
-        return specs
+        return {"qweight": (((numel + 1) // 2, 1), torch.uint8),
+                "absmax": ((-(-numel // self.blocksize),), torch.float32)}
 
     # ------------------------------------------------------------------------------------------- reading
-    def block_scales(self) -> torch.Tensor:
-        """The 4-bit blocks' fp32 absmax (double quantization undone)."""
-        if not self.double_quant:
-            return self.absmax
-        fn = _functional()
-        nested = fn.QuantState(absmax=self.nested_absmax, code=self.nested_code, blocksize=256, dtype=torch.float32)
-        return fn.dequantize_blockwise(self.absmax, nested) + self.offset
-
     def dequantize(self, index: int | None = None) -> torch.Tensor:
         """The weight in its dtype (`index`: only slice `index` of dim 0, see `sliceable`)."""
         if index is not None and not self.sliceable():
@@ -143,7 +115,7 @@ class QuantizedWeight(nn.Module):
 
     def _dequantize_4bit(self, shape: tuple[int, ...], index: int | None) -> torch.Tensor:
         fn = _functional()
-        packed, absmax = self.qweight, self.block_scales()
+        packed, absmax = self.qweight, self.absmax
         if index is not None:
             numel = math.prod(shape)
             packed = packed[index * numel // 2:(index + 1) * numel // 2]
@@ -174,4 +146,4 @@ class QuantizedWeight(nn.Module):
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return (f"shape={self.shape}, dtype={dtype}, kind={self.kind}"
-                + ("" if self.kind == "int8" else f", blocksize={self.blocksize}, double_quant={self.double_quant}"))
+                + ("" if self.kind == "int8" else f", blocksize={self.blocksize}"))

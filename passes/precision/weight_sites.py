@@ -97,8 +97,8 @@ def weight_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[Weigh
     return sites, left
 
 
-def build_weight(gm: fx.GraphModule, site: WeightSite, opts: PrecisionOptions, kind: str) -> QuantizedWeight:
-    return QuantizedWeight(attr_of(gm, site.target), kind, double_quant=opts.double_quant)
+def build_weight(gm: fx.GraphModule, site: WeightSite, kind: str) -> QuantizedWeight:
+    return QuantizedWeight(attr_of(gm, site.target), kind)
 
 
 def swap_weight(gm: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:

@@ -41,7 +41,7 @@ def weights_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, ki
     guard_kind = "4bit" if kind in ("nf4", "fp4") else kind
     guard = stage_guard(ctx, program, opts, guard_kind)
     quant = {s.node.name: build_quant(program.module, s, opts, kind, compute) for s in sites}
-    quant.update({w.name: build_weight(program.module, w, opts, kind) for w in others})
+    quant.update({w.name: build_weight(program.module, w, kind) for w in others})
     errors = {**_weight_site_errors(program, sites, quant, guard), **_stored_weight_errors(program, others, quant)}
     log.sites.extend({"site": s.node.name, "module": s.path, "decision": kind, "rel": errors[s.node.name],
                       "reverted": False} for s in sites)
