@@ -267,3 +267,42 @@ def test_too_tight_a_tolerance_backs_the_stored_weights_off_and_says_why():
     (intent,) = result.intents
     assert not intent.complete and intent.achieved == "quantized 0 of 1" and intent.stopped_by
     assert "embed.weight (embedding): backed off by the accuracy guard" in intent.not_covered
+
+
+class LoopedExperts(nn.Module):
+    """A mixture of experts written as a loop over a 3-D weight's experts (`self.experts[i]`), each token weighted
+    by its router probability for that expert."""
+
+    def __init__(self, experts: int = 4, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.Parameter(torch.randn(experts, hidden, dim) * 0.05)
+
+    def forward(self, x):
+        weights = self.router(x).softmax(-1)
+        out = 0
+        for i in range(self.experts.shape[0]):
+            out = out + (x @ self.experts[i].t()) * weights[..., i:i + 1]
+        return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_graph_that_selects_one_expert_dequantizes_that_expert_only(kind):
+    torch.manual_seed(0)
+    model, x = LoopedExperts(), torch.randn(2, 5, 32)
+    program = fxmem.capture(model, (x,), mode="inference")
+    options = P.PrecisionOptions(compute="fp32", weights=kind, min_params=256, skip_modules=["router"], guard=False,
+                                 loss_steps=0, report_estimate=False)
+    ctx = PassContext(policy=None, options=options, mode="inference", optimizer="adamw", budget=None, baseline=None,
+                      enabled=("precision",))
+    result = P.PrecisionPass().run(program.snapshot(), ctx)
+    (change,) = quantize_changes(result)
+    assert change.details["role"] == "expert weights"
+    calls = [n for n in result.program.module.graph.nodes if n.op == "call_module" and n.target == "experts"]
+    assert [n.args for n in calls] == [(0,), (1,), (2,), (3,)]
+    stored = result.program.module.get_submodule("experts")
+    with torch.no_grad():
+        model.experts.copy_(stored.dequantize())
+        assert torch.equal(result.program.module(x), model(x))
+    static = fxmem.estimate(result.program, mode="inference")
+    assert static.peak == fxmem.measure(result.program.module, (x,), mode="inference").peak

@@ -59,7 +59,8 @@ def test_int8_intent_and_report_say_which_weights_stay_in_full_precision():
     assert intent["asked"] == "int8 weights on 1 linear(s) and 3 other weight(s)"
     assert intent["not_covered"].startswith("1 other large weight(s) stay in full precision (")
     assert intent["not_covered"].endswith("table (matmul): read by matmul: int8/4-bit storage covers linear, "
-                                          "convolution and embedding weights and 3-D expert weights")
+                                          "convolution and embedding weights and 3-D expert weights read by "
+                                          "(batched or grouped) matmuls")
     (line,) = result.report.not_covered()
     assert line.startswith("precision: asked int8 weights on 1 linear(s) and 3 other weight(s), quantized 4 of 4; "
                            "not covered: 1 other")

@@ -20,6 +20,9 @@ aten = torch.ops.aten
 CONVOLUTIONS = (aten.convolution.default, aten._convolution.default, aten.conv1d.default, aten.conv2d.default,
                 aten.conv3d.default, aten.conv_transpose1d.default, aten.conv_transpose2d.input,
                 aten.conv_transpose3d.input)
+# what reads a mixture of experts' 3-D weight: batched or grouped matmuls, directly or through a view of an expert
+EXPERT_READERS = frozenset({"bmm", "matmul", "einsum", "baddbmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback",
+                            "transpose", "permute", "select", "index", "unbind", "split", "chunk"})
 ROLES = ("convolution weight", "embedding table", "expert weights")  # what the parameter is to the ops that read it
 
 
@@ -47,7 +50,7 @@ def _role(nodes: list[fx.Node], param: torch.Tensor) -> str | None:
         return "convolution weight"
     if all(_reads_as(n, (aten.embedding.default,), 0) for n in nodes):
         return "embedding table"
-    if param.dim() == 3:
+    if param.dim() == 3 and param.shape[0] > 1 and all(op_name(u) in EXPERT_READERS for n in nodes for u in n.users):
         return "expert weights"
     return None
 
@@ -68,7 +71,7 @@ def _why_left(gm: fx.GraphModule, target: str, nodes: list[fx.Node], opts: Preci
         return f"matches skip_modules {pattern!r}"
     if _role(nodes, param) is None:
         return (f"read by {ops}: int8/4-bit storage covers linear, convolution and embedding weights and 3-D expert "
-                "weights")
+                "weights read by (batched or grouped) matmuls")
     return None
 
 
@@ -103,19 +106,36 @@ def build_weight(gm: fx.GraphModule, site: WeightSite, kind: str) -> QuantizedWe
 
 def swap_weight(gm: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:
     """Put `module` where the parameter was (same path: its state_dict keys become `<path>.qweight`, ...) and make
-    every read of the parameter a call of it, placed just before the read. Returns the module's target."""
+    every read of the parameter a call of it, placed just before the read; a read of one expert
+    (`select(W, 0, i)`) dequantizes that expert only. Returns the module's target."""
     prefix, _, name = site.target.rpartition(".")
     owner = own_path(gm, prefix)
     del owner._parameters[name]
     owner._modules[name] = module
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in site.nodes:
-        # just before its first reader (export puts every get_attr at the top: dequantized there, every weight's
-        # full-precision copy would live from the start of forward to its use)
-        with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
-            call = gm.graph.call_module(site.target, ())
-        call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
-        call.meta["fxmem_precision"] = "quant"
-        node.replace_all_uses_with(call)
+        for select in [u for u in node.users if _one_slice(u, node, module)]:
+            _call_before(gm, site.target, select, (select.args[2] % module.shape[0],), select)
+        if node.users:
+            # just before its first reader (export puts every get_attr at the top: dequantized there, every weight's
+            # full-precision copy would live from the start of forward to its use)
+            _call_before(gm, site.target, min(node.users, key=order.__getitem__), (), node)
         gm.graph.erase_node(node)
     return site.target
+
+
+def _one_slice(user: fx.Node, node: fx.Node, module: nn.Module) -> bool:
+    """`user` is `aten.select(node, 0, i)` (one expert of a 3-D weight) and the module dequantizes it alone."""
+    return (user.target is aten.select.int and user.args[0] is node and user.args[1] == 0
+            and isinstance(user.args[2], int) and module.sliceable())
+
+
+def _call_before(gm: fx.GraphModule, target: str, where: fx.Node, args: tuple, replaced: fx.Node) -> None:
+    """A call of the module `target` with `args`, before `where`, in place of `replaced` (its uses and value)."""
+    with gm.graph.inserting_before(where):
+        call = gm.graph.call_module(target, args)
+    call.meta.update({k: v for k, v in replaced.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
+    call.meta["fxmem_precision"] = "quant"
+    replaced.replace_all_uses_with(call)
+    if replaced is where:  # a select of one expert: the call is it
+        gm.graph.erase_node(replaced)
