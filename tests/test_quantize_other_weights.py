@@ -306,3 +306,19 @@ def test_a_graph_that_selects_one_expert_dequantizes_that_expert_only(kind):
         assert torch.equal(result.program.module(x), model(x))
     static = fxmem.estimate(result.program, mode="inference")
     assert static.peak == fxmem.measure(result.program.module, (x,), mode="inference").peak
+
+
+def test_saved_result_with_per_expert_reads_loads_bit_identical(tmp_path):
+    torch.manual_seed(0)
+    model, x = LoopedExperts(), torch.randn(2, 5, 32)
+    policy = {"version": 1, "extends": "inference", "verify": {"lossy_tolerance": 0.5},
+              "passes": {"precision": {"enabled": True, "compute": "fp32", "weights": "nf4", "min_params": 256,
+                                       "skip_modules": ["router"]}}}
+    result = fxmem.transform(model, (x,), policy=policy)
+    assert isinstance(result.module.get_submodule("experts"), QuantizedWeight)
+    result.save(tmp_path / "out")
+    loaded = fxmem.load(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(loaded(x), result.module(x))
+    assert [n.args for n in loaded.graph.nodes if n.op == "call_module" and n.target == "experts"] == \
+        [(0,), (1,), (2,), (3,)]
