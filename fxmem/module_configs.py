@@ -216,7 +216,8 @@ def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
 
 
 def _stored_config(m: QuantizedWeight) -> dict:
-    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "blocksize": m.blocksize}
+    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "row_dims": m.row_dims,
+            "blocksize": m.blocksize}
 
 
 def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
@@ -227,7 +228,8 @@ def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
     if blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         raise ConfigError(f"{cfg.where}: blocksize must be a power of two from 32 to 4096, got {blocksize}")
     try:
-        return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"), blocksize=blocksize)
+        return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"), row_dims=cfg.get("row_dims", int),
+                                           blocksize=blocksize)
     except ValueError as e:
         raise ConfigError(f"{cfg.where}: {e}") from None
 

@@ -206,7 +206,7 @@ def test_saved_result_loads_bit_identical(tmp_path, kind):
 def test_expert_slices_dequantize_alone_and_match_the_whole():
     experts = torch.randn(4, 128, 64)
     for kind in ("int8", "nf4", "fp4"):
-        stored = QuantizedWeight(experts, kind)
+        stored = QuantizedWeight(experts, kind, row_dims=2)
         whole = stored()
         assert stored.sliceable() and all(torch.equal(stored(i), whole[i]) for i in range(4))
         assert deviation(experts, whole).rel < (0.01 if kind == "int8" else 0.15)

@@ -6,8 +6,8 @@ parameter becomes a call of this module, which dequantizes the whole weight (one
 copy, as bitsandbytes' `Linear4bit` makes for its matmul) and hands it to the op that read it.
 
 - int8: LLM.int8()'s row-wise absmax quantization (`bitsandbytes.functional.int8_vectorwise_quant`, no outliers):
-  an int8 matrix and one fp32 scale per row. Rows are the output channels of a convolution, the rows of an
-  embedding table, and each expert's own rows for a 3-D weight.
+  an int8 matrix and one fp32 scale per row; the first `row_dims` dims index the rows: the output channels of a
+  convolution or the rows of an embedding table (1), each expert's own rows of a 3-D expert weight (2).
 - nf4 / fp4: `bitsandbytes.functional.quantize_4bit` (blocks of `blocksize` values, two codes a byte, one fp32
   absmax a block). A 3-D weight whose experts fill whole blocks can be read one expert at a time
   (`forward(index)`): each expert's slice has blocks of its own. The block scales are not double-quantized: that
@@ -40,23 +40,23 @@ def _functional():
     return bnb_functional
 
 
-def int8_rows(shape: tuple[int, ...]) -> int:
-    """How many rows an int8 weight of this shape is scaled by: the first dim, both first dims for a 3-D weight."""
-    return shape[0] * shape[1] if len(shape) == 3 else shape[0]
+def int8_rows(shape: tuple[int, ...], row_dims: int = 1) -> int:
+    """How many rows an int8 weight of this shape is scaled by: its first `row_dims` dims."""
+    return math.prod(shape[:row_dims])
 
 
 class QuantizedWeight(nn.Module):
     """A frozen weight held quantized; calling it gives the dequantized weight (or one slice of dim 0)."""
 
-    def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, blocksize: int = BLOCKSIZE):
+    def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, row_dims: int = 1, blocksize: int = BLOCKSIZE):
         super().__init__()
-        self._configure(kind, tuple(int(d) for d in weight.shape), weight.dtype, blocksize)
+        self._configure(kind, tuple(int(d) for d in weight.shape), weight.dtype, row_dims, blocksize)
         w = weight.detach().to(torch.float32)
         fn = _functional()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kind == "int8":
-                qweight, scales, _ = fn.int8_vectorwise_quant(w.reshape(int8_rows(self.shape), -1).contiguous())
+                qweight, scales, _ = fn.int8_vectorwise_quant(w.reshape(self.rows(), -1).contiguous())
                 self._put(qweight=qweight, scales=scales)
                 return
             # flat: bitsandbytes 0.50's CPU dequantize_4bit gives wrong values for some 2-D and 3-D shapes (a last
@@ -67,23 +67,30 @@ class QuantizedWeight(nn.Module):
 
     @classmethod
     def for_loading(cls, shape: tuple[int, ...], kind: str, *, dtype: torch.dtype = torch.float32,
-                    blocksize: int = BLOCKSIZE) -> "QuantizedWeight":
+                    row_dims: int = 1, blocksize: int = BLOCKSIZE) -> "QuantizedWeight":
         """A module of this shape whose buffers are meta placeholders, for a saved result (the loader fills them)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(kind, tuple(shape), dtype, blocksize)
+        self._configure(kind, tuple(shape), dtype, row_dims, blocksize)
         for name, (size, buffer_dtype) in self.buffer_specs().items():
             self.register_buffer(name, torch.empty(size, dtype=buffer_dtype, device="meta"))
         return self
 
-    def _configure(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, blocksize: int) -> None:
+    def _configure(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, row_dims: int, blocksize: int) -> None:
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"QuantizedWeight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         if len(shape) < 2 or min(shape) < 1:
             raise ValueError(f"QuantizedWeight needs a weight of 2 or more non-empty dims, got shape {shape}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"QuantizedWeight holds float32/bfloat16/float16 weights, got {dtype}")
+        if not 1 <= row_dims < len(shape):
+            raise ValueError(f"QuantizedWeight row_dims must be from 1 to {len(shape) - 1}, got {row_dims}")
         self.kind, self.shape, self.dtype, self.blocksize = kind, shape, dtype, int(blocksize)
+        self.row_dims = int(row_dims)
+
+    def rows(self) -> int:
+        """How many rows an int8 weight is scaled by (`int8_rows`)."""
+        return int8_rows(self.shape, self.row_dims)
 
     def _put(self, **tensors: torch.Tensor) -> None:
         for name, tensor in tensors.items():
@@ -93,7 +100,7 @@ class QuantizedWeight(nn.Module):
         """Each buffer's shape and dtype, as quantization makes them (what a saved result must hold)."""
         numel = math.prod(self.shape)
         if self.kind == "int8":
-            rows = int8_rows(self.shape)
+            rows = self.rows()
             return {"qweight": ((rows, numel // rows), torch.int8), "scales": ((rows,), torch.float32)}
         return {"qweight": (((numel + 1) // 2, 1), torch.uint8),
                 "absmax": ((-(-numel // self.blocksize),), torch.float32)}
@@ -105,7 +112,7 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"QuantizedWeight{self.shape} ({self.kind}): slices of dim 0 are not quantized apart")
         shape = self.shape if index is None else self.shape[1:]
         if self.kind == "int8":
-            rows = int8_rows(self.shape) // (1 if index is None else self.shape[0])
+            rows = self.rows() // (1 if index is None else self.shape[0])
             qweight, scales = self.qweight, self.scales
             if index is not None:
                 qweight, scales = qweight[index * rows:(index + 1) * rows], scales[index * rows:(index + 1) * rows]
@@ -145,5 +152,5 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"shape={self.shape}, dtype={dtype}, kind={self.kind}"
+        return (f"shape={self.shape}, dtype={dtype}, kind={self.kind}, row_dims={self.row_dims}"
                 + ("" if self.kind == "int8" else f", blocksize={self.blocksize}"))

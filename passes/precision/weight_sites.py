@@ -23,7 +23,7 @@ CONVOLUTIONS = (aten.convolution.default, aten._convolution.default, aten.conv1d
 # what reads a mixture of experts' 3-D weight: batched or grouped matmuls, directly or through a view of an expert
 EXPERT_READERS = frozenset({"bmm", "matmul", "einsum", "baddbmm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback",
                             "transpose", "permute", "select", "index", "unbind", "split", "chunk"})
-ROLES = ("convolution weight", "embedding table", "expert weights")  # what the parameter is to the ops that read it
+ROLES = ("convolution weight", "embedding table", "expert weights")
 
 
 @dataclass
@@ -101,7 +101,7 @@ def weight_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[Weigh
 
 
 def build_weight(gm: fx.GraphModule, site: WeightSite, kind: str) -> QuantizedWeight:
-    return QuantizedWeight(attr_of(gm, site.target), kind)
+    return QuantizedWeight(attr_of(gm, site.target), kind, row_dims=2 if site.role == "expert weights" else 1)
 
 
 def swap_weight(gm: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:
