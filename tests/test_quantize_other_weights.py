@@ -322,3 +322,20 @@ def test_saved_result_with_per_expert_reads_loads_bit_identical(tmp_path):
         assert torch.equal(loaded(x), result.module(x))
     assert [n.args for n in loaded.graph.nodes if n.op == "call_module" and n.target == "experts"] == \
         [(0,), (1,), (2,), (3,)]
+
+
+def test_bf16_compute_dequantizes_stored_weights_straight_to_bf16(tmp_path):
+    model, args, _, _ = token_model()
+    policy = {"version": 1, "extends": "low", "verify": {"lossy_tolerance": 0.5},
+              "passes": {"attention": {"enabled": False}, "checkpoint": {"enabled": False},
+                         "precision": {"enabled": True, "compute": "bf16", "weights": "nf4", "min_params": 256,
+                                       "skip_modules": ["head"], "keep_fp32": []}}}
+    result = fxmem.transform(model, args, policy=policy)
+    calls = [n for n in result.module.graph.nodes if n.op == "call_module" and n.target == "embed.weight"]
+    assert [n.args for n in calls] == [(None, torch.bfloat16)], "no fp32 copy, no cast of it"
+    assert not any(n.op == "call_function" and n.args and n.args[0] in calls for n in result.module.graph.nodes
+                   if "to" in str(n.target))
+    result.save(tmp_path / "out")
+    loaded = fxmem.load(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(loaded(*args), result.module(*args))

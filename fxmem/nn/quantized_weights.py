@@ -48,6 +48,8 @@ def int8_rows(shape: tuple[int, ...], row_dims: int = 1) -> int:
 class QuantizedWeight(nn.Module):
     """A frozen weight held quantized; calling it gives the dequantized weight (or one slice of dim 0)."""
 
+    fxmem_dequantizes = True  # the precision pass: a cast of its output is a call in that dtype instead
+
     def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, row_dims: int = 1, blocksize: int = BLOCKSIZE):
         super().__init__()
         self._configure(kind, tuple(int(d) for d in weight.shape), weight.dtype, row_dims, blocksize)
@@ -106,8 +108,8 @@ class QuantizedWeight(nn.Module):
                 "absmax": ((-(-numel // self.blocksize),), torch.float32)}
 
     # ------------------------------------------------------------------------------------------- reading
-    def dequantize(self, index: int | None = None) -> torch.Tensor:
-        """The weight in its dtype (`index`: only slice `index` of dim 0, see `sliceable`)."""
+    def dequantize(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight in its dtype, or in `dtype` (`index`: only slice `index` of dim 0, see `sliceable`)."""
         if index is not None and not self.sliceable():
             raise ValueError(f"QuantizedWeight{self.shape} ({self.kind}): slices of dim 0 are not quantized apart")
         shape = self.shape if index is None else self.shape[1:]
@@ -117,10 +119,10 @@ class QuantizedWeight(nn.Module):
             if index is not None:
                 qweight, scales = qweight[index * rows:(index + 1) * rows], scales[index * rows:(index + 1) * rows]
             full = _functional().int8_vectorwise_dequant(qweight, scales).view(shape)
-            return full if self.dtype == torch.float32 else full.to(self.dtype)
-        return self._dequantize_4bit(shape, index)
+            return full if (dtype or self.dtype) == torch.float32 else full.to(dtype or self.dtype)
+        return self._dequantize_4bit(shape, index, dtype or self.dtype)
 
-    def _dequantize_4bit(self, shape: tuple[int, ...], index: int | None) -> torch.Tensor:
+    def _dequantize_4bit(self, shape: tuple[int, ...], index: int | None, dtype: torch.dtype) -> torch.Tensor:
         fn = _functional()
         packed, absmax = self.qweight, self.absmax
         if index is not None:
@@ -128,7 +130,7 @@ class QuantizedWeight(nn.Module):
             packed = packed[index * numel // 2:(index + 1) * numel // 2]
             absmax = absmax[index * numel // self.blocksize:(index + 1) * numel // self.blocksize]
         state = fn.QuantState(absmax=absmax, shape=torch.Size((math.prod(shape),)), blocksize=self.blocksize,
-                              quant_type=self.kind, dtype=self.dtype)
+                              quant_type=self.kind, dtype=dtype)
         return fn.dequantize_4bit(packed, state).view(shape)
 
     def sliceable(self) -> bool:
@@ -137,9 +139,11 @@ class QuantizedWeight(nn.Module):
         per_slice = math.prod(self.shape[1:])
         return self.kind == "int8" or per_slice % self.blocksize == 0
 
-    def forward(self, index: int | None = None) -> torch.Tensor:
-        out = self.dequantize(index)
-        register_recompute(out, self.dequantize, (index,))  # backward dequantizes again instead of keeping `out`
+    def forward(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dequantized weight (or slice `index`), in `dtype` when given (the precision pass's compute dtype: the
+        graph casts nothing)."""
+        out = self.dequantize(index, dtype)
+        register_recompute(out, self.dequantize, (index, dtype))  # backward dequantizes again instead of keeping it
         return out
 
     # ------------------------------------------------------------------------------------------- sizes
