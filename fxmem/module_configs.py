@@ -25,6 +25,7 @@ from .nn.gating import GatedResidual
 from .nn.lowbit import QUANT_KINDS, FrozenLinear, LoRALinear, QuantLinear
 from .nn.modes import ModeFlag, ModeGraph, ModeRefusal
 from .nn.offload import TIERS, OffloadRegion, OffloadRuntime
+from .nn.quantized_weights import WEIGHT_KINDS, QuantizedWeight
 from .nn.regions import RegionInfo
 
 
@@ -217,6 +218,25 @@ def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
                                    compute_dtype=_dtype(cfg, "compute_dtype"), bias=cfg.get("bias", bool))
 
 
+def _stored_config(m: QuantizedWeight) -> dict:
+    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "row_dims": m.row_dims,
+            "blocksize": m.blocksize}
+
+
+def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
+    kind, shape = cfg.choice("kind", WEIGHT_KINDS), cfg.ints("shape")
+    blocksize = cfg.get("blocksize", int)
+    if len(shape) < 2 or min(shape) < 1:
+        raise ConfigError(f"{cfg.where}: shape must have 2 or more positive dims")
+    if blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        raise ConfigError(f"{cfg.where}: blocksize must be a power of two from 32 to 4096, got {blocksize}")
+    try:
+        return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"), row_dims=cfg.get("row_dims", int),
+                                           blocksize=blocksize)
+    except ValueError as e:
+        raise ConfigError(f"{cfg.where}: {e}") from None
+
+
 def _frozen_config(m: FrozenLinear) -> dict:
     return {"in_features": m.in_features, "out_features": m.out_features, "transposed": m.transposed,
             "compute_dtype": _dtype_name(m.compute_dtype), "bias": m.bias is not None}
@@ -330,6 +350,7 @@ KINDS: dict[str, ModuleKind] = {k.name: k for k in (
     ModuleKind(_name(OffloadRegion), OffloadRegion, _offload_config, _offload_build, ("body",)),
     ModuleKind(_name(QuantLinear), QuantLinear, _quant_config, _quant_build, (), ("inner",)),
     ModuleKind(_name(FrozenLinear), FrozenLinear, _frozen_config, _frozen_build),
+    ModuleKind(_name(QuantizedWeight), QuantizedWeight, _stored_config, _stored_build),
     ModuleKind(_name(LoRALinear), LoRALinear, _lora_config, _lora_build, ("base",), ("dropout",)),
     ModuleKind(_name(GatedResidual), GatedResidual, _gated_config, _gated_build, ("body",), ("gate",)),
     ModuleKind(_name(HybridAttention), HybridAttention, _hybrid_config, _hybrid_build, (), ("q_proj", "k_proj")),

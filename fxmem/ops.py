@@ -133,13 +133,8 @@ def _where(c):
     return [("in", 0)]
 
 
-def _conv(c):
-    s = []
-    if c.rg(1) or c.rg(2):
-        s.append(("in", 0))
-    if c.rg(0):
-        s.append(("in", 1))
-    return s
+def _conv(c):  # one backward formula for input, weight and bias: autograd saves both whichever needs a gradient
+    return [("in", 0), ("in", 1)] if c.rg(0) or c.rg(1) or c.rg(2) else []
 
 
 def _layer_norm(c):  # input, weight, bias, mean, rstd

@@ -293,17 +293,20 @@ def test_skip_rules_and_tied_weights():
     assert res.metrics["linears_quantized"] == 0
     assert any("min_params" in n for n in res.notes)
     res = _run(prog, mode="inference", compute="fp32", weights="int8", skip_modules=["*.mlp.*", "lm_head"])
-    paths = {c.module for c in res.changes if c.kind == "precision.quantize"}
+    paths = {c.module for c in res.changes if c.kind == "precision.quantize" and "role" not in c.details}
+    stored = {c.module for c in res.changes if c.kind == "precision.quantize" and "role" in c.details}
     assert paths and not any(".mlp." in p for p in paths)
+    assert stored == {"wte.weight", "wpe.weight"}  # the embedding tables, stored quantized
     # the Program the pass got a snapshot of is unchanged (containers are copied on write)
     assert not any(isinstance(m, QuantLinear) for m in prog.module.modules())
     assert prog.module.get_parameter("h.0.attn.c_attn.weight").dtype == torch.float32
     # state_dict keeps every other name
     sd_new = set(res.program.module.state_dict())
     sd_old = set(prog.module.state_dict())
-    swapped = {p + ".weight" for p in paths} | {p + ".bias" for p in paths}
+    swapped = {p + ".weight" for p in paths} | {p + ".bias" for p in paths} | stored
     assert sd_old - swapped <= sd_new
     assert all(p + ".inner.weight" in sd_new for p in paths)
+    assert all(p + ".qweight" in sd_new and p + ".absmax" not in sd_new for p in stored)  # int8: qweight, scales
 
 
 def test_qlora_trains_only_adapters():
@@ -425,13 +428,13 @@ def test_guard_refusing_everything_keeps_every_site_and_says_why():
 
 
 def test_guard_backs_off_the_largest_site_errors_first():
-    """Refused whole, nf4 goes back to fp32 first on the linears whose own error is largest, 1, 2, 4, ... of them,
+    """Refused whole, nf4 goes back to fp32 first on the sites whose own error is largest, 1, 2, 4, ... of them,
     until the whole model is within the limit (outputs judged as values: relative error decides)."""
     from fxmem.policy_loader import load_policy
     values = load_policy({"version": 1, "verify": {"outputs": "values"}})
     ex, prog = _example("gpt", mode="inference")
     full = _run(prog, mode="inference", compute="fp32", weights="nf4", policy=values, tolerance=10.0)
-    n = full.metrics["linears_quantized"]
+    n = _quantized(full.metrics)
     assert n == len(full.metrics["sites"]) > 2 and full.intents[0].complete
     limit = 0.5 * full.verdicts[0].measures["rel_error"]
     res = _run(prog, mode="inference", compute="fp32", weights="nf4", policy=values, tolerance=limit)
@@ -441,11 +444,16 @@ def test_guard_backs_off_the_largest_site_errors_first():
     reverted = {r["site"] for r in rows if r["reverted"]}
     worst = sorted(rows, key=lambda r: -r["rel"])[:len(reverted)]
     assert 0 < len(reverted) < n and reverted == {r["site"] for r in worst}
-    assert res.metrics["linears_quantized"] == n - len(reverted)
+    assert _quantized(res.metrics) == n - len(reverted)
     assert res.metrics["guard_asked"][0]["accepted"] is False
     # int8 costs less: the kind's default limits take it whole on the same model
     r8 = _run(prog, mode="inference", compute="fp32", weights="int8", policy=values)
-    assert r8.metrics["linears_quantized"] == len(r8.metrics["sites"]) > 0 and r8.modified
+    assert _quantized(r8.metrics) == len(r8.metrics["sites"]) > 0 and r8.modified
+
+
+def _quantized(metrics: dict) -> int:
+    """Sites quantized: linears and weights stored quantized (the gpt example's embedding tables)."""
+    return metrics["linears_quantized"] + metrics["weights_stored_quantized"]
 
 
 def test_loss_after_steps_recorded():

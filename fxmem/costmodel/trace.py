@@ -331,13 +331,17 @@ class DispatchRecorder(TorchDispatchMode):
 
     def measure_unknown_saves(self) -> None:
         """Ops the table does not know: what they save is measured (`measured_saves`, after the trace: autograd,
-        which saves, does not run inside dispatch) in place of the default guess, and they count as known. Not
-        where the record's saves were rewritten (an in-place op's original copy, recast parameters)."""
+        which saves, does not run inside dispatch) in place of the default guess, and they count as known. Saves
+        rewritten as recasts or recipes stay so (the measured saves must hold them); not where an in-place op's
+        original copy was saved."""
         for record, kw_keys in self.unknown_saves:
             slots = measured_slots(record.call)
-            if slots is None or record.recast or written_positions(record.func):
+            if slots is None or written_positions(record.func):
                 continue
-            record.saved = self._slot_keys(record, slots, kw_keys)
+            keys = self._slot_keys(record, slots, kw_keys)
+            if not set(record.recast) <= set(keys):
+                continue
+            record.saved = [key for key in keys if key not in record.recast]
             record.known = record.saves_measured = True
         self.unknown_saves = []
 

@@ -2,7 +2,7 @@
 do, with every kind of change judged end to end by the accuracy guard and backed off where it refuses.
 
 Two stages run on copies of the program: `weights_stage` (linears swapped for bitsandbytes int8 / nf4 / fp4
-layers, QLoRA adapters) and `compute_stage` (bf16 / fp16 compute with fp32 islands, `plan` + `casts`); QLoRA then
+layers, QLoRA adapters; convolution, embedding and 3-D expert weights stored quantized) and `compute_stage` (bf16 / fp16 compute with fp32 islands, `plan` + `casts`); QLoRA then
 freezes every base parameter (`lora`). The pass is lossy (`exact = False`): the PassManager rolls it back when a
 verdict it returns refuses. Options: `options.PrecisionOptions`. Design: docs/design/precision.md.
 """
@@ -63,10 +63,13 @@ def _run_stages(program: Program, ctx: PassContext, opts: PrecisionOptions, low:
     want_compute = low != torch.float32
     if kind is not None:
         program = weights_stage(program, ctx, opts, kind, low if want_compute else torch.float32, log)
-    metrics["linears_quantized"] = sum(c.kind.startswith("precision.quantize") for c in log.changes)
-    if metrics["linears_quantized"] and ctx.mode == "train" and opts.qlora is None:
-        log.notes.append("quantized linears are frozen (bitsandbytes int8/4-bit weights take no gradient); "
-                         "the rest of the model trains")
+    quantized = [c for c in log.changes if c.kind.startswith("precision.quantize")]
+    metrics["linears_quantized"] = sum("role" not in c.details for c in quantized)
+    metrics["weights_stored_quantized"] = sum("role" in c.details for c in quantized)
+    if quantized and ctx.mode == "train" and opts.qlora is None:
+        log.notes.append("quantized weights are frozen (bitsandbytes int8/4-bit linears and the convolution, "
+                         "embedding and expert weights stored quantized take no gradient); the rest of the model "
+                         "trains")
     if want_compute:
         program = compute_stage(program, ctx, opts, low, log, metrics)
         _training_notes(opts, ctx.mode, log)

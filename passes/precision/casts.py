@@ -27,6 +27,9 @@ def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: Precisi
     rewrite = CastRewrite(gm, decisions, opts, low, recast)
     for n in list(gm.graph.nodes):
         rewrite.visit(n)
+    for n in list(gm.graph.nodes):
+        if not n.users and rewrite.dequantizes(n):  # read in the low dtype only: its own call gives that
+            gm.graph.erase_node(n)
     gm.graph.lint()
     gm.recompile()
     if rewrite.stats.get("params_recast"):
@@ -73,7 +76,9 @@ class CastRewrite:
         made = self.casts.get(key)
         if made is None:
             with self.graph.inserting_before(before):
-                if self.recast and (self.is_param(value) or value.op == "placeholder") and dtype != torch.float32:
+                if self.dequantizes(value):  # a stored quantized weight: dequantized in `dtype` straight away
+                    made = self.graph.call_module(value.target, (value.args[0] if value.args else None, dtype))
+                elif self.recast and (self.is_param(value) or value.op == "placeholder") and dtype != torch.float32:
                     made = self.graph.call_function(cast_param, (value, dtype))
                     self.stats["params_recast"] = self.stats.get("params_recast", 0) + 1
                 elif value in self.beyond and torch.finfo(dtype).max < torch.finfo(self.dtypes[value]).max:
@@ -90,6 +95,11 @@ class CastRewrite:
 
     def is_param(self, n) -> bool:
         return is_param_attr(self.gm, n)
+
+    def dequantizes(self, n: fx.Node) -> bool:
+        """`n` calls a module that can give its output in another dtype itself (`QuantizedWeight`)."""
+        return n.op == "call_module" and getattr(self.gm.get_submodule(n.target), "fxmem_dequantizes", False) \
+            and len(n.args) <= 1 and not n.kwargs
 
     def _attr_dtype(self, n: fx.Node) -> torch.dtype | None:
         try:
@@ -176,7 +186,7 @@ class CastRewrite:
         if d.cls == INPLACE:
             return self.dtypes.get(n.args[0])  # the mutated tensor is never cast (a cast would mutate a copy)
         dts = {self.dtypes[arg] for arg in ins}
-        nonparam = {self.dtypes[arg] for arg in ins if not self.is_param(arg)}
+        nonparam = {self.dtypes[arg] for arg in ins if not (self.is_param(arg) or self.dequantizes(arg))}
         if self.compact:
             if self.low in dts or (not nonparam and ins):
                 if self.low == torch.float16 and any(x not in (self.low,) for x in nonparam):
