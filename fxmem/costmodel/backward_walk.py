@@ -19,7 +19,7 @@ from .liveness import SavePlan, first_unpack
 class _OpGrads:
     """One op's backward in the walk: its inputs still to get a gradient, and what was handed on so far."""
     record: object
-    ins: list  # (key, bytes, requires grad) per input
+    ins: list  # (key, bytes, requires grad, position) per input
     same: object = ()  # inputs whose gradient is the output's (a view, an in-place op passing it through)
     shares: bool = False  # add's one gradient for both inputs
     passthrough: bool = False
@@ -27,8 +27,8 @@ class _OpGrads:
     handed_over: bool = False
     handed_expanded: bool = False
     accumulated: int = 0  # bytes added into existing gradients once the formula returns
-    sums: list = field(default_factory=list)  # (key, bytes added, bytes of the sum): gradients this op adds to
-    # ones its inputs have (out of place)
+    sums: list = field(default_factory=list)  # (position, key, bytes added, bytes of the sum): gradients this op
+    # adds to ones its inputs have (out of place)
     # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
     covered: set = field(default_factory=set)
     renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
@@ -37,7 +37,8 @@ class _OpGrads:
     # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
     copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
     views: set = field(default_factory=set)  # inputs whose gradient the formula makes a view of an output's
-    view_sums: list = field(default_factory=list)  # (view record, its output, bytes): gradients added to a view's
+    view_sums: list = field(default_factory=list)  # (position, view record, its output, bytes): gradients added to
+    # a view's
     new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
 
 
@@ -215,8 +216,6 @@ class StaticBackward:
             self.live_bytes += nbytes
         self._free_saved(record)
         node_peak = self._add_sums(op, node_peak)
-        for view, out, nbytes in op.view_sums:
-            node_peak = max(node_peak, self._add_to_view_grad(view, out, nbytes, record))
         self._end_region(record)
         timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
 
@@ -233,7 +232,7 @@ class StaticBackward:
             self.live_bytes += nbytes
             self._bump(record.node, record.module)
             if out in self.view_grads.get(view, {}):
-                op.view_sums.append((view, out, nbytes))
+                op.view_sums.append((position, view, out, nbytes))
             else:
                 self.view_grads.setdefault(view, {})[out] = nbytes
 
@@ -248,7 +247,7 @@ class StaticBackward:
             view, out = record.view_inputs[position]
             grads = self.view_grads.setdefault(view, {})
             if out in grads:
-                op.view_sums.append((view, out, 0))
+                op.view_sums.append((position, view, out, 0))
                 continue
             grads[out] = 0
             if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
@@ -257,15 +256,16 @@ class StaticBackward:
                 self.grad_views.discard(out_key)
                 op.handed_over = True
 
-    def _add_to_view_grad(self, view: int, out: int, nbytes: int, record) -> int:
-        """Output `out` of view `view` has a gradient; a new one (`nbytes` of its own) is added out of place: the sum
-        is a new buffer of the output's size, then both go. Returns the live bytes with the three."""
+    def _add_to_view_grad(self, view: int, out: int, record) -> int:
+        """Output `out` of view `view` has a gradient; a new one is added out of place: the sum is a new buffer of
+        the output's size, the old one goes (the new one is the caller's to release). Returns the live bytes with
+        the three."""
         grads = self.view_grads[view]
         total = self.plan.records[view].out_bytes[out]
         self.live_bytes += total
         self._bump(record.node, record.module)
         high = self.live_bytes
-        self.live_bytes -= nbytes + grads[out]
+        self.live_bytes -= grads[out]
         grads[out] = total
         return high
 
@@ -304,7 +304,9 @@ class StaticBackward:
         if 0 in record.view_inputs:
             view, out = record.view_inputs[0]
             if out in self.view_grads.get(view, {}):
-                return self._add_to_view_grad(view, out, nbytes, record)
+                high = self._add_to_view_grad(view, out, record)
+                self.live_bytes -= nbytes
+                return high
             self.view_grads.setdefault(view, {})[out] = nbytes
             return self.live_bytes
         if key not in self.grad_live:
@@ -336,15 +338,16 @@ class StaticBackward:
         """The op's inputs needing a gradient from the walk (`skip`: positions whose gradient is a view's own)."""
         info = optable.lookup(record.func)
         passthrough = info is not None and info.grad_passthrough
-        ins = [item for position, item in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
+        ins = [(key, nbytes, rg, position)
+               for position, (key, nbytes, rg) in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
                if position not in skip]
         # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
         # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
-        same = {key for key, _, rg in ins if rg and key is not None and key in record.out_keys} if passthrough else ()
+        same = {key for key, _, rg, _ in ins if rg and key is not None and key in record.out_keys} if passthrough else ()
         # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
         # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
         shares = record.grad_alias == "shared" and record.out_bytes and \
-            sum(1 for key, nbytes, rg in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
+            sum(1 for key, nbytes, rg, _ in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
         if shares:
             ins.sort(key=lambda item: self.plan.created_in.get(item[0], -1) if item[0] is not None else 0)
         return _OpGrads(record, ins, same=same, shares=shares, passthrough=passthrough,
@@ -412,7 +415,7 @@ class StaticBackward:
         """Each input needing a gradient gets one: the output's handed on (a view, add's shared buffer), a new
         buffer, or an addition into the one it has."""
         record, grad_live = op.record, self.grad_live
-        for key, nbytes, rg in op.ins:
+        for key, nbytes, rg, position in op.ins:
             if not rg or key is None:
                 continue
             if key in op.same:
@@ -429,7 +432,7 @@ class StaticBackward:
             if key in op.covered:
                 continue
             if key in grad_live:
-                self._accumulate(op, key, nbytes)
+                self._accumulate(op, key, nbytes, position)
                 continue
             out_key = record.out_keys[0] if record.out_keys else None
             if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
@@ -444,7 +447,7 @@ class StaticBackward:
             grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
             self.live_bytes += grad_live[key]
             op.new_buffers.add(key)
-            views = sum(view_bytes for view_key, view_bytes, view_rg in op.ins if view_key == key and view_rg)
+            views = sum(view_bytes for view_key, view_bytes, view_rg, _ in op.ins if view_key == key and view_rg)
             if key not in self.param_keys and views <= grad_live[key]:
                 op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
 
@@ -478,7 +481,7 @@ class StaticBackward:
             self.grad_views.discard(key)
             self.grad_expanded.discard(key)
 
-    def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
+    def _accumulate(self, op: _OpGrads, key: int, nbytes: int, position: int) -> None:
         """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
         gradients and temporaries. Autograd adds it to the old one once the op's backward has released what it
         held, out of place under a dispatch mode (what fxmem.measure runs; without one, into a dense old one in
@@ -492,7 +495,8 @@ class StaticBackward:
             added = 0 if key in op.views and key not in op.fresh else nbytes
             self.live_bytes += added
             self._bump(record.node, record.module)
-            op.sums.append((key, added, nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])))
+            total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
+            op.sums.append((position, key, added, total))
             self.grad_views.discard(key)
             return
         self.live_bytes += nbytes
@@ -507,13 +511,22 @@ class StaticBackward:
         op.accumulated += nbytes
 
     def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
-        """Old gradient + new one, a new buffer (`sums`); then the new gradient and the old one go
-        (a join's slice with the join's buffer when this input held it: the slices of inputs created later were
-        consumed before, their producers ran first). Returns the node's peak with them."""
-        for key, added, total in op.sums:
+        """Each gradient this op made for an input that has one already is added to that one, in the order of the
+        op's inputs (the engine's): the sum is a new buffer and the old gradient goes at once (a join's slice with
+        the join's buffer when this input held it: the slices of inputs created later were consumed before, their
+        producers ran first); the new gradients stay until all are handed on (the engine holds the op's outputs
+        until then). Returns the node's peak with them."""
+        sums = [(position, (key, total), None) for position, key, _, total in op.sums]
+        sums += [(position, None, (view, out)) for position, view, out, _ in op.view_sums]
+        for _, grad_sum, view_sum in sorted(sums, key=lambda item: item[0]):
+            if view_sum is not None:
+                node_peak = max(node_peak, self._add_to_view_grad(*view_sum, op.record))
+                continue
+            key, total = grad_sum
             self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            self.live_bytes -= added + self.grad_live[key]
+            self.live_bytes -= self.grad_live[key]
             self.grad_live[key] = total
+        self.live_bytes -= sum(item[2] for item in op.sums) + sum(item[3] for item in op.view_sums)
         return node_peak
