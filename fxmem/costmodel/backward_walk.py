@@ -13,6 +13,7 @@ from .formula import covers_storage, formula_run
 from .forward_walk import ForwardWalk, timeline_add
 from .grad_layouts import GradLayouts, fresh_strides
 from .liveness import SavePlan, first_unpack
+from .shared_grads import SharedGrads
 
 
 @dataclass
@@ -25,6 +26,7 @@ class _OpGrads:
     passthrough: bool = False
     grad_view: bool = False  # the op table says the input's gradient may be a view of the output's
     handed_over: bool = False
+    handed_to: object = None  # the input (storage key) the output's gradient was handed on to
     handed_expanded: bool = False
     accumulated: int = 0  # bytes added into existing gradients once the formula returns
     sums: list = field(default_factory=list)  # (position, key, bytes added, bytes of the sum): gradients this op
@@ -61,6 +63,7 @@ class StaticBackward:
         self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
         self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
         self.grad_layouts = GradLayouts()  # the strides of each tensor's gradient
+        self.shared = SharedGrads()  # gradients that are one buffer (add's, handed on down a chain of adds)
         self.seed = seed
         if seed[0] is not None:
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
@@ -118,6 +121,20 @@ class StaticBackward:
     def _bump(self, label: str, module: str) -> None:
         self.node_high = max(self.node_high, self.live_bytes)
         self.peak.see(self.live_bytes, f"{label} (backward)", "backward", module)
+
+    def _grad_bytes(self, key: int) -> int:
+        """The bytes of `key`'s gradient buffer: the one it shares with others, else its own."""
+        shared = self.shared.size(key)
+        return self.grad_live[key] if shared is None else shared
+
+    def _drop_grad(self, key: int) -> None:
+        """`key`'s gradient goes: its bytes with it, or to another gradient that is the same buffer and stays."""
+        nbytes = self.grad_live.pop(key)
+        heir = self.shared.leave(key)
+        if heir is not None and heir in self.grad_live:
+            self.grad_live[heir] += nbytes
+        else:
+            self.live_bytes -= nbytes
 
     def _expanded_view(self, key: int) -> None:
         self.grad_views.add(key)
@@ -209,7 +226,7 @@ class StaticBackward:
         # the op's output grads die, and what it saved
         for key in record.out_keys:
             if key is not None and key in self.grad_live and key not in self.param_keys and key not in op.same:
-                self.live_bytes -= self.grad_live.pop(key)
+                self._drop_grad(key)
                 self.grad_views.discard(key)
         for key, nbytes in op.renewed:
             self.grad_live[key] = nbytes
@@ -252,7 +269,11 @@ class StaticBackward:
             grads[out] = 0
             if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
                     and out_key not in op.same:
+                heir = self.shared.leave(out_key)
                 grads[out] = self.grad_live.pop(out_key)
+                if heir is not None:  # the buffer stays counted under another gradient that is it
+                    self.grad_live[heir] += grads[out]
+                    grads[out] = 0
                 self.grad_views.discard(out_key)
                 op.handed_over = True
 
@@ -287,7 +308,7 @@ class StaticBackward:
         self._bump(record.node, record.module)
         self.live_bytes -= run.temps + sum(grads.values())
         if joined:  # (what `_join_split_grads` joins)
-            self.live_bytes -= self.grad_live.pop(key)
+            self._drop_grad(key)
             self.grad_views.discard(key)
             self.grad_expanded.discard(key)
         node_peak = max(self.live_bytes, node_peak_start, self.node_high)
@@ -319,7 +340,8 @@ class StaticBackward:
         self.live_bytes += total
         self._bump(record.node, record.module)
         high = self.live_bytes
-        self.live_bytes -= nbytes + self.grad_live[key]
+        self.live_bytes -= nbytes
+        self._drop_grad(key)
         self.grad_live[key] = total
         self.grad_views.discard(key)
         self.grad_expanded.discard(key)
@@ -367,18 +389,20 @@ class StaticBackward:
         if not (record.grad_alias == "sliced" and record.list_keys and any(record.in_rg) and record.out_keys
                 and record.out_keys[0] in grad_live and not any(key in self.param_keys for key in record.list_keys)):
             return
-        buffer = grad_live.pop(record.out_keys[0])
+        out_key = record.out_keys[0]
+        buffer = grad_live[out_key]
         for key in sorted(dict.fromkeys(record.list_keys), key=lambda k: self.plan.created_in.get(k, -1)):
             if key in grad_live:  # accumulated into an existing gradient: a transient of its size
                 self._accumulate_transient(record, key)
                 continue
             if buffer is not None:
-                grad_live[key], buffer = buffer, None
+                grad_live[key], buffer = grad_live.pop(out_key), None
+                self.shared.replace(out_key, key)
             else:
                 grad_live[key] = 0
             self.grad_views.add(key)
         if buffer is not None:
-            self.live_bytes -= buffer  # every input had a gradient already
+            self._drop_grad(out_key)  # every input had a gradient already
         op.ins = [item for item in op.ins if item[0] not in record.list_keys]
 
     def _join_split_grads(self, record) -> None:
@@ -389,7 +413,7 @@ class StaticBackward:
             return
         self.live_bytes += record.in_bytes[0]
         self._bump(record.node, record.module)
-        self.live_bytes -= self.grad_live[key]
+        self._drop_grad(key)
         self.grad_live[key] = record.in_bytes[0]
 
     def _hand_expanded_sum(self, op: _OpGrads) -> None:
@@ -408,6 +432,7 @@ class StaticBackward:
                      or record.out_bytes[0] == record.call[1][0].dtype.itemsize):
             key = record.in_keys[0]
             grad_live[key] = grad_live.pop(record.out_keys[0])
+            self.shared.replace(record.out_keys[0], key)
             self._expanded_view(key)
             op.ins = op.ins[1:]
 
@@ -426,6 +451,8 @@ class StaticBackward:
             if op.shares and op.handed_over and nbytes == record.out_bytes[0] and key not in grad_live \
                     and key not in self.param_keys and key not in op.fresh:
                 grad_live[key] = 0  # the same buffer the first input got
+                if op.handed_to is not None:
+                    self.shared.share(op.handed_to, key, self._grad_bytes(op.handed_to))
                 if op.handed_expanded:
                     self._expanded_view(key)
                 continue
@@ -436,10 +463,12 @@ class StaticBackward:
                 continue
             out_key = record.out_keys[0] if record.out_keys else None
             if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
-                    and (nbytes <= grad_live[out_key] or out_key in self.grad_expanded and key not in self.param_keys
+                    and (nbytes <= self._grad_bytes(out_key) or out_key in self.grad_expanded and key not in self.param_keys
                          and (key == record.in_keys[0] or op.shares) and op.grad_view):
                 op.handed_expanded = out_key in self.grad_expanded
                 grad_live[key] = grad_live.pop(out_key)  # the output's grad becomes the input's (a view)
+                self.shared.replace(out_key, key)
+                op.handed_to = key
                 if op.handed_expanded:
                     self._expanded_view(key)
                 op.handed_over = True
@@ -476,7 +505,8 @@ class StaticBackward:
         """A view's copied gradient replaces the one it was copied from under their storage's key (a buffer this
         key held goes; one it shared with another input stays with that one)."""
         for key, nbytes in op.copied:
-            self.live_bytes -= self.grad_live.get(key, 0)
+            if key in self.grad_live:
+                self._drop_grad(key)
             self.grad_live[key] = nbytes
             self.grad_views.discard(key)
             self.grad_expanded.discard(key)
@@ -526,7 +556,7 @@ class StaticBackward:
             self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            self.live_bytes -= self.grad_live[key]
+            self._drop_grad(key)
             self.grad_live[key] = total
         self.live_bytes -= sum(item[2] for item in op.sums) + sum(item[3] for item in op.view_sums)
         return node_peak
