@@ -80,8 +80,8 @@ def test_static_estimate_of_a_looping_model_is_within_two_percent_of_measured(na
 
 
 class _StateLoop(nn.Module):
-    """A recurrent cell written out step by step, each state fed to the next step and collected (`collect`): a
-    tanh cell, or a GRU-like one whose state the gate, the candidate and the blend all read (`gated`); the
+    """A recurrent cell written out step by step, each state fed to the next step and collected (`collect`; as
+    `state.unsqueeze(1)` at each step where it names `unsqueezed`): a tanh cell, or a GRU-like one whose state the gate, the candidate and the blend all read (`gated`); the
     recurrent weight a parameter or one derived from it once (`derived`), read at every step."""
 
     def __init__(self, collect: str, gated: bool = False, derived: bool = False):
@@ -105,13 +105,14 @@ class _StateLoop(nn.Module):
         state, states = x.new_zeros(x.shape[0], HIDDEN), []
         for step in range(x.shape[1]):
             state = self.step(state, x[:, step], recur)
-            states.append(state)
+            states.append(state.unsqueeze(1) if self.collect.startswith("unsqueezed") else state)
         return _COLLECT[self.collect](states)
 
 
 _COLLECT = {"stack": lambda states: torch.stack(states, 1), "cat": lambda states: torch.cat(states, 1),
             "sum": sum, "mean": lambda states: torch.stack(states).mean(0), "last": lambda states: states[-1],
-            "unsqueeze_stack": lambda states: torch.stack([state.unsqueeze(1) for state in states], 1)}
+            "stack_unsqueezed_after": lambda states: torch.stack([state.unsqueeze(1) for state in states], 1),
+            "unsqueezed_cat": lambda states: torch.cat(states, 1), "unsqueezed_stack": lambda states: torch.stack(states, 1)}
 
 
 class _Bidirectional(nn.Module):
@@ -130,7 +131,10 @@ STATE_LOOPS = {
     "tanh_cat": lambda: _StateLoop("cat"), "tanh_cat_derived_weight": lambda: _StateLoop("cat", derived=True),
     "tanh_sum": lambda: _StateLoop("sum"), "tanh_sum_derived_weight": lambda: _StateLoop("sum", derived=True),
     "tanh_last": lambda: _StateLoop("last"), "tanh_mean": lambda: _StateLoop("mean"),
-    "tanh_unsqueeze_stack": lambda: _StateLoop("unsqueeze_stack"),
+    "tanh_stack_unsqueezed_after_the_loop": lambda: _StateLoop("stack_unsqueezed_after"),
+    "tanh_unsqueezed_cat": lambda: _StateLoop("unsqueezed_cat"),
+    "tanh_unsqueezed_stack": lambda: _StateLoop("unsqueezed_stack"),
+    "gated_unsqueezed_cat": lambda: _StateLoop("unsqueezed_cat", gated=True),
     "gated_stack": lambda: _StateLoop("stack", gated=True), "gated_sum": lambda: _StateLoop("sum", gated=True),
     "bidirectional": _Bidirectional, "bidirectional_gated": lambda: _Bidirectional(gated=True),
 }
