@@ -2,7 +2,8 @@
 as a loop (what Hugging Face's Mamba runs on CPU), a two-layer GRU (a composite op looping in C++). The static
 estimate of a training step is within 2% of fxmem.measure on the same captured program: a weight every step reads,
 a slice of one tensor read at every step, and a composite op's temporaries each once cost it 3-9%. A recurrent state
-both fed to the next step and collected for the output (stacked, joined, summed) is estimated exactly: the static
+both fed to the next step and collected for the output (stacked, joined, summed, unsqueezed at each step and
+joined) is estimated exactly: the static
 estimate equals the traced one and the measurement."""
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def test_static_estimate_of_a_looping_model_is_within_two_percent_of_measured(na
 
 class _StateLoop(nn.Module):
     """A recurrent cell written out step by step, each state fed to the next step and collected (`collect`; as
-    `state.unsqueeze(1)` at each step where it names `unsqueezed`): a tanh cell, or a GRU-like one whose state the gate, the candidate and the blend all read (`gated`); the
-    recurrent weight a parameter or one derived from it once (`derived`), read at every step."""
+    `state.unsqueeze(1)` at each step where it names `unsqueezed`): a tanh cell, or a GRU-like one whose state the
+    gate, the candidate and the blend all read (`gated`); the recurrent weight a parameter or one derived from it
+    once (`derived`), read at every step."""
 
     def __init__(self, collect: str, gated: bool = False, derived: bool = False):
         super().__init__()
@@ -112,7 +114,8 @@ class _StateLoop(nn.Module):
 _COLLECT = {"stack": lambda states: torch.stack(states, 1), "cat": lambda states: torch.cat(states, 1),
             "sum": sum, "mean": lambda states: torch.stack(states).mean(0), "last": lambda states: states[-1],
             "stack_unsqueezed_after": lambda states: torch.stack([state.unsqueeze(1) for state in states], 1),
-            "unsqueezed_cat": lambda states: torch.cat(states, 1), "unsqueezed_stack": lambda states: torch.stack(states, 1)}
+            "unsqueezed_cat": lambda states: torch.cat(states, 1),
+            "unsqueezed_stack": lambda states: torch.stack(states, 1)}
 
 
 class _Bidirectional(nn.Module):
