@@ -88,7 +88,7 @@ def row(name, f, x, out_bytes):
 
 def _formulas(program, x):
     """(record, bytes its formula holds) for every op after the linear layer, its first output's gradient made."""
-    rec = trace_forward(program, (x,), {}, "train")[0]
+    rec = trace_forward(program, (x,), {}, "train").recorder
     return [(r, formula_temps(r.call, (True,) + (False,) * (len(r.out_keys) - 1))) for r in rec.records
             if r.node != "lin" and r.call is not None]
 

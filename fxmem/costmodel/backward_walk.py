@@ -5,40 +5,16 @@ back, and what the op saved freed."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from .. import ops as optable
 from ..ops import written_positions
 from .formula import covers_storage, formula_run
 from .forward_walk import ForwardWalk, timeline_add
 from .grad_layouts import GradLayouts, fresh_strides
+from .join_views import join_views
 from .liveness import SavePlan, first_unpack
-
-
-@dataclass
-class _OpGrads:
-    """One op's backward in the walk: its inputs still to get a gradient, and what was handed on so far."""
-    record: object
-    ins: list  # (key, bytes, requires grad) per input
-    same: object = ()  # inputs whose gradient is the output's (a view, an in-place op passing it through)
-    shares: bool = False  # add's one gradient for both inputs
-    passthrough: bool = False
-    grad_view: bool = False  # the op table says the input's gradient may be a view of the output's
-    handed_over: bool = False
-    handed_expanded: bool = False
-    accumulated: int = 0  # bytes added into existing gradients once the formula returns
-    sums: list = field(default_factory=list)  # (key, bytes added, bytes of the sum): gradients this op adds to
-    # ones its inputs have (out of place)
-    # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
-    covered: set = field(default_factory=set)
-    renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
-    # its output's key
-    fresh: set = field(default_factory=set)  # inputs whose gradient the formula makes new (`formula_run`), not a
-    # view of the output's: a view's reshape of a gradient not contiguous in its shape copies
-    copied: list = field(default_factory=list)  # (key, bytes): such copies of a view's gradient, under its key
-    views: set = field(default_factory=set)  # inputs whose gradient the formula makes a view of an output's
-    view_sums: list = field(default_factory=list)  # (view record, its output, bytes): gradients added to a view's
-    new_buffers: set = field(default_factory=set)  # inputs the walk gives a new gradient buffer
+from .op_grads import OpGrads
+from .shared_grads import SharedGrads
 
 
 class StaticBackward:
@@ -60,6 +36,13 @@ class StaticBackward:
         self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
         self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
         self.grad_layouts = GradLayouts()  # the strides of each tensor's gradient
+        self.shared = SharedGrads()  # gradients that are one buffer (add's, handed on down a chain of adds)
+        # a join's slice handed to a view of a storage (`join_views`) reaches the storage's producer at that view's
+        # backward: storage key -> that view's record while it has not run, and the bytes of the gradient other
+        # ops made the storage meanwhile (the producer's first, not a sum)
+        self.join_views = join_views(plan.records)
+        self.pending: dict[int, int] = {}
+        self.direct_grads: dict[int, int] = {}
         self.seed = seed
         if seed[0] is not None:
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
@@ -117,6 +100,20 @@ class StaticBackward:
     def _bump(self, label: str, module: str) -> None:
         self.node_high = max(self.node_high, self.live_bytes)
         self.peak.see(self.live_bytes, f"{label} (backward)", "backward", module)
+
+    def _grad_bytes(self, key: int) -> int:
+        """The bytes of `key`'s gradient buffer: the one it shares with others, else its own."""
+        shared = self.shared.size(key)
+        return self.grad_live[key] if shared is None else shared
+
+    def _drop_grad(self, key: int) -> None:
+        """`key`'s gradient goes: its bytes with it, or to another gradient that is the same buffer and stays."""
+        nbytes = self.grad_live.pop(key)
+        heir = self.shared.leave(key)
+        if heir is not None and heir in self.grad_live:
+            self.grad_live[heir] += nbytes
+        else:
+            self.live_bytes -= nbytes
 
     def _expanded_view(self, key: int) -> None:
         self.grad_views.add(key)
@@ -208,19 +205,18 @@ class StaticBackward:
         # the op's output grads die, and what it saved
         for key in record.out_keys:
             if key is not None and key in self.grad_live and key not in self.param_keys and key not in op.same:
-                self.live_bytes -= self.grad_live.pop(key)
+                self._drop_grad(key)
                 self.grad_views.discard(key)
         for key, nbytes in op.renewed:
             self.grad_live[key] = nbytes
             self.live_bytes += nbytes
         self._free_saved(record)
         node_peak = self._add_sums(op, node_peak)
-        for view, out, nbytes in op.view_sums:
-            node_peak = max(node_peak, self._add_to_view_grad(view, out, nbytes, record))
+        node_peak = max(node_peak, self._add_pending(record))
         self._end_region(record)
         timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
 
-    def _hand_fresh_view_grads(self, op: _OpGrads, routed: dict) -> None:
+    def _hand_fresh_view_grads(self, op: OpGrads, routed: dict) -> None:
         """Inputs that are views whose backward makes a new buffer (`OpRecord.view_inputs`: `x[:, t]`, a chunk),
         given a new gradient by the formula: it is the view's own (its bytes), apart from its storage's, until the
         view's backward makes the base's from it; one added to the one the view has already is a new buffer once
@@ -233,11 +229,11 @@ class StaticBackward:
             self.live_bytes += nbytes
             self._bump(record.node, record.module)
             if out in self.view_grads.get(view, {}):
-                op.view_sums.append((view, out, nbytes))
+                op.view_sums.append((position, view, out, nbytes))
             else:
                 self.view_grads.setdefault(view, {})[out] = nbytes
 
-    def _hand_view_grads_as_is(self, op: _OpGrads, routed: dict) -> None:
+    def _hand_view_grads_as_is(self, op: OpGrads, routed: dict) -> None:
         """Such inputs given the output's gradient as it is (add's): the view's gradient holds that buffer when no
         other input took it, else shares it (nothing of its own)."""
         record = op.record
@@ -248,24 +244,29 @@ class StaticBackward:
             view, out = record.view_inputs[position]
             grads = self.view_grads.setdefault(view, {})
             if out in grads:
-                op.view_sums.append((view, out, 0))
+                op.view_sums.append((position, view, out, 0))
                 continue
             grads[out] = 0
             if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
                     and out_key not in op.same:
+                heir = self.shared.leave(out_key)
                 grads[out] = self.grad_live.pop(out_key)
+                if heir is not None:  # the buffer stays counted under another gradient that is it
+                    self.grad_live[heir] += grads[out]
+                    grads[out] = 0
                 self.grad_views.discard(out_key)
                 op.handed_over = True
 
-    def _add_to_view_grad(self, view: int, out: int, nbytes: int, record) -> int:
-        """Output `out` of view `view` has a gradient; a new one (`nbytes` of its own) is added out of place: the sum
-        is a new buffer of the output's size, then both go. Returns the live bytes with the three."""
+    def _add_to_view_grad(self, view: int, out: int, record) -> int:
+        """Output `out` of view `view` has a gradient; a new one is added out of place: the sum is a new buffer of
+        the output's size, the old one goes (the new one is the caller's to release). Returns the live bytes with
+        the three."""
         grads = self.view_grads[view]
         total = self.plan.records[view].out_bytes[out]
         self.live_bytes += total
         self._bump(record.node, record.module)
         high = self.live_bytes
-        self.live_bytes -= nbytes + grads[out]
+        self.live_bytes -= grads[out]
         grads[out] = total
         return high
 
@@ -287,7 +288,7 @@ class StaticBackward:
         self._bump(record.node, record.module)
         self.live_bytes -= run.temps + sum(grads.values())
         if joined:  # (what `_join_split_grads` joins)
-            self.live_bytes -= self.grad_live.pop(key)
+            self._drop_grad(key)
             self.grad_views.discard(key)
             self.grad_expanded.discard(key)
         node_peak = max(self.live_bytes, node_peak_start, self.node_high)
@@ -304,7 +305,9 @@ class StaticBackward:
         if 0 in record.view_inputs:
             view, out = record.view_inputs[0]
             if out in self.view_grads.get(view, {}):
-                return self._add_to_view_grad(view, out, nbytes, record)
+                high = self._add_to_view_grad(view, out, record)
+                self.live_bytes -= nbytes
+                return high
             self.view_grads.setdefault(view, {})[out] = nbytes
             return self.live_bytes
         if key not in self.grad_live:
@@ -317,7 +320,8 @@ class StaticBackward:
         self.live_bytes += total
         self._bump(record.node, record.module)
         high = self.live_bytes
-        self.live_bytes -= nbytes + self.grad_live[key]
+        self.live_bytes -= nbytes
+        self._drop_grad(key)
         self.grad_live[key] = total
         self.grad_views.discard(key)
         self.grad_expanded.discard(key)
@@ -332,22 +336,24 @@ class StaticBackward:
                 self.grad_live[key] = self.storage_bytes.get(key, nbytes)
                 self.live_bytes += self.grad_live[key]
 
-    def _op_grads(self, record, skip=()) -> _OpGrads:
+    def _op_grads(self, record, skip=()) -> OpGrads:
         """The op's inputs needing a gradient from the walk (`skip`: positions whose gradient is a view's own)."""
         info = optable.lookup(record.func)
         passthrough = info is not None and info.grad_passthrough
-        ins = [item for position, item in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
+        ins = [(key, nbytes, rg, position)
+               for position, (key, nbytes, rg) in enumerate(zip(record.in_keys, record.in_bytes, record.in_rg))
                if position not in skip]
         # a view (or an in-place op whose grad passes through) of its input's storage: the output's grad is the
         # input's, the same buffer, which lives on to the input's producer (not an accumulation, not freed here)
-        same = {key for key, _, rg in ins if rg and key is not None and key in record.out_keys} if passthrough else ()
+        same = {key for key, _, rg, _ in ins if rg and key is not None and key in record.out_keys} \
+            if passthrough else ()
         # add(a, b) hands one gradient tensor to both inputs (same shape as the output, alpha 1): the first input
         # whose path runs last in backward (the earliest created) holds the buffer, the other aliases it (0 bytes)
         shares = record.grad_alias == "shared" and record.out_bytes and \
-            sum(1 for key, nbytes, rg in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
+            sum(1 for key, nbytes, rg, _ in ins if rg and key is not None and nbytes == record.out_bytes[0]) > 1
         if shares:
             ins.sort(key=lambda item: self.plan.created_in.get(item[0], -1) if item[0] is not None else 0)
-        return _OpGrads(record, ins, same=same, shares=shares, passthrough=passthrough,
+        return OpGrads(record, ins, same=same, shares=shares, passthrough=passthrough,
                         grad_view=bool(info is not None and info.grad_view))
 
     def _accumulate_transient(self, record, key: int) -> None:
@@ -357,25 +363,29 @@ class StaticBackward:
         self._bump(record.node, record.module)
         self.live_bytes -= self.storage_bytes[key]
 
-    def _hand_join_slices(self, op: _OpGrads) -> None:
+    def _hand_join_slices(self, op: OpGrads) -> None:
         """cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
         until the last slice is consumed, held by the earliest-created input (whose producer runs last)."""
         record, grad_live = op.record, self.grad_live
         if not (record.grad_alias == "sliced" and record.list_keys and any(record.in_rg) and record.out_keys
                 and record.out_keys[0] in grad_live and not any(key in self.param_keys for key in record.list_keys)):
             return
-        buffer = grad_live.pop(record.out_keys[0])
+        out_key = record.out_keys[0]
+        buffer = grad_live[out_key]
         for key in sorted(dict.fromkeys(record.list_keys), key=lambda k: self.plan.created_in.get(k, -1)):
             if key in grad_live:  # accumulated into an existing gradient: a transient of its size
                 self._accumulate_transient(record, key)
                 continue
             if buffer is not None:
-                grad_live[key], buffer = buffer, None
+                grad_live[key], buffer = grad_live.pop(out_key), None
+                self.shared.replace(out_key, key)
             else:
                 grad_live[key] = 0
             self.grad_views.add(key)
+            if key in self.join_views.get(record.idx, {}):
+                self.pending[key] = self.join_views[record.idx][key]
         if buffer is not None:
-            self.live_bytes -= buffer  # every input had a gradient already
+            self._drop_grad(out_key)  # every input had a gradient already
         op.ins = [item for item in op.ins if item[0] not in record.list_keys]
 
     def _join_split_grads(self, record) -> None:
@@ -386,10 +396,10 @@ class StaticBackward:
             return
         self.live_bytes += record.in_bytes[0]
         self._bump(record.node, record.module)
-        self.live_bytes -= self.grad_live[key]
+        self._drop_grad(key)
         self.grad_live[key] = record.in_bytes[0]
 
-    def _hand_expanded_sum(self, op: _OpGrads) -> None:
+    def _hand_expanded_sum(self, op: OpGrads) -> None:
         """sum hands its input its own gradient expanded to the input's shape, a view: no new buffer when every
         stride is 0 (the sum made one element, or its gradient was such a view already), and the input is its
         whole storage (a slice's backward makes the storage's gradient whole). Between the storage's maker and the
@@ -405,14 +415,15 @@ class StaticBackward:
                      or record.out_bytes[0] == record.call[1][0].dtype.itemsize):
             key = record.in_keys[0]
             grad_live[key] = grad_live.pop(record.out_keys[0])
+            self.shared.replace(record.out_keys[0], key)
             self._expanded_view(key)
             op.ins = op.ins[1:]
 
-    def _input_grads(self, op: _OpGrads) -> None:
+    def _input_grads(self, op: OpGrads) -> None:
         """Each input needing a gradient gets one: the output's handed on (a view, add's shared buffer), a new
         buffer, or an addition into the one it has."""
         record, grad_live = op.record, self.grad_live
-        for key, nbytes, rg in op.ins:
+        for key, nbytes, rg, position in op.ins:
             if not rg or key is None:
                 continue
             if key in op.same:
@@ -423,20 +434,25 @@ class StaticBackward:
             if op.shares and op.handed_over and nbytes == record.out_bytes[0] and key not in grad_live \
                     and key not in self.param_keys and key not in op.fresh:
                 grad_live[key] = 0  # the same buffer the first input got
+                if op.handed_to is not None:
+                    self.shared.share(op.handed_to, key, self._grad_bytes(op.handed_to))
                 if op.handed_expanded:
                     self._expanded_view(key)
                 continue
             if key in op.covered:
                 continue
             if key in grad_live:
-                self._accumulate(op, key, nbytes)
+                self._accumulate(op, key, nbytes, position)
                 continue
             out_key = record.out_keys[0] if record.out_keys else None
             if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
-                    and (nbytes <= grad_live[out_key] or out_key in self.grad_expanded and key not in self.param_keys
+                    and (nbytes <= self._grad_bytes(out_key)
+                         or out_key in self.grad_expanded and key not in self.param_keys
                          and (key == record.in_keys[0] or op.shares) and op.grad_view):
                 op.handed_expanded = out_key in self.grad_expanded
                 grad_live[key] = grad_live.pop(out_key)  # the output's grad becomes the input's (a view)
+                self.shared.replace(out_key, key)
+                op.handed_to = key
                 if op.handed_expanded:
                     self._expanded_view(key)
                 op.handed_over = True
@@ -444,7 +460,7 @@ class StaticBackward:
             grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
             self.live_bytes += grad_live[key]
             op.new_buffers.add(key)
-            views = sum(view_bytes for view_key, view_bytes, view_rg in op.ins if view_key == key and view_rg)
+            views = sum(view_bytes for view_key, view_bytes, view_rg, _ in op.ins if view_key == key and view_rg)
             if key not in self.param_keys and views <= grad_live[key]:
                 op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
 
@@ -456,7 +472,7 @@ class StaticBackward:
                                                                     self.storage_bytes.get(record.in_keys[position], 0))
                                   for position, grad in made)
 
-    def _receive_layouts(self, op: _OpGrads, run) -> None:
+    def _receive_layouts(self, op: OpGrads, run) -> None:
         """Each input's gradient strides, as the formula lays it out; an expanded view of the output's gradient (a
         partial sum's) that the walk counts whole, as a new buffer, is laid out as a new tensor is (the copy a
         reshape makes of it is the one counted)."""
@@ -469,22 +485,25 @@ class StaticBackward:
                 and any(stride == 0 and size > 1 for stride, size in zip(made.strides, layout.shape))
             self.grad_layouts.receive(key, layout, fresh_strides(layout) if counted_whole else made.strides)
 
-    def _replace_copied(self, op: _OpGrads) -> None:
+    def _replace_copied(self, op: OpGrads) -> None:
         """A view's copied gradient replaces the one it was copied from under their storage's key (a buffer this
         key held goes; one it shared with another input stays with that one)."""
         for key, nbytes in op.copied:
-            self.live_bytes -= self.grad_live.get(key, 0)
+            if key in self.grad_live:
+                self._drop_grad(key)
             self.grad_live[key] = nbytes
             self.grad_views.discard(key)
             self.grad_expanded.discard(key)
 
-    def _accumulate(self, op: _OpGrads, key: int, nbytes: int) -> None:
+    def _accumulate(self, op: OpGrads, key: int, nbytes: int, position: int) -> None:
         """Accumulation: new grad + old grad -> a transient of the new one's size, alive with the formula's other
         gradients and temporaries. Autograd adds it to the old one once the op's backward has released what it
         held, out of place under a dispatch mode (what fxmem.measure runs; without one, into a dense old one in
         place): the sum is a new buffer then, the old and new ones go."""
         record = op.record
         self._bump(record.node, record.module)
+        if self._direct_grad(op, key, nbytes, position):
+            return
         if key not in record.out_keys:
             # the new one: nothing of its own where it is a view of the output's gradient (add's, a sum's expanded);
             # the sum: the new one's size where the old one is a view (a join's slice, a sum's expanded gradient:
@@ -492,7 +511,8 @@ class StaticBackward:
             added = 0 if key in op.views and key not in op.fresh else nbytes
             self.live_bytes += added
             self._bump(record.node, record.module)
-            op.sums.append((key, added, nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])))
+            total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
+            op.sums.append((position, key, added, total, False))
             self.grad_views.discard(key)
             return
         self.live_bytes += nbytes
@@ -506,14 +526,66 @@ class StaticBackward:
             op.renewed.append((key, self.storage_bytes.get(key, nbytes) if record.copy_slices else nbytes))
         op.accumulated += nbytes
 
-    def _add_sums(self, op: _OpGrads, node_peak: int) -> int:
-        """Old gradient + new one, a new buffer (`sums`); then the new gradient and the old one go
-        (a join's slice with the join's buffer when this input held it: the slices of inputs created later were
-        consumed before, their producers ran first). Returns the node's peak with them."""
-        for key, added, total in op.sums:
+    def _direct_grad(self, op: OpGrads, key: int, nbytes: int, position: int) -> bool:
+        """Whether the gradient this op makes for `key` goes to its producer while `key`'s gradient so far is a
+        join's slice waiting at a view's backward (`pending`): the first a new buffer of its own, kept apart until
+        then; the next ones added to it out of place."""
+        record = op.record
+        if self.pending.get(key, record.idx) >= record.idx or key in record.out_keys:
+            return False
+        added = 0 if key in op.views and key not in op.fresh else nbytes
+        if key in self.direct_grads:
+            self.live_bytes += added
+            op.sums.append((position, key, added, max(nbytes, self.direct_grads[key]), True))
+            return True
+        if not added:
+            return False
+        self.live_bytes += nbytes
+        self._bump(record.node, record.module)
+        self.direct_grads[key] = nbytes
+        return True
+
+    def _add_pending(self, record) -> int:
+        """At the backward of a view a join read: the slice it hands its storage's producer is added to the gradient
+        other ops made that storage meanwhile (`direct_grads`), out of place; both go. Returns the live bytes at
+        the sum."""
+        key = record.in_keys[0] if record.in_keys else None
+        if key is None or self.pending.get(key) != record.idx:
+            return self.live_bytes
+        del self.pending[key]
+        if key not in self.direct_grads:
+            return self.live_bytes
+        direct = self.direct_grads.pop(key)
+        self.live_bytes += direct
+        self._bump(record.node, record.module)
+        high = self.live_bytes
+        self._drop_grad(key)
+        self.live_bytes -= direct
+        self.grad_live[key] = direct
+        self.grad_views.discard(key)
+        return high
+
+    def _add_sums(self, op: OpGrads, node_peak: int) -> int:
+        """Each gradient this op made for an input that has one already is added to that one, in the order of the
+        op's inputs (the engine's): the sum is a new buffer and the old gradient goes at once (a join's slice with
+        the join's buffer when this input held it: the slices of inputs created later were consumed before, their
+        producers ran first); the new gradients stay until all are handed on (the engine holds the op's outputs
+        until then). Returns the node's peak with them."""
+        sums = [(position, (key, total, direct), None) for position, key, _, total, direct in op.sums]
+        sums += [(position, None, (view, out)) for position, view, out, _ in op.view_sums]
+        for _, grad_sum, view_sum in sorted(sums, key=lambda item: item[0]):
+            if view_sum is not None:
+                node_peak = max(node_peak, self._add_to_view_grad(*view_sum, op.record))
+                continue
+            key, total, direct = grad_sum
             self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            self.live_bytes -= added + self.grad_live[key]
+            if direct:  # (the gradient its producer has, apart from a join's slice waiting at a view)
+                self.live_bytes -= self.direct_grads[key]
+                self.direct_grads[key] = total
+                continue
+            self._drop_grad(key)
             self.grad_live[key] = total
+        self.live_bytes -= sum(item[2] for item in op.sums) + sum(item[3] for item in op.view_sums)
         return node_peak
