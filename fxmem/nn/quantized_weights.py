@@ -2,22 +2,12 @@
 
 The precision pass puts a `QuantizedWeight` where a graph read a convolution's weight, an embedding table or a
 mixture of experts' 3-D expert weights (`passes.precision.weights: int8 | nf4 | fp4`): the `get_attr` of the
-parameter becomes a call of this module, which dequantizes the whole weight (one layer's transient full-precision
-copy, as bitsandbytes' `Linear4bit` makes for its matmul) and hands it to the op that read it.
-
-- int8: LLM.int8()'s row-wise absmax quantization (`bitsandbytes.functional.int8_vectorwise_quant`, no outliers):
-  an int8 matrix and one fp32 scale per row; the first `row_dims` dims index the rows: the output channels of a
-  convolution or the rows of an embedding table (1), each expert's own rows of a 3-D expert weight (2).
-- nf4 / fp4: `bitsandbytes.functional.quantize_4bit` (blocks of `blocksize` values, two codes a byte, one fp32
-  absmax a block). A 3-D weight whose experts fill whole blocks can be read one expert at a time
-  (`forward(index)`): each expert's slice has blocks of its own. The block scales are not double-quantized: that
-  would save 3 bytes a block but make dequantization two ops with a temporary between them, which backward's
-  recomputation (below) would hold where the cost model does not see it.
-
-Everything it holds is a persistent buffer (`qweight`, `scales` or `absmax`), so the cost model, `fxmem.measure`
-and a saved result see every byte, and a result saved with `fxmem.save` loads bit-identical. The weight is frozen: nothing here takes a gradient; the input
-gradient of the op that reads it flows. In a module with the recast hooks (`fxmem.nn.recast`) the dequantized
-weight is saved for backward as this recipe and dequantized again there, so backward keeps the quantized bytes only.
+parameter becomes a call of this module, which dequantizes the whole weight (or one expert: `forward(index)`) and
+hands it to the op that read it. int8 is LLM.int8()'s row-wise absmax; nf4/fp4 are bitsandbytes' 4-bit blocks on
+the flattened weight. Everything it holds is a persistent buffer, so the cost model, `fxmem.measure` and a saved
+result see every byte. Nothing here takes a gradient; in a module with the recast hooks the dequantized weight is
+saved for backward as this recipe, so backward keeps the quantized bytes only.
+Design: docs/design/precision.md, part 1 (weight quantization).
 """
 from __future__ import annotations
 
