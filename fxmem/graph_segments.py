@@ -18,6 +18,19 @@ MODULE_SHARE = 0.5  # module runs saving less than this share of the forward's b
 SEGMENTS = 8  # segments the left-out nodes' saved bytes are cut into (about)
 
 
+def with_segments(runs: list, nodes: list[fx.Node], saved_by_node: dict[str, int],
+                  may_hold: Callable[[fx.Node], bool], make: Callable[[str, list], object]) -> list:
+    """`runs` (module runs, each with `nodes`) and, when they save less than MODULE_SHARE of the forward's bytes,
+    `make(name, segment)` for each segment of the nodes `may_hold` admits and no run holds, in graph order."""
+    owned = {node for run in runs for node in run.nodes}
+    if not needs_segments(owned, saved_by_node):
+        return runs
+    segments = graph_segments(nodes, lambda node: may_hold(node) and node not in owned, saved_by_node)
+    position = {node: i for i, node in enumerate(nodes)}
+    out = runs + [make(segment_name(segment), segment) for segment in segments]
+    return sorted(out, key=lambda run: position[run.nodes[0]])
+
+
 def needs_segments(owned: set, saved_by_node: dict[str, int]) -> bool:
     """True when the nodes in module runs (`owned`) save less than MODULE_SHARE of all saved bytes."""
     total = sum(saved_by_node.values())

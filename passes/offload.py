@@ -25,7 +25,7 @@ from torch import fx
 from fxmem.blocks import block_paths
 from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
 from fxmem.errors import PolicyError
-from fxmem.graph_segments import graph_segments, needs_segments, segment_name
+from fxmem.graph_segments import with_segments
 from fxmem.module_runs import finish_runs
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.remat import op_call
@@ -166,21 +166,9 @@ def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[s
             cur = Candidate(owner, [n], "run")
             out.append(cur)
     if not explicit:
-        out = _with_graph_segments(out, nodes, saved_by_node)
+        out = with_segments(out, nodes, saved_by_node, _is_run_node, lambda name, seg: Candidate(name, seg, "run"))
     finish_runs(out, nodes, explicit, "passes.offload.regions")
     return out
-
-
-def _with_graph_segments(cands: list[Candidate], nodes: list[fx.Node], saved_by_node: dict[str, int]) -> list:
-    """`cands` and, when module runs hold little of what the forward saves, segments of the nodes they leave out
-    (`fxmem.graph_segments`), in graph order."""
-    owned = {n for c in cands for n in c.nodes}
-    if not needs_segments(owned, saved_by_node):
-        return cands
-    segments = graph_segments(nodes, lambda n: _is_run_node(n) and n not in owned, saved_by_node)
-    position = {n: i for i, n in enumerate(nodes)}
-    out = cands + [Candidate(segment_name(seg), seg, "run") for seg in segments]
-    return sorted(out, key=lambda c: position[c.nodes[0]])
 
 
 def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int) -> None:

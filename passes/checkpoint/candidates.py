@@ -18,7 +18,7 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.blocks import node_blocks
 from fxmem.costmodel import CandidateRegion, RegionModel, build_region_model, default_balance, measure_regions
-from fxmem.graph_segments import graph_segments, needs_segments, segment_name
+from fxmem.graph_segments import with_segments
 from fxmem.module_runs import finish_runs
 from fxmem.nn.dropout import bool_mask_dropout_remat
 from fxmem.nn.remat import op_call, remat
@@ -59,7 +59,7 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
     chosen = list(explicit) if explicit else _auto_levels(nodes, saved_by_node, total, finer)
     regions = _runs(nodes, set(chosen))
     if not explicit:
-        regions = _with_graph_segments(program, regions, saved_by_node)
+        regions = with_segments(regions, list(program.graph.nodes), saved_by_node, is_region_node, CandidateRegion)
     for region in regions:
         # a node registering a recipe (a remat wrapper, a remat dropout) whose readers are all outside (a block's
         # closing layer norm, attention's dropped-out probabilities) stays outside too: inside a recomputed region
@@ -71,20 +71,6 @@ def candidate_regions(program: Program, saved_by_node: dict[str, int], explicit:
     regions = [r for r in regions if r.nodes]
     finish_runs(regions, list(program.graph.nodes), explicit, "passes.checkpoint.regions")
     return regions
-
-
-def _with_graph_segments(program: Program, regions: list[CandidateRegion],
-                         saved_by_node: dict[str, int]) -> list[CandidateRegion]:
-    """`regions` and, when module runs hold little of what the forward saves, segments of the nodes they leave out
-    (`fxmem.graph_segments`), in graph order."""
-    owned = {node for region in regions for node in region.nodes}
-    if not needs_segments(owned, saved_by_node):
-        return regions
-    nodes = list(program.graph.nodes)
-    segments = graph_segments(nodes, lambda node: is_region_node(node) and node not in owned, saved_by_node)
-    position = {node: i for i, node in enumerate(nodes)}
-    out = regions + [CandidateRegion(segment_name(segment), segment) for segment in segments]
-    return sorted(out, key=lambda region: position[region.nodes[0]])
 
 
 def _runs(nodes: list[fx.Node], chosen: set[str]) -> list[CandidateRegion]:
