@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import weakref
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 import fxmem
 from fxmem.costmodel import estimate
 from fxmem.errors import PolicyError
-from fxmem.nn.offload import OffloadRegion, OffloadRuntime, live_scratch_dirs
+from fxmem.nn.offload import OffloadRegion, OffloadRuntime, live_scratch_dirs, scratch
 from fxmem.nn.offload.store import OffloadEntry, PackedTensor
 from fxmem.program import Program
 
@@ -295,6 +297,41 @@ def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
     del got, store
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+class _StarvedWorker:
+    """An I/O executor whose thread never gets to drop a finished task's arguments (a starved thread, as on a loaded
+    machine): it runs each task at once and keeps the task for good."""
+
+    def __init__(self):
+        self.tasks = []
+
+    def submit(self, fn, *args):
+        self.tasks.append((fn, args))
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+def test_an_offloaded_tensor_dies_when_its_write_is_done_not_when_the_io_thread_runs(tmp_path, monkeypatch):
+    worker = _StarvedWorker()
+    monkeypatch.setattr(scratch, "executor", lambda kind: worker)
+    rt = OffloadRuntime("disk", prefetch=1, min_bytes=0, scratch_root=str(tmp_path))
+    region = OffloadRegion(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), rt, index=0, last=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    out = region(x)
+    relu_out = weakref.ref(out.untyped_storage())
+    loss = out.sum()
+    del out  # what ReLU saved (its output) is now held by autograd only, as an entry on disk
+    gc.collect()
+    assert len(worker.tasks) == 1 and relu_out() is None  # one write: the Linear's weight stays where it is
+    assert rt.last_step_bytes == 32 * 64 * 4
+    loss.backward()
+    assert len(worker.tasks) == 2  # and one read
+    ref = torch.randn(32, 64).requires_grad_()
+    ref.data.copy_(x)
+    region.body(ref).sum().backward()
+    assert torch.equal(ref.grad, x.grad)
 
 
 def test_shared_storages_are_written_once(tmp_path):

@@ -66,20 +66,8 @@ class OffloadRegion(nn.Module):
         if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _is_fake(args):
             return self.body(*args)
         rt = self.runtime
-        if self.inputs_too:
-            skip_idx = self.param_args
-        else:
-            skip_idx = range(len(args))
-        skip = set()
-        for i in skip_idx:
-            for a in pytree.tree_leaves(args[i]):
-                if isinstance(a, torch.Tensor):
-                    try:
-                        skip.add(a.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):
-                        pass
         store = rt.begin(self.index == 0)
-        scope = RegionScope(store, store.new_slot(), skip, rt.min_bytes)
+        scope = RegionScope(store, store.new_slot(), self._kept_storages(args), rt.min_bytes)
         try:
             with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack), recast.aside():
                 out = self.body(*args)
@@ -90,6 +78,22 @@ class OffloadRegion(nn.Module):
         if self.last:
             rt.end()
         return out
+
+    def _kept_storages(self, args) -> set:
+        """Storages this call keeps on the device (their data pointers): the arguments (all of them, or with
+        `inputs_too` the parameter ones) and the body's own parameters and buffers, whose views (a Linear's
+        transposed weight) autograd saves too."""
+        kept = self.param_args if self.inputs_too else range(len(args))
+        tensors = [a for i in kept for a in pytree.tree_leaves(args[i])]
+        tensors += [*self.body.parameters(), *self.body.buffers()]
+        ptrs = set()
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                try:
+                    ptrs.add(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
+        return ptrs
 
     def extra_repr(self) -> str:
         return (f"label={self.label!r}, tier={self.runtime.tier!r}, index={self.index}, "

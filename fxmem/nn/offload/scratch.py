@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 
 SCRATCH_PREFIX = "fxmem-offload-"
@@ -24,6 +26,16 @@ def executor(kind: str) -> ThreadPoolExecutor:
             _EXECUTORS[kind] = ex
         return ex
 
+
+def submit_io(kind: str, io, fd: int, buffer: torch.Tensor, offset: int) -> Future:
+    """`io(fd, memoryview of buffer, offset)` on the `kind` thread. The thread lets go of `buffer` before the future
+    completes: ThreadPoolExecutor's worker keeps a task's arguments until after it has set the result, so a caller
+    that waited and then dropped its tensor would otherwise free it only when that thread next runs."""
+    return executor(kind).submit(_io_from_box, io, fd, [buffer], offset)
+
+
+def _io_from_box(io, fd: int, box: list, offset: int) -> None:
+    io(fd, memoryview(box.pop().numpy()), offset)
 
 
 def cleanup_files(fd_box: list, path: str | None, dir_: str | None) -> None:

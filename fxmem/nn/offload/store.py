@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .scratch import SCRATCH_PREFIX, cleanup_files, executor, pread_all, pwrite_all
+from .scratch import SCRATCH_PREFIX, cleanup_files, pread_all, pwrite_all, submit_io
 
 
 _LIVE_STORES: "weakref.WeakSet[StepStore]" = weakref.WeakSet()
@@ -51,7 +51,7 @@ class OffloadEntry:
         if st.tier == "disk":
             src = u8 if u8.device.type == "cpu" else u8.cpu()
             self.offset = st.alloc(self.nbytes)
-            self.write = executor("write").submit(pwrite_all, st.fd, memoryview(src.numpy()), self.offset)
+            self.write = submit_io("write", pwrite_all, st.fd, src, self.offset)
         else:
             side = st.side_stream(u8.device)
             side.wait_stream(torch.cuda.current_stream(u8.device))
@@ -79,7 +79,7 @@ class OffloadEntry:
             if st.fd_box[0] is None:
                 raise RuntimeError("fxmem offload: the scratch file of this step was already closed "
                                    "(OffloadRuntime.close() ran before backward)")
-            self.read = executor("read").submit(pread_all, st.fd, memoryview(buf.numpy()), self.offset)
+            self.read = submit_io("read", pread_all, st.fd, buf, self.offset)
             if self.device.type != "cpu":
                 self.read.result()
                 self.read = None
