@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import warnings
 
@@ -135,6 +136,9 @@ class QuantLinear(nn.Module):
             del self._buffers[name]
         for name, t in self.aux_tensors().items():
             self.register_buffer(name, t, persistent=False)
+        state = getattr(self.inner.weight, "quant_state", None)
+        # what a trace needs besides tensors (it swaps the weight for one without a quant state)
+        self._layout_4bit = None if state is None else _Layout4bit.of(state)
 
     def _keep_standard_layout(self) -> None:
         """Switch off bitsandbytes' eval-mode CPU repack on the inner layer (for code that calls `inner` itself) and
@@ -306,14 +310,8 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
-        if isinstance(x, FakeTensor):
-            # shape propagation and the cost model run under FakeTensorMode: bitsandbytes would cache fake state
-            # in the layer; model its work instead (dequantized weight temporary + matmul, as its CPU path does)
-            w = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=x.device)
-            y = torch.nn.functional.linear(x.to(self.compute_dtype), w)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-            return y.to(dt)
+        if isinstance(x, FakeTensor) or torch.compiler.is_exporting():
+            return self._traced(x).to(dt)
         if self.kind == "int8":
             y = self.inner(x.to(self.compute_dtype))
         else:
@@ -321,6 +319,36 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(dt)
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """What a trace (torch.export, the cost model's fake tensors) records: bitsandbytes would cache fake state
+        in the layer. 4-bit: the ops its CPU matmul runs, on this module's own parameter and buffers (the same
+        values, bit for bit, and a captured program that computes them). int8: the work (a dequantized weight
+        temporary and a matmul); its outlier decomposition cannot be recorded, so an export is refused."""
+        if self.kind == "int8":
+            if torch.compiler.is_exporting():
+                raise NotImplementedError(
+                    "an int8 QuantLinear cannot be captured (bitsandbytes' outlier decomposition has data-dependent "
+                    "shapes): capture the model before quantizing it, or quantize to nf4/fp4")
+            weight = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=x.device)
+        else:
+            weight = self._dequantized_from_buffers().to(self.compute_dtype)
+        y = torch.nn.functional.linear(x.to(self.compute_dtype), weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _dequantized_from_buffers(self) -> torch.Tensor:
+        """`bitsandbytes.functional.dequantize_4bit` of the weight, reading the parameter and the aux buffers
+        (`_sync_aux`), which a trace swaps for its own, rather than the quant state, which it does not see."""
+        packed, layout = self.inner.weight, self._layout_4bit
+        absmax = self.q_absmax
+        if layout.nested_blocksize:
+            fn = _bnb().functional
+            outer = fn.QuantState(absmax=self.q2_absmax, code=self.q2_code, blocksize=layout.nested_blocksize,
+                                  dtype=layout.nested_dtype)
+            absmax = (fn.dequantize_blockwise(absmax, outer) + self.q_offset).float()
+        weight = torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, layout.blocksize, layout.quant_type,
+                                                                 layout.shape, layout.dtype)
+        return weight.t() if packed.shape[0] == 1 else weight
 
     def _matmul_4bit(self, x: torch.Tensor) -> torch.Tensor:
         """bitsandbytes' 4-bit matmul on the standard layout, with autograd, in every mode and on every device
@@ -337,6 +365,23 @@ class QuantLinear(nn.Module):
         else:
             s += f", double_quant={self.double_quant}"
         return s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout4bit:
+    """The scalars of a bitsandbytes 4-bit quant state (nested_blocksize 0: absmax not double-quantized)."""
+    blocksize: int
+    quant_type: str
+    shape: torch.Size
+    dtype: torch.dtype
+    nested_blocksize: int
+    nested_dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, state) -> "_Layout4bit":
+        nested = state.state2 if state.nested else None
+        return cls(int(state.blocksize), state.quant_type, torch.Size(state.shape), state.dtype,
+                   int(nested.blocksize) if nested else 0, nested.dtype if nested else None)
 
 
 def standard_4bit_layout(data: torch.Tensor, quant_state) -> tuple[torch.Tensor, object]:
