@@ -16,8 +16,8 @@ extra calls of that op in backward.
 DRAW_COST_PER_BYTE_CPU).
 
 `--overhead` times a training step with every site applied and with none, on an input so small (batch 1, 8 pixels
-or tokens a side) that kernels cost next to nothing: the difference per site is what a site costs beyond its
-kernels (saved-tensor hooks, recipe bookkeeping, dispatch), paid at any size.
+or tokens a side) that kernels cost next to nothing, on one thread: the difference per site, forward and backward,
+is what a site costs beyond its kernels (saved-tensor hooks, recipe bookkeeping, dispatch), paid at any size.
 """
 from __future__ import annotations
 
@@ -73,28 +73,36 @@ def remat_all(ex, model, x):
 
 
 def site_overhead(name: str, rounds: int = 300) -> None:
-    """Step time with every site against none on a tiny input (10th percentile of interleaved rounds)."""
+    """Forward and backward time with every site against none on a tiny input, on one thread (the intra-op pool's
+    wake-ups would swamp a fixed cost of microseconds): 10th percentile of interleaved rounds."""
     ex, model, _ = setup(name, True)
     x = ex.example_inputs(batch=1, size=8) if name == "unet" else ex.example_inputs(batch=1, seq_len=8)
     program, remat, sites = remat_all(ex, model, x)
     mods = {"none": program.snapshot().module, "all": remat.module}
-
-    def step(m):
-        ex.loss_fn(m(*x), x).backward()
-    times = {k: [] for k in mods}
-    for _ in range(10):
-        for m in mods.values():
-            step(m)
-    for _ in range(rounds):
-        for k, m in mods.items():
-            t0 = time.perf_counter()
-            step(m)
-            times[k].append(time.perf_counter() - t0)
-    p10 = {k: sorted(v)[len(v) // 10] for k, v in times.items()}
-    extra = p10["all"] - p10["none"]
-    print(f"{name}, input {tuple(x[0].shape)}: step {p10['none'] * 1e3:.2f} ms without remat, "
-          f"{p10['all'] * 1e3:.2f} ms with its {len(sites)} sites: {extra * 1e3:.2f} ms more, "
-          f"{extra / max(1, len(sites)) * 1e6:.0f} us per site (10th percentile of {rounds} interleaved rounds)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {(k, phase): [] for k in mods for phase in ("forward", "backward")}
+        for round_ in range(rounds + 10):
+            for k, m in mods.items():
+                t0 = time.perf_counter()
+                loss = ex.loss_fn(m(*x), x)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                if round_ >= 10:  # (warm-up)
+                    times[k, "forward"].append(t1 - t0)
+                    times[k, "backward"].append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    p10 = {key: sorted(v)[len(v) // 10] for key, v in times.items()}
+    per_site = {phase: (p10["all", phase] - p10["none", phase]) / max(1, len(sites)) * 1e6
+                for phase in ("forward", "backward")}
+    print(f"{name}, input {tuple(x[0].shape)}, 1 thread: forward {p10['none', 'forward'] * 1e3:.2f} ms without "
+          f"remat, {p10['all', 'forward'] * 1e3:.2f} ms with its {len(sites)} sites; backward "
+          f"{p10['none', 'backward'] * 1e3:.2f} / {p10['all', 'backward'] * 1e3:.2f} ms: "
+          f"{per_site['forward']:.0f} + {per_site['backward']:.0f} us per site (forward + backward; 10th "
+          f"percentile of {rounds} interleaved rounds)")
 
 
 def _best_us(f, n: int = 100) -> float:

@@ -12,6 +12,7 @@ docs/design/recast.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -132,6 +133,14 @@ class _Pick:
         return outputs[self.i]
 
 
+def _storage_died(scope_ref, key: int, _storage_ref) -> None:
+    """A registered storage died: its entry goes, and the scope's hooks too when nothing else needs them."""
+    scope = scope_ref()
+    if scope is not None:
+        scope._entries.pop(key, None)
+        scope._unhook_saves()
+
+
 def group_of(recipe: "_Recipe"):
     """The shared recipe whose outputs `recipe` picks one of (a grouped max pooling's), None if none."""
     if isinstance(recipe.fn, _Pick) and isinstance(recipe.args[0], _Remat) and recipe.args[0].how == "shared":
@@ -146,17 +155,37 @@ class RecastScope:
     def __init__(self):
         # storage id -> (weakref to the storage, parameter, dtype) or (weakref, _Recipe)
         self._entries: dict[int, tuple] = {}
-        self._hooks = None
+        self._pushed_pack = None  # our pack hook while our saved-tensor hooks are on the stack
+        self._whole_forward = False  # hooks for the whole forward (nested in another scope, or observed)
         self._pending: list | None = None  # while remat_call runs its op: that op's saves, packed after it
 
     def _add(self, out: torch.Tensor, entry: tuple) -> None:
         st = out.untyped_storage()
         key = st._cdata
-        entries = self._entries
         # the storage object is preserved while the storage lives; when it dies the entry goes with it, so a
         # later tensor that reuses the address is never mistaken for the cast
-        ref = weakref.ref(st, lambda _r, key=key: entries.pop(key, None))
-        entries[key] = (ref,) + entry
+        ref = weakref.ref(st, functools.partial(_storage_died, weakref.ref(self), key))
+        self._entries[key] = (ref,) + entry
+        self._hook_saves()
+
+    def _hook_saves(self) -> None:
+        """Put our hooks on the saved-tensor hook stack (called at the top level of our forward: registrations,
+        remat_call's deferral). Saves of storages nothing is registered for need no hook, so the hooks are on
+        only while some registered storage lives (`_unhook_saves`): most saves then cost no Python call."""
+        if self._pushed_pack is None:
+            self._pushed_pack = self._pack
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pushed_pack, self._unpack)
+
+    def _unhook_saves(self) -> None:
+        """Take our hooks off when nothing needs them and it is safe: at the top level of our own forward (the
+        innermost scope, not inside a region), with our hooks the innermost."""
+        if self._pushed_pack is None or self._whole_forward or self._entries or self._pending is not None:
+            return
+        stack = _stack()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if stack and stack[-1] is self and top is not None and top[0] is self._pushed_pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._pushed_pack = None
 
     def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
         self._add(out, (p, dtype))
@@ -216,6 +245,10 @@ class RecastScope:
         return map_args(args, one)
 
     def _pack(self, t: torch.Tensor):
+        entries = self._entries
+        if self._pending is None and (not entries or t.untyped_storage()._cdata not in entries) and \
+                getattr(_state, "observer", None) is None:
+            return t  # most saves: nothing registered for this storage and nobody watching (the hot path)
         if self._pending is not None:
             d = _Deferred(t)
             self._pending.append(d)
@@ -251,6 +284,8 @@ class RecastScope:
 
     @staticmethod
     def _unpack(x):
+        if isinstance(x, torch.Tensor):
+            return x  # saved as it was (the hot path)
         if isinstance(x, _Deferred):
             x = x.value
         if isinstance(x, _Remat):
@@ -273,17 +308,20 @@ class RecastScope:
         return x
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        # nested in another fxmem module's forward, our hooks stay the innermost for the whole forward (as the
+        # outer scope's are not meant to see our saves); an observer (fxmem.measure) is told of every save
+        self._whole_forward = bool(_calls()) or observed()
+        if self._whole_forward:
+            self._hook_saves()
         _stack().append(self)
         return self
 
     def __exit__(self, *exc):
         _leave(self)
-        hooks, self._hooks = self._hooks, None
         self._entries = {}
-        if hooks is not None:
-            hooks.__exit__(*exc)
+        if self._pushed_pack is not None:
+            self._pushed_pack = None
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         return False
 
 
@@ -295,6 +333,7 @@ class _Deferral:
         self.scope, self.pending, self.previous = scope, [], None
 
     def __enter__(self) -> list:
+        self.scope._hook_saves()
         self.previous, self.scope._pending = self.scope._pending, self.pending
         return self.pending
 
