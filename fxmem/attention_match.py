@@ -24,6 +24,7 @@ from .attention_nodes import (ASSERTS, CASTS, DROPOUT, EINSUM, MATMUL, SDPA, SOF
 from .attention_operands import check_shapes, qk_operands, v_operand
 from .attention_precision import check_precision, record_change, softmax_output_dtype
 from .attention_site import AttentionSite, MaskTerm, Reject
+from .ops import OVERLOAD, op_name
 from .program import Program, module_path
 
 
@@ -83,8 +84,8 @@ def _match(site: AttentionSite) -> None:
             continue
         for u in n.users:
             if u not in nodes and not is_op(u, ASSERTS):
-                raise Reject(f"intermediate {n.name} ({_opname(n)}) is used outside the attention by {u.name} "
-                             f"(e.g. returned attention weights)")
+                raise Reject(f"intermediate {n.name} ({op_name(n, OVERLOAD)}) is used outside the attention by "
+                             f"{u.name} (e.g. returned attention weights)")
     # assert nodes hanging off the chain go too
     extra = [u for n in site.nodes for u in n.users if is_op(u, ASSERTS)]
     site.nodes = _ordered(sm.graph, set(site.nodes) | set(extra))
@@ -92,10 +93,6 @@ def _match(site: AttentionSite) -> None:
     check_shapes(site)
     finish_masks(site)
     site.scale_value = scale_value(site.scale)
-
-
-def _opname(n) -> str:
-    return str(getattr(n.target, "__name__", n.target))
 
 
 def _ordered(graph, nodes) -> list:
@@ -141,7 +138,7 @@ def _walk_down(site: AttentionSite):
             cur = u
             continue
         if _reaches_matmul(u):
-            raise Reject(f"{_opname(u)} ({u.name}) between softmax and P @ V has no SDPA equivalent")
+            raise Reject(f"{op_name(u, OVERLOAD)} ({u.name}) between softmax and P @ V has no SDPA equivalent")
         raise _NoMatch()
 
 
@@ -159,7 +156,7 @@ def _declined_above(stop: fx.Node | None) -> None:
     above `stop` (Q @ K^T within a few ops), this is attention the rewrite cannot take, and it says where."""
     if stop is None or not _reached_from_product(stop):
         return
-    raise Reject(f"{_opname(stop)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
+    raise Reject(f"{op_name(stop, OVERLOAD)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
 
 
 def _reached_from_product(n: fx.Node, depth: int = 4) -> bool:

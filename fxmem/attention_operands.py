@@ -7,8 +7,9 @@ import torch
 from torch import fx
 
 from .attention_constants import scale_operands
-from .attention_nodes import EINSUM, aten, consumers, dtype, is_op, norm_dim, same_shape, shape, sym_shape, val
+from .attention_nodes import EINSUM, aten, consumers, dtype, is_op, norm_dim, same_shape, shape, sym_shape
 from .attention_site import AttentionSite, Reject
+from .node_value import node_value
 
 
 def _identity_slice(n: fx.Node) -> bool:
@@ -120,7 +121,7 @@ def check_shapes(site: AttentionSite) -> None:
     q, v = site.q, site.v
     k = site.k if site.k is not None else site.k_transposed
     for name, n in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(n, fx.Node) or not isinstance(val(n), torch.Tensor):
+        if not isinstance(n, fx.Node) or node_value(n, tensor_only=True) is None:
             raise Reject(f"{name} is not a tensor")
     dts = {dtype(q), dtype(k), dtype(v), dtype(site.scores), dtype(site.output)}
     if len(dts) != 1:

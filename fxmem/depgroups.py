@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from .node_value import node_value
+from .ops import op_name
 from .program import module_path
 
 aten = torch.ops.aten
@@ -39,30 +41,13 @@ _FACTORY_LIKE = {"new_zeros", "new_empty", "new_ones"}
 _SCATTER = {"scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce", "scatter_reduce_"}
 
 
-def _name(n: fx.Node) -> str:
-    t = n.target
-    if n.op != "call_function":
-        return ""
-    pkt = getattr(t, "overloadpacket", None)
-    if pkt is not None:
-        return str(pkt).split(".")[-1]
-    return getattr(t, "__name__", str(t))
-
-
-def _val(n):
-    if not isinstance(n, fx.Node):
-        return None
-    v = n.meta.get("fxmem_val", n.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _ndim(n) -> int | None:
-    v = _val(n)
+    v = node_value(n, tensor_only=True)
     return None if v is None else v.dim()
 
 
 def _size(n, d) -> int | None:
-    v = _val(n)
+    v = node_value(n, tensor_only=True)
     if v is None or d < 0 or d >= v.dim():
         return None
     try:
@@ -139,7 +124,7 @@ def _weight_op(gm, n: fx.Node):
     """(kind, weight node, bias node|None) when `n` is a linear/conv with a parameter weight, else None."""
     if n.op != "call_function":
         return None
-    nm = _name(n)
+    nm = op_name(n, calls_only=True)
     if nm == "linear":
         w = n.args[1]
         b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
@@ -196,7 +181,7 @@ def probe_nodes(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
         if wo is None:
             continue
         x = n.args[_input_index(wo[0])]
-        if not isinstance(x, fx.Node) or _val(x) is None:
+        if not isinstance(x, fx.Node) or node_value(x, tensor_only=True) is None:
             continue
         nd = _ndim(x)
         if nd is None:
@@ -295,13 +280,14 @@ def _check_closed(gm, g: Group) -> None:
         for u in n.users:
             if u.name in g.members or u.name in consumers:
                 continue
-            if _name(u) in ("sym_size", "size") or _name(u).startswith("_assert"):
+            user_op = op_name(u, calls_only=True)
+            if user_op in ("sym_size", "size") or user_op.startswith("_assert"):
                 continue
-            raise _Reject(f"channels coupled through {u.name} ({_name(u) or u.op}), which reads {n.name}")
+            raise _Reject(f"channels coupled through {u.name} ({user_op or u.op}), which reads {n.name}")
 
 
 def _kind(gm, g: Group) -> str:
-    names = {_name(n) for n in gm.graph.nodes if n.name in g.members}
+    names = {op_name(n, calls_only=True) for n in gm.graph.nodes if n.name in g.members}
     if len(g.producers) > 1:
         return "residual" if names & {"add", "add_", "sub", "sub_"} else "swiglu"
     if names & _SCATTER:
@@ -347,7 +333,8 @@ def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr
     if _size(o, od) == g.size and _reaches_from(gm, o, g.members):
         raise _Defer()  # o is computed from the group: visit u again when o joins
     if _size(o, od) != g.size:
-        raise _Reject(f"{u.name} ({_name(u)}): operand {o.name} has size {_size(o, od)} on the channel dim")
+        raise _Reject(f"{u.name} ({op_name(u, calls_only=True)}): operand {o.name} has size {_size(o, od)} "
+                      f"on the channel dim")
     if o.op == "get_attr":
         if attr_uses.get(id(_safe_attr(gm, o.target)), 0) != 1:
             raise _Reject(f"{u.name}: per-channel tensor {o.target} is shared with other ops")
@@ -360,12 +347,12 @@ def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr
         wo = _weight_op(gm, x)
         if wo is not None and _out_channel_dim(wo[0], x) == od:
             break
-        if _name(x) in _UNARY and isinstance(x.args[0], fx.Node):
+        if op_name(x, calls_only=True) in _UNARY and isinstance(x.args[0], fx.Node):
             chain.append(x)
             x = x.args[0]
             continue
-        raise _Reject(f"channels coupled through {u.name} ({_name(u)}) with {o.name} "
-                      f"({_name(o) or o.op}, e.g. a residual stream)")
+        raise _Reject(f"channels coupled through {u.name} ({op_name(u, calls_only=True)}) with {o.name} "
+                      f"({op_name(o, calls_only=True) or o.op}, e.g. a residual stream)")
     _add_producer(gm, g, x, attr_uses)
     _add_member(g, x, od, queue)
 
@@ -379,7 +366,7 @@ def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
         raise _Reject(f"{x.name} is a graph output")
     if u.op != "call_function":
         raise _Reject(f"{x.name} is used by {u.op} {u.target}")
-    nm = _name(u)
+    nm = op_name(u, calls_only=True)
     weight_op = _weight_op(gm, u)
     if weight_op is not None:
         _visit_consumer(gm, g, x, d, u, weight_op, attr_uses)
@@ -445,7 +432,7 @@ def _visit_consumer(gm, g: Group, x: fx.Node, d: int, u: fx.Node, weight_op, att
 
 def _visit_binary(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
     """add/sub/mul/div: the other operand must broadcast over the channels, be per-channel, or join the group."""
-    nm, nd = _name(u), _ndim(u)
+    nm, nd = op_name(u, calls_only=True), _ndim(u)
     if nd is None:
         raise _Reject(f"{u.name}: no shape metadata")
     od = d + (nd - (_ndim(x) or nd))
@@ -459,7 +446,7 @@ def _visit_binary(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses
 
 def _visit_batch_norm(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
     """A batch/instance norm over the channels: its affine parameters and statistics join the group."""
-    nm = _name(u)
+    nm = op_name(u, calls_only=True)
     if d != 1 or u.args[0] is not x:
         raise _Reject(f"{u.name} ({nm}) normalizes dim 1, channels are on dim {d}")
     for a in u.args[1:5]:
@@ -467,21 +454,21 @@ def _visit_batch_norm(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
             if a.op != "get_attr":
                 raise _Reject(f"{u.name}: normalization statistics {a.name} are not parameters/buffers")
             g.params.append((a.target, 0))
-    if isinstance(_val(u), torch.Tensor):
+    if isinstance(node_value(u, tensor_only=True), torch.Tensor):
         _add_member(g, u, d, queue)
         return
     # tuple-returning variants: follow getitem 0
     for gu in list(u.users):
-        if _name(gu) == "getitem" and gu.args[1] == 0:
+        if op_name(gu, calls_only=True) == "getitem" and gu.args[1] == 0:
             _add_member(g, gu, d, queue)
-        elif _name(gu) == "getitem":
+        elif op_name(gu, calls_only=True) == "getitem":
             raise _Reject(f"{u.name}: statistics output {gu.name} used")
     g.members[u.name] = d
 
 
 def _visit_scatter(gm, g: Group, d: int, u: fx.Node, queue, attr_uses):
     """scatter_add/index_add/scatter_reduce over another dim (a GNN's aggregation): its other tensors must fit."""
-    nm, nd = _name(u), _ndim(u)
+    nm, nd = op_name(u, calls_only=True), _ndim(u)
     dim = _norm_dim(u.args[1], nd)
     if dim == d:
         raise _Reject(f"{u.name}: {nm} over the channel dim")
@@ -495,7 +482,7 @@ def _visit_scatter(gm, g: Group, d: int, u: fx.Node, queue, attr_uses):
 
 def _visit_view(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
     """A view/reshape that keeps the channels as the last dim (its shape literal recorded to slice with them)."""
-    nm = _name(u)
+    nm = op_name(u, calls_only=True)
     xin = _ndim(x)
     shape = list(u.args[1])
     if u.args[0] is not x or d != xin - 1 or not shape:

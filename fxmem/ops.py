@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import fx
 
 aten = torch.ops.aten
 
@@ -444,16 +445,37 @@ def category(op) -> str:
     return OTHER
 
 
-def op_name(op) -> str:
-    return str(op)
+QUALIFIED = "qualified"  # "aten.softmax.int": str(op), what `fxmem.nn.remat.op_named` reads back
+OVERLOAD = "overload"  # "softmax.int": the op's __name__
+PACKET = "packet"  # "softmax": the overload packet's name (a python function's __name__)
+
+
+def op_name(op, form: str = PACKET, *, calls_only: bool = False) -> str:
+    """The name of `op`: an aten OpOverload or OpOverloadPacket, a python callable, or an fx node, named by the
+    op it calls in the chosen `form` (above). A callable without a __name__ is named by str().
+
+    A node that calls no function (placeholder, get_attr, call_module, call_method, output) is named by its
+    target (a module path, a method name), or "" with `calls_only` (for matching against op names).
+    """
+    if isinstance(op, fx.Node):
+        if op.op != "call_function":
+            return "" if calls_only else str(op.target)
+        op = op.target
+    if form == QUALIFIED:
+        return str(op)
+    packet_op = getattr(op, "overloadpacket", None)
+    if form == PACKET and packet_op is not None:
+        return str(packet_op).split(".")[-1]
+    return str(getattr(op, "__name__", op))
 
 
 _PACKETS: dict = {}
 
 
 def packet(op) -> str:
-    """The op's packet name ("gelu" for aten.gelu.default; a plain callable's own name), cached: selective
-    checkpoint policies ask it for every op they see."""
+    """The packet name of a dispatcher op ("gelu" for aten.gelu.default), cached: selective checkpoint policies
+    and the cost model ask it for every op they see. A plain callable gets the last dotted part of its str(), not
+    its __name__: name graph targets with `op_name`."""
     try:
         return _PACKETS[op]
     except KeyError:

@@ -21,7 +21,6 @@ from torch import fx
 
 from fxmem.attention_constants import emit_scale
 from fxmem.attention_match import existing_sdpa, find_attention, glob_match
-from fxmem.attention_nodes import val
 from fxmem.attention_projection import trace_projection
 from fxmem.attention_rows import SdpaCall, emit_fully_masked_rows
 from fxmem.attention_site import AttentionSite
@@ -29,6 +28,7 @@ from fxmem.costmodel import node_costs
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import exclusion_steps, first_accepted, guard_for
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
+from fxmem.node_value import node_value
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, is_impure
 from fxmem.sdpa_backend import probe_backend
@@ -320,10 +320,10 @@ def _emit_sdpa(program: Program, site: AttentionSite, opts) -> tuple[fx.Node, di
 def _with_fully_masked_rows(g: fx.Graph, site: AttentionSite, call: SdpaCall, out: fx.Node) -> fx.Node:
     """`out` whose rows the additive mask masks fully get eager attention's value and gradient
     (`fxmem.attention_rows`); `out` itself where the mask is not a float tensor."""
-    mask_val = val(site.masks[0].node)
+    mask_val = node_value(site.masks[0].node)
     if not isinstance(mask_val, torch.Tensor) or not mask_val.is_floating_point():
         return out
-    return emit_fully_masked_rows(g, call, out, mask_val.dtype, len(val(site.q).shape) + (site.batch_dims == 1))
+    return emit_fully_masked_rows(g, call, out, mask_val.dtype, len(node_value(site.q).shape) + (site.batch_dims == 1))
 
 
 def _replace(g: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:

@@ -19,7 +19,9 @@ from torch import fx
 
 from fxmem.calibrate import normalize_item
 from fxmem.errors import PolicyError
+from fxmem.node_value import EXPORT, node_value
 from fxmem.nn.gating import GatedResidual, reset_skip_stats, skip_stats
+from fxmem.ops import op_name
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path, module_stack
@@ -54,18 +56,6 @@ def validate(o: GatingOptions) -> None:
         raise PolicyError(f"passes.gating.reduction: must be >= 1, got {o.reduction}")
     if not o.targets:
         raise PolicyError("passes.gating.targets: empty; use [auto] or module path globs")
-
-
-def _name(n: fx.Node) -> str:
-    if n.op != "call_function":
-        return ""
-    pkt = getattr(n.target, "overloadpacket", None)
-    return str(pkt).split(".")[-1] if pkt is not None else getattr(n.target, "__name__", "")
-
-
-def _val(n):
-    v = n.meta.get("fxmem_val", n.meta.get("val")) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 @dataclass
@@ -103,7 +93,7 @@ def _ancestors(y: fx.Node) -> set:
 def _label(nodes) -> tuple[str, list]:
     def is_norm(n):
         st = module_stack(n)
-        return _name(n) in _NORMS or (st and "norm" in st[-1][1].lower())
+        return op_name(n, calls_only=True) in _NORMS or (st and "norm" in st[-1][1].lower())
     paths = [module_path(n).split(".") for n in nodes if n.op == "call_function" and not is_norm(n)
              and module_path(n)]
     if not paths:
@@ -127,12 +117,13 @@ def find_branches(gm: fx.GraphModule, min_ops: int = 1) -> list[Branch]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     out = []
     for add in gm.graph.nodes:
-        if _name(add) != "add" or add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        if op_name(add, calls_only=True) != "add" or add.target is not aten.add.Tensor or len(add.args) != 2 \
+                or add.kwargs:
             continue
         a, b = add.args
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             continue
-        va, vb, vo = _val(a), _val(b), _val(add)
+        va, vb, vo = (node_value(operand, tensor_only=True) for operand in (a, b, add))
         if va is None or vb is None or vo is None or tuple(va.shape) != tuple(vb.shape) \
                 or tuple(vo.shape) != tuple(va.shape) or not va.is_floating_point():
             continue
@@ -143,12 +134,12 @@ def find_branches(gm: fx.GraphModule, min_ops: int = 1) -> list[Branch]:
             if y not in desc:
                 continue
             body = [n for n in _ancestors(y) if n in desc and n.op != "get_attr"]
-            if sum(_name(n) in _EXPENSIVE for n in body) < min_ops:
+            if sum(op_name(n, calls_only=True) in _EXPENSIVE for n in body) < min_ops:
                 continue
             members = set(body)
             for n in list(body):  # shape/metadata assertions on branch values go with the branch
                 for u in n.users:
-                    if u not in members and _name(u).startswith("_assert") and not u.users:
+                    if u not in members and op_name(u, calls_only=True).startswith("_assert") and not u.users:
                         members.add(u)
                         body.append(u)
             if any(u not in members and u is not add for n in body for u in n.users):
@@ -178,14 +169,14 @@ def _chosen(br: Branch, targets: list[str]) -> str | None:
 def _localize_sizes(gm: fx.GraphModule, br: Branch) -> None:
     """Sizes of x the branch reads from outside (sym_size nodes) are re-read from x inside the branch, so the
     branch can run on a subset of rows."""
-    vx = br.x.meta.get("val")
+    vx = node_value(br.x, source=EXPORT)
     if not isinstance(vx, torch.Tensor):
         return
     members = set(br.nodes)
     for s in list({a for n in br.nodes for a in n.all_input_nodes if a not in members}):
         if s.op != "call_function" or s.target is not aten.sym_size.int:
             continue
-        sv = s.meta.get("val")
+        sv = node_value(s, source=EXPORT)
         dims = [k for k in range(vx.dim()) if str(vx.shape[k]) == str(sv)]
         if not dims:
             continue
@@ -202,9 +193,9 @@ def _row_safe(br: Branch, inputs: list) -> tuple[bool, str]:
     for a in inputs:
         if a is br.x or a.op == "get_attr":
             continue
-        v = a.meta.get("val")
+        v = node_value(a, source=EXPORT)
         if isinstance(v, torch.Tensor):
-            if v.dim() == 0 or _not_per_row(v, br.x.meta.get("val")):
+            if v.dim() == 0 or _not_per_row(v, node_value(br.x, source=EXPORT)):
                 continue
             return False, f"the branch also reads tensor {a.name} from outside (per-row coupling unknown)"
         if a.op == "call_function" and a.target is aten.sym_size.int:
@@ -260,7 +251,7 @@ class GatingPass(Pass):
                 notes.append(f"{br.label}: the branch does not read its residual stream directly; not gated")
                 continue
             x_index = inputs.index(br.x)
-            vx = _val(br.x)
+            vx = node_value(br.x, tensor_only=True)
             fdim = 1 if vx.dim() == 4 else -1
             feats = int(vx.shape[fdim])
             safe, why_not = _row_safe(br, inputs)

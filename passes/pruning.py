@@ -27,6 +27,7 @@ from fxmem.depgroups import Group, attr_of, find_groups, slice_group
 from fxmem.errors import PolicyError
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import first_accepted, guard_for
+from fxmem.node_value import node_value
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path
 
@@ -301,15 +302,13 @@ class PruningPass(Pass):
 
 def node_flops(gm: fx.GraphModule) -> dict[str, int]:
     """Forward FLOPs per call_function node from `fxmem.ops` and the nodes' example-shape metadata."""
-
-    def meta(a):
-        return a.meta.get("fxmem_val", a.meta.get("val")) if isinstance(a, fx.Node) else a
     out = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or "fxmem_val" not in n.meta:
             continue
         try:
-            args = tuple(meta(a) if not isinstance(a, (list, tuple)) else type(a)(meta(x) for x in a)
+            args = tuple(node_value(a, literals=True) if not isinstance(a, (list, tuple))
+                         else type(a)(node_value(x, literals=True) for x in a)
                          for a in n.args)
             out[n.name] = int(optable.flops(n.target, args, n.meta["fxmem_val"]) or 0)
         except Exception:  # noqa: BLE001 - an op without a FLOP rule counts 0
@@ -323,7 +322,7 @@ def _fix_dims(gm, masks: dict) -> dict:
     out = {}
     for probe, (d, idx, fill) in masks.items():
         if d < 0:
-            v = nodes[probe].meta.get("fxmem_val", nodes[probe].meta.get("val"))
+            v = node_value(nodes[probe])
             d = v.dim() + d
         out[probe] = (d, idx, fill)
     return out
