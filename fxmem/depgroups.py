@@ -503,13 +503,13 @@ def _visit_view(group: Group, member: fx.Node, channel_dim: int, user: fx.Node, 
 
 
 # ---------------------------------------------------------------------------------------------- slicing
-def _private_owner(gm: nn.Module, prefix: str) -> nn.Module:
+def _private_owner(root: nn.Module, prefix: str) -> nn.Module:
     """The module at `prefix`, made private to `gm` first: every container on the path is replaced by a shallow
     copy (own parameter/buffer/module dicts). Snapshots may share containers with the program they came from,
     and rollback needs those untouched."""
-    parent = gm
+    parent = root
     if not prefix:
-        return gm
+        return root
     for item in prefix.split("."):
         child = parent._modules[item]
         private_copy = copy.copy(child)
