@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .node_value import node_value
 from .nn.attention import sdpa_dropout
+from .node_value import node_value
 
 BACKEND_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
