@@ -10,6 +10,7 @@ import torch
 from torch import fx
 
 from .attention_nodes import aten, attr_value, is_op
+from .node_value import SYMBOLIC, node_value
 
 
 def float_const(x) -> float | None:
@@ -78,12 +79,12 @@ def _is_scalar_node(x) -> bool:
     """A python scalar computed in the graph from shapes (SymInt/SymFloat arithmetic, sym_size)."""
     if not isinstance(x, fx.Node) or x.op != "call_function":
         return False
-    v = x.meta.get("val", x.meta.get("fxmem_val"))
+    v = node_value(x, source=SYMBOLIC)
     return isinstance(v, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(v, bool)
 
 
 def _scalar_example(x) -> float | None:
-    v = x.meta.get("fxmem_val", x.meta.get("val"))
+    v = node_value(x)
     try:
         return float(v)
     except (TypeError, ValueError):

@@ -24,6 +24,7 @@ from .attention_nodes import (ASSERTS, CASTS, DROPOUT, EINSUM, MATMUL, SDPA, SOF
 from .attention_operands import check_shapes, qk_operands, v_operand
 from .attention_precision import check_precision, record_change, softmax_output_dtype
 from .attention_site import AttentionSite, MaskTerm, Reject
+from .ops import OVERLOAD, op_name
 from .program import Program, module_path
 
 
@@ -38,21 +39,21 @@ class _NoMatch(Exception):
 def find_attention(program: Program | fx.GraphModule) -> list[AttentionSite]:
     """Every attention computation in the graph, rewritable (`site.ok`) or with the reason it is not."""
     if isinstance(program, Program) and any(
-            n.op == "call_function" and "fxmem_val" not in n.meta for n in program.graph.nodes):
+            node.op == "call_function" and "fxmem_val" not in node.meta for node in program.graph.nodes):
         program.refresh()  # concrete example shapes for the checks
     graph = program.graph
     sites = []
     claimed: set = set()
-    for n in list(graph.nodes):
-        if not is_op(n, SOFTMAX):
+    for node in list(graph.nodes):
+        if not is_op(node, SOFTMAX):
             continue
-        site = AttentionSite(module=module_path(n), softmax=n)
+        site = AttentionSite(module=module_path(node), softmax=node)
         try:
             _match(site)
         except _NoMatch:
             continue
-        except Reject as e:
-            site.reason = str(e)
+        except Reject as rejection:
+            site.reason = str(rejection)
         if site.ok and claimed.intersection(site.nodes):
             site.reason = "overlaps another attention site"
         claimed.update(site.nodes)
@@ -61,41 +62,37 @@ def find_attention(program: Program | fx.GraphModule) -> list[AttentionSite]:
 
 
 def _match(site: AttentionSite) -> None:
-    sm = site.softmax
+    softmax = site.softmax
     # ---- the value product below the softmax (decides whether this is attention at all)
     chain_down, out_node, p_node = _walk_down(site)
     site.output = out_node
     # ---- the score product above the softmax
     try:
         chain_up, scores = _walk_up(site)
-    except _NoMatch as e:
-        _declined_above(e.stop)
+    except _NoMatch as no_match:
+        _declined_above(no_match.stop)
         raise
     site.scores = scores
     qk_operands(site, scores)
     v_operand(site, out_node, p_node)
     # ---- checks
     _check_softmax(site)
-    nodes = set(chain_up) | {sm} | set(chain_down) | {scores, out_node}
-    site.nodes = _ordered(sm.graph, nodes)
-    for n in site.nodes:
-        if n is out_node:
+    nodes = set(chain_up) | {softmax} | set(chain_down) | {scores, out_node}
+    site.nodes = _ordered(softmax.graph, nodes)
+    for node in site.nodes:
+        if node is out_node:
             continue
-        for u in n.users:
-            if u not in nodes and not is_op(u, ASSERTS):
-                raise Reject(f"intermediate {n.name} ({_opname(n)}) is used outside the attention by {u.name} "
-                             f"(e.g. returned attention weights)")
+        for user in node.users:
+            if user not in nodes and not is_op(user, ASSERTS):
+                raise Reject(f"intermediate {node.name} ({op_name(node, OVERLOAD)}) is used outside the attention by "
+                             f"{user.name} (e.g. returned attention weights)")
     # assert nodes hanging off the chain go too
-    extra = [u for n in site.nodes for u in n.users if is_op(u, ASSERTS)]
-    site.nodes = _ordered(sm.graph, set(site.nodes) | set(extra))
+    extra = [user for node in site.nodes for user in node.users if is_op(user, ASSERTS)]
+    site.nodes = _ordered(softmax.graph, set(site.nodes) | set(extra))
     check_precision(site)
     check_shapes(site)
     finish_masks(site)
     site.scale_value = scale_value(site.scale)
-
-
-def _opname(n) -> str:
-    return str(getattr(n.target, "__name__", n.target))
 
 
 def _ordered(graph, nodes) -> list:
@@ -103,45 +100,45 @@ def _ordered(graph, nodes) -> list:
 
 
 def _walk_down(site: AttentionSite):
-    sm = site.softmax
+    softmax = site.softmax
     chain = []
-    cur = sm
+    cur = softmax
     dropout_seen = False
     while True:
-        us = consumers(cur)
-        if len(us) != 1:
-            if not us:
+        users = consumers(cur)
+        if len(users) != 1:
+            if not users:
                 raise _NoMatch()
             # several users of the probabilities: attention only if one of them is a value product
-            if any(is_op(u, MATMUL | EINSUM) for u in us):
+            if any(is_op(user, MATMUL | EINSUM) for user in users):
                 raise Reject(f"the attention probabilities ({cur.name}) are used outside the attention "
-                             f"({', '.join(u.name for u in us)}), e.g. returned attention weights")
+                             f"({', '.join(user.name for user in users)}), e.g. returned attention weights")
             raise _NoMatch()
-        u = us[0]
-        if is_op(u, MATMUL | EINSUM):
-            if is_op(u, MATMUL) and u.args[0] is not cur:
+        user = users[0]
+        if is_op(user, MATMUL | EINSUM):
+            if is_op(user, MATMUL) and user.args[0] is not cur:
                 raise _NoMatch()
-            return chain, u, cur
-        if is_op(u, CASTS):
-            _cast_step(site, cur, u, "probabilities")
-            chain.append(u)
-            cur = u
+            return chain, user, cur
+        if is_op(user, CASTS):
+            _cast_step(site, cur, user, "probabilities")
+            chain.append(user)
+            cur = user
             continue
-        if is_op(u, DROPOUT):
+        if is_op(user, DROPOUT):
             if dropout_seen:
                 raise Reject("two dropouts on the attention probabilities")
             dropout_seen = True
-            p = u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.5)
-            train = u.args[2] if len(u.args) > 2 else u.kwargs.get("train", True)
-            if not isinstance(p, (int, float)):
-                raise Reject(f"dropout probability is not a constant ({p})")
-            site.dropout_p = float(p)
+            dropout_p = user.args[1] if len(user.args) > 1 else user.kwargs.get("p", 0.5)
+            train = user.args[2] if len(user.args) > 2 else user.kwargs.get("train", True)
+            if not isinstance(dropout_p, (int, float)):
+                raise Reject(f"dropout probability is not a constant ({dropout_p})")
+            site.dropout_p = float(dropout_p)
             site.dropout_train = train
-            chain.append(u)
-            cur = u
+            chain.append(user)
+            cur = user
             continue
-        if _reaches_matmul(u):
-            raise Reject(f"{_opname(u)} ({u.name}) between softmax and P @ V has no SDPA equivalent")
+        if _reaches_matmul(user):
+            raise Reject(f"{op_name(user, OVERLOAD)} ({user.name}) between softmax and P @ V has no SDPA equivalent")
         raise _NoMatch()
 
 
@@ -159,22 +156,22 @@ def _declined_above(stop: fx.Node | None) -> None:
     above `stop` (Q @ K^T within a few ops), this is attention the rewrite cannot take, and it says where."""
     if stop is None or not _reached_from_product(stop):
         return
-    raise Reject(f"{_opname(stop)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
+    raise Reject(f"{op_name(stop, OVERLOAD)} ({stop.name}) between Q @ K^T and the softmax has no SDPA equivalent")
 
 
-def _reached_from_product(n: fx.Node, depth: int = 4) -> bool:
-    """A matmul / einsum / baddbmm is among the inputs of `n`, at most `depth` ops up."""
-    if depth == 0 or not isinstance(n, fx.Node) or n.op != "call_function":
+def _reached_from_product(node: fx.Node, depth: int = 4) -> bool:
+    """A matmul / einsum / baddbmm is among the inputs of `node`, at most `depth` ops up."""
+    if depth == 0 or not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     return any(is_op(x, MATMUL | EINSUM | {aten.baddbmm.default}) or _reached_from_product(x, depth - 1)
-               for x in n.all_input_nodes)
+               for x in node.all_input_nodes)
 
 
-def _reaches_matmul(n: fx.Node, depth: int = 3) -> bool:
+def _reaches_matmul(node: fx.Node, depth: int = 3) -> bool:
     if depth == 0:
         return False
-    for u in n.users:
-        if is_op(u, MATMUL | EINSUM) or _reaches_matmul(u, depth - 1):
+    for user in node.users:
+        if is_op(user, MATMUL | EINSUM) or _reaches_matmul(user, depth - 1):
             return True
     return False
 
@@ -205,53 +202,53 @@ def _walk_up(site: AttentionSite):
             cur = cur.args[0]
             continue
         if is_op(cur, {aten.add.Tensor}):
-            a, b = cur.args[0], cur.args[1]
+            left, right = cur.args[0], cur.args[1]
             alpha = cur.kwargs.get("alpha", 1)
             if alpha != 1:
                 raise Reject(f"add with alpha={alpha} on the scores")
-            s, m = _pick_score_operand(a, b)
-            if s is None:
+            scores, mask = _pick_score_operand(left, right)
+            if scores is None:
                 raise _NoMatch(cur)
-            if not isinstance(m, fx.Node):
-                cur = s  # adding a constant to every score does not change the softmax... but keep it exact:
+            if not isinstance(mask, fx.Node):
+                cur = scores  # adding a constant to every score does not change the softmax... but keep it exact:
                 raise Reject("a scalar is added to the scores")
             if scale_seen:
                 raise Reject("the scale is applied after an additive mask (the mask would be scaled)")
-            _add_mask(site, m, cur, "additive", "add")
-            cur = s
+            _add_mask(site, mask, cur, "additive", "add")
+            cur = scores
             continue
         if is_op(cur, {aten.masked_fill.Scalar, aten.masked_fill.Tensor}):
-            s, m, fill = cur.args[0], cur.args[1], cur.args[2]
+            scores, mask, fill = cur.args[0], cur.args[1], cur.args[2]
             if not is_neg_inf(fill):
                 raise Reject(f"masked_fill with {float_const(fill)!r} instead of -inf is not a keep-mask "
                              "(a fully masked row would differ)")
-            _add_mask(site, m, cur, "drop", "masked_fill")
-            cur = s
+            _add_mask(site, mask, cur, "drop", "masked_fill")
+            cur = scores
             continue
         if is_op(cur, {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar}):
-            c, a, b = cur.args[0], cur.args[1], cur.args[2]
-            if is_neg_inf(b) and isinstance(a, fx.Node):
-                _add_mask(site, c, cur, "keep", "where")
-                cur = a
-            elif is_neg_inf(a) and isinstance(b, fx.Node):
-                _add_mask(site, c, cur, "drop", "where")
-                cur = b
+            condition, left, right = cur.args[0], cur.args[1], cur.args[2]
+            if is_neg_inf(right) and isinstance(left, fx.Node):
+                _add_mask(site, condition, cur, "keep", "where")
+                cur = left
+            elif is_neg_inf(left) and isinstance(right, fx.Node):
+                _add_mask(site, condition, cur, "drop", "where")
+                cur = right
             else:
                 raise Reject("where() on the scores with a value other than -inf")
             continue
         if is_op(cur, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
-            a, b = cur.args[0], cur.args[1]
+            left, right = cur.args[0], cur.args[1]
             if cur.kwargs.get("rounding_mode") is not None:
                 raise Reject("div with a rounding mode on the scores")
             op = "mul" if cur.target in (aten.mul.Tensor, aten.mul.Scalar) else "div"
-            f, s = scale_operands(a, b, op)
-            if f is None:
+            factor, scores = scale_operands(left, right, op)
+            if factor is None:
                 raise Reject(f"scores are multiplied by a tensor ({cur.name}), not a scalar")
-            if isinstance(f, float) and not f > 0:
-                raise Reject(f"scale {f} is not positive")
-            site.scale.append((op, f))
+            if isinstance(factor, float) and not factor > 0:
+                raise Reject(f"scale {factor} is not positive")
+            site.scale.append((op, factor))
             scale_seen = True
-            cur = s
+            cur = scores
             continue
         if is_op(cur, DROPOUT):
             raise Reject("dropout on the scores before the softmax (SDPA drops probabilities)")
@@ -259,62 +256,63 @@ def _walk_up(site: AttentionSite):
     raise Reject("more than 32 ops between the softmax and the score product")
 
 
-def _pick_score_operand(a, b):
+def _pick_score_operand(left, right):
     """Which operand of an add is the scores path (reaches a matmul within a few hops)?"""
-    def reaches(n, depth=8):
-        if not isinstance(n, fx.Node):
+    def reaches(node, depth=8):
+        if not isinstance(node, fx.Node):
             return False
-        if is_op(n, MATMUL | EINSUM | {aten.baddbmm.default}):
+        if is_op(node, MATMUL | EINSUM | {aten.baddbmm.default}):
             return True
-        if depth == 0 or n.op != "call_function":
+        if depth == 0 or node.op != "call_function":
             return False
-        return any(reaches(x, depth - 1) for x in n.args if isinstance(x, fx.Node))
-    ra, rb = reaches(a), reaches(b)
-    if ra and not rb:
-        return a, b
-    if rb and not ra:
-        return b, a
-    if ra and rb:
+        return any(reaches(x, depth - 1) for x in node.args if isinstance(x, fx.Node))
+    left_reaches, right_reaches = reaches(left), reaches(right)
+    if left_reaches and not right_reaches:
+        return left, right
+    if right_reaches and not left_reaches:
+        return right, left
+    if left_reaches and right_reaches:
         # both reach a product: the one with the score shape that is not a mask-like broadcast
-        sa, sb = shape(a), shape(b)
-        if sa is not None and sb is not None and sa != sb:
-            return (a, b) if math.prod(sa) >= math.prod(sb) else (b, a)
+        left_shape, right_shape = shape(left), shape(right)
+        if left_shape is not None and right_shape is not None and left_shape != right_shape:
+            return (left, right) if math.prod(left_shape) >= math.prod(right_shape) else (right, left)
         raise Reject("cannot tell the scores from the mask in an add of two products")
     return None, None
 
 
-def _add_mask(site, m, at: fx.Node, kind: str, source: str) -> None:
-    if not isinstance(m, fx.Node):
+def _add_mask(site, mask, masked: fx.Node, kind: str, source: str) -> None:
+    if not isinstance(mask, fx.Node):
         raise Reject(f"{source} mask is not a tensor")
-    md = dtype(m)
+    mask_dtype = dtype(mask)
     if kind in ("keep", "drop"):
-        if md != torch.bool:
-            raise Reject(f"{source} condition has dtype {md}, expected bool")
+        if mask_dtype != torch.bool:
+            raise Reject(f"{source} condition has dtype {mask_dtype}, expected bool")
     else:
-        if md == torch.bool:
-            raise Reject(f"a bool tensor is added to the scores ({m.name})")
+        if mask_dtype == torch.bool:
+            raise Reject(f"a bool tensor is added to the scores ({mask.name})")
     # the mask must broadcast into the scores without enlarging them
-    ms, os_ = shape(m), shape(at)
-    if ms is None or os_ is None:
-        raise Reject(f"unknown shape of the mask {m.name}")
-    if len(ms) > len(os_) or any(x not in (1, y) for x, y in zip(ms[::-1], os_[::-1])):
-        raise Reject(f"mask {m.name} of shape {ms} does not broadcast into the scores {os_}")
-    site.masks.append(MaskTerm(kind=kind, node=m, source=source))
-    site.masks[-1].at = at  # type: ignore[attr-defined]
+    mask_shape, scores_shape = shape(mask), shape(masked)
+    if mask_shape is None or scores_shape is None:
+        raise Reject(f"unknown shape of the mask {mask.name}")
+    if len(mask_shape) > len(scores_shape) \
+            or any(x not in (1, y) for x, y in zip(mask_shape[::-1], scores_shape[::-1])):
+        raise Reject(f"mask {mask.name} of shape {mask_shape} does not broadcast into the scores {scores_shape}")
+    site.masks.append(MaskTerm(kind=kind, node=mask, source=source))
+    site.masks[-1].at = masked  # type: ignore[attr-defined]
 
 
 def _check_softmax(site: AttentionSite) -> None:
-    sm = site.softmax
-    x = sm.args[0]
-    s = shape(x)
-    if s is None:
+    softmax = site.softmax
+    scores = softmax.args[0]
+    scores_shape = shape(scores)
+    if scores_shape is None:
         raise Reject("unknown shape of the scores")
-    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
-    if norm_dim(int(dim), len(s)) != len(s) - 1:
+    dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+    if norm_dim(int(dim), len(scores_shape)) != len(scores_shape) - 1:
         raise Reject(f"softmax over dim {dim}, not the key dim (last)")
-    wider = softmax_output_dtype(sm)
+    wider = softmax_output_dtype(softmax)
     if wider is not None:
-        record_change(site, sm, dtype(x), wider, "softmax")
+        record_change(site, softmax, dtype(scores), wider, "softmax")
 
 
 def existing_sdpa(program) -> list[fx.Node]:

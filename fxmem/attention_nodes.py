@@ -1,11 +1,11 @@
-"""What the attention matcher reads off an aten-level fx node: the op sets it looks for, the example value,
+"""What the attention matcher reads off an aten-level fx node: the op sets it looks for, the example value's
 shape and dtype, the users past metadata asserts, the tensor a get_attr names."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import fx
+
+from .node_value import SYMBOLIC, node_value
 
 
 aten = torch.ops.aten
@@ -27,21 +27,9 @@ def is_op(n, targets) -> bool:
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
 
 
-def val(n) -> Any:
-    """Concrete example value (FakeTensor / python scalar) if refreshed, else the symbolic export value."""
-    if not isinstance(n, fx.Node):
-        return n
-    v = n.meta.get("fxmem_val")
-    return v if v is not None else n.meta.get("val")
-
-
 def sym_shape(n) -> tuple | None:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    if v is None:
-        v = n.meta.get("fxmem_val") if isinstance(n, fx.Node) else None
-    if not isinstance(v, torch.Tensor):
-        return None
-    return tuple(str(s) for s in v.shape)
+    v = node_value(n, source=SYMBOLIC, tensor_only=True)
+    return None if v is None else tuple(str(s) for s in v.shape)
 
 
 def _as_int(s) -> int:
@@ -53,17 +41,17 @@ def _as_int(s) -> int:
 
 
 def shape(n) -> tuple | None:
-    v = val(n)
+    v = node_value(n)
     return tuple(_as_int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def dtype(n):
-    v = val(n)
+    v = node_value(n)
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def device(n):
-    v = val(n)
+    v = node_value(n)
     return v.device if isinstance(v, torch.Tensor) else None
 
 

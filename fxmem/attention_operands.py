@@ -7,58 +7,59 @@ import torch
 from torch import fx
 
 from .attention_constants import scale_operands
-from .attention_nodes import EINSUM, aten, consumers, dtype, is_op, norm_dim, same_shape, shape, sym_shape, val
+from .attention_nodes import EINSUM, aten, consumers, dtype, is_op, norm_dim, same_shape, shape, sym_shape
 from .attention_site import AttentionSite, Reject
+from .node_value import node_value
 
 
-def _identity_slice(n: fx.Node) -> bool:
-    if not is_op(n, {aten.slice.Tensor}):
+def _identity_slice(node: fx.Node) -> bool:
+    if not is_op(node, {aten.slice.Tensor}):
         return False
-    a = list(n.args) + [None] * (5 - len(n.args))
-    start, step = a[2], a[4] if a[4] is not None else 1
-    return start in (None, 0) and step == 1 and same_shape(n, n.args[0])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, step = args[2], args[4] if args[4] is not None else 1
+    return start in (None, 0) and step == 1 and same_shape(node, node.args[0])
 
 
-def _peel_transpose(kt: fx.Node) -> fx.Node | None:
+def _peel_transpose(key_t: fx.Node) -> fx.Node | None:
     """K from K^T when K^T is a transpose of the last two dims (transpose / permute / mT)."""
-    s = shape(kt)
-    if s is None:
+    key_shape = shape(key_t)
+    if key_shape is None:
         return None
-    nd = len(s)
-    if is_op(kt, {aten.transpose.int}):
-        d = {norm_dim(kt.args[1], nd), norm_dim(kt.args[2], nd)}
-        if d == {nd - 2, nd - 1}:
-            return kt.args[0]
-    if is_op(kt, {aten.permute.default}):
-        perm = [norm_dim(p, nd) for p in kt.args[1]]
-        if perm == list(range(nd - 2)) + [nd - 1, nd - 2]:
-            return kt.args[0]
-    if is_op(kt, {aten.t.default, aten.numpy_T.default}) and nd == 2:
-        return kt.args[0]
+    ndim = len(key_shape)
+    if is_op(key_t, {aten.transpose.int}):
+        dims = {norm_dim(key_t.args[1], ndim), norm_dim(key_t.args[2], ndim)}
+        if dims == {ndim - 2, ndim - 1}:
+            return key_t.args[0]
+    if is_op(key_t, {aten.permute.default}):
+        perm = [norm_dim(p, ndim) for p in key_t.args[1]]
+        if perm == list(range(ndim - 2)) + [ndim - 1, ndim - 2]:
+            return key_t.args[0]
+    if is_op(key_t, {aten.t.default, aten.numpy_T.default}) and ndim == 2:
+        return key_t.args[0]
     return None
 
 
-def _peel_scale(site, x: fx.Node) -> fx.Node:
+def _peel_scale(site, node: fx.Node) -> fx.Node:
     """Scale factors applied to q or k (x * c, x / c) become part of the SDPA scale."""
-    while is_op(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}) \
-            and x.kwargs.get("rounding_mode") is None:
-        op = "mul" if x.target in (aten.mul.Tensor, aten.mul.Scalar) else "div"
-        f, s = scale_operands(x.args[0], x.args[1], op)
-        if f is None or len(consumers(x)) != 1:
+    while is_op(node, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}) \
+            and node.kwargs.get("rounding_mode") is None:
+        op = "mul" if node.target in (aten.mul.Tensor, aten.mul.Scalar) else "div"
+        factor, scaled = scale_operands(node.args[0], node.args[1], op)
+        if factor is None or len(consumers(node)) != 1:
             break
-        if isinstance(f, float) and not f > 0:
-            raise Reject(f"scale {f} on q/k is not positive")
-        site.scale.append((op, f))
-        site._peeled.append(x)  # type: ignore[attr-defined]
-        x = s
-    return x
+        if isinstance(factor, float) and not factor > 0:
+            raise Reject(f"scale {factor} on q/k is not positive")
+        site.scale.append((op, factor))
+        site._peeled.append(node)  # type: ignore[attr-defined]
+        node = scaled
+    return node
 
 
-def _parse_einsum(eq: str):
-    eq = eq.replace(" ", "")
-    if "->" not in eq or "." in eq:
+def _parse_einsum(equation: str):
+    equation = equation.replace(" ", "")
+    if "->" not in equation or "." in equation:
         return None
-    lhs, out = eq.split("->")
+    lhs, out = equation.split("->")
     ops = lhs.split(",")
     if len(ops) != 2:
         return None
@@ -69,45 +70,48 @@ def qk_operands(site: AttentionSite, scores: fx.Node) -> None:
     """Set `site.q` and `site.k` (or `site.k_transposed`) from the score product, peeling scales and transposes."""
     site._peeled = []  # type: ignore[attr-defined]
     if is_op(scores, {aten.baddbmm.default}):
-        q, kt = scores.args[1], scores.args[2]
+        query, key_t = scores.args[1], scores.args[2]
     elif is_op(scores, EINSUM):
-        p = _parse_einsum(scores.args[0])
-        if p is None or len(scores.args[1]) != 2:
+        parsed = _parse_einsum(scores.args[0])
+        if parsed is None or len(scores.args[1]) != 2:
             raise Reject(f"einsum {scores.args[0]!r} is not a plain two-operand product")
-        a, b, o = p
-        q, kk = scores.args[1]
+        query_subs, key_subs, out_subs = parsed
+        query, key_operand = scores.args[1]
         # q: P i c ; k: P j c (or P c j) ; out: P i j
-        if not (len(a) == len(b) == len(o) >= 3) or a[:-2] != b[:-2] or a[:-2] != o[:-2]:
+        if not (len(query_subs) == len(key_subs) == len(out_subs) >= 3) \
+                or query_subs[:-2] != key_subs[:-2] or query_subs[:-2] != out_subs[:-2]:
             raise Reject(f"einsum {scores.args[0]!r}: batch dims of q, k and scores differ")
-        i, c = a[-2], a[-1]
-        if b[-2:] == o[-1] + c and o[-2:] == i + o[-1]:
-            site.k = _peel_scale(site, kk)
-            site.q = _peel_scale(site, q)
+        row_label, feature_label = query_subs[-2], query_subs[-1]
+        if key_subs[-2:] == out_subs[-1] + feature_label and out_subs[-2:] == row_label + out_subs[-1]:
+            site.k = _peel_scale(site, key_operand)
+            site.q = _peel_scale(site, query)
             return
-        if b[-2:] == c + o[-1] and o[-2:] == i + o[-1]:
-            q, kt = q, kk
+        if key_subs[-2:] == feature_label + out_subs[-1] and out_subs[-2:] == row_label + out_subs[-1]:
+            query, key_t = query, key_operand
         else:
             raise Reject(f"einsum {scores.args[0]!r} is not q k^T")
     else:
-        q, kt = scores.args[0], scores.args[1]
-    kt = _peel_scale(site, kt)
-    k = _peel_transpose(kt)
-    if k is None:
-        site.k_transposed = kt
+        query, key_t = scores.args[0], scores.args[1]
+    key_t = _peel_scale(site, key_t)
+    key = _peel_transpose(key_t)
+    if key is None:
+        site.k_transposed = key_t
     else:
-        site.k = _peel_scale(site, k)
-    site.q = _peel_scale(site, q)
+        site.k = _peel_scale(site, key)
+    site.q = _peel_scale(site, query)
 
 
-def v_operand(site: AttentionSite, out: fx.Node, p: fx.Node) -> None:
-    """Set `site.v` from the value product `out` of the probabilities `p`."""
+def v_operand(site: AttentionSite, out: fx.Node, probs: fx.Node) -> None:
+    """Set `site.v` from the value product `out` of the probabilities `probs`."""
     if is_op(out, EINSUM):
-        pe = _parse_einsum(out.args[0])
-        if pe is None or len(out.args[1]) != 2 or out.args[1][0] is not p:
+        parsed = _parse_einsum(out.args[0])
+        if parsed is None or len(out.args[1]) != 2 or out.args[1][0] is not probs:
             raise Reject(f"einsum {out.args[0]!r} is not P @ V")
-        a, b, o = pe
-        if not (len(a) == len(b) == len(o) >= 3) or a[:-2] != b[:-2] or a[:-2] != o[:-2] \
-                or not (b[-2] == a[-1] and o[-2] == a[-2] and o[-1] == b[-1]):
+        probs_subs, value_subs, out_subs = parsed
+        if not (len(probs_subs) == len(value_subs) == len(out_subs) >= 3) \
+                or probs_subs[:-2] != value_subs[:-2] or probs_subs[:-2] != out_subs[:-2] \
+                or not (value_subs[-2] == probs_subs[-1] and out_subs[-2] == probs_subs[-2]
+                        and out_subs[-1] == value_subs[-1]):
             raise Reject(f"einsum {out.args[0]!r} is not P @ V")
         site.v = out.args[1][1]
     else:
@@ -117,76 +121,80 @@ def v_operand(site: AttentionSite, out: fx.Node, p: fx.Node) -> None:
 def check_shapes(site: AttentionSite) -> None:
     """q, k and v are tensors of one SDPA dtype with shapes SDPA takes (grouped-query attention recognised); sets
     `site.batch_dims`."""
-    q, v = site.q, site.v
-    k = site.k if site.k is not None else site.k_transposed
-    for name, n in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(n, fx.Node) or not isinstance(val(n), torch.Tensor):
+    query, value = site.q, site.v
+    key = site.k if site.k is not None else site.k_transposed
+    for name, operand in (("q", query), ("k", key), ("v", value)):
+        if not isinstance(operand, fx.Node) or node_value(operand, tensor_only=True) is None:
             raise Reject(f"{name} is not a tensor")
-    dts = {dtype(q), dtype(k), dtype(v), dtype(site.scores), dtype(site.output)}
+    dts = {dtype(query), dtype(key), dtype(value), dtype(site.scores), dtype(site.output)}
     if len(dts) != 1:
         raise Reject(f"q, k, v, scores and output have different dtypes {sorted(map(str, dts))}")
     if next(iter(dts)) not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise Reject(f"dtype {next(iter(dts))} is not supported by SDPA")
-    sq, sk, sv = sym_shape(q), sym_shape(k), sym_shape(v)
-    if not (len(sq) == len(sk) == len(sv)) or len(sq) < 3:
-        raise Reject(f"q, k, v ranks {len(sq)}, {len(sk)}, {len(sv)}: need equal ranks >= 3 (batch dims)")
+    query_shape, key_shape, value_shape = sym_shape(query), sym_shape(key), sym_shape(value)
+    if not (len(query_shape) == len(key_shape) == len(value_shape)) or len(query_shape) < 3:
+        raise Reject(f"q, k, v ranks {len(query_shape)}, {len(key_shape)}, {len(value_shape)}: need equal ranks >= 3 "
+                     f"(batch dims)")
     if site.k is None:  # K^T layout (..., E, Lk)
-        sk = sk[:-2] + (sk[-1], sk[-2])
-    if sq[:-2] != sk[:-2] or sq[:-2] != sv[:-2]:
+        key_shape = key_shape[:-2] + (key_shape[-1], key_shape[-2])
+    if query_shape[:-2] != key_shape[:-2] or query_shape[:-2] != value_shape[:-2]:
         # GQA is the only batch mismatch we accept, handled below
         _gqa(site)
-        sk2 = sym_shape(site.k if site.k is not None else site.k_transposed)
+        key_shape_after_gqa = sym_shape(site.k if site.k is not None else site.k_transposed)
         if site.k is None:
-            sk2 = sk2[:-2] + (sk2[-1], sk2[-2])
-        if sq[:-2] != sk2[:-2] or sq[:-2] != sym_shape(site.v)[:-2]:
-            raise Reject(f"batch dims of q {sq[:-2]}, k {sk[:-2]}, v {sv[:-2]} differ (broadcasting in "
-                         "matmul is not SDPA's)")
+            key_shape_after_gqa = key_shape_after_gqa[:-2] + (key_shape_after_gqa[-1], key_shape_after_gqa[-2])
+        if query_shape[:-2] != key_shape_after_gqa[:-2] or query_shape[:-2] != sym_shape(site.v)[:-2]:
+            raise Reject(f"batch dims of q {query_shape[:-2]}, k {key_shape[:-2]}, v {value_shape[:-2]} differ "
+                         "(broadcasting in matmul is not SDPA's)")
     else:
         _gqa(site)
-    if sq[-1] != sk[-1]:
-        raise Reject(f"q and k head dims differ ({sq[-1]} vs {sk[-1]})")
-    if sk[-2] != sv[-2]:
-        raise Reject(f"k and v sequence lengths differ ({sk[-2]} vs {sv[-2]})")
-    site.batch_dims = len(sq) - 2
+    if query_shape[-1] != key_shape[-1]:
+        raise Reject(f"q and k head dims differ ({query_shape[-1]} vs {key_shape[-1]})")
+    if key_shape[-2] != value_shape[-2]:
+        raise Reject(f"k and v sequence lengths differ ({key_shape[-2]} vs {value_shape[-2]})")
+    site.batch_dims = len(query_shape) - 2
     if site.batch_dims == 1:
         site.notes.append("3-D (bmm) attention: emitted as 4-D SDPA (unsqueeze/squeeze) so fused kernels run")
     if site.batch_dims > 2:
-        raise Reject(f"{len(sq)}-D attention (SDPA kernels take (B, H, L, E))")
+        raise Reject(f"{len(query_shape)}-D attention (SDPA kernels take (B, H, L, E))")
 
 
-def _peel_repeat_kv(x: fx.Node):
+def _peel_repeat_kv(node: fx.Node):
     """Llama's repeat_kv: reshape(expand(unsqueeze(x, 2)[, identity slices])) -> (x, groups) or None."""
-    if not is_op(x, {aten.reshape.default, aten.view.default, aten._unsafe_view.default}):
+    if not is_op(node, {aten.reshape.default, aten.view.default, aten._unsafe_view.default}):
         return None
-    e = x.args[0]
-    while _identity_slice(e):
-        e = e.args[0]
-    if not is_op(e, {aten.expand.default}):
+    expanded = node.args[0]
+    while _identity_slice(expanded):
+        expanded = expanded.args[0]
+    if not is_op(expanded, {aten.expand.default}):
         return None
-    u = e.args[0]
-    while _identity_slice(u):
-        u = u.args[0]
-    if not is_op(u, {aten.unsqueeze.default}):
+    unsqueezed = expanded.args[0]
+    while _identity_slice(unsqueezed):
+        unsqueezed = unsqueezed.args[0]
+    if not is_op(unsqueezed, {aten.unsqueeze.default}):
         return None
-    base = u.args[0]
+    base = unsqueezed.args[0]
     while _identity_slice(base):
         base = base.args[0]
-    sb, se, sx = shape(base), shape(e), shape(x)
-    if sb is None or se is None or sx is None or len(sb) != 4 or len(se) != 5:
+    base_shape, expanded_shape, out_shape = shape(base), shape(expanded), shape(node)
+    if base_shape is None or expanded_shape is None or out_shape is None or len(base_shape) != 4 \
+            or len(expanded_shape) != 5:
         return None
-    if norm_dim(u.args[1], 5) != 2:
+    if norm_dim(unsqueezed.args[1], 5) != 2:
         return None
-    b, h, n, d = sb
-    if se[0] != b or se[1] != h or se[3] != n or se[4] != d or sx != (b, h * se[2], n, d):
+    batch, heads, length, head_dim = base_shape
+    groups = expanded_shape[2]
+    if expanded_shape[0] != batch or expanded_shape[1] != heads or expanded_shape[3] != length \
+            or expanded_shape[4] != head_dim or out_shape != (batch, heads * groups, length, head_dim):
         return None
-    return base, se[2]
+    return base, expanded_shape[2]
 
 
 def _gqa(site: AttentionSite) -> None:
     if site.k is None:
         return
-    rk, rv = _peel_repeat_kv(site.k), _peel_repeat_kv(site.v)
-    if rk and rv and rk[1] == rv[1] and rk[1] > 1:
+    key_repeat, value_repeat = _peel_repeat_kv(site.k), _peel_repeat_kv(site.v)
+    if key_repeat and value_repeat and key_repeat[1] == value_repeat[1] and key_repeat[1] > 1:
         site.k_expanded, site.v_expanded = site.k, site.v
-        site.k, site.v = rk[0], rv[0]
-        site.gqa_groups = rk[1]
+        site.k, site.v = key_repeat[0], value_repeat[0]
+        site.gqa_groups = key_repeat[1]

@@ -39,6 +39,7 @@ from .errors import CaptureError
 from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .library_sizes import library_sizes_symbolic
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
+from .node_value import EXPORT, node_value
 from .program import Program, SpecializedDim, copy_buffer_persistence, keep_persistence_when_copied
 from .userstate import keeps_model_state, mode_set
 
@@ -300,7 +301,7 @@ def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bo
     ranges = {str(k): v for k, v in ep.range_constraints.items()}
     specs, specialized = [], []
     for ph, name in zip(placeholders, names):
-        val = ph.meta.get("val")
+        val = node_value(ph, source=EXPORT)
         if not isinstance(val, torch.Tensor):
             specs.append(InputSpec(name, None, constant=(val,) if type(val) in CONSTANT_TYPES else ()))
             continue

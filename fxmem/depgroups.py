@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from .node_value import node_value
+from .ops import op_name
 from .program import module_path
 
 aten = torch.ops.aten
@@ -39,53 +41,37 @@ _FACTORY_LIKE = {"new_zeros", "new_empty", "new_ones"}
 _SCATTER = {"scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce", "scatter_reduce_"}
 
 
-def _name(n: fx.Node) -> str:
-    t = n.target
-    if n.op != "call_function":
-        return ""
-    pkt = getattr(t, "overloadpacket", None)
-    if pkt is not None:
-        return str(pkt).split(".")[-1]
-    return getattr(t, "__name__", str(t))
+def _ndim(node) -> int | None:
+    value = node_value(node, tensor_only=True)
+    return None if value is None else value.dim()
 
 
-def _val(n):
-    if not isinstance(n, fx.Node):
-        return None
-    v = n.meta.get("fxmem_val", n.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _ndim(n) -> int | None:
-    v = _val(n)
-    return None if v is None else v.dim()
-
-
-def _size(n, d) -> int | None:
-    v = _val(n)
-    if v is None or d < 0 or d >= v.dim():
+def _size(node, dim) -> int | None:
+    value = node_value(node, tensor_only=True)
+    if value is None or dim < 0 or dim >= value.dim():
         return None
     try:
-        return int(v.shape[d])
+        return int(value.shape[dim])
     except Exception:  # noqa: BLE001 - symbolic size
         return None
 
 
-def attr_of(gm: nn.Module, target: str):
+def attr_of(module: nn.Module, target: str):
     """The attribute a get_attr node's dotted `target` names (a parameter, a buffer, a submodule)."""
-    obj = gm
+    obj = module
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def _is_param_attr(gm, n) -> bool:
-    return isinstance(n, fx.Node) and n.op == "get_attr" and isinstance(_safe_attr(gm, n.target), torch.Tensor)
+def _is_param_attr(graph_module, node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr" \
+        and isinstance(_safe_attr(graph_module, node.target), torch.Tensor)
 
 
-def _safe_attr(gm, target):
+def _safe_attr(graph_module, target):
     try:
-        return attr_of(gm, target)
+        return attr_of(graph_module, target)
     except AttributeError:
         return None
 
@@ -128,50 +114,50 @@ class Group:
         return list(dict.fromkeys(c.probe for c in self.consumers))
 
     def summary(self) -> str:
-        p = "+".join(x.node for x in self.producers)
-        c = "+".join(x.node for x in self.consumers)
-        s = f"{self.name} [{self.kind}] C={self.size}: {p} -> {c}"
-        return s if self.ok else s + f" (not prunable: {self.reason})"
+        producers = "+".join(x.node for x in self.producers)
+        consumers = "+".join(x.node for x in self.consumers)
+        text = f"{self.name} [{self.kind}] C={self.size}: {producers} -> {consumers}"
+        return text if self.ok else text + f" (not prunable: {self.reason})"
 
 
 # ---------------------------------------------------------------------------------------------- producers
-def _weight_op(gm, n: fx.Node):
-    """(kind, weight node, bias node|None) when `n` is a linear/conv with a parameter weight, else None."""
-    if n.op != "call_function":
+def _weight_op(graph_module, node: fx.Node):
+    """(kind, weight node, bias node|None) when `node` is a linear/conv with a parameter weight, else None."""
+    if node.op != "call_function":
         return None
-    nm = _name(n)
-    if nm == "linear":
-        w = n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    name = op_name(node, calls_only=True)
+    if name == "linear":
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         kind = "linear"
-    elif nm == "addmm" and len(n.args) >= 3 and not n.kwargs:
-        b, w = n.args[0], n.args[2]  # HF Conv1D: addmm(bias, x.view(-1, in), W[in, out])
+    elif name == "addmm" and len(node.args) >= 3 and not node.kwargs:
+        bias, weight = node.args[0], node.args[2]  # HF Conv1D: addmm(bias, x.view(-1, in), W[in, out])
         kind = "addmm"
-    elif nm in ("conv2d", "conv1d", "conv3d"):
-        w = n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    elif name in ("conv2d", "conv1d", "conv3d"):
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
         if groups != 1:
             return None
         kind = "conv"
-    elif nm in ("conv_transpose2d", "conv_transpose1d", "conv_transpose3d"):
-        w = n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    elif name in ("conv_transpose2d", "conv_transpose1d", "conv_transpose3d"):
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
         if groups != 1:
             return None
         kind = "conv_transpose"
     else:
         return None
-    if not _is_param_attr(gm, w):
+    if not _is_param_attr(graph_module, weight):
         return None
-    if b is not None and not _is_param_attr(gm, b):
+    if bias is not None and not _is_param_attr(graph_module, bias):
         return None
-    return kind, w, b
+    return kind, weight, bias
 
 
-def _out_channel_dim(kind: str, n: fx.Node) -> int:
-    return (_ndim(n) or 1) - 1 if kind in ("linear", "addmm") else 1
+def _out_channel_dim(kind: str, node: fx.Node) -> int:
+    return (_ndim(node) or 1) - 1 if kind in ("linear", "addmm") else 1
 
 
 def _input_index(kind: str) -> int:
@@ -183,25 +169,26 @@ _PROD_WDIM = {"linear": 0, "conv": 0, "conv_transpose": 1, "addmm": 1}
 _CONS_WDIM = {"linear": 1, "conv": 1, "conv_transpose": 0, "addmm": 0}
 
 
-def weight_producers(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if _weight_op(gm, n) is not None]
+def weight_producers(graph_module: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in graph_module.graph.nodes if _weight_op(graph_module, n) is not None]
 
 
-def probe_nodes(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
+def probe_nodes(graph_module: fx.GraphModule) -> dict[str, tuple[str, int]]:
     """{input node name: (consumer module path, channel dim)} for the input of every linear/conv with a parameter
     weight: the hidden units that feed a Linear/Conv, which calibration watches."""
     out = {}
-    for n in gm.graph.nodes:
-        wo = _weight_op(gm, n)
-        if wo is None:
+    for node in graph_module.graph.nodes:
+        weight_op = _weight_op(graph_module, node)
+        if weight_op is None:
             continue
-        x = n.args[_input_index(wo[0])]
-        if not isinstance(x, fx.Node) or _val(x) is None:
+        data_input = node.args[_input_index(weight_op[0])]
+        if not isinstance(data_input, fx.Node) or node_value(data_input, tensor_only=True) is None:
             continue
-        nd = _ndim(x)
-        if nd is None:
+        input_ndim = _ndim(data_input)
+        if input_ndim is None:
             continue
-        out.setdefault(x.name, (module_path(n) or n.name, nd - 1 if wo[0] in ("linear", "addmm") else 1))
+        channel_dim = input_ndim - 1 if weight_op[0] in ("linear", "addmm") else 1
+        out.setdefault(data_input.name, (module_path(node) or node.name, channel_dim))
     return out
 
 
@@ -214,318 +201,323 @@ class _Defer(Exception):
     pass
 
 
-def _reaches_from(gm, o: fx.Node, members: dict, limit: int = 200) -> bool:
-    """Is `o` computed from a member of the group without passing a linear/conv (which would end the group),
+def _reaches_from(graph_module, operand: fx.Node, members: dict, limit: int = 200) -> bool:
+    """Is `operand` computed from a member of the group without passing a linear/conv (which would end the group),
     through at most `limit` nodes?"""
-    seen, stack = set(), [o]
+    seen, stack = set(), [operand]
     while stack and len(seen) < limit:
-        n = stack.pop()
-        if _weight_op(gm, n) is not None:
+        node = stack.pop()
+        if _weight_op(graph_module, node) is not None:
             continue
-        for a in n.all_input_nodes:
-            if a.name in members:
+        for source in node.all_input_nodes:
+            if source.name in members:
                 return True
-            if a not in seen and a.op == "call_function":
-                seen.add(a)
-                stack.append(a)
+            if source not in seen and source.op == "call_function":
+                seen.add(source)
+                stack.append(source)
     return False
 
 
-def _norm_dim(d, nd):
-    return d + nd if d < 0 else d
+def _norm_dim(dim, ndim):
+    return dim + ndim if dim < 0 else dim
 
 
 def find_groups(gm: fx.GraphModule) -> list[Group]:
     """Every producer's dependency group (joined producers are listed once), in graph order."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes = {node.name: node for node in gm.graph.nodes}
     attr_uses: dict[int, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            obj = _safe_attr(gm, n.target)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            obj = _safe_attr(gm, node.target)
             if isinstance(obj, torch.Tensor):
-                attr_uses[id(obj)] = attr_uses.get(id(obj), 0) + len(n.users)
+                attr_uses[id(obj)] = attr_uses.get(id(obj), 0) + len(node.users)
     groups: list[Group] = []
     taken: set[str] = set()
-    for n in gm.graph.nodes:
-        wo = _weight_op(gm, n)
-        if wo is None or n.name in taken:
+    for node in gm.graph.nodes:
+        weight_op = _weight_op(gm, node)
+        if weight_op is None or node.name in taken:
             continue
-        g = _grow(gm, n, attr_uses)
-        for p in g.producers:
-            taken.add(p.node)
-        groups.append(g)
+        group = _grow(gm, node, attr_uses)
+        for producer in group.producers:
+            taken.add(producer.node)
+        groups.append(group)
     del nodes
     return groups
 
 
-def _grow(gm, start: fx.Node, attr_uses) -> Group:
-    kind, w, b = _weight_op(gm, start)
-    d0 = _out_channel_dim(kind, start)
-    C = _size(start, d0)
-    g = Group(name=module_path(start) or start.name, size=C or 0)
+def _grow(graph_module, start: fx.Node, attr_uses) -> Group:
+    kind, weight, bias = _weight_op(graph_module, start)
+    channel_dim = _out_channel_dim(kind, start)
+    channels = _size(start, channel_dim)
+    group = Group(name=module_path(start) or start.name, size=channels or 0)
     try:
-        if C is None:
+        if channels is None:
             raise _Reject(f"{start.name}: output channel count unknown (no shape metadata)")
-        _add_producer(gm, g, start, attr_uses)
+        _add_producer(graph_module, group, start, attr_uses)
         queue = [start]
-        g.members[start.name] = d0
+        group.members[start.name] = channel_dim
         while queue:
-            x = queue.pop()
-            dx = g.members[x.name]
-            for u in list(x.users):
+            member = queue.pop()
+            member_dim = group.members[member.name]
+            for user in list(member.users):
                 try:
-                    _visit(gm, g, x, dx, u, queue, attr_uses)
+                    _visit(graph_module, group, member, member_dim, user, queue, attr_uses)
                 except _Defer:
                     pass
-        _check_closed(gm, g)
-        if not g.consumers:
+        _check_closed(graph_module, group)
+        if not group.consumers:
             raise _Reject("its units reach no linear/conv consumer")
-        g.kind = _kind(gm, g)
-    except _Reject as e:
-        g.ok, g.reason = False, str(e)
-    return g
+        group.kind = _kind(graph_module, group)
+    except _Reject as rejection:
+        group.ok, group.reason = False, str(rejection)
+    return group
 
 
-def _check_closed(gm, g: Group) -> None:
+def _check_closed(graph_module, group: Group) -> None:
     """Every use of a value carrying the group's channels is inside the group (or a consumer, a size read)."""
-    consumers = {c.node for c in g.consumers}
-    for n in gm.graph.nodes:
-        if n.name not in g.members:
+    consumers = {c.node for c in group.consumers}
+    for node in graph_module.graph.nodes:
+        if node.name not in group.members:
             continue
-        for u in n.users:
-            if u.name in g.members or u.name in consumers:
+        for user in node.users:
+            if user.name in group.members or user.name in consumers:
                 continue
-            if _name(u) in ("sym_size", "size") or _name(u).startswith("_assert"):
+            user_op = op_name(user, calls_only=True)
+            if user_op in ("sym_size", "size") or user_op.startswith("_assert"):
                 continue
-            raise _Reject(f"channels coupled through {u.name} ({_name(u) or u.op}), which reads {n.name}")
+            raise _Reject(f"channels coupled through {user.name} ({user_op or user.op}), which reads {node.name}")
 
 
-def _kind(gm, g: Group) -> str:
-    names = {_name(n) for n in gm.graph.nodes if n.name in g.members}
-    if len(g.producers) > 1:
+def _kind(graph_module, group: Group) -> str:
+    names = {op_name(n, calls_only=True) for n in graph_module.graph.nodes if n.name in group.members}
+    if len(group.producers) > 1:
         return "residual" if names & {"add", "add_", "sub", "sub_"} else "swiglu"
     if names & _SCATTER:
         return "gnn"
-    if g.producers[0].kind not in ("linear", "addmm"):
+    if group.producers[0].kind not in ("linear", "addmm"):
         return "conv"
     return "mlp"
 
 
-def _add_producer(gm, g: Group, n: fx.Node, attr_uses):
-    kind, w, b = _weight_op(gm, n)
-    for a in (w, b):
-        if a is not None and attr_uses.get(id(_safe_attr(gm, a.target)), 0) != 1:
-            raise _Reject(f"{n.name}: parameter {a.target} is used elsewhere (tied/shared)")
-    g.producers.append(Producer(n.name, w.target, b.target if b is not None else None, _PROD_WDIM[kind], kind))
+def _add_producer(graph_module, group: Group, node: fx.Node, attr_uses):
+    kind, weight, bias = _weight_op(graph_module, node)
+    for param in (weight, bias):
+        if param is not None and attr_uses.get(id(_safe_attr(graph_module, param.target)), 0) != 1:
+            raise _Reject(f"{node.name}: parameter {param.target} is used elsewhere (tied/shared)")
+    bias_target = bias.target if bias is not None else None
+    group.producers.append(Producer(node.name, weight.target, bias_target, _PROD_WDIM[kind], kind))
 
 
-def _add_member(g, n, d, queue):
-    prev = g.members.get(n.name)
+def _add_member(group, node, channel_dim, queue):
+    prev = group.members.get(node.name)
     if prev is not None:
-        if prev != d:
-            raise _Reject(f"{n.name}: reached with channel dim {prev} and {d}")
+        if prev != channel_dim:
+            raise _Reject(f"{node.name}: reached with channel dim {prev} and {channel_dim}")
         return
-    g.members[n.name] = d
-    queue.append(n)
+    group.members[node.name] = channel_dim
+    queue.append(node)
 
 
-def _check_operand(gm, g: Group, u: fx.Node, o, out_nd: int, d: int, queue, attr_uses):
+def _check_operand(graph_module, group: Group, user: fx.Node, operand, out_ndim: int, channel_dim: int, queue,
+                   attr_uses):
     """Another input of an op on the channel path: fine if scalar / broadcast over the channel / a per-channel
     parameter (sliced too) / the output of another producer carrying the same channels (joined)."""
-    if not isinstance(o, fx.Node):
+    if not isinstance(operand, fx.Node):
         return
-    if o.name in g.members:
-        if g.members[o.name] != d - (out_nd - (_ndim(o) or out_nd)):
-            raise _Reject(f"{u.name}: operands carry the channels on different dims")
+    if operand.name in group.members:
+        if group.members[operand.name] != channel_dim - (out_ndim - (_ndim(operand) or out_ndim)):
+            raise _Reject(f"{user.name}: operands carry the channels on different dims")
         return
-    ond = _ndim(o)
-    if ond is None:
+    operand_ndim = _ndim(operand)
+    if operand_ndim is None:
         return  # SymInt etc.
-    od = d - (out_nd - ond)
-    if od < 0 or _size(o, od) == 1:
+    operand_dim = channel_dim - (out_ndim - operand_ndim)
+    if operand_dim < 0 or _size(operand, operand_dim) == 1:
         return  # broadcast along the channel dim
-    if _size(o, od) == g.size and _reaches_from(gm, o, g.members):
+    if _size(operand, operand_dim) == group.size and _reaches_from(graph_module, operand, group.members):
         raise _Defer()  # o is computed from the group: visit u again when o joins
-    if _size(o, od) != g.size:
-        raise _Reject(f"{u.name} ({_name(u)}): operand {o.name} has size {_size(o, od)} on the channel dim")
-    if o.op == "get_attr":
-        if attr_uses.get(id(_safe_attr(gm, o.target)), 0) != 1:
-            raise _Reject(f"{u.name}: per-channel tensor {o.target} is shared with other ops")
-        g.params.append((o.target, od))
+    if _size(operand, operand_dim) != group.size:
+        raise _Reject(f"{user.name} ({op_name(user, calls_only=True)}): operand {operand.name} has size "
+                      f"{_size(operand, operand_dim)} on the channel dim")
+    if operand.op == "get_attr":
+        if attr_uses.get(id(_safe_attr(graph_module, operand.target)), 0) != 1:
+            raise _Reject(f"{user.name}: per-channel tensor {operand.target} is shared with other ops")
+        group.params.append((operand.target, operand_dim))
         return
     # join: walk back through pointwise ops to another producer
     chain = []
-    x = o
+    source = operand
     while True:
-        wo = _weight_op(gm, x)
-        if wo is not None and _out_channel_dim(wo[0], x) == od:
+        weight_op = _weight_op(graph_module, source)
+        if weight_op is not None and _out_channel_dim(weight_op[0], source) == operand_dim:
             break
-        if _name(x) in _UNARY and isinstance(x.args[0], fx.Node):
-            chain.append(x)
-            x = x.args[0]
+        if op_name(source, calls_only=True) in _UNARY and isinstance(source.args[0], fx.Node):
+            chain.append(source)
+            source = source.args[0]
             continue
-        raise _Reject(f"channels coupled through {u.name} ({_name(u)}) with {o.name} "
-                      f"({_name(o) or o.op}, e.g. a residual stream)")
-    _add_producer(gm, g, x, attr_uses)
-    _add_member(g, x, od, queue)
+        raise _Reject(f"channels coupled through {user.name} ({op_name(user, calls_only=True)}) with "
+                      f"{operand.name} ({op_name(operand, calls_only=True) or operand.op}, e.g. a residual stream)")
+    _add_producer(graph_module, group, source, attr_uses)
+    _add_member(group, source, operand_dim, queue)
 
 
-def _visit(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
-    """Follow the group's channels (on dim `d` of `x`) into the user `u`: a consumer ends the path, an op that
-    keeps the channels joins the group (queued), anything else rejects the group."""
-    if u.name in g.members:
+def _visit(graph_module, group: Group, member: fx.Node, channel_dim: int, user: fx.Node, queue, attr_uses):
+    """Follow the group's channels (on dim `channel_dim` of `member`) into `user`: a consumer ends the path, an op
+    that keeps the channels joins the group (queued), anything else rejects the group."""
+    if user.name in group.members:
         return
-    if u.op == "output":
-        raise _Reject(f"{x.name} is a graph output")
-    if u.op != "call_function":
-        raise _Reject(f"{x.name} is used by {u.op} {u.target}")
-    nm = _name(u)
-    weight_op = _weight_op(gm, u)
+    if user.op == "output":
+        raise _Reject(f"{member.name} is a graph output")
+    if user.op != "call_function":
+        raise _Reject(f"{member.name} is used by {user.op} {user.target}")
+    name = op_name(user, calls_only=True)
+    weight_op = _weight_op(graph_module, user)
     if weight_op is not None:
-        _visit_consumer(gm, g, x, d, u, weight_op, attr_uses)
-    elif nm == "pow" and u.args[0] is x and not isinstance(u.args[1], fx.Node):
-        _add_member(g, u, d, queue)
-    elif nm in _UNARY:
-        if u.args[0] is not x:
-            raise _Reject(f"{u.name} ({nm}) reads {x.name} as a non-data argument")
-        _add_member(g, u, d, queue)
-    elif nm in _POOL:
-        if d != 1 or u.args[0] is not x:
-            raise _Reject(f"{u.name} ({nm}) on channel dim {d}")
-        _add_member(g, u, 1, queue)
-    elif nm in _BINARY:
-        _visit_binary(gm, g, x, d, u, queue, attr_uses)
-    elif nm in _BN:
-        _visit_batch_norm(g, x, d, u, queue)
-    elif nm == "index_select":
-        dim = _norm_dim(u.args[1], _ndim(x))
-        if u.args[0] is not x or dim == d:
-            raise _Reject(f"{u.name}: index_select over the channel dim")
-        _add_member(g, u, d, queue)
-    elif nm == "expand_as" and len(u.args) > 1 and u.args[1] is x and u.args[0] is not x:
-        o = u.args[0]
-        nd = _ndim(u)
-        od = d - (nd - (_ndim(o) or nd))
-        if od >= 0 and _size(o, od) not in (1, None):
-            raise _Reject(f"{u.name}: expand_as of {o.name} with channels")
-        _add_member(g, u, d, queue)
-    elif nm in _FACTORY_LIKE and u.args[0] is x:
-        shape = list(u.args[1])
-        if not (d < len(shape) and shape[d] == g.size):
-            raise _Reject(f"{u.name} ({nm}): new tensor without the channel dim")
-        g.literals.append((u.name, 1, d))
-        _add_member(g, u, d, queue)
-    elif nm in _SCATTER:
-        _visit_scatter(gm, g, d, u, queue, attr_uses)
-    elif nm in _VIEWS:
-        _visit_view(g, x, d, u, queue)
-    elif nm in ("sym_size", "size", "_assert_tensor_metadata"):
-        if nm == "sym_size" and _norm_dim(u.args[1], _ndim(x)) == d:
-            raise _Reject(f"{u.name}: the channel count is read as a size")
+        _visit_consumer(graph_module, group, member, channel_dim, user, weight_op, attr_uses)
+    elif name == "pow" and user.args[0] is member and not isinstance(user.args[1], fx.Node):
+        _add_member(group, user, channel_dim, queue)
+    elif name in _UNARY:
+        if user.args[0] is not member:
+            raise _Reject(f"{user.name} ({name}) reads {member.name} as a non-data argument")
+        _add_member(group, user, channel_dim, queue)
+    elif name in _POOL:
+        if channel_dim != 1 or user.args[0] is not member:
+            raise _Reject(f"{user.name} ({name}) on channel dim {channel_dim}")
+        _add_member(group, user, 1, queue)
+    elif name in _BINARY:
+        _visit_binary(graph_module, group, member, channel_dim, user, queue, attr_uses)
+    elif name in _BN:
+        _visit_batch_norm(group, member, channel_dim, user, queue)
+    elif name == "index_select":
+        dim = _norm_dim(user.args[1], _ndim(member))
+        if user.args[0] is not member or dim == channel_dim:
+            raise _Reject(f"{user.name}: index_select over the channel dim")
+        _add_member(group, user, channel_dim, queue)
+    elif name == "expand_as" and len(user.args) > 1 and user.args[1] is member and user.args[0] is not member:
+        operand = user.args[0]
+        ndim = _ndim(user)
+        operand_dim = channel_dim - (ndim - (_ndim(operand) or ndim))
+        if operand_dim >= 0 and _size(operand, operand_dim) not in (1, None):
+            raise _Reject(f"{user.name}: expand_as of {operand.name} with channels")
+        _add_member(group, user, channel_dim, queue)
+    elif name in _FACTORY_LIKE and user.args[0] is member:
+        shape = list(user.args[1])
+        if not (channel_dim < len(shape) and shape[channel_dim] == group.size):
+            raise _Reject(f"{user.name} ({name}): new tensor without the channel dim")
+        group.literals.append((user.name, 1, channel_dim))
+        _add_member(group, user, channel_dim, queue)
+    elif name in _SCATTER:
+        _visit_scatter(graph_module, group, channel_dim, user, queue, attr_uses)
+    elif name in _VIEWS:
+        _visit_view(group, member, channel_dim, user, queue)
+    elif name in ("sym_size", "size", "_assert_tensor_metadata"):
+        if name == "sym_size" and _norm_dim(user.args[1], _ndim(member)) == channel_dim:
+            raise _Reject(f"{user.name}: the channel count is read as a size")
     else:
-        raise _Reject(f"channels coupled through {u.name} ({nm or u.op})")
+        raise _Reject(f"channels coupled through {user.name} ({name or user.op})")
 
 
-def _visit_consumer(gm, g: Group, x: fx.Node, d: int, u: fx.Node, weight_op, attr_uses):
-    """`u` is a linear/convolution reading `x` (`weight_op`: its kind, weight and bias): a consumer when it
+def _visit_consumer(graph_module, group: Group, member: fx.Node, channel_dim: int, user: fx.Node, weight_op, attr_uses):
+    """`user` is a linear/convolution reading `member` (`weight_op`: its kind, weight and bias): a consumer when it
     reduces over the channels as its data input."""
-    kind, w, b = weight_op
-    if u.args[_input_index(kind)] is not x or any(a is x for i, a in enumerate(u.args)
-                                                  if i != _input_index(kind)):
-        raise _Reject(f"{x.name} is a weight/bias operand of {u.name}")
-    want = (_ndim(x) or 1) - 1 if kind in ("linear", "addmm") else 1
-    if d != want:
-        raise _Reject(f"{u.name}: consumes the units on dim {d}, not its reduction dim")
-    if attr_uses.get(id(_safe_attr(gm, w.target)), 0) != 1:
-        raise _Reject(f"{u.name}: weight {w.target} is shared")
-    if not any(c.node == u.name for c in g.consumers):
-        g.consumers.append(Consumer(u.name, w.target, b.target if b is not None else None, _CONS_WDIM[kind],
-                                    kind, x.name))
+    kind, weight, bias = weight_op
+    data_index = _input_index(kind)
+    if user.args[data_index] is not member \
+            or any(arg is member for index, arg in enumerate(user.args) if index != data_index):
+        raise _Reject(f"{member.name} is a weight/bias operand of {user.name}")
+    want = (_ndim(member) or 1) - 1 if kind in ("linear", "addmm") else 1
+    if channel_dim != want:
+        raise _Reject(f"{user.name}: consumes the units on dim {channel_dim}, not its reduction dim")
+    if attr_uses.get(id(_safe_attr(graph_module, weight.target)), 0) != 1:
+        raise _Reject(f"{user.name}: weight {weight.target} is shared")
+    if not any(c.node == user.name for c in group.consumers):
+        bias_target = bias.target if bias is not None else None
+        group.consumers.append(Consumer(user.name, weight.target, bias_target, _CONS_WDIM[kind], kind, member.name))
 
 
-def _visit_binary(gm, g: Group, x: fx.Node, d: int, u: fx.Node, queue, attr_uses):
+def _visit_binary(graph_module, group: Group, member: fx.Node, channel_dim: int, user: fx.Node, queue, attr_uses):
     """add/sub/mul/div: the other operand must broadcast over the channels, be per-channel, or join the group."""
-    nm, nd = _name(u), _ndim(u)
-    if nd is None:
-        raise _Reject(f"{u.name}: no shape metadata")
-    od = d + (nd - (_ndim(x) or nd))
-    for a in list(u.args[:2]):
-        if a is not x:
-            _check_operand(gm, g, u, a, nd, od, queue, attr_uses)
-    if nm.endswith("_") and u.args[0] is not x and u.args[0].name not in g.members:
-        raise _Reject(f"{u.name}: in-place {nm} into a value outside the group")
-    _add_member(g, u, od, queue)
+    name, ndim = op_name(user, calls_only=True), _ndim(user)
+    if ndim is None:
+        raise _Reject(f"{user.name}: no shape metadata")
+    out_dim = channel_dim + (ndim - (_ndim(member) or ndim))
+    for operand in list(user.args[:2]):
+        if operand is not member:
+            _check_operand(graph_module, group, user, operand, ndim, out_dim, queue, attr_uses)
+    if name.endswith("_") and user.args[0] is not member and user.args[0].name not in group.members:
+        raise _Reject(f"{user.name}: in-place {name} into a value outside the group")
+    _add_member(group, user, out_dim, queue)
 
 
-def _visit_batch_norm(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
+def _visit_batch_norm(group: Group, member: fx.Node, channel_dim: int, user: fx.Node, queue):
     """A batch/instance norm over the channels: its affine parameters and statistics join the group."""
-    nm = _name(u)
-    if d != 1 or u.args[0] is not x:
-        raise _Reject(f"{u.name} ({nm}) normalizes dim 1, channels are on dim {d}")
-    for a in u.args[1:5]:
-        if isinstance(a, fx.Node):
-            if a.op != "get_attr":
-                raise _Reject(f"{u.name}: normalization statistics {a.name} are not parameters/buffers")
-            g.params.append((a.target, 0))
-    if isinstance(_val(u), torch.Tensor):
-        _add_member(g, u, d, queue)
+    name = op_name(user, calls_only=True)
+    if channel_dim != 1 or user.args[0] is not member:
+        raise _Reject(f"{user.name} ({name}) normalizes dim 1, channels are on dim {channel_dim}")
+    for statistic in user.args[1:5]:
+        if isinstance(statistic, fx.Node):
+            if statistic.op != "get_attr":
+                raise _Reject(f"{user.name}: normalization statistics {statistic.name} are not parameters/buffers")
+            group.params.append((statistic.target, 0))
+    if isinstance(node_value(user, tensor_only=True), torch.Tensor):
+        _add_member(group, user, channel_dim, queue)
         return
     # tuple-returning variants: follow getitem 0
-    for gu in list(u.users):
-        if _name(gu) == "getitem" and gu.args[1] == 0:
-            _add_member(g, gu, d, queue)
-        elif _name(gu) == "getitem":
-            raise _Reject(f"{u.name}: statistics output {gu.name} used")
-    g.members[u.name] = d
+    for getitem in list(user.users):
+        if op_name(getitem, calls_only=True) == "getitem" and getitem.args[1] == 0:
+            _add_member(group, getitem, channel_dim, queue)
+        elif op_name(getitem, calls_only=True) == "getitem":
+            raise _Reject(f"{user.name}: statistics output {getitem.name} used")
+    group.members[user.name] = channel_dim
 
 
-def _visit_scatter(gm, g: Group, d: int, u: fx.Node, queue, attr_uses):
+def _visit_scatter(graph_module, group: Group, channel_dim: int, user: fx.Node, queue, attr_uses):
     """scatter_add/index_add/scatter_reduce over another dim (a GNN's aggregation): its other tensors must fit."""
-    nm, nd = _name(u), _ndim(u)
-    dim = _norm_dim(u.args[1], nd)
-    if dim == d:
-        raise _Reject(f"{u.name}: {nm} over the channel dim")
-    for a in (u.args[0], u.args[2], u.args[3] if len(u.args) > 3 else None):
-        if isinstance(a, fx.Node) and a.name not in g.members:
-            _check_operand(gm, g, u, a, nd, d, queue, attr_uses)
-    if nm.endswith("_") and u.args[0].name not in g.members:
-        raise _Reject(f"{u.name}: {nm} accumulates into {u.args[0].name} outside the group")
-    _add_member(g, u, d, queue)
+    name, ndim = op_name(user, calls_only=True), _ndim(user)
+    dim = _norm_dim(user.args[1], ndim)
+    if dim == channel_dim:
+        raise _Reject(f"{user.name}: {name} over the channel dim")
+    for operand in (user.args[0], user.args[2], user.args[3] if len(user.args) > 3 else None):
+        if isinstance(operand, fx.Node) and operand.name not in group.members:
+            _check_operand(graph_module, group, user, operand, ndim, channel_dim, queue, attr_uses)
+    if name.endswith("_") and user.args[0].name not in group.members:
+        raise _Reject(f"{user.name}: {name} accumulates into {user.args[0].name} outside the group")
+    _add_member(group, user, channel_dim, queue)
 
 
-def _visit_view(g: Group, x: fx.Node, d: int, u: fx.Node, queue):
+def _visit_view(group: Group, member: fx.Node, channel_dim: int, user: fx.Node, queue):
     """A view/reshape that keeps the channels as the last dim (its shape literal recorded to slice with them)."""
-    nm = _name(u)
-    xin = _ndim(x)
-    shape = list(u.args[1])
-    if u.args[0] is not x or d != xin - 1 or not shape:
-        raise _Reject(f"channels coupled through a reshape: {u.name} ({nm})")
+    name = op_name(user, calls_only=True)
+    member_ndim = _ndim(member)
+    shape = list(user.args[1])
+    if user.args[0] is not member or channel_dim != member_ndim - 1 or not shape:
+        raise _Reject(f"channels coupled through a reshape: {user.name} ({name})")
     last = shape[-1]
     if last == -1 and all(not (isinstance(s, int) and s == -1) for s in shape[:-1]):
         pass
-    elif last == g.size:
-        g.literals.append((u.name, 1, len(shape) - 1))
+    elif last == group.size:
+        group.literals.append((user.name, 1, len(shape) - 1))
     else:
-        raise _Reject(f"channels coupled through a reshape: {u.name} ({nm} to {shape})")
-    _add_member(g, u, len(shape) - 1, queue)
+        raise _Reject(f"channels coupled through a reshape: {user.name} ({name} to {shape})")
+    _add_member(group, user, len(shape) - 1, queue)
 
 
 # ---------------------------------------------------------------------------------------------- slicing
-def _private_owner(gm: nn.Module, prefix: str) -> nn.Module:
+def _private_owner(root: nn.Module, prefix: str) -> nn.Module:
     """The module at `prefix`, made private to `gm` first: every container on the path is replaced by a shallow
     copy (own parameter/buffer/module dicts). Snapshots may share containers with the program they came from,
     and rollback needs those untouched."""
-    parent = gm
+    parent = root
     if not prefix:
-        return gm
+        return root
     for item in prefix.split("."):
         child = parent._modules[item]
-        c = copy.copy(child)
-        c._parameters = dict(child._parameters)
-        c._buffers = dict(child._buffers)
-        c._modules = dict(child._modules)
-        parent._modules[item] = c
-        parent = c
+        private_copy = copy.copy(child)
+        private_copy._parameters = dict(child._parameters)
+        private_copy._buffers = dict(child._buffers)
+        private_copy._modules = dict(child._modules)
+        parent._modules[item] = private_copy
+        parent = private_copy
     return parent
 
 
@@ -550,33 +542,33 @@ def slice_group(gm: fx.GraphModule, g: Group, keep: torch.Tensor, bias_delta: di
     keep = keep.to(torch.long)
     shapes = {}
 
-    def sl(target, dim, extra=None):
-        t = attr_of(gm, target)
+    def slice_tensor(target, dim, extra=None):
+        tensor = attr_of(gm, target)
         with torch.no_grad():
-            new = t.detach().index_select(dim, keep.to(t.device)).clone()
-        shapes[target] = (tuple(t.shape), tuple(new.shape))
+            new = tensor.detach().index_select(dim, keep.to(tensor.device)).clone()
+        shapes[target] = (tuple(tensor.shape), tuple(new.shape))
         _set_tensor(gm, target, new)
 
-    for p in g.producers:
-        sl(p.weight, p.wdim)
-        if p.bias is not None:
-            sl(p.bias, 0)
-    for c in g.consumers:
-        sl(c.weight, c.wdim)
-        if bias_delta and c.node in bias_delta and c.bias is not None:
-            b = attr_of(gm, c.bias)
+    for producer in g.producers:
+        slice_tensor(producer.weight, producer.wdim)
+        if producer.bias is not None:
+            slice_tensor(producer.bias, 0)
+    for consumer in g.consumers:
+        slice_tensor(consumer.weight, consumer.wdim)
+        if bias_delta and consumer.node in bias_delta and consumer.bias is not None:
+            bias = attr_of(gm, consumer.bias)
             with torch.no_grad():
-                nb = (b.detach() + bias_delta[c.node].to(b.dtype)).clone()
-            _set_tensor(gm, c.bias, nb)
+                new_bias = (bias.detach() + bias_delta[consumer.node].to(bias.dtype)).clone()
+            _set_tensor(gm, consumer.bias, new_bias)
     for target, dim in dict.fromkeys(g.params):
-        sl(target, dim)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    for node_name, argi, pos in g.literals:
-        n = by_name[node_name]
-        shape = list(n.args[argi])
+        slice_tensor(target, dim)
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for node_name, arg_index, pos in g.literals:
+        node = by_name[node_name]
+        shape = list(node.args[arg_index])
         shape[pos] = int(keep.numel())
-        args = list(n.args)
-        args[argi] = shape
-        n.args = tuple(args)
+        args = list(node.args)
+        args[arg_index] = shape
+        node.args = tuple(args)
     gm.recompile()
     return shapes

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from .depgroups import attr_of
+from .node_value import EXPORT, node_value
 
 aten = torch.ops.aten
 
@@ -43,7 +44,7 @@ def _constant_beyond(gm: fx.GraphModule, node: fx.Node, limit: float) -> bool:
 
 
 def _float_valued(node: fx.Node) -> bool:
-    value = node.meta.get("val")
+    value = node_value(node, source=EXPORT)
     return not isinstance(value, torch.Tensor) or value.is_floating_point()
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import fx
 
 aten = torch.ops.aten
 
@@ -44,11 +45,11 @@ class SaveCtx:
     requires_grad: tuple[bool, ...]  # per positional arg (False for non-tensors)
     device: str = "cpu"
 
-    def rg(self, i: int) -> bool:
-        return i < len(self.requires_grad) and self.requires_grad[i]
+    def rg(self, index: int) -> bool:
+        return index < len(self.requires_grad) and self.requires_grad[index]
 
-    def is_tensor(self, i: int) -> bool:
-        return i < len(self.args) and isinstance(self.args[i], torch.Tensor)
+    def is_tensor(self, index: int) -> bool:
+        return index < len(self.args) and isinstance(self.args[index], torch.Tensor)
 
 
 Saved = list  # of ("in", i) / ("out", i) / ("kw", name): a positional input, an output, a keyword input
@@ -72,120 +73,120 @@ class OpInfo:
 
 
 # ---------------------------------------------------------------------------------------------- save rules
-def _none(c):
+def _none(ctx):
     return []
 
 
-def _in0(c):
+def _in0(ctx):
     return [("in", 0)]
 
 
-def _out0(c):
+def _out0(ctx):
     return [("out", 0)]
 
 
-def _in0_out0(c):  # prod, amax, logsumexp: the input and the result
+def _in0_out0(ctx):  # prod, amax, logsumexp: the input and the result
     return [("in", 0), ("out", 0)]
 
 
-def _mm(c):  # a @ b: grad_a needs b, grad_b needs a
-    s = []
-    if c.rg(0):
-        s.append(("in", 1))
-    if c.rg(1):
-        s.append(("in", 0))
-    return s
+def _mm(ctx):  # a @ b: grad_a needs b, grad_b needs a
+    saved = []
+    if ctx.rg(0):
+        saved.append(("in", 1))
+    if ctx.rg(1):
+        saved.append(("in", 0))
+    return saved
 
 
-def _addmm(c):  # bias + a @ b
-    s = []
-    if c.rg(1):
-        s.append(("in", 2))
-    if c.rg(2):
-        s.append(("in", 1))
-    return s
+def _addmm(ctx):  # bias + a @ b
+    saved = []
+    if ctx.rg(1):
+        saved.append(("in", 2))
+    if ctx.rg(2):
+        saved.append(("in", 1))
+    return saved
 
 
-def _mul(c):
-    s = []
-    if c.is_tensor(1):
-        if c.rg(0):
-            s.append(("in", 1))
-        if c.rg(1):
-            s.append(("in", 0))
-    return s
+def _mul(ctx):
+    saved = []
+    if ctx.is_tensor(1):
+        if ctx.rg(0):
+            saved.append(("in", 1))
+        if ctx.rg(1):
+            saved.append(("in", 0))
+    return saved
 
 
-def _div(c):
-    if not c.is_tensor(1):
+def _div(ctx):
+    if not ctx.is_tensor(1):
         return []
-    s = [("in", 1)] if (c.rg(0) or c.rg(1)) else []
-    if c.rg(1):
-        s.append(("in", 0))
-    return s
+    saved = [("in", 1)] if (ctx.rg(0) or ctx.rg(1)) else []
+    if ctx.rg(1):
+        saved.append(("in", 0))
+    return saved
 
 
-def _masked_fill(c):
+def _masked_fill(ctx):
     return [("in", 1)]
 
 
-def _where(c):
+def _where(ctx):
     return [("in", 0)]
 
 
-def _conv(c):  # one backward formula for input, weight and bias: autograd saves both whichever needs a gradient
-    return [("in", 0), ("in", 1)] if c.rg(0) or c.rg(1) or c.rg(2) else []
+def _conv(ctx):  # one backward formula for input, weight and bias: autograd saves both whichever needs a gradient
+    return [("in", 0), ("in", 1)] if ctx.rg(0) or ctx.rg(1) or ctx.rg(2) else []
 
 
-def _layer_norm(c):  # input, weight, bias, mean, rstd
+def _layer_norm(ctx):  # input, weight, bias, mean, rstd
     return [("in", 0), ("in", 2), ("in", 3), ("out", 1), ("out", 2)]
 
 
-def _batch_norm(c):  # input, weight, running stats, save_mean, save_invstd
+def _batch_norm(ctx):  # input, weight, running stats, save_mean, save_invstd
     return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
 
 
-def _group_norm(c):
+def _group_norm(ctx):
     return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
 
 
-def _sdpa_flash_cpu(c):  # q, k, v, out, logsumexp (+ the CPU kernel's keyword attn_mask)
-    mask = [("kw", "attn_mask")] if isinstance(c.kwargs.get("attn_mask"), torch.Tensor) else []
+def _sdpa_flash_cpu(ctx):  # q, k, v, out, logsumexp (+ the CPU kernel's keyword attn_mask)
+    mask = [("kw", "attn_mask")] if isinstance(ctx.kwargs.get("attn_mask"), torch.Tensor) else []
     return [("in", 0), ("in", 1), ("in", 2), ("out", 0), ("out", 1)] + mask
 
 
-def _sdpa_math(c):
+def _sdpa_math(ctx):
     return [("in", 0), ("in", 1), ("in", 2), ("in", 3)]
 
 
 def _index_args(*idx):
-    def rule(c):
-        return [("in", i) for i in idx if c.is_tensor(i)]
+    def rule(ctx):
+        return [("in", i) for i in idx if ctx.is_tensor(i)]
     return rule
 
 
-def _nll(c):
+def _nll(ctx):
     return [("in", 1), ("out", 1)]
 
 
-def _pow_scalar(c):
+def _pow_scalar(ctx):
     return [("in", 0)]
 
 
-def _max_pool(c):
+def _max_pool(ctx):
     return [("in", 0), ("out", 1)]
 
 
-def _all_tensor_inputs(c):
-    return [("in", i) for i, a in enumerate(c.args) if isinstance(a, torch.Tensor)]
+def _all_tensor_inputs(ctx):
+    return [("in", i) for i, a in enumerate(ctx.args) if isinstance(a, torch.Tensor)]
 
 
 DEFAULT_SAVES = _all_tensor_inputs
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
-def _numel(t) -> int:
-    return int(t.numel()) if isinstance(t, torch.Tensor) else 0
+def _numel(value) -> int:
+    return int(value.numel()) if isinstance(value, torch.Tensor) else 0
 
 
 def _first_out(out):
@@ -195,18 +196,18 @@ def _first_out(out):
 
 
 def _flops_mm(args, out):
-    a, b = args[0], args[1]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    left, right = args[0], args[1]
+    return 2 * left.shape[0] * left.shape[1] * right.shape[1]
 
 
 def _flops_addmm(args, out):
-    a, b = args[1], args[2]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] + _numel(_first_out(out))
+    left, right = args[1], args[2]
+    return 2 * left.shape[0] * left.shape[1] * right.shape[1] + _numel(_first_out(out))
 
 
 def _flops_bmm(args, out):
-    a, b = args[0], args[1]
-    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    left, right = args[0], args[1]
+    return 2 * left.shape[0] * left.shape[1] * left.shape[2] * right.shape[2]
 
 
 def _flops_baddbmm(args, out):
@@ -214,36 +215,36 @@ def _flops_baddbmm(args, out):
 
 
 def _flops_linear(args, out):
-    x, w = args[0], args[1]
-    return 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+    inputs, weight = args[0], args[1]
+    return 2 * (inputs.numel() // inputs.shape[-1]) * weight.shape[0] * weight.shape[1]
 
 
 def _flops_matmul(args, out):
-    a = args[0]
-    o = _first_out(out)
-    k = a.shape[-1]
-    return 2 * _numel(o) * k
+    left = args[0]
+    output = _first_out(out)
+    inner = left.shape[-1]
+    return 2 * _numel(output) * inner
 
 
 def _flops_conv(args, out):
     if len(args) > 6 and args[6] is True:  # aten.convolution(..., transposed=True, ...)
         return _flops_conv_transpose(args, out)
     # each output element meets in_channels / groups x kernel weights (w: out, in / groups, k...)
-    w = args[1]
-    return 2 * _numel(_first_out(out)) * w.shape[1] * math.prod(w.shape[2:])
+    weight = args[1]
+    return 2 * _numel(_first_out(out)) * weight.shape[1] * math.prod(weight.shape[2:])
 
 
 def _flops_conv_transpose(args, out):
     # each input element meets out_channels / groups x kernel weights (w: in, out / groups, k...); counted per output
     # element (in_channels x kernel) it would be stride^2 times too many at a 2x2 stride-2 upsampling
-    w = args[1]
-    return 2 * _numel(args[0]) * w.shape[1] * math.prod(w.shape[2:])
+    weight = args[1]
+    return 2 * _numel(args[0]) * weight.shape[1] * math.prod(weight.shape[2:])
 
 
 def _flops_sdpa(args, out):
-    q, k = args[0], args[1]
-    b_h = math.prod(q.shape[:-2])
-    return 4 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    query, key = args[0], args[1]
+    b_h = math.prod(query.shape[:-2])
+    return 4 * b_h * query.shape[-2] * key.shape[-2] * query.shape[-1]
 
 
 def _flops_pointwise(args, out):
@@ -276,9 +277,9 @@ def _reg(ops, info):
         if pkt is None:
             continue
         if "." in op:
-            ov = getattr(pkt, op.split(".", 1)[1], None)
-            if ov is not None:
-                OPS[ov] = info
+            overload = getattr(pkt, op.split(".", 1)[1], None)
+            if overload is not None:
+                OPS[overload] = info
         else:
             for name in pkt.overloads():
                 OPS[getattr(pkt, name)] = info
@@ -444,16 +445,37 @@ def category(op) -> str:
     return OTHER
 
 
-def op_name(op) -> str:
-    return str(op)
+QUALIFIED = "qualified"  # "aten.softmax.int": str(op), what `fxmem.nn.remat.op_named` reads back
+OVERLOAD = "overload"  # "softmax.int": the op's __name__
+PACKET = "packet"  # "softmax": the overload packet's name (a python function's __name__)
+
+
+def op_name(op, form: str = PACKET, *, calls_only: bool = False) -> str:
+    """The name of `op`: an aten OpOverload or OpOverloadPacket, a python callable, or an fx node, named by the
+    op it calls in the chosen `form` (above). A callable without a __name__ is named by str().
+
+    A node that calls no function (placeholder, get_attr, call_module, call_method, output) is named by its
+    target (a module path, a method name), or "" with `calls_only` (for matching against op names).
+    """
+    if isinstance(op, fx.Node):
+        if op.op != "call_function":
+            return "" if calls_only else str(op.target)
+        op = op.target
+    if form == QUALIFIED:
+        return str(op)
+    packet_op = getattr(op, "overloadpacket", None)
+    if form == PACKET and packet_op is not None:
+        return str(packet_op).split(".")[-1]
+    return str(getattr(op, "__name__", op))
 
 
 _PACKETS: dict = {}
 
 
 def packet(op) -> str:
-    """The op's packet name ("gelu" for aten.gelu.default; a plain callable's own name), cached: selective
-    checkpoint policies ask it for every op they see."""
+    """The packet name of a dispatcher op ("gelu" for aten.gelu.default), cached: selective checkpoint policies
+    and the cost model ask it for every op they see. A plain callable gets the last dotted part of its str(), not
+    its __name__: name graph targets with `op_name`."""
     try:
         return _PACKETS[op]
     except KeyError:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .attention_nodes import val
 from .nn.attention import sdpa_dropout
+from .node_value import node_value
 
 BACKEND_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
@@ -35,7 +35,7 @@ def probe_backend(node: fx.Node) -> dict:
     """Which SDPA kernel runs for this SDPA call node on this device, in train mode (with grad, dropout) and in
     eval: the kernel, and why when it is the math one."""
     call = _SdpaCall.of(node)
-    query, key, value = val(call.query), val(call.key), val(call.value)
+    query, key, value = node_value(call.query), node_value(call.key), node_value(call.value)
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return {}
     device = query.device
@@ -94,7 +94,7 @@ def _small_mask(mask, query_len: int, key_len: int, device):
     """A mask of the site's dtype that lets everything through, shrunk to the small inputs (None without one)."""
     if mask is None:
         return None
-    mask_value = val(mask)
+    mask_value = node_value(mask)
     shape = [int(x) for x in mask_value.shape]
     if len(shape) >= 2:
         shape[-2] = min(shape[-2], query_len) if shape[-2] != 1 else 1

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .ops import op_name
+
 aten = torch.ops.aten
 LINEAR_OPS = (aten.linear.default, aten.addmm.default)
 SHOWN = 4
@@ -36,11 +38,6 @@ def _parameter(gm: fx.GraphModule, target: str):
     except AttributeError:
         return None
     return value
-
-
-def op_name(node: fx.Node) -> str:
-    target = node.target
-    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
 
 
 def feeds_a_linear(node: fx.Node) -> bool:

@@ -21,7 +21,6 @@ from torch import fx
 
 from fxmem.attention_constants import emit_scale
 from fxmem.attention_match import existing_sdpa, find_attention, glob_match
-from fxmem.attention_nodes import val
 from fxmem.attention_projection import trace_projection
 from fxmem.attention_rows import SdpaCall, emit_fully_masked_rows
 from fxmem.attention_site import AttentionSite
@@ -29,6 +28,7 @@ from fxmem.costmodel import node_costs
 from fxmem.intent import Intent, guard_stop
 from fxmem.lossguard import exclusion_steps, first_accepted, guard_for
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
+from fxmem.node_value import node_value
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, is_impure
 from fxmem.sdpa_backend import probe_backend
@@ -125,15 +125,16 @@ def approximate(program: Program, opts: AttentionOptions, ctx: PassContext) -> P
 def _approx_intent(result: PassResult, opts: AttentionOptions, first: PassResult, asked: int, outcome) -> None:
     """What `rewrite` asked (every matched site) against how many sites were approximated, and why not more."""
     sites = first.metrics["rewritten"]
-    done = sum(c.kind == f"attention.{opts.rewrite}" for c in result.changes)
+    done = sum(record.kind == f"attention.{opts.rewrite}" for record in result.changes)
     stopped_by, change = guard_stop(outcome.asked)
     if asked < sites and not stopped_by:
         stopped_by = f"{sites - asked} site(s) cannot take {opts.rewrite} (the report's notes say why)"
         change = "nothing to change for those sites"
-    for c in result.changes:
-        if c.kind == "attention.sdpa" and c.module in {x.module for x in first.changes
+    for record in result.changes:
+        if record.kind == "attention.sdpa" and record.module in {x.module for x in first.changes
                                                         if x.kind == f"attention.{opts.rewrite}"}:
-            c.reason += f"; {opts.rewrite} backed off here by the guard (this site's own error is among the largest)"
+            record.reason += (f"; {opts.rewrite} backed off here by the guard (this site's own error is among the "
+                              f"largest)")
     result.intents = [Intent("passes.attention.rewrite", f"{opts.rewrite} at {sites} attention site(s)",
                              f"{opts.rewrite} at {done} of {sites} (the rest exact SDPA)", done == sites,
                              stopped_by, change)]
@@ -183,8 +184,8 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
     after = _saved_by_node(program, mode) if opts.site_bytes else {}
     for site, new, kind, info in done:
         backend = probe_backend(new) if kind == "sdpa" else {}
-        saved_before = sum(before.get(n, 0) for n in info["removed"])
-        saved_after = after.get(new.name, 0) + sum(after.get(n, 0) for n in info.get("added", []))
+        saved_before = sum(before.get(name, 0) for name in info["removed"])
+        saved_after = after.get(new.name, 0) + sum(after.get(name, 0) for name in info.get("added", []))
         reason = f"manual attention -> {_label(kind)} ({site.describe()})"
         if backend:
             reason += f"; SDPA backend on {backend['device']}: {backend['summary']}"
@@ -204,8 +205,8 @@ def rewrite_attention(program: Program, opts: AttentionOptions | None = None, *,
         metrics["rewritten"] += 1
         metrics["sites_detail"].append({"module": site.module, "rewritten": True, "rewrite": kind,
                                         "backend": backend.get("summary"), "rel_error": info.get("rel_error")})
-        for n in site.notes:
-            notes.append(f"{site.module}: {n}")
+        for note in site.notes:
+            notes.append(f"{site.module}: {note}")
         if backend and backend.get("fallback"):
             notes.append(f"{site.module}: {backend['fallback']}")
     log(f"[attention] {metrics['rewritten']} site(s) rewritten, {metrics['not_rewritten']} not rewritten")
@@ -234,11 +235,11 @@ def _label(kind):
 
 
 def _ensure_meta(program: Program) -> None:
-    g = program.graph
-    if any(n.op == "call_function" and "fxmem_val" not in n.meta for n in g.nodes):
+    graph = program.graph
+    if any(n.op == "call_function" and "fxmem_val" not in n.meta for n in graph.nodes):
         program.refresh()
     else:
-        g.eliminate_dead_code(is_impure_node=is_impure)
+        graph.eliminate_dead_code(is_impure_node=is_impure)
 
 
 def _saved_by_node(program: Program, mode: str) -> dict:
@@ -256,16 +257,16 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> None:
 
 def _inputs(graph: fx.Graph, site: AttentionSite, opts) -> tuple:
     """q, k, v in (B, H, L, E) layout (k transposed back if needed; 3-D forms unsqueezed), enable_gqa."""
-    q, v = site.q, site.v
-    k = site.k
-    if k is None:
-        k = graph.call_function(aten.transpose.int, (site.k_transposed, -2, -1))
+    query, value = site.q, site.v
+    key = site.k
+    if key is None:
+        key = graph.call_function(aten.transpose.int, (site.k_transposed, -2, -1))
     enable_gqa = site.gqa_groups > 1
     if enable_gqa and not opts.gqa:
-        k, v, enable_gqa = site.k_expanded, site.v_expanded, False
+        key, value, enable_gqa = site.k_expanded, site.v_expanded, False
     if site.batch_dims == 1:
-        q, k, v = (graph.call_function(aten.unsqueeze.default, (x, 0)) for x in (q, k, v))
-    return q, k, v, enable_gqa
+        query, key, value = (graph.call_function(aten.unsqueeze.default, (x, 0)) for x in (query, key, value))
+    return query, key, value, enable_gqa
 
 
 def _mask(graph: fx.Graph, site: AttentionSite) -> tuple[fx.Node | None, str]:
@@ -274,12 +275,13 @@ def _mask(graph: fx.Graph, site: AttentionSite) -> tuple[fx.Node | None, str]:
         return None, "causal" if site.causal else "none"
     keep = None
     add = None
-    for m in site.masks:
-        if m.kind == "additive":
-            add = m.node if add is None else graph.call_function(aten.add.Tensor, (add, m.node))
+    for mask_term in site.masks:
+        if mask_term.kind == "additive":
+            add = mask_term.node if add is None else graph.call_function(aten.add.Tensor, (add, mask_term.node))
             continue
-        k = m.node if m.kind == "keep" else graph.call_function(aten.logical_not.default, (m.node,))
-        keep = k if keep is None else graph.call_function(aten.logical_and.default, (keep, k))
+        keep_term = mask_term.node if mask_term.kind == "keep" \
+            else graph.call_function(aten.logical_not.default, (mask_term.node,))
+        keep = keep_term if keep is None else graph.call_function(aten.logical_and.default, (keep, keep_term))
     if keep is not None and add is not None:
         return graph.call_function(aten.where.ScalarOther, (keep, add, float("-inf"))), "additive+bool"
     if keep is not None:
@@ -288,51 +290,53 @@ def _mask(graph: fx.Graph, site: AttentionSite) -> tuple[fx.Node | None, str]:
 
 
 def _emit_sdpa(program: Program, site: AttentionSite, opts) -> tuple[fx.Node, dict]:
-    g = program.graph
-    before = set(g.nodes)
-    with g.inserting_before(site.output):
-        q, k, v, enable_gqa = _inputs(g, site, opts)
-        mask, mask_kind = _mask(g, site)
-        scale = emit_scale(g, site.scale)
+    graph = program.graph
+    before = set(graph.nodes)
+    with graph.inserting_before(site.output):
+        query, key, value, enable_gqa = _inputs(graph, site, opts)
+        mask, mask_kind = _mask(graph, site)
+        scale = emit_scale(graph, site.scale)
         train = site.dropout_train
         if site.dropout_p > 0 and isinstance(train, fx.Node):
-            out = g.call_function(sdpa_dropout, (q, k, v, mask, site.dropout_p, train, site.causal, scale,
+            out = graph.call_function(sdpa_dropout, (query, key, value, mask, site.dropout_p, train, site.causal, scale,
                                                  enable_gqa))
         else:
-            p = site.dropout_p if (site.dropout_p > 0 and train is True) else 0.0
-            out = g.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
-                                  {"attn_mask": mask, "dropout_p": p, "is_causal": site.causal, "scale": scale,
+            dropout_p = site.dropout_p if (site.dropout_p > 0 and train is True) else 0.0
+            out = graph.call_function(aten.scaled_dot_product_attention.default, (query, key, value),
+                                  {"attn_mask": mask, "dropout_p": dropout_p, "is_causal": site.causal, "scale": scale,
                                    "enable_gqa": enable_gqa})
-        call = SdpaCall(q, k, v, mask, scale, site.gqa_groups if enable_gqa else 1)
-        final = _with_fully_masked_rows(g, site, call, out) if mask_kind == "additive" else out
+        call = SdpaCall(query, key, value, mask, scale, site.gqa_groups if enable_gqa else 1)
+        final = _with_fully_masked_rows(graph, site, call, out) if mask_kind == "additive" else out
         corrected = final is not out
         if site.batch_dims == 1:
-            final = g.call_function(aten.squeeze.dim, (final, 0))
-    added = [n for n in g.nodes if n not in before]
-    for n in added:
-        _copy_meta(n, site.output) if n is final else n.meta.setdefault(
+            final = graph.call_function(aten.squeeze.dim, (final, 0))
+    added = [node for node in graph.nodes if node not in before]
+    for node in added:
+        _copy_meta(node, site.output) if node is final else node.meta.setdefault(
             "nn_module_stack", site.output.meta.get("nn_module_stack"))
-    removed = _replace(g, site, final)
-    return out, {"removed": removed, "added": [n.name for n in added if n is not out], "is_causal": site.causal,
-                 "mask": mask_kind, "enable_gqa": enable_gqa, "fully_masked_rows": "eager" if corrected else None}
+    removed = _replace(graph, site, final)
+    return out, {"removed": removed, "added": [node.name for node in added if node is not out],
+                 "is_causal": site.causal, "mask": mask_kind, "enable_gqa": enable_gqa,
+                 "fully_masked_rows": "eager" if corrected else None}
 
 
-def _with_fully_masked_rows(g: fx.Graph, site: AttentionSite, call: SdpaCall, out: fx.Node) -> fx.Node:
+def _with_fully_masked_rows(graph: fx.Graph, site: AttentionSite, call: SdpaCall, out: fx.Node) -> fx.Node:
     """`out` whose rows the additive mask masks fully get eager attention's value and gradient
     (`fxmem.attention_rows`); `out` itself where the mask is not a float tensor."""
-    mask_val = val(site.masks[0].node)
+    mask_val = node_value(site.masks[0].node)
     if not isinstance(mask_val, torch.Tensor) or not mask_val.is_floating_point():
         return out
-    return emit_fully_masked_rows(g, call, out, mask_val.dtype, len(val(site.q).shape) + (site.batch_dims == 1))
+    output_ndim = len(node_value(site.q).shape) + (site.batch_dims == 1)
+    return emit_fully_masked_rows(graph, call, out, mask_val.dtype, output_ndim)
 
 
-def _replace(g: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:
+def _replace(graph: fx.Graph, site: AttentionSite, final: fx.Node) -> list[str]:
     site.output.replace_all_uses_with(final)
     removed = []
-    for n in reversed(site.nodes):
-        if not n.users:
-            removed.append(n.name)
-            g.erase_node(n)
+    for node in reversed(site.nodes):
+        if not node.users:
+            removed.append(node.name)
+            graph.erase_node(node)
     return removed[::-1]
 
 
@@ -344,21 +348,22 @@ def _emit_approx(program: Program, site: AttentionSite, opts, kind: str):
     if site.masks and not site.causal and any(m.kind != "additive" for m in site.masks) \
             and any(m.kind == "additive" for m in site.masks):
         return None, {"why": "mixed bool and additive masks"}
-    qv, kv, vv = (_example(site, x) for x in ("q", "k", "v"))
-    if qv is None:
+    query_example, key_example, value_example = (_example(site, x) for x in ("q", "k", "v"))
+    if query_example is None:
         return None, {"why": "example values of q/k/v unavailable"}
     if kind == "hab":
-        mod, params, xv = _hybrid_module(program, site, opts, kv.shape[-2])
+        mod, params, input_example = _hybrid_module(program, site, opts, key_example.shape[-2])
         if mod is None:
             return None, params
     else:
-        (mod, params), xv = _semiseparable_module(site, opts, kv.shape[-2], qv.shape[-1]), None
+        mod, params = _semiseparable_module(site, opts, key_example.shape[-2], query_example.shape[-1])
+        input_example = None
     if site.scale_value is None or any(not isinstance(f, float) for _, f in site.scale):
         return None, {"why": "shape-dependent scale"}
     mask_ex, why = _approx_mask_example(program, site)
     if why is not None:
         return None, why
-    params["rel_error"] = _approx_error(site, mod, (qv, kv, vv), mask_ex, xv)
+    params["rel_error"] = _approx_error(site, mod, (query_example, key_example, value_example), mask_ex, input_example)
     out, inserted = _insert_approx(program, site, opts, mod, kind, mask_ex)
     if site.dropout_p:
         site.notes.append(f"attention dropout (p={site.dropout_p:g}) is not applied by the approximation")
@@ -374,21 +379,24 @@ def _hybrid_module(program: Program, site: AttentionSite, opts, key_len: int):
     params = {"top_k": top_k}
     if opts.rank_ratio is None:
         return mod, params, None
-    pq, pk = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
-    if pq is None or pk is None or pq.x is not pk.x or pq.heads != pk.heads or site.gqa_groups > 1:
+    query_proj, key_proj = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
+    if query_proj is None or key_proj is None or query_proj.x is not key_proj.x \
+            or query_proj.heads != key_proj.heads or site.gqa_groups > 1:
         return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}, None
-    xv = _example_node(program, pq.x)
-    if xv is None or site.batch_dims != 2:
+    input_example = _example_node(program, query_proj.x)
+    if input_example is None or site.batch_dims != 2:
         return None, {"why": "rank_ratio: example value of the projection input unavailable"}, None
-    w = _attr(program, pq.weight)
-    wk_ = _attr(program, pk.weight)
-    n = pq.heads * pq.head_dim
-    bq = _attr(program, pq.bias)[pq.offset:pq.offset + n] if pq.bias is not None else None
-    bk = _attr(program, pk.bias)[pk.offset:pk.offset + n] if pk.bias is not None else None
-    rank = mod.set_low_rank(w[pq.offset:pq.offset + n], bq, wk_[pk.offset:pk.offset + n], bk, pq.heads,
+    query_weight = _attr(program, query_proj.weight)
+    key_weight = _attr(program, key_proj.weight)
+    width = query_proj.heads * query_proj.head_dim
+    query_rows = slice(query_proj.offset, query_proj.offset + width)
+    key_rows = slice(key_proj.offset, key_proj.offset + width)
+    query_bias = _attr(program, query_proj.bias)[query_rows] if query_proj.bias is not None else None
+    key_bias = _attr(program, key_proj.bias)[key_rows] if key_proj.bias is not None else None
+    rank = mod.set_low_rank(query_weight[query_rows], query_bias, key_weight[key_rows], key_bias, query_proj.heads,
                             opts.rank_ratio)
     params.update({"rank": rank, "rank_ratio": opts.rank_ratio})
-    return mod, params, xv
+    return mod, params, input_example
 
 
 def _semiseparable_module(site: AttentionSite, opts, key_len: int, head_dim: int):
@@ -416,41 +424,42 @@ def _approx_mask_example(program: Program, site: AttentionSite):
     return mask_ex, None
 
 
-def _approx_error(site: AttentionSite, mod, examples, mask_ex, xv) -> float:
+def _approx_error(site: AttentionSite, mod, examples, mask_ex, input_example) -> float:
     """The approximation's relative error against exact attention on the example q, k, v (and mask)."""
-    qv, kv, vv = examples
+    query_example, key_example, value_example = examples
     if site.gqa_groups > 1:
-        kv = kv.repeat_interleave(site.gqa_groups, dim=1)
-        vv = vv.repeat_interleave(site.gqa_groups, dim=1)
+        key_example = key_example.repeat_interleave(site.gqa_groups, dim=1)
+        value_example = value_example.repeat_interleave(site.gqa_groups, dim=1)
     with torch.no_grad():
         exact = torch.nn.functional.scaled_dot_product_attention(
-            qv, kv, vv, attn_mask=mask_ex, is_causal=site.causal, scale=site.scale_value)
-        approx = mod(qv, kv, vv, mask_ex, xv) if getattr(mod, "q_proj", None) is not None else \
-            mod(qv, kv, vv, mask_ex)
+            query_example, key_example, value_example, attn_mask=mask_ex, is_causal=site.causal,
+            scale=site.scale_value)
+        inputs = (query_example, key_example, value_example, mask_ex)
+        approx = mod(*inputs, input_example) if getattr(mod, "q_proj", None) is not None else mod(*inputs)
     return float((approx.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
 
 
 def _insert_approx(program: Program, site: AttentionSite, opts, mod, kind: str, mask_ex):
     """Register `mod` and call it in place of the site; the call node and what changed in the graph."""
-    g = program.graph
+    graph = program.graph
     name = _free_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
     program.module.add_submodule(name, mod)
-    before = set(g.nodes)
-    with g.inserting_before(site.output):
-        q, k, v, _ = _inputs(g, site, opts)
+    before = set(graph.nodes)
+    with graph.inserting_before(site.output):
+        query, key, value, _ = _inputs(graph, site, opts)
         if site.gqa_groups > 1:
-            k = g.call_function(aten.repeat_interleave.self_int, (k, site.gqa_groups, 1))
-            v = g.call_function(aten.repeat_interleave.self_int, (v, site.gqa_groups, 1))
+            key = graph.call_function(aten.repeat_interleave.self_int, (key, site.gqa_groups, 1))
+            value = graph.call_function(aten.repeat_interleave.self_int, (value, site.gqa_groups, 1))
         mask = site.masks[0].node if mask_ex is not None else None
         lowrank = getattr(mod, "q_proj", None) is not None
-        out = g.call_module(name, (q, k, v, mask) + ((trace_projection(site.q).x,) if lowrank else ()))
-        final = out if site.batch_dims != 1 else g.call_function(aten.squeeze.dim, (out, 0))
-    added = [n for n in g.nodes if n not in before]
-    for n in added:
-        n.meta.setdefault("nn_module_stack", site.output.meta.get("nn_module_stack"))
+        out = graph.call_module(name, (query, key, value, mask) + ((trace_projection(site.q).x,) if lowrank else ()))
+        final = out if site.batch_dims != 1 else graph.call_function(aten.squeeze.dim, (out, 0))
+    added = [node for node in graph.nodes if node not in before]
+    for node in added:
+        node.meta.setdefault("nn_module_stack", site.output.meta.get("nn_module_stack"))
     _copy_meta(final, site.output)
-    removed = _replace(g, site, final)
-    return out, {"removed": removed, "added": [n.name for n in added if n is not out],
+    removed = _replace(graph, site, final)
+    return out, {"removed": removed, "added": [node.name for node in added if node is not out],
                  "is_causal": site.causal, "mask": "additive" if mask_ex is not None else
                  ("causal" if site.causal else "none")}
 
@@ -462,11 +471,11 @@ def _attr(program: Program, node: fx.Node) -> torch.Tensor:
     return obj.detach()
 
 
-def _free_name(gm, base: str) -> str:
-    name, i = base, 1
-    while hasattr(gm, name):
-        i += 1
-        name = f"{base}_{i}"
+def _free_name(module, base: str) -> str:
+    name, suffix = base, 1
+    while hasattr(module, name):
+        suffix += 1
+        name = f"{base}_{suffix}"
     return name
 
 
@@ -482,44 +491,44 @@ def _example_node(program: Program, node: fx.Node):
 def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
     """Run the graph once on the example inputs (no grad) and keep q/k/v/mask values of each site."""
     want = {}
-    for s in sites:
-        if not s.ok:
+    for site in sites:
+        if not site.ok:
             continue
-        k = s.k if s.k is not None else s.k_transposed
-        for which, n in (("q", s.q), ("k", k), ("v", s.v)):
-            want.setdefault(n, []).append((s, which))
-        for m in s.masks:
-            want.setdefault(m.node, []).append((None, m.node.name))
-        proj = trace_projection(s.q) if s.q is not None else None
+        key = site.k if site.k is not None else site.k_transposed
+        for which, node in (("q", site.q), ("k", key), ("v", site.v)):
+            want.setdefault(node, []).append((site, which))
+        for mask_term in site.masks:
+            want.setdefault(mask_term.node, []).append((None, mask_term.node.name))
+        proj = trace_projection(site.q) if site.q is not None else None
         if proj is not None:
             want.setdefault(proj.x, []).append((None, proj.x.name))
     got = {}
 
     class _Grab(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            if n in want and isinstance(out, torch.Tensor):
-                got[n] = out.detach().clone()
+        def run_node(self, node):
+            out = super().run_node(node)
+            if node in want and isinstance(out, torch.Tensor):
+                got[node] = out.detach().clone()
             return out
 
-    gm = program.module
-    was = gm.training
-    gm.eval()
+    module = program.module
+    was = module.training
+    module.eval()
     try:
         with torch.no_grad():
             flat = program.flat_inputs()
-            _Grab(gm).run(*flat, enable_io_processing=False)
+            _Grab(module).run(*flat, enable_io_processing=False)
     finally:
-        gm.train(was)
+        module.train(was)
     program._attention_examples = {}
-    for n, users in want.items():
-        t = got.get(n)
-        for s, which in users:
-            if s is None:
-                program._attention_examples[which] = t
+    for node, users in want.items():
+        example = got.get(node)
+        for site, which in users:
+            if site is None:
+                program._attention_examples[which] = example
                 continue
-            if t is not None and which == "k" and s.k is None:
-                t = t.transpose(-2, -1)
-            if t is not None and s.batch_dims == 1:
-                t = t.unsqueeze(0)
-            s.__dict__.setdefault("_examples", {})[which] = t
+            if example is not None and which == "k" and site.k is None:
+                example = example.transpose(-2, -1)
+            if example is not None and site.batch_dims == 1:
+                example = example.unsqueeze(0)
+            site.__dict__.setdefault("_examples", {})[which] = example

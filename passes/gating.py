@@ -20,6 +20,8 @@ from torch import fx
 from fxmem.calibrate import normalize_item
 from fxmem.errors import PolicyError
 from fxmem.nn.gating import GatedResidual, reset_skip_stats, skip_stats
+from fxmem.node_value import EXPORT, node_value
+from fxmem.ops import op_name
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path, module_stack
@@ -45,27 +47,15 @@ class GatingOptions:
     min_branch_ops: int = 1  # matmul-class ops a branch needs to be worth a gate
 
 
-def validate(o: GatingOptions) -> None:
-    if not (0.0 < o.threshold <= 1.0):
-        raise PolicyError(f"passes.gating.threshold: must be in (0, 1], got {o.threshold}")
-    if o.init_bias < 0:
-        raise PolicyError(f"passes.gating.init_bias: must be >= 0 (gates start open), got {o.init_bias}")
-    if o.reduction < 1:
-        raise PolicyError(f"passes.gating.reduction: must be >= 1, got {o.reduction}")
-    if not o.targets:
+def validate(options: GatingOptions) -> None:
+    if not (0.0 < options.threshold <= 1.0):
+        raise PolicyError(f"passes.gating.threshold: must be in (0, 1], got {options.threshold}")
+    if options.init_bias < 0:
+        raise PolicyError(f"passes.gating.init_bias: must be >= 0 (gates start open), got {options.init_bias}")
+    if options.reduction < 1:
+        raise PolicyError(f"passes.gating.reduction: must be >= 1, got {options.reduction}")
+    if not options.targets:
         raise PolicyError("passes.gating.targets: empty; use [auto] or module path globs")
-
-
-def _name(n: fx.Node) -> str:
-    if n.op != "call_function":
-        return ""
-    pkt = getattr(n.target, "overloadpacket", None)
-    return str(pkt).split(".")[-1] if pkt is not None else getattr(n.target, "__name__", "")
-
-
-def _val(n):
-    v = n.meta.get("fxmem_val", n.meta.get("val")) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 @dataclass
@@ -78,148 +68,151 @@ class Branch:
     types: list
 
 
-def _descendants(x: fx.Node, limit: fx.Node, order: dict) -> set:
-    seen, stack = set(), [x]
+def _descendants(start: fx.Node, limit: fx.Node, order: dict) -> set:
+    seen, stack = set(), [start]
     while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in seen and order[u] <= order[limit]:
-                seen.add(u)
-                stack.append(u)
+        node = stack.pop()
+        for user in node.users:
+            if user not in seen and order[user] <= order[limit]:
+                seen.add(user)
+                stack.append(user)
     return seen
 
 
-def _ancestors(y: fx.Node) -> set:
-    seen, stack = {y}, [y]
+def _ancestors(end: fx.Node) -> set:
+    seen, stack = {end}, [end]
     while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
+        node = stack.pop()
+        for source in node.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
     return seen
 
 
 def _label(nodes) -> tuple[str, list]:
-    def is_norm(n):
-        st = module_stack(n)
-        return _name(n) in _NORMS or (st and "norm" in st[-1][1].lower())
-    paths = [module_path(n).split(".") for n in nodes if n.op == "call_function" and not is_norm(n)
-             and module_path(n)]
+    def is_norm(node):
+        stack = module_stack(node)
+        return op_name(node, calls_only=True) in _NORMS or (stack and "norm" in stack[-1][1].lower())
+    paths = [module_path(node).split(".") for node in nodes if node.op == "call_function" and not is_norm(node)
+             and module_path(node)]
     if not paths:
         return "", []
     common = paths[0]
-    for p in paths[1:]:
-        k = 0
-        while k < min(len(common), len(p)) and common[k] == p[k]:
-            k += 1
-        common = common[:k]
+    for parts in paths[1:]:
+        common_len = 0
+        while common_len < min(len(common), len(parts)) and common[common_len] == parts[common_len]:
+            common_len += 1
+        common = common[:common_len]
     label = ".".join(common)
     types = []
-    for n in nodes:
-        for path, ty in module_stack(n):
+    for node in nodes:
+        for path, type_name in module_stack(node):
             if path == label:
-                types.append(ty)
+                types.append(type_name)
     return label, sorted(set(types))
 
 
-def find_branches(gm: fx.GraphModule, min_ops: int = 1) -> list[Branch]:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+def find_branches(graph_module: fx.GraphModule, min_ops: int = 1) -> list[Branch]:
+    order = {node: i for i, node in enumerate(graph_module.graph.nodes)}
     out = []
-    for add in gm.graph.nodes:
-        if _name(add) != "add" or add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+    for add in graph_module.graph.nodes:
+        if op_name(add, calls_only=True) != "add" or add.target is not aten.add.Tensor or len(add.args) != 2 \
+                or add.kwargs:
             continue
-        a, b = add.args
-        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        left, right = add.args
+        if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)):
             continue
-        va, vb, vo = _val(a), _val(b), _val(add)
-        if va is None or vb is None or vo is None or tuple(va.shape) != tuple(vb.shape) \
-                or tuple(vo.shape) != tuple(va.shape) or not va.is_floating_point():
+        left_value, right_value, sum_value = (node_value(operand, tensor_only=True) for operand in (left, right, add))
+        if left_value is None or right_value is None or sum_value is None \
+                or tuple(left_value.shape) != tuple(right_value.shape) \
+                or tuple(sum_value.shape) != tuple(left_value.shape) or not left_value.is_floating_point():
             continue
-        for x, y in ((a, b), (b, a)):
-            if len(y.users) != 1:
+        for stream, branch_out in ((left, right), (right, left)):
+            if len(branch_out.users) != 1:
                 continue
-            desc = _descendants(x, y, order)
-            if y not in desc:
+            desc = _descendants(stream, branch_out, order)
+            if branch_out not in desc:
                 continue
-            body = [n for n in _ancestors(y) if n in desc and n.op != "get_attr"]
-            if sum(_name(n) in _EXPENSIVE for n in body) < min_ops:
+            body = [node for node in _ancestors(branch_out) if node in desc and node.op != "get_attr"]
+            if sum(op_name(node, calls_only=True) in _EXPENSIVE for node in body) < min_ops:
                 continue
             members = set(body)
-            for n in list(body):  # shape/metadata assertions on branch values go with the branch
-                for u in n.users:
-                    if u not in members and _name(u).startswith("_assert") and not u.users:
-                        members.add(u)
-                        body.append(u)
-            if any(u not in members and u is not add for n in body for u in n.users):
+            for node in list(body):  # shape/metadata assertions on branch values go with the branch
+                for user in node.users:
+                    if user not in members and op_name(user, calls_only=True).startswith("_assert") and not user.users:
+                        members.add(user)
+                        body.append(user)
+            if any(user not in members and user is not add for node in body for user in node.users):
                 continue  # a branch value escapes: not a pure branch
-            if any(n.op in ("placeholder", "output") for n in body):
+            if any(node.op in ("placeholder", "output") for node in body):
                 continue
-            if any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
-                   and n.target._schema.is_mutable for n in body):
+            if any(node.op == "call_function" and getattr(node.target, "_schema", None) is not None
+                   and node.target._schema.is_mutable for node in body):
                 continue
             body.sort(key=order.get)
             label, types = _label(body)
-            out.append(Branch(add, x, y, body, label or y.name, types))
+            out.append(Branch(add, stream, branch_out, body, label or branch_out.name, types))
             break
     return out
 
 
-def _chosen(br: Branch, targets: list[str]) -> str | None:
-    for t in targets:
-        if t == "auto":
-            if _AUTO_PATH.search(br.label) or any(_AUTO_TYPE.search(ty) for ty in br.types):
+def _chosen(branch: Branch, targets: list[str]) -> str | None:
+    for target in targets:
+        if target == "auto":
+            if _AUTO_PATH.search(branch.label) or any(_AUTO_TYPE.search(ty) for ty in branch.types):
                 return "auto"
-        elif fnmatch.fnmatchcase(br.label, t):
-            return t
+        elif fnmatch.fnmatchcase(branch.label, target):
+            return target
     return None
 
 
-def _localize_sizes(gm: fx.GraphModule, br: Branch) -> None:
+def _localize_sizes(graph_module: fx.GraphModule, branch: Branch) -> None:
     """Sizes of x the branch reads from outside (sym_size nodes) are re-read from x inside the branch, so the
     branch can run on a subset of rows."""
-    vx = br.x.meta.get("val")
-    if not isinstance(vx, torch.Tensor):
+    stream_value = node_value(branch.x, source=EXPORT)
+    if not isinstance(stream_value, torch.Tensor):
         return
-    members = set(br.nodes)
-    for s in list({a for n in br.nodes for a in n.all_input_nodes if a not in members}):
-        if s.op != "call_function" or s.target is not aten.sym_size.int:
+    members = set(branch.nodes)
+    for size_node in list({a for n in branch.nodes for a in n.all_input_nodes if a not in members}):
+        if size_node.op != "call_function" or size_node.target is not aten.sym_size.int:
             continue
-        sv = s.meta.get("val")
-        dims = [k for k in range(vx.dim()) if str(vx.shape[k]) == str(sv)]
+        size_value = node_value(size_node, source=EXPORT)
+        dims = [k for k in range(stream_value.dim()) if str(stream_value.shape[k]) == str(size_value)]
         if not dims:
             continue
-        first = min(br.nodes, key=lambda n: list(gm.graph.nodes).index(n))
-        with gm.graph.inserting_before(first):
-            new = gm.graph.call_function(aten.sym_size.int, (br.x, dims[0]))
-        new.meta = dict(s.meta)
-        s.replace_all_uses_with(new, delete_user_cb=lambda u: u in members)
-        br.nodes.insert(0, new)
+        first = min(branch.nodes, key=lambda n: list(graph_module.graph.nodes).index(n))
+        with graph_module.graph.inserting_before(first):
+            new = graph_module.graph.call_function(aten.sym_size.int, (branch.x, dims[0]))
+        new.meta = dict(size_node.meta)
+        size_node.replace_all_uses_with(new, delete_user_cb=lambda u: u in members)
+        branch.nodes.insert(0, new)
         members.add(new)
 
 
-def _row_safe(br: Branch, inputs: list) -> tuple[bool, str]:
-    for a in inputs:
-        if a is br.x or a.op == "get_attr":
+def _row_safe(branch: Branch, inputs: list) -> tuple[bool, str]:
+    for source in inputs:
+        if source is branch.x or source.op == "get_attr":
             continue
-        v = a.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            if v.dim() == 0 or _not_per_row(v, br.x.meta.get("val")):
+        value = node_value(source, source=EXPORT)
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or _not_per_row(value, node_value(branch.x, source=EXPORT)):
                 continue
-            return False, f"the branch also reads tensor {a.name} from outside (per-row coupling unknown)"
-        if a.op == "call_function" and a.target is aten.sym_size.int:
-            return False, f"the branch reads size {a.name} of another tensor"
+            return False, f"the branch also reads tensor {source.name} from outside (per-row coupling unknown)"
+        if source.op == "call_function" and source.target is aten.sym_size.int:
+            return False, f"the branch reads size {source.name} of another tensor"
     return True, ""
 
 
-def _not_per_row(v: torch.Tensor, vx) -> bool:
-    """True when tensor `v` cannot be indexed by x's rows: its leading dim is 1, or x's batch size is symbolic
-    and appears in none of v's dims."""
-    if int(v.shape[0]) == 1 if not isinstance(v.shape[0], torch.SymInt) else False:
+def _not_per_row(value: torch.Tensor, stream_value) -> bool:
+    """True when tensor `value` cannot be indexed by the rows of the residual stream x (`stream_value`): its
+    leading dim is 1, or x's batch size is symbolic and appears in none of its dims."""
+    if int(value.shape[0]) == 1 if not isinstance(value.shape[0], torch.SymInt) else False:
         return True
-    if isinstance(vx, torch.Tensor) and vx.dim() and isinstance(vx.shape[0], torch.SymInt):
-        b = str(vx.shape[0])
-        return all(str(s) != b for s in v.shape)
+    if isinstance(stream_value, torch.Tensor) and stream_value.dim() \
+            and isinstance(stream_value.shape[0], torch.SymInt):
+        batch_size = str(stream_value.shape[0])
+        return all(str(s) != batch_size for s in value.shape)
     return False
 
 
@@ -230,70 +223,72 @@ class GatingPass(Pass):
     Options = GatingOptions
 
     def run(self, program: Program, ctx: PassContext) -> PassResult:
-        o: GatingOptions = ctx.options
-        validate(o)
-        gm = program.module
+        options: GatingOptions = ctx.options
+        validate(options)
+        graph_module = program.module
         notes, changes = [], []
-        found = find_branches(gm, o.min_branch_ops)
+        found = find_branches(graph_module, options.min_branch_ops)
         metrics: dict = {"branches_found": [b.label for b in found]}
-        chosen = [(b, why) for b in found if (why := _chosen(b, o.targets)) is not None]
+        chosen = [(b, why) for b in found if (why := _chosen(b, options.targets)) is not None]
         if not chosen:
-            notes.append(f"no residual branch matches targets {o.targets} (found: "
+            notes.append(f"no residual branch matches targets {options.targets} (found: "
                          f"{', '.join(b.label for b in found) or 'none'})")
             return PassResult(program, False, notes=notes, metrics=metrics)
         done: set = set()
         while True:
             # re-find after every rewrite: outlining replaces nodes the next branch may read
-            nxt = [(b, why) for b in find_branches(gm, o.min_branch_ops)
-                   if (why := _chosen(b, o.targets)) is not None and (b.label, b.add.name) not in done]
+            nxt = [(b, why) for b in find_branches(graph_module, options.min_branch_ops)
+                   if (why := _chosen(b, options.targets)) is not None and (b.label, b.add.name) not in done]
             if not nxt:
                 break
-            br, why = nxt[0]
-            done.add((br.label, br.add.name))
-            if o.per_sample:
-                _localize_sizes(gm, br)
-            inputs, outputs = region_boundary(br.nodes)
-            if outputs != [br.out]:
-                notes.append(f"{br.label}: branch values used outside it ({[x.name for x in outputs]}); not gated")
+            branch, why = nxt[0]
+            done.add((branch.label, branch.add.name))
+            if options.per_sample:
+                _localize_sizes(graph_module, branch)
+            inputs, outputs = region_boundary(branch.nodes)
+            if outputs != [branch.out]:
+                notes.append(f"{branch.label}: branch values used outside it ({[x.name for x in outputs]}); not gated")
                 continue
-            if br.x not in inputs:
-                notes.append(f"{br.label}: the branch does not read its residual stream directly; not gated")
+            if branch.x not in inputs:
+                notes.append(f"{branch.label}: the branch does not read its residual stream directly; not gated")
                 continue
-            x_index = inputs.index(br.x)
-            vx = _val(br.x)
-            fdim = 1 if vx.dim() == 4 else -1
-            feats = int(vx.shape[fdim])
-            safe, why_not = _row_safe(br, inputs)
-            label = br.label
-            add = br.add
+            x_index = inputs.index(branch.x)
+            stream_value = node_value(branch.x, tensor_only=True)
+            fdim = 1 if stream_value.dim() == 4 else -1
+            feats = int(stream_value.shape[fdim])
+            safe, why_not = _row_safe(branch, inputs)
+            label = branch.label
+            add = branch.add
 
             def wrap(body, x_index=x_index, feats=feats, fdim=fdim, safe=safe, label=label):
-                return GatedResidual(body, x_index, feats, feature_dim=fdim, reduction=o.reduction,
-                                     init_bias=o.init_bias, threshold=o.threshold, per_sample=o.per_sample,
+                return GatedResidual(body, x_index, feats, feature_dim=fdim, reduction=options.reduction,
+                                     init_bias=options.init_bias, threshold=options.threshold,
+                                     per_sample=options.per_sample,
                                      label=label, row_safe=safe)
             try:
-                call = outline(program, br.nodes, "gate_" + label.replace(".", "_"), wrap=wrap)
-            except OutlineError as e:
-                notes.append(f"{label}: not gated: {e}")
+                call = outline(program, branch.nodes, "gate_" + label.replace(".", "_"), wrap=wrap)
+            except OutlineError as error:
+                notes.append(f"{label}: not gated: {error}")
                 continue
             add.replace_all_uses_with(call)
             call.meta.update({k: v for k, v in add.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
-            gm.graph.erase_node(add)
-            mode = "per sample" if (o.per_sample and safe) else "per batch"
-            reason = (f"residual branch ({why}) gated: x + g(x) * f(x), gate {feats}->{max(1, feats // o.reduction)}"
+            graph_module.graph.erase_node(add)
+            mode = "per sample" if (options.per_sample and safe) else "per batch"
+            gate_width = max(1, feats // options.reduction)
+            reason = (f"residual branch ({why}) gated: x + g(x) * f(x), gate {feats}->{gate_width}"
                       f"->1 on the mean of x; inference skips {mode}")
-            if o.per_sample and not safe:
+            if options.per_sample and not safe:
                 reason += f" ({why_not})"
-            changes.append(Change(kind="gate", module=label, nodes_before=[n.name for n in br.nodes] + [add.name],
+            changes.append(Change(kind="gate", module=label, nodes_before=[n.name for n in branch.nodes] + [add.name],
                                   nodes_after=[call.name], reason=reason, bytes_saved=0,
                                   details={"submodule": call.target, "features": feats, "per_sample":
-                                           bool(o.per_sample and safe), "matched": why}))
+                                           bool(options.per_sample and safe), "matched": why}))
         if not changes:
             return PassResult(program, False, notes=notes, metrics=metrics)
-        gm.graph.lint()
-        gm.recompile()
+        graph_module.graph.lint()
+        graph_module.recompile()
         metrics["gates"] = len(changes)
-        metrics["gate_params"] = sum(p.numel() for n, p in gm.named_parameters() if ".gate." in f".{n}")
+        metrics["gate_params"] = sum(p.numel() for n, p in graph_module.named_parameters() if ".gate." in f".{n}")
         cal = ctx.calibration
         if cal:
             metrics["skip_rate_calibration"] = self._skip_rates(program, list(cal)[:4])
@@ -301,17 +296,17 @@ class GatingPass(Pass):
 
     @staticmethod
     def _skip_rates(program: Program, items) -> dict:
-        gm = program.module
-        was = gm.training
-        gm.eval()
-        reset_skip_stats(gm)
+        module = program.module
+        was = module.training
+        module.eval()
+        reset_skip_stats(module)
         try:
             with torch.no_grad():
-                for it in items:
-                    a, k = normalize_item(it)
-                    gm(*a, **k)
+                for item in items:
+                    args, kwargs = normalize_item(item)
+                    module(*args, **kwargs)
         finally:
-            gm.train(was)
-        out = {k: round(v["skip_rate"], 4) for k, v in skip_stats(gm).items()}
-        reset_skip_stats(gm)
+            module.train(was)
+        out = {label: round(stats["skip_rate"], 4) for label, stats in skip_stats(module).items()}
+        reset_skip_stats(module)
         return out

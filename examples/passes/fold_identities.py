@@ -12,6 +12,7 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
+from fxmem.node_value import node_value
 from fxmem.ops import written_positions
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_path
@@ -26,15 +27,11 @@ class FoldOptions:
     casts: bool = True  # also fold casts to the dtype and device a tensor already has
 
 
-def value(node) -> torch.Tensor | None:
-    """The node's value at the example inputs (a fake tensor), None for non-tensors and non-nodes."""
-    found = node.meta.get("fxmem_val", node.meta.get("val")) if isinstance(node, fx.Node) else None
-    return found if isinstance(found, torch.Tensor) else None
-
-
 def why_identity(node: fx.Node, options: FoldOptions) -> str | None:
     """Why `node` computes its first argument ("x * 1"), or None."""
-    x, out = value(node.args[0] if node.args else None), value(node)
+    # the values at the example inputs (fake tensors); None for non-tensors and non-nodes
+    x = node_value(node.args[0] if node.args else None, tensor_only=True)
+    out = node_value(node, tensor_only=True)
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) \
             or (x.dtype, x.shape, x.device) != (out.dtype, out.shape, out.device):
         return None  # (`int_tensor * 1.0` is a float tensor: not an identity)

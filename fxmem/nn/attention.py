@@ -34,10 +34,10 @@ torch.fx.wrap("sdpa_dropout")
 
 # ============================================================================================ HybridAttention
 
-def _rows(mask, r0, r1):
+def _rows(mask, row_start, row_end):
     if mask is None:
         return None
-    return mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
+    return mask if mask.shape[-2] == 1 else mask[..., row_start:row_end, :]
 
 
 class _TopKAttention(torch.autograd.Function):
@@ -48,56 +48,57 @@ class _TopKAttention(torch.autograd.Function):
 
     # (nine parameters: autograd's ctx and the op's inputs, as Function.apply passes them)
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, causal, top_k, chunk):
-        B, H, L, E = q.shape
-        S = k.shape[-2]
-        kk = min(top_k, S)
-        out = q.new_empty(B, H, L, v.shape[-1])
-        idx = torch.empty(B, H, L, kk, dtype=torch.int64, device=q.device)
-        prob = q.new_empty(B, H, L, kk)
-        cols = torch.arange(S, device=q.device)
-        kt = k.transpose(-2, -1)
-        for r0 in range(0, L, chunk):
-            r1 = min(L, r0 + chunk)
-            s = torch.matmul(q[:, :, r0:r1], kt) * scale
-            m = _rows(mask, r0, r1)
-            if m is not None:
-                s = s + m
+    def forward(ctx, query, key, value, mask, scale, causal, top_k, chunk):
+        batch, heads, query_len, head_dim = query.shape
+        key_len = key.shape[-2]
+        kept = min(top_k, key_len)
+        out = query.new_empty(batch, heads, query_len, value.shape[-1])
+        idx = torch.empty(batch, heads, query_len, kept, dtype=torch.int64, device=query.device)
+        prob = query.new_empty(batch, heads, query_len, kept)
+        cols = torch.arange(key_len, device=query.device)
+        key_t = key.transpose(-2, -1)
+        for row_start in range(0, query_len, chunk):
+            row_end = min(query_len, row_start + chunk)
+            scores = torch.matmul(query[:, :, row_start:row_end], key_t) * scale
+            block_mask = _rows(mask, row_start, row_end)
+            if block_mask is not None:
+                scores = scores + block_mask
             if causal:
-                rows = torch.arange(r0, r1, device=q.device)
-                s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
-            vals, ix = s.topk(kk, dim=-1)
-            p = torch.softmax(vals, dim=-1)
-            dense = torch.zeros_like(s).scatter_(-1, ix, p)
-            out[:, :, r0:r1] = torch.matmul(dense, v)
-            idx[:, :, r0:r1] = ix
-            prob[:, :, r0:r1] = p
-        ctx.save_for_backward(q, k, v, idx, prob)
+                rows = torch.arange(row_start, row_end, device=query.device)
+                scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+            top_scores, top_index = scores.topk(kept, dim=-1)
+            probs = torch.softmax(top_scores, dim=-1)
+            dense = torch.zeros_like(scores).scatter_(-1, top_index, probs)
+            out[:, :, row_start:row_end] = torch.matmul(dense, value)
+            idx[:, :, row_start:row_end] = top_index
+            prob[:, :, row_start:row_end] = probs
+        ctx.save_for_backward(query, key, value, idx, prob)
         ctx.scale, ctx.chunk = scale, chunk
         return out
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, idx, prob = ctx.saved_tensors
+    def backward(ctx, grad_out):
+        query, key, value, idx, prob = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
-        B, H, L, E = q.shape
-        S = k.shape[-2]
-        dq = torch.empty_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
-        vt = v.transpose(-2, -1)
-        for r0 in range(0, L, chunk):
-            r1 = min(L, r0 + chunk)
-            ix, p, do = idx[:, :, r0:r1], prob[:, :, r0:r1], dout[:, :, r0:r1]
-            dp = torch.matmul(do, vt).gather(-1, ix)  # (B,H,C,k)
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-            zero = q.new_zeros(B, H, r1 - r0, S)
-            ds_dense = zero.scatter(-1, ix, ds)
-            p_dense = zero.scatter_(-1, ix, p)
-            dq[:, :, r0:r1] = torch.matmul(ds_dense, k) * scale
-            dk += torch.matmul(ds_dense.transpose(-2, -1), q[:, :, r0:r1]) * scale
-            dv += torch.matmul(p_dense.transpose(-2, -1), do)
-        return dq, dk, dv, None, None, None, None, None
+        batch, heads, query_len, head_dim = query.shape
+        key_len = key.shape[-2]
+        grad_query = torch.empty_like(query)
+        grad_key = torch.zeros_like(key)
+        grad_value = torch.zeros_like(value)
+        value_t = value.transpose(-2, -1)
+        for row_start in range(0, query_len, chunk):
+            row_end = min(query_len, row_start + chunk)
+            block = slice(row_start, row_end)
+            top_index, probs, grad_rows = idx[:, :, block], prob[:, :, block], grad_out[:, :, block]
+            grad_probs = torch.matmul(grad_rows, value_t).gather(-1, top_index)  # (B,H,C,k)
+            grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+            zero = query.new_zeros(batch, heads, row_end - row_start, key_len)
+            ds_dense = zero.scatter(-1, top_index, grad_scores)
+            p_dense = zero.scatter_(-1, top_index, probs)
+            grad_query[:, :, row_start:row_end] = torch.matmul(ds_dense, key) * scale
+            grad_key += torch.matmul(ds_dense.transpose(-2, -1), query[:, :, row_start:row_end]) * scale
+            grad_value += torch.matmul(p_dense.transpose(-2, -1), grad_rows)
+        return grad_query, grad_key, grad_value, None, None, None, None, None
 
 
 class HybridAttention(nn.Module):
@@ -116,8 +117,9 @@ class HybridAttention(nn.Module):
         self.heads = self.rank = 0
 
     def extra_repr(self):
-        lr = f", low-rank q/k rank {self.rank} per head" if self.q_proj is not None else ""
-        return f"scale={self.scale:.4g}, causal={self.causal}, top_k={self.top_k}, chunk_size={self.chunk_size}{lr}"
+        low_rank = f", low-rank q/k rank {self.rank} per head" if self.q_proj is not None else ""
+        return (f"scale={self.scale:.4g}, causal={self.causal}, top_k={self.top_k}, chunk_size={self.chunk_size}"
+                f"{low_rank}")
 
     @torch.no_grad()
     def set_low_rank(self, wq, bq, wk, bk, heads: int, rank_ratio: float) -> int:
@@ -125,34 +127,37 @@ class HybridAttention(nn.Module):
         [x, 1] [Wq_h | bq_h]^T [Wk_h | bk_h] [x, 1]^T (rank <= head_dim) is truncated to rank
         r = ceil(rank_ratio * head_dim), split as (U_r S_r^1/2)(V_r S_r^1/2)^T into new q/k projections
         (trainable parameters of this module). Returns r."""
-        dh = wq.shape[0] // heads
-        d = wq.shape[1]
-        r = max(1, math.ceil(rank_ratio * dh))
-        pq, pk = [], []
-        for h in range(heads):
-            rows = slice(h * dh, (h + 1) * dh)
-            a = torch.cat([wq[rows], (bq[rows] if bq is not None else wq.new_zeros(dh))[:, None]], 1).double()
-            b = torch.cat([wk[rows], (bk[rows] if bk is not None else wk.new_zeros(dh))[:, None]], 1).double()
-            u, s, vh = torch.linalg.svd(a.T @ b)
-            root = s[:r].sqrt()
-            pq.append((u[:, :r] * root).T)  # (r, d+1)
-            pk.append((vh[:r].T * root).T)
-        pq, pk = torch.cat(pq).to(wq.dtype), torch.cat(pk).to(wk.dtype)  # (heads*r, d+1)
-        self.q_proj, self.k_proj = nn.Linear(d, heads * r), nn.Linear(d, heads * r)
-        self.q_proj.weight.copy_(pq[:, :d])
-        self.q_proj.bias.copy_(pq[:, d])
-        self.k_proj.weight.copy_(pk[:, :d])
-        self.k_proj.bias.copy_(pk[:, d])
-        self.heads, self.rank = heads, r
-        return r
+        head_dim = wq.shape[0] // heads
+        in_features = wq.shape[1]
+        rank = max(1, math.ceil(rank_ratio * head_dim))
+        query_factors, key_factors = [], []
+        for head in range(heads):
+            rows = slice(head * head_dim, (head + 1) * head_dim)
+            query_bias = bq[rows] if bq is not None else wq.new_zeros(head_dim)
+            key_bias = bk[rows] if bk is not None else wk.new_zeros(head_dim)
+            query_form = torch.cat([wq[rows], query_bias[:, None]], 1).double()
+            key_form = torch.cat([wk[rows], key_bias[:, None]], 1).double()
+            left, singular, right_t = torch.linalg.svd(query_form.T @ key_form)
+            root = singular[:rank].sqrt()
+            query_factors.append((left[:, :rank] * root).T)  # (r, d+1)
+            key_factors.append((right_t[:rank].T * root).T)
+        query_factors = torch.cat(query_factors).to(wq.dtype)  # (heads*r, d+1)
+        key_factors = torch.cat(key_factors).to(wk.dtype)
+        self.q_proj, self.k_proj = nn.Linear(in_features, heads * rank), nn.Linear(in_features, heads * rank)
+        self.q_proj.weight.copy_(query_factors[:, :in_features])
+        self.q_proj.bias.copy_(query_factors[:, in_features])
+        self.k_proj.weight.copy_(key_factors[:, :in_features])
+        self.k_proj.bias.copy_(key_factors[:, in_features])
+        self.heads, self.rank = heads, rank
+        return rank
 
     def forward(self, q, k, v, attn_mask=None, x=None):
         if self.q_proj is not None:
             if x is None:
                 raise ValueError("HybridAttention with low-rank projections needs the projection input x")
-            B, T = x.shape[0], x.shape[1]
-            q = self.q_proj(x).view(B, T, self.heads, self.rank).transpose(1, 2)
-            k = self.k_proj(x).view(B, T, self.heads, self.rank).transpose(1, 2)
+            batch, tokens = x.shape[0], x.shape[1]
+            q = self.q_proj(x).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
+            k = self.k_proj(x).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
         if attn_mask is not None:
@@ -166,12 +171,12 @@ def _orthogonal_features(rank: int, dim: int, generator) -> torch.Tensor:
     """Rows: gaussian directions, orthogonalised in blocks of `dim` and rescaled to chi-distributed norms."""
     rows = []
     while sum(r.shape[0] for r in rows) < rank:
-        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        qm, _ = torch.linalg.qr(g)
-        rows.append(qm.T)
-    w = torch.cat(rows)[:rank]
+        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        orthonormal, _ = torch.linalg.qr(gaussian)
+        rows.append(orthonormal.T)
+    directions = torch.cat(rows)[:rank]
     norms = torch.randn(rank, dim, generator=generator, dtype=torch.float64).norm(dim=-1, keepdim=True)
-    return (w * norms).float()
+    return (directions * norms).float()
 
 
 class SemiseparableAttention(nn.Module):
@@ -191,10 +196,11 @@ class SemiseparableAttention(nn.Module):
         super().__init__()
         self.scale, self.causal, self.rank, self.band = float(scale), bool(causal), int(rank), int(band)
         self.hierarchical, self.lowrank_dtype = bool(hierarchical), lowrank_dtype
-        g = torch.Generator().manual_seed(seed)
-        self.register_buffer("features", _orthogonal_features(self.rank, head_dim, g), persistent=False)
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("features", _orthogonal_features(self.rank, head_dim, generator), persistent=False)
         if hierarchical:
-            self.register_buffer("features_near", _orthogonal_features(2 * self.rank, head_dim, g), persistent=False)
+            near_features = _orthogonal_features(2 * self.rank, head_dim, generator)
+            self.register_buffer("features_near", near_features, persistent=False)
         else:
             self.features_near = None
 
@@ -204,126 +210,130 @@ class SemiseparableAttention(nn.Module):
 
     # -------------------------------------------------------------------------------------------- pieces
     @staticmethod
-    def _blocks(x, nb, b):
-        B, H, L, D = x.shape
-        pad = nb * b - L
+    def _blocks(tensor, block_count, block_size):
+        batch, heads, length, dim = tensor.shape
+        pad = block_count * block_size - length
         if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(B, H, nb, b, D)
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, pad))
+        return tensor.reshape(batch, heads, block_count, block_size, dim)
 
-    def _logfeat(self, x, w):
+    def _logfeat(self, scaled, features):
         # log phi(x) without 1/sqrt(r): x W^T - |x|^2 / 2  (x already scaled by sqrt(scale))
-        return x @ w.to(x.dtype).T - 0.5 * (x * x).sum(-1, keepdim=True)
+        return scaled @ features.to(scaled.dtype).T - 0.5 * (scaled * scaled).sum(-1, keepdim=True)
 
     def forward(self, q, k, v, attn_mask=None):
-        B, H, L, E = q.shape
-        S = k.shape[-2]
-        if self.causal and L != S:
+        batch, heads, query_len, head_dim = q.shape
+        key_len = k.shape[-2]
+        if self.causal and query_len != key_len:
             raise ValueError("SemiseparableAttention: causal attention needs Lq == Lk")
-        b = self.band
-        nq, nk = -(-L // b), -(-S // b)
-        c = math.sqrt(self.scale)
-        qs, ks = q * c, k * c
-        key_bias = torch.zeros(B if attn_mask is None else attn_mask.shape[0], 1, S, dtype=q.dtype, device=q.device)
+        band = self.band
+        query_blocks, key_blocks = -(-query_len // band), -(-key_len // band)
+        root_scale = math.sqrt(self.scale)
+        query_scaled, key_scaled = q * root_scale, k * root_scale
+        mask_batch = batch if attn_mask is None else attn_mask.shape[0]
+        key_bias = torch.zeros(mask_batch, 1, key_len, dtype=q.dtype, device=q.device)
         if attn_mask is not None:
             if attn_mask.shape[-2] != 1:
                 raise ValueError("SemiseparableAttention: attn_mask must be a key-padding mask (dim -2 of size 1)")
-            m = attn_mask if attn_mask.dtype != torch.bool else torch.where(attn_mask, 0.0, float("-inf"))
-            key_bias = m.to(q.dtype).reshape(m.shape[0], m.shape[1], S).detach()
+            mask = attn_mask if attn_mask.dtype != torch.bool else torch.where(attn_mask, 0.0, float("-inf"))
+            key_bias = mask.to(q.dtype).reshape(mask.shape[0], mask.shape[1], key_len).detach()
         # ---- band: keys of blocks c-1, c, c+1 for query block c
-        qb = self._blocks(qs, nq, b)  # (B,H,nq,b,E)
-        kb, vb = self._blocks(ks, nk, b), self._blocks(v, nk, b)
-        kbias = torch.nn.functional.pad(key_bias, (0, nk * b - S), value=float("-inf")).reshape(
-            key_bias.shape[0], key_bias.shape[1], nk, b)
+        query_blocked = self._blocks(query_scaled, query_blocks, band)  # (B,H,nq,b,E)
+        key_blocked, value_blocked = self._blocks(key_scaled, key_blocks, band), self._blocks(v, key_blocks, band)
+        kbias = torch.nn.functional.pad(key_bias, (0, key_blocks * band - key_len), value=float("-inf")).reshape(
+            key_bias.shape[0], key_bias.shape[1], key_blocks, band)
         offs = (-1, 0) if self.causal else (-1, 0, 1)
         kband, vband, bband, pos = [], [], [], []
-        for o in offs:
-            kband.append(_shift(kb, o, nq))
-            vband.append(_shift(vb, o, nq))
-            bband.append(_shift(kbias.unsqueeze(-1), o, nq, fill=float("-inf")).squeeze(-1))
-            pos.append(torch.arange(nq, device=q.device)[:, None] * b + o * b
-                       + torch.arange(b, device=q.device)[None, :])
+        for offset in offs:
+            kband.append(_shift(key_blocked, offset, query_blocks))
+            vband.append(_shift(value_blocked, offset, query_blocks))
+            bband.append(_shift(kbias.unsqueeze(-1), offset, query_blocks, fill=float("-inf")).squeeze(-1))
+            pos.append(torch.arange(query_blocks, device=q.device)[:, None] * band + offset * band
+                       + torch.arange(band, device=q.device)[None, :])
         kband, vband = torch.cat(kband, -2), torch.cat(vband, -2)  # (B,H,nq,nb*b,E)
         bband = torch.cat(bband, -1)  # (B?,1?,nq,nb*b)
         kpos = torch.cat(pos, -1)  # (nq, nb*b) absolute key positions
         # centring (an exact rewrite): q.k - q.mu = (q - nu).(k - mu) + nu.(k - mu) for constant means nu, mu; the
         # row term q.mu cancels in the normalisation, nu.(k - mu) is a per-key weight. The random features then see
         # the smaller centred vectors, whose estimator variance is lower.
-        mu, nu = ks.detach().mean(-2, keepdim=True), qs.detach().mean(-2, keepdim=True)
-        qc, kc = qs - nu, ks - mu
-        rowterm = self._blocks((qs * mu).sum(-1, keepdim=True), nq, b)  # (B,H,nq,b,1)
-        s = torch.einsum("bhcie,bhcje->bhcij", qb, kband) + bband.unsqueeze(-2) - rowterm
+        key_mean, query_mean = key_scaled.detach().mean(-2, keepdim=True), query_scaled.detach().mean(-2, keepdim=True)
+        query_centred, key_centred = query_scaled - query_mean, key_scaled - key_mean
+        rowterm = self._blocks((query_scaled * key_mean).sum(-1, keepdim=True), query_blocks, band)  # (B,H,nq,b,1)
+        scores = torch.einsum("bhcie,bhcje->bhcij", query_blocked, kband) + bband.unsqueeze(-2) - rowterm
         if self.causal:
-            qpos = torch.arange(nq * b, device=q.device).reshape(nq, b)
-            s = s.masked_fill(kpos[:, None, :] > qpos[:, :, None], float("-inf"))
+            qpos = torch.arange(query_blocks * band, device=q.device).reshape(query_blocks, band)
+            scores = scores.masked_fill(kpos[:, None, :] > qpos[:, :, None], float("-inf"))
         # ---- low-rank: per-block states of phi(k) v and phi(k), outside the band
-        dt = LOWRANK_DTYPES[self.lowrank_dtype]
+        lowrank_dtype = LOWRANK_DTYPES[self.lowrank_dtype]
         levels = [(self.features, None, 2)]  # (features, ring distance, far-field start distance)
         if self.hierarchical:
             levels = [(self.features_near, 2, 2), (self.features, 3, None)]
         lq_all, lk_all = [], []
-        for w, _, _ in levels:
-            lq_all.append(self._logfeat(qc, w))
-            lkf = self._logfeat(kc, w) + key_bias.unsqueeze(-1) + (nu * kc).sum(-1, keepdim=True)
+        for features, _, _ in levels:
+            lq_all.append(self._logfeat(query_centred, features))
+            lkf = self._logfeat(key_centred, features) + key_bias.unsqueeze(-1) \
+                + (query_mean * key_centred).sum(-1, keepdim=True)
             lk_all.append(lkf)
         with torch.no_grad():
-            ck = [lk.amax(dim=(-2, -1), keepdim=True).clamp_min(-1e30) for lk in lk_all]  # (B,H,1,1)
-            row = s.amax(-1).reshape(B, H, nq * b)[..., :L]
-            for lq, c_ in zip(lq_all, ck):
-                row = torch.maximum(row, lq.amax(-1) + c_.squeeze(-1))
+            key_maxes = [log_key.amax(dim=(-2, -1), keepdim=True).clamp_min(-1e30) for log_key in lk_all]  # (B,H,1,1)
+            row = scores.amax(-1).reshape(batch, heads, query_blocks * band)[..., :query_len]
+            for log_query, key_max in zip(lq_all, key_maxes):
+                row = torch.maximum(row, log_query.amax(-1) + key_max.squeeze(-1))
             mrow = row.unsqueeze(-1)  # (B,H,L,1)
             mrow = torch.where(torch.isfinite(mrow), mrow, torch.zeros_like(mrow))
-        mb = self._blocks(mrow, nq, b)  # (B,H,nq,b,1)
-        w_band = torch.exp(s - mb)
+        row_max_blocks = self._blocks(mrow, query_blocks, band)  # (B,H,nq,b,1)
+        w_band = torch.exp(scores - row_max_blocks)
         num = torch.einsum("bhcij,bhcjd->bhcid", w_band, vband)
         den = w_band.sum(-1, keepdim=True)
-        vl = v.to(dt)
-        for (w, near, far), lq, lk, c_ in zip(levels, lq_all, lk_all, ck):
-            r = w.shape[0]
-            phik = torch.exp(lk - c_).to(dt)  # (B,H,S,r) <= 1
-            phiq = torch.exp(lq - mrow + c_).to(dt)  # (B,H,L,r) <= 1
-            pk = self._blocks(phik, nk, b)  # padded keys have phi = 0
-            kv = torch.einsum("bhcjr,bhcjd->bhcrd", pk, self._blocks(vl, nk, b))  # (B,H,nk,r,D)
-            z = pk.sum(-2)  # (B,H,nk,r)
-            st_kv, st_z = _outside(kv, near, far, nq, self.causal), _outside(z, near, far, nq, self.causal)
-            pq = self._blocks(phiq, nq, b)
-            num = num + (torch.einsum("bhcir,bhcrd->bhcid", pq, st_kv) / r).to(num.dtype)
-            den = den + (torch.einsum("bhcir,bhcr->bhci", pq, st_z).unsqueeze(-1) / r).to(den.dtype)
+        value_low = v.to(lowrank_dtype)
+        for (features, near, far), log_query, log_key, key_max in zip(levels, lq_all, lk_all, key_maxes):
+            rank = features.shape[0]
+            phik = torch.exp(log_key - key_max).to(lowrank_dtype)  # (B,H,S,r) <= 1
+            phiq = torch.exp(log_query - mrow + key_max).to(lowrank_dtype)  # (B,H,L,r) <= 1
+            key_features = self._blocks(phik, key_blocks, band)  # padded keys have phi = 0
+            value_blocked_low = self._blocks(value_low, key_blocks, band)
+            key_value_state = torch.einsum("bhcjr,bhcjd->bhcrd", key_features, value_blocked_low)  # (B,H,nk,r,D)
+            key_state = key_features.sum(-2)  # (B,H,nk,r)
+            st_kv = _outside(key_value_state, near, far, query_blocks, self.causal)
+            st_z = _outside(key_state, near, far, query_blocks, self.causal)
+            query_features = self._blocks(phiq, query_blocks, band)
+            num = num + (torch.einsum("bhcir,bhcrd->bhcid", query_features, st_kv) / rank).to(num.dtype)
+            den = den + (torch.einsum("bhcir,bhcr->bhci", query_features, st_z).unsqueeze(-1) / rank).to(den.dtype)
         out = num / den
-        return out.reshape(B, H, nq * b, v.shape[-1])[:, :, :L]
+        return out.reshape(batch, heads, query_blocks * band, v.shape[-1])[:, :, :query_len]
 
 
-def _shift(x, o, nq, fill=0.0):
+def _shift(blocks, offset, count, fill=0.0):
     """Block c of the result holds block c + o of x (dim 2), for c in range(nq); missing blocks are `fill`."""
-    n = x.shape[2]
-    idx = torch.arange(nq, device=x.device) + o
-    ok = (idx >= 0) & (idx < n)
-    out = x.index_select(2, idx.clamp(0, max(n - 1, 0)))
+    available = blocks.shape[2]
+    idx = torch.arange(count, device=blocks.device) + offset
+    ok = (idx >= 0) & (idx < available)
+    out = blocks.index_select(2, idx.clamp(0, max(available - 1, 0)))
     shape = [1] * out.dim()
-    shape[2] = nq
-    return torch.where(ok.reshape(shape), out, torch.full((), fill, dtype=x.dtype, device=x.device))
+    shape[2] = count
+    return torch.where(ok.reshape(shape), out, torch.full((), fill, dtype=blocks.dtype, device=blocks.device))
 
 
-def _outside(state, near, far, nq, causal):
+def _outside(state, near, far, count, causal):
     """Sum of per-key-block states over the blocks a query block reaches through this level.
 
     Level with `near` = d (and far None): blocks at distance exactly d (the ring next to the band);
     level with near None... : `far` = d: blocks at distance >= d. Non-hierarchical: far = 2 (everything past
     the band). Causal: only blocks before the query block.
     """
-    n = state.shape[2]
+    block_count = state.shape[2]
     if far is None:  # ring at distance `near` exactly
-        parts = [_shift(state, -near, nq)]
+        parts = [_shift(state, -near, count)]
         if not causal:
-            parts.append(_shift(state, near, nq))
+            parts.append(_shift(state, near, count))
         return sum(parts)
-    d = far
+    distance = far
     zero = torch.zeros_like(state.narrow(2, 0, 1))
     pre = torch.cat([zero, state.cumsum(2)], 2)  # pre[j] = sum of blocks < j
-    idx = (torch.arange(nq, device=state.device) - d + 1).clamp(0, n)  # blocks <= c - d
+    idx = (torch.arange(count, device=state.device) - distance + 1).clamp(0, block_count)  # blocks <= c - d
     out = pre.index_select(2, idx)
     if not causal:
         suf = torch.cat([state.flip(2).cumsum(2).flip(2), zero], 2)  # suf[j] = sum of blocks >= j
-        idx2 = (torch.arange(nq, device=state.device) + d).clamp(0, n)
+        idx2 = (torch.arange(count, device=state.device) + distance).clamp(0, block_count)
         out = out + suf.index_select(2, idx2)
     return out

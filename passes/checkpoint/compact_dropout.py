@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from fxmem.nn.dropout import bool_mask_dropout
+from fxmem.node_value import node_value
 from fxmem.pass_api import Change
 from fxmem.program import Program
 
@@ -38,7 +39,7 @@ def _compact(graph: fx.Graph, node: fx.Node) -> Change | None:
     source = node.args[0] if node.args else node.kwargs.get("input")
     probability = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
-    value = source.meta.get("fxmem_val", source.meta.get("val")) if isinstance(source, fx.Node) else None
+    value = node_value(source)
     if train is False or train is None or isinstance(probability, bool) \
             or not isinstance(probability, (int, float)) or not 0 < probability < 1 \
             or not isinstance(value, torch.Tensor) or value.device.type != "cpu" or not value.dtype.is_floating_point:

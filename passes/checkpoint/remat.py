@@ -19,6 +19,7 @@ from fxmem.costmodel import CPU_BALANCE, as_recipes, op_cost, smallest_fitting_p
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from fxmem.nn.recast import flat_args, install as install_recast
 from fxmem.nn.remat import INTERNAL_SAVES, op_named, remat, remat_call
+from fxmem.node_value import node_value
 from fxmem.pass_api import Change
 from fxmem.program import Program
 
@@ -105,7 +106,7 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs (bool-mask dropout: its input alone, not the mask's parameters)."""
     inputs = node.args[:1] if node.target is bool_mask_dropout else node.all_input_nodes
     return [a for a in inputs if a.op in ("placeholder", "get_attr")
-            or isinstance(a.meta.get("fxmem_val", a.meta.get("val")), torch.Tensor)]
+            or node_value(a, tensor_only=True) is not None]
 
 
 class _SiteFinder:
@@ -179,7 +180,7 @@ class _SiteFinder:
         fed = not dropout and input_fed_matmul(node)
         if not (dropout or fed or remat_op(node)):
             return None
-        value = node.meta.get("fxmem_val", node.meta.get("val"))
+        value = node_value(node)
         records = self.by_node.get(node.name)
         if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point or not records:
             return None
@@ -205,7 +206,7 @@ class _SiteFinder:
         share = len(consumers) > 1 and contiguous
         # what else the op saves of its own making (max pooling's indices): a recipe too, the op run again for it
         internal = [s for r in records for s in r.saved if s != key and s in r.new_keys] \
-            if not dropout and optable.op_name(node.target) in INTERNAL_SAVES else []
+            if not dropout and optable.op_name(node.target, optable.QUALIFIED) in INTERNAL_SAVES else []
         self.unpacked_at[node.name] = {self.position[r.idx] for k in (key, *internal) for r in self.savers.get(k, [])}
         group = bool(internal) and self.back_to_back(self.unpacked_at[node.name])
         once = self.cost_of(node) + sum(self.cost_of(c) for c in chain)
@@ -360,7 +361,7 @@ class _Rewriter:
             through = self.plan.through.get(site.node.name, ())
             nest = tuple(i for i, a in enumerate(flat_args(member.args)) if isinstance(a, fx.Node)
                          and self.site_of.get(a.name, a.name) in through)
-            member.args = (optable.op_name(member.target),) + tuple(member.args)
+            member.args = (optable.op_name(member.target, optable.QUALIFIED),) + tuple(member.args)
             member.target = remat_call
             if nest:  # nested sites used through their shared value
                 member.kwargs = {**member.kwargs, "_fxmem_nest": nest}
@@ -374,9 +375,9 @@ class _Rewriter:
             after, what = node.name, "dropout output (input and bool mask are saved anyway)"
         else:
             share = {"_fxmem_share": True} if site.key in self.plan.shared else {}
+            qualified_name = optable.op_name(node.target, optable.QUALIFIED)
             with self.graph.inserting_after(node):
-                wrapper = self.graph.create_node("call_function", remat,
-                                                 (node, optable.op_name(node.target)) + tuple(node.args),
+                wrapper = self.graph.create_node("call_function", remat, (node, qualified_name) + tuple(node.args),
                                                  {**node.kwargs, **share}, name=node.name + "_remat")
             wrapper.meta.update(node.meta)
             self.site_of[wrapper.name] = node.name

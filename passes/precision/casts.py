@@ -10,8 +10,9 @@ from fxmem import ops as optable
 from fxmem.depgroups import attr_of
 from fxmem.extreme_values import beyond_range, saturating_cast
 from fxmem.nn.recast import cast_param, install as install_recast
+from fxmem.node_value import node_value
 
-from .nodes import is_param_attr, node_args, node_value, orig_float_dtype
+from .nodes import is_param_attr, node_args, orig_float_dtype
 from .options import DTYPE_NAMES, PrecisionOptions
 from .plan import ACC, BATCH_NORMS, CAST_OPS, FP32, INPLACE, LOW, OPAQUE, RETARGET, Decision
 

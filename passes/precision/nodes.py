@@ -1,4 +1,4 @@
-"""Small graph helpers the parts of the precision pass share: a node's value and float dtype, its tensor arguments,
+"""Small graph helpers the parts of the precision pass share: a node's float dtype, its tensor arguments,
 parameter attributes, module-path patterns."""
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxmem.depgroups import attr_of
-
-
-def node_value(n):
-    return n.meta.get("fxmem_val", n.meta.get("val")) if isinstance(n, fx.Node) else None
+from fxmem.node_value import node_value
 
 
 def orig_float_dtype(n: fx.Node) -> torch.dtype | None:

@@ -9,9 +9,10 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
+from fxmem.node_value import node_value
 from fxmem.program import module_path
 
-from .nodes import matching_pattern, node_args, node_value, orig_float_dtype
+from .nodes import matching_pattern, node_args, orig_float_dtype
 from .options import DTYPE_NAMES, PrecisionOptions, keep_ops
 
 aten = torch.ops.aten

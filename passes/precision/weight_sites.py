@@ -10,7 +10,8 @@ from torch import fx, nn
 
 from fxmem.depgroups import attr_of
 from fxmem.nn.quantized_weights import QuantizedWeight
-from fxmem.weights_left import feeds_a_linear, op_name
+from fxmem.ops import op_name
+from fxmem.weights_left import feeds_a_linear
 
 from .nodes import matching_pattern
 from .options import PrecisionOptions
