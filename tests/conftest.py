@@ -1,6 +1,7 @@
 """Shared fixtures: example model files loaded once per session, deterministic torch settings."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -188,3 +189,17 @@ def planner_sets(program, loss_fn, remat: bool = False, opts=None):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+class StarvedWorker:
+    """An I/O executor whose thread never gets to drop a finished task's arguments (a starved thread, as on a
+    loaded machine): it runs each task at once and keeps the task for good (`tasks`)."""
+
+    def __init__(self):
+        self.tasks = []
+
+    def submit(self, fn, *args):
+        self.tasks.append((fn, args))
+        done = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done

@@ -5,7 +5,6 @@ import copy
 import gc
 import os
 import weakref
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from fxmem.nn.offload import OffloadRegion, OffloadRuntime, live_scratch_dirs, s
 from fxmem.nn.offload.store import OffloadEntry, PackedTensor
 from fxmem.program import Program
 
-from .conftest import example_module, planner_sets
+from .conftest import StarvedWorker, example_module, planner_sets
 
 CFG = dict(n_layer=3, n_head=2, d_model=64, dropout=0.1)
 INPUTS = dict(batch=4, seq_len=32)
@@ -299,22 +298,8 @@ def test_region_views_aliasing_and_prefetch_order(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-class _StarvedWorker:
-    """An I/O executor whose thread never gets to drop a finished task's arguments (a starved thread, as on a loaded
-    machine): it runs each task at once and keeps the task for good."""
-
-    def __init__(self):
-        self.tasks = []
-
-    def submit(self, fn, *args):
-        self.tasks.append((fn, args))
-        done = Future()
-        done.set_result(fn(*args))
-        return done
-
-
 def test_an_offloaded_tensor_dies_when_its_write_is_done_not_when_the_io_thread_runs(tmp_path, monkeypatch):
-    worker = _StarvedWorker()
+    worker = StarvedWorker()
     monkeypatch.setattr(scratch, "executor", lambda kind: worker)
     rt = OffloadRuntime("disk", prefetch=1, min_bytes=0, scratch_root=str(tmp_path))
     region = OffloadRegion(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), rt, index=0, last=True)

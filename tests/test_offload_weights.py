@@ -15,7 +15,7 @@ from fxmem.errors import PolicyError
 from fxmem.nn.offload import OffloadedOptimizer, WeightStreamer
 from fxmem.program import Program
 
-from .conftest import example_module
+from .conftest import StarvedWorker, example_module
 
 
 def _policy(**opts):
@@ -254,3 +254,19 @@ def test_make_optimizer_follows_the_grads_plan():
     got = dict(res.module.named_parameters())
     for n, p in ref.named_parameters():
         assert torch.equal(p, got[n]), n
+
+
+def test_a_prefetched_block_dies_after_its_last_use_whatever_the_io_thread_holds(tmp_path, monkeypatch):
+    import weakref
+    from fxmem.nn.offload import weights
+    worker = StarvedWorker()
+    monkeypatch.setattr(weights, "executor", lambda kind: worker)
+    blocks = {f"b{i}": [(f"b{i}.w", torch.full((64, 64), float(i)))] for i in range(3)}
+    ws = WeightStreamer(blocks, tier="disk", prefetch=1, scratch_root=str(tmp_path))
+    ws.fetch(0)  # prefetches block 1 on the (starved) thread
+    (block1,) = ws.fetch(1)
+    assert len(worker.tasks) == 2 and torch.equal(block1, torch.full((64, 64), 1.0))
+    storage = weakref.ref(block1.untyped_storage())
+    del block1
+    gc.collect()
+    assert storage() is None

@@ -119,6 +119,11 @@ class WeightStreamer(nn.Module):
                 d.copy_(self._source(qn), non_blocking=self.device.type == "cuda")
         return dst
 
+    def _fill_from_box(self, i: int, box: list) -> None:
+        """`_fill` on the I/O thread, which then holds nothing of block i's tensors (its executor keeps a task's
+        arguments until after the result is set: the block would outlive its last use while that thread waits)."""
+        self._fill(i, box.pop())
+
     def fetch(self, i: int) -> tuple:
         if not 0 <= i < len(self.spec):
             raise IndexError(f"WeightStreamer: block {i} out of range (have {len(self.spec)})")
@@ -132,7 +137,7 @@ class WeightStreamer(nn.Module):
         for j in range(i + 1, min(len(self.spec), i + 1 + self.prefetch)):
             if j not in self._pending:
                 dst = self._alloc(j)  # allocated here, on the calling thread: counted by fxmem.measure
-                self._pending[j] = (dst, executor("weights").submit(self._fill, j, dst))
+                self._pending[j] = (dst, executor("weights").submit(self._fill_from_box, j, [dst]))
         if i == 0:
             # a new step: drop prefetches the last step left behind for blocks before this one
             pass
