@@ -1,8 +1,9 @@
 """The memory cost model: how much memory each part of the graph costs, and when.
 
 Two methods, same result type (`MemoryEstimate`), both on fake tensors (no real memory):
-- `static` (static.py): the forward trace (trace.py: every dispatch-level op's storages and what autograd saves)
-  and a liveness walk of forward, backward and the optimizer step (liveness.py, static.py); what a backward formula
+- `static` (static.py): the forward trace (trace.py: every dispatch-level op's storages and what autograd saves;
+  grad_leaves.py: the parameters the loss's backward reaches, which alone get gradients and optimizer state) and a
+  liveness walk of forward, backward and the optimizer step (liveness.py, static.py); what a backward formula
   holds above the gradients it makes is measured once per call signature (formula.py).
 - `traced` (traced.py): the real training step under the storage tracker `fxmem.measure` uses.
 

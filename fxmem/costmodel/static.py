@@ -24,7 +24,7 @@ def static_estimate(program: Program, traced: ForwardTrace, mode: str, optimizer
     """The static estimate of `program` from its forward trace `traced` (same mode; in train mode with the loss)."""
     records = traced.recorder.records
     est = _step_counts(program, traced, mode, optimizer)
-    trainable = [p for p in traced.params if p.requires_grad] if mode == "train" else []
+    trained = traced.trained if mode == "train" else []
     plan = SavePlan(program, traced)
     baseline = est.params + est.buffers + est.inputs + est.optimizer_state
     walk = ForwardWalk(plan, baseline)
@@ -39,11 +39,11 @@ def static_estimate(program: Program, traced: ForwardTrace, mode: str, optimizer
         unmeasured = {f"{record.func} (backward temporaries not measured)" for record in records
                       if formula_unmeasured(record.call)}
         est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
-        # optimizer step: gradients of all trainable parameters are live, plus the step's temporaries
-        est.grads = sum(p.numel() * p.element_size() for p in trainable)
+        # optimizer step: the gradients of the parameters backward reached are live, plus the step's temporaries
+        est.grads = sum(p.numel() * p.element_size() for p in trained)
         # the workspace counts every gradient; those the walk still holds (its parameters known by storage) are
         # in live_bytes already
-        step_peak = live_bytes + optimizer_step_workspace(optimizer, trainable) - backward.param_grad_bytes()
+        step_peak = live_bytes + optimizer_step_workspace(optimizer, trained) - backward.param_grad_bytes()
         peak.see(step_peak, "optimizer.step", "optimizer", "")
         timeline.append(TimelinePoint("optimizer", "optimizer.step", live_bytes, step_peak))
     est.peak = peak.bytes
@@ -60,8 +60,8 @@ def _step_counts(program: Program, traced: ForwardTrace, mode: str, optimizer: s
     est.params = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "param")
     est.buffers = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "buffer")
     est.inputs = sum(storage_bytes[key] for key, kind in base_keys.items() if kind == "input")
-    trainable = [p for p in traced.params if p.requires_grad] if mode == "train" else []
-    est.optimizer_state = optimizer_state_bytes(optimizer, trainable) if mode == "train" else 0
+    # the optimizer makes state at its first step, for the parameters that had a gradient then
+    est.optimizer_state = optimizer_state_bytes(optimizer, traced.trained) if mode == "train" else 0
     est.unknown_ops = sorted({str(r.func) for r in records if not r.known and not optable.ignored(r.func)})
     measured = sorted({str(r.func) for r in records if r.saves_measured})
     if measured:

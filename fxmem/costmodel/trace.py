@@ -31,6 +31,7 @@ from ..ops import written_positions
 from ..program import Program, buffers_kept, module_path
 from ..step import compute_loss
 from .formula import call_signature, formula_run
+from .grad_leaves import reached_leaves
 from .measured_saves import measured_slots
 from .grad_layouts import layout_of
 from .graph_run import CodegenInterpreter
@@ -441,11 +442,13 @@ class _StepInterpreter(CodegenInterpreter):
 class ForwardTrace:
     """What `trace_forward` recorded: the recorder (its `records`, `storage_bytes`, recipes), the storages that
     exist before the step ({key: "param" | "buffer" | "input"}), the storages the step hands back (outputs, and
-    the loss in train mode), and the traced module's parameters."""
+    the loss in train mode), the traced module's parameters, and those of them the loss's backward gives a
+    gradient (`trained`, train mode: `grad_leaves`; the optimizer keeps state for these alone)."""
     recorder: DispatchRecorder
     base_keys: dict
     out_keys: set
     params: list
+    trained: list
 
 
 def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> ForwardTrace:
@@ -527,6 +530,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
     recorder.grad_enabled = mode == "train"
     recorder.recast_enabled = recast_installed(module)
     was_training = module.training
+    trained = []  # (train mode: the parameters the loss's backward reaches)
     module.train(mode == "train")
     grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
     try:
@@ -548,18 +552,21 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
                     recorder.node_held = []
                     recorder.loss_key = recorder.key(loss)[0]
                     out_keys.add(recorder.loss_key)
+                    trained = _trained(recorder, params, state_storages, loss)
     finally:
         recorder.storages.stop()
         module.train(was_training)
     del state_storages  # (held until the trace was over)
     recorder.confirm_settled()
     recorder.measure_unknown_saves()
-    return ForwardTrace(recorder, base_keys, out_keys, params)
+    return ForwardTrace(recorder, base_keys, out_keys, params, trained)
 
 
 def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: list) -> tuple[dict, list]:
     """Parameters, buffers and inputs first, so they are known storages (the baseline): (storage key -> "param" |
-    "buffer" | "input", the storages of the parameters' and buffers' fakes, to hold while the trace runs)."""
+    "buffer" | "input", the storages of the parameters' and buffers' fakes in the order of `state`, to hold while
+    the trace runs: not the fakes, whose lifetime decides which fake later uses of a buffer get: HF Llama's
+    rotary `inv_freq` fails to multiply under symbolic sizes when this one is held)."""
     recorder.node = "<params>"
     base_keys = {}
     storages = []
@@ -575,6 +582,14 @@ def _base_keys(recorder: DispatchRecorder, fake_mode, state: list, fake_flat: li
         if isinstance(tensor, torch.Tensor):
             base_keys.setdefault(recorder.key(tensor)[0], "input")
     return base_keys, storages
+
+
+def _trained(recorder: DispatchRecorder, params: list, storages: list, loss) -> list:
+    """The parameters (of `params`, whose fakes' storages `storages` starts with) whose storage the loss's
+    backward accumulates a gradient into (`reached_leaves`)."""
+    reached = {recorder.key(leaf)[0] for leaf in reached_leaves(loss)}
+    return [param for param, storage in zip(params, storages) if param.requires_grad
+            and recorder.storages.key(storage)[0] in reached]
 
 
 def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesting: dict | None = None,
