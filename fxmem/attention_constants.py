@@ -13,140 +13,142 @@ from .attention_nodes import aten, attr_value, is_op
 from .node_value import SYMBOLIC, node_value
 
 
-def float_const(x) -> float | None:
+def float_const(value) -> float | None:
     """A python number, or the value of a 0-dim constant tensor (get_attr / lifted constant)."""
-    if isinstance(x, bool):
+    if isinstance(value, bool):
         return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, fx.Node):
-        if x.op == "get_attr":
-            t = attr_value(x)
-            if isinstance(t, torch.Tensor) and t.numel() == 1 and not t.requires_grad:
-                return float(t.reshape(()).item())
-        if is_op(x, {aten.lift_fresh_copy.default, aten.clone.default, aten.detach.default}):
-            return float_const(x.args[0])
-        if is_op(x, {aten.scalar_tensor.default}):
-            return float_const(x.args[0])
-        if is_op(x, {aten.full.default}) and not x.args[0]:
-            return float_const(x.args[1])
-        t = _const_tensor(x)
-        if t is not None and t.numel() == 1:
-            return float(t.reshape(()).item())
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, fx.Node):
+        if value.op == "get_attr":
+            tensor = attr_value(value)
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and not tensor.requires_grad:
+                return float(tensor.reshape(()).item())
+        if is_op(value, {aten.lift_fresh_copy.default, aten.clone.default, aten.detach.default}):
+            return float_const(value.args[0])
+        if is_op(value, {aten.scalar_tensor.default}):
+            return float_const(value.args[0])
+        if is_op(value, {aten.full.default}) and not value.args[0]:
+            return float_const(value.args[1])
+        tensor = _const_tensor(value)
+        if tensor is not None and tensor.numel() == 1:
+            return float(tensor.reshape(()).item())
     return None
 
 
 _RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "empty")
 
 
-def _const_tensor(x, depth: int = 6):
+def _const_tensor(value, depth: int = 6):
     """Fold a small constant subgraph (e.g. `torch.tensor(64.).sqrt()`): every input a constant, no random ops."""
-    if not isinstance(x, fx.Node):
-        return x
-    if x.op == "get_attr":
-        t = attr_value(x)
-        ok = isinstance(t, torch.Tensor) and t.numel() <= 16 and not t.requires_grad  # a learned scale is no constant
-        return t.detach() if ok else None
-    if depth == 0 or x.op != "call_function" or not isinstance(x.target, torch._ops.OpOverload):
+    if not isinstance(value, fx.Node):
+        return value
+    if value.op == "get_attr":
+        tensor = attr_value(value)
+        # a learned scale is no constant
+        ok = isinstance(tensor, torch.Tensor) and tensor.numel() <= 16 and not tensor.requires_grad
+        return tensor.detach() if ok else None
+    if depth == 0 or value.op != "call_function" or not isinstance(value.target, torch._ops.OpOverload):
         return None
-    if x.target in (aten.detach_.default, aten.detach.default, aten.alias.default, aten.clone.default,
-                    aten.lift_fresh_copy.default):
-        return _const_tensor(x.args[0], depth - 1)
-    if any(w in str(x.target) for w in _RANDOM_WORDS) or x.target._schema.is_mutable:
+    if value.target in (aten.detach_.default, aten.detach.default, aten.alias.default, aten.clone.default,
+                        aten.lift_fresh_copy.default):
+        return _const_tensor(value.args[0], depth - 1)
+    if any(w in str(value.target) for w in _RANDOM_WORDS) or value.target._schema.is_mutable:
         return None
     args = []
-    for a in x.args:
-        if isinstance(a, fx.Node):
-            v = _const_tensor(a, depth - 1)
-            if v is None:
+    for arg in value.args:
+        if isinstance(arg, fx.Node):
+            folded = _const_tensor(arg, depth - 1)
+            if folded is None:
                 return None
-            args.append(v)
-        elif isinstance(a, (list, tuple)) and any(isinstance(e, fx.Node) for e in a):
+            args.append(folded)
+        elif isinstance(arg, (list, tuple)) and any(isinstance(e, fx.Node) for e in arg):
             return None
         else:
-            args.append(a)
-    if any(isinstance(v, fx.Node) for v in x.kwargs.values()):
+            args.append(arg)
+    if any(isinstance(kwarg, fx.Node) for kwarg in value.kwargs.values()):
         return None
     try:
         with torch.no_grad():
-            out = x.target(*args, **x.kwargs)
+            out = value.target(*args, **value.kwargs)
     except Exception:  # noqa: BLE001 - not foldable
         return None
     return out if isinstance(out, torch.Tensor) and out.numel() <= 16 else None
 
 
-def _is_scalar_node(x) -> bool:
+def _is_scalar_node(value) -> bool:
     """A python scalar computed in the graph from shapes (SymInt/SymFloat arithmetic, sym_size)."""
-    if not isinstance(x, fx.Node) or x.op != "call_function":
+    if not isinstance(value, fx.Node) or value.op != "call_function":
         return False
-    v = node_value(x, source=SYMBOLIC)
-    return isinstance(v, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(v, bool)
+    example = node_value(value, source=SYMBOLIC)
+    return isinstance(example, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(example, bool)
 
 
-def _scalar_example(x) -> float | None:
-    v = node_value(x)
+def _scalar_example(node) -> float | None:
+    example = node_value(node)
     try:
-        return float(v)
+        return float(example)
     except (TypeError, ValueError):
         try:
-            return float(v.node.hint)
+            return float(example.node.hint)
         except Exception:  # noqa: BLE001
             return None
 
 
-def _scale_factor(x) -> float | fx.Node | None:
+def _scale_factor(operand) -> float | fx.Node | None:
     """A scale operand: python number / constant 0-dim tensor -> float; shape-derived scalar -> its node."""
-    c = float_const(x)
-    if c is not None:
-        return c
-    if _is_scalar_node(x):
-        return x
+    constant = float_const(operand)
+    if constant is not None:
+        return constant
+    if _is_scalar_node(operand):
+        return operand
     return None
 
 
-def is_neg_inf(x) -> bool:
-    c = float_const(x)
-    return c is not None and c == float("-inf")
+def is_neg_inf(value) -> bool:
+    constant = float_const(value)
+    return constant is not None and constant == float("-inf")
 
 
-def scale_operands(a, b, op):
-    """(scale factor, scaled tensor) of a mul or div of `a` and `b`; (None, None) when neither is a scale factor."""
+def scale_operands(left, right, op):
+    """(scale factor, scaled tensor) of a mul or div of `left` and `right`; (None, None) when neither is a scale
+    factor."""
     if op == "mul":
-        fb, fa = _scale_factor(b), _scale_factor(a)
-        if fb is not None and isinstance(a, fx.Node) and not _is_scalar_node(a):
-            return fb, a
-        if fa is not None and isinstance(b, fx.Node) and not _is_scalar_node(b):
-            return fa, b
+        right_factor, left_factor = _scale_factor(right), _scale_factor(left)
+        if right_factor is not None and isinstance(left, fx.Node) and not _is_scalar_node(left):
+            return right_factor, left
+        if left_factor is not None and isinstance(right, fx.Node) and not _is_scalar_node(right):
+            return left_factor, right
         return None, None
-    fb = _scale_factor(b)
-    if fb is not None and isinstance(a, fx.Node):
-        return fb, a
+    right_factor = _scale_factor(right)
+    if right_factor is not None and isinstance(left, fx.Node):
+        return right_factor, left
     return None, None
 
 
 def scale_value(factors) -> float | None:
     """The product of the scale factors at the example inputs; None when one has no example value."""
-    v = 1.0
-    for op, f in factors:
-        x = f if isinstance(f, float) else _scalar_example(f)
-        if x is None:
+    product = 1.0
+    for op, factor in factors:
+        factor_value = factor if isinstance(factor, float) else _scalar_example(factor)
+        if factor_value is None:
             return None
-        v = v * x if op == "mul" else v / x
-    return v
+        product = product * factor_value if op == "mul" else product / factor_value
+    return product
 
 
 def emit_scale(graph: fx.Graph, factors) -> float | fx.Node:
     """The SDPA `scale` argument: a float, or a python-scalar node computed from shape-derived factors."""
     const = 1.0
     dyn = []
-    for op, f in factors:
-        if isinstance(f, float):
-            const = const * f if op == "mul" else const / f
+    for op, factor in factors:
+        if isinstance(factor, float):
+            const = const * factor if op == "mul" else const / factor
         else:
-            dyn.append((op, f))
+            dyn.append((op, factor))
     if not dyn:
         return float(const)
     cur: Any = float(const)
-    for op, f in dyn:
-        cur = graph.call_function(operator.mul if op == "mul" else operator.truediv, (cur, f))
+    for op, factor in dyn:
+        cur = graph.call_function(operator.mul if op == "mul" else operator.truediv, (cur, factor))
     return graph.call_function(float, (cur,))

@@ -69,8 +69,8 @@ def capture(model: nn.Module, args: Any = (), kwargs: dict | None = None, *, mod
     try:
         with defaults_bound(model, added):
             program = _capture_checked(model, args, kwargs, mode, dynamic, dynamic_shapes, check)
-    except CaptureError as e:
-        _write_details(e, type(model).__name__)
+    except CaptureError as error:
+        _write_details(error, type(model).__name__)
         raise
     if added:
         program.notes.append(describe_defaults(added))
@@ -87,8 +87,8 @@ def _write_details(error: CaptureError, model_name: str) -> None:
         return
     try:
         path = write_details(model_name, str(error), cause.details)
-    except OSError as e:
-        error.args = (f"{error}; torch's full error could not be written to a file ({e})",)
+    except OSError as write_error:
+        error.args = (f"{error}; torch's full error could not be written to a file ({write_error})",)
         return
     error.args = (f"{error}; torch's full error, traceback and partial graph: {path}",)
 
@@ -98,8 +98,8 @@ def _capture_checked(model: nn.Module, args: tuple, kwargs: dict, mode: str, dyn
     """Export `model` in `mode` into a Program and, with `check`, compare it with the model (see `capture`)."""
     notes: list[str] = []
     functions = FunctionCalls()
-    ep = _export_in_mode(model, args, kwargs, mode, dynamic, dynamic_shapes, functions, notes)
-    program = _program_from_export(ep, model, args, kwargs, mode, notes)
+    exported = _export_in_mode(model, args, kwargs, mode, dynamic, dynamic_shapes, functions, notes)
+    program = _program_from_export(exported, model, args, kwargs, mode, notes)
     if check:
         check_outputs(program, model, args, kwargs, mode)
     if functions.uses:
@@ -122,8 +122,8 @@ def _export_in_mode(model, args, kwargs, mode: str, dynamic: bool, dynamic_shape
         if dynamic and dynamic_shapes is None:
             try:
                 return _export(model, args, kwargs, _auto_dynamic_shapes(model, args, kwargs), functions)
-            except CaptureError as e:
-                notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {e}")
+            except CaptureError as error:
+                notes.append(f"dynamic-shape capture failed, captured with static shapes instead: {error}")
         return _export(model, args, kwargs, dynamic_shapes, functions)
 
 
@@ -137,9 +137,9 @@ def _bound_arguments(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Bou
 
 
 def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
-    def leaf(x):
-        if isinstance(x, torch.Tensor):
-            return {i: Dim.AUTO for i in range(x.dim())} if x.dim() else None
+    def leaf(item):
+        if isinstance(item, torch.Tensor):
+            return {i: Dim.AUTO for i in range(item.dim())} if item.dim() else None
         return None
 
     bound = _bound_arguments(model, args, kwargs)
@@ -148,10 +148,10 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
     sig = inspect.signature(model.forward)
     out = {}
     for name, value in bound.arguments.items():
-        p = sig.parameters[name]
-        if p.kind == inspect.Parameter.VAR_KEYWORD:
+        parameter = sig.parameters[name]
+        if parameter.kind == inspect.Parameter.VAR_KEYWORD:
             out[name] = {k: pytree.tree_map(leaf, v) for k, v in value.items()}
-        elif p.kind == inspect.Parameter.VAR_POSITIONAL:
+        elif parameter.kind == inspect.Parameter.VAR_POSITIONAL:
             out[name] = tuple(pytree.tree_map(leaf, v) for v in value)
         else:
             out[name] = pytree.tree_map(leaf, value)
@@ -161,12 +161,12 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
 def first_meta_tensor(model: nn.Module, args, kwargs) -> str | None:
     """The first parameter, buffer or example input on the meta device, described for a message; None if none."""
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in items:
-            if t.device.type == "meta":
+        for name, tensor in items:
+            if tensor.device.type == "meta":
                 return f"{kind} '{name}'"
-    for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            return f"example input {i} (flattened)"
+    for position, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            return f"example input {position} (flattened)"
     return None
 
 
@@ -192,14 +192,14 @@ def _export(model, args, kwargs, dynamic_shapes, functions: FunctionCalls | None
     try:
         with export_output_kept() as output, warnings_quiet(), record_function_calls(functions), \
                 library_sizes_symbolic():
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         output.replay()
-        return ep
-    except Exception as e:  # noqa: BLE001 - translated into a CaptureError that says where
-        path = _failing_module(e, model)
-        error = _capture_error(e, [path] if path else (tracker.deepest or tracker.stack), model)
-        error.details = output.details(e) if output is not None else None
-        raise error from e
+        return exported
+    except Exception as failure:  # noqa: BLE001 - translated into a CaptureError that says where
+        path = _failing_module(failure, model)
+        error = _capture_error(failure, [path] if path else (tracker.deepest or tracker.stack), model)
+        error.details = output.details(failure) if output is not None else None
+        raise error from failure
     finally:
         functions.tracker = None
         tracker.close()
@@ -223,38 +223,38 @@ def _failing_module(exc: BaseException, model: nn.Module) -> str | None:
     """The innermost module whose forward was on the stack when capture failed (from the traceback)."""
     names = {id(m): (n or "<root>") for n, m in model.named_modules()}
     found = None
-    e: BaseException | None = exc
+    current: BaseException | None = exc
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            slf = tb.tb_frame.f_locals.get("self")
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        trace = current.__traceback__
+        while trace is not None:
+            slf = trace.tb_frame.f_locals.get("self")
             if isinstance(slf, nn.Module) and id(slf) in names:
                 found = names[id(slf)]
-            tb = tb.tb_next
-        e = e.__cause__ or e.__context__
+            trace = trace.tb_next
+        current = current.__cause__ or current.__context__
     return found
 
 
 def _user_frame(exc: BaseException) -> str | None:
     """The deepest traceback frame outside torch and fxmem: the model code that failed."""
     best = None
-    e: BaseException | None = exc
+    current: BaseException | None = exc
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for fr in traceback.extract_tb(e.__traceback__):
-            if not is_user_file(fr.filename):
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame in traceback.extract_tb(current.__traceback__):
+            if not is_user_file(frame.filename):
                 continue
-            best = f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
-        e = e.__cause__ or e.__context__
+            best = f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+        current = current.__cause__ or current.__context__
     return best
 
 
-def _capture_error(e: Exception, module_stack: list[str], model: nn.Module) -> CaptureError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    where = _user_frame(e)
+def _capture_error(error: Exception, module_stack: list[str], model: nn.Module) -> CaptureError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = _user_frame(error)
     path = module_stack[-1] if module_stack else "<root>"
     mod_type = ""
     try:
@@ -265,8 +265,8 @@ def _capture_error(e: Exception, module_stack: list[str], model: nn.Module) -> C
     parts = [f"could not capture {type(model).__name__}: in module '{path}'{mod_type}"]
     if where:
         parts.append(f"at {where}")
-    parts.append(f"{type(e).__name__}: {first[:300]}")
-    parts.append(f"hint: {hint_for(e)}")
+    parts.append(f"{type(error).__name__}: {first[:300]}")
+    parts.append(f"hint: {hint_for(error)}")
     return CaptureError("; ".join(parts))
 
 
@@ -276,100 +276,101 @@ def _flat_input_names(model, args, kwargs) -> list[str]:
     flat, _ = pytree.tree_flatten_with_path((args, kwargs))
     names = []
     for path, _ in flat:
-        s = pytree.keystr(path)  # like "[0][1]" or "[1]['attention_mask']"
-        if s.startswith("[0]"):
-            rest = s[3:]
+        key = pytree.keystr(path)  # like "[0][1]" or "[1]['attention_mask']"
+        if key.startswith("[0]"):
+            rest = key[3:]
             names.append("args" + rest)
         else:
-            names.append("kwargs" + s[3:])
+            names.append("kwargs" + key[3:])
     return names
 
 
-def _program_from_export(ep, model, args, kwargs, mode, notes, *, switchable: bool = True) -> Program:
+def _program_from_export(exported, model, args, kwargs, mode, notes, *, switchable: bool = True) -> Program:
     """switchable=False keeps export's literal train flags: a graph that only ever runs in the mode it was captured
     in (`fxmem.nn.modes.ModeGraph`)."""
-    unlifted = ep.module()
+    unlifted = exported.module()
     graph = unlifted.graph
-    gm = torch.fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
+    graph_module = torch.fx.GraphModule(unlifted, graph, class_name=type(model).__name__)
     # pytree codegen reads these
-    gm._in_spec = unlifted._in_spec
-    gm._out_spec = unlifted._out_spec
+    graph_module._in_spec = unlifted._in_spec
+    graph_module._out_spec = unlifted._out_spec
 
     # input specs for the guard and the list of specialised dims
     names = _flat_input_names(model, args, kwargs)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ranges = {str(k): v for k, v in ep.range_constraints.items()}
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    ranges = {str(k): v for k, v in exported.range_constraints.items()}
     specs, specialized = [], []
-    for ph, name in zip(placeholders, names):
-        val = node_value(ph, source=EXPORT)
+    for placeholder, name in zip(placeholders, names):
+        val = node_value(placeholder, source=EXPORT)
         if not isinstance(val, torch.Tensor):
             specs.append(InputSpec(name, None, constant=(val,) if type(val) in CONSTANT_TYPES else ()))
             continue
         dims = []
-        for i, s in enumerate(val.shape):
-            if is_concrete_int(s):
-                dims.append(DimSpec(static=int(s)))
-                specialized.append(SpecializedDim(name, i, int(s)))
+        for dim_index, size in enumerate(val.shape):
+            if is_concrete_int(size):
+                dims.append(DimSpec(static=int(size)))
+                specialized.append(SpecializedDim(name, dim_index, int(size)))
             else:
-                sym = str(s)
-                r = ranges.get(sym)
-                lo = _as_int(getattr(r, "lower", None))
-                if lo == 2:
-                    lo = 1  # export's 0/1 specialisation: the graph is valid for size 1 (tested per model kind)
-                hi = _as_int(getattr(r, "upper", None))
-                dims.append(DimSpec(static=None, symbol=sym, lower=lo, upper=hi))
+                sym = str(size)
+                value_range = ranges.get(sym)
+                lower = _as_int(getattr(value_range, "lower", None))
+                if lower == 2:
+                    lower = 1  # export's 0/1 specialisation: the graph is valid for size 1 (tested per model kind)
+                upper = _as_int(getattr(value_range, "upper", None))
+                dims.append(DimSpec(static=None, symbol=sym, lower=lower, upper=upper))
         specs.append(InputSpec(name, tuple(dims), str(val.dtype)))
 
-    copy_buffer_persistence(model, gm)
-    _keep_constants_out_of_state(ep, gm)
-    _replace_guards(gm, specs)
+    copy_buffer_persistence(model, graph_module)
+    _keep_constants_out_of_state(exported, graph_module)
+    _replace_guards(graph_module, specs)
     if switchable:
-        make_mode_switchable(gm, training=mode == "train")
-    gm.graph.lint()
-    gm.recompile()
-    gm.train(mode == "train")
-    return Program(module=gm, example_args=args, example_kwargs=kwargs, mode=mode, input_names=names,
+        make_mode_switchable(graph_module, training=mode == "train")
+    graph_module.graph.lint()
+    graph_module.recompile()
+    graph_module.train(mode == "train")
+    return Program(module=graph_module, example_args=args, example_kwargs=kwargs, mode=mode, input_names=names,
                    input_specs=specs, specialized=specialized, notes=notes, model_name=type(model).__name__)
 
 
-def _keep_constants_out_of_state(ep, gm: nn.Module) -> None:
+def _keep_constants_out_of_state(exported, graph_module: nn.Module) -> None:
     """Tensors export lifts out of forward (a `torch.tensor(...)` the model makes, a plain tensor attribute) are
     constants of the graph, not the model's state: GraphModule holds them as buffers, made non-persistent here, so
     `state_dict()` has exactly the model's keys and checkpoints load both ways with strict=True."""
-    for name in ep.graph_signature.lifted_tensor_constants:
+    for name in exported.graph_signature.lifted_tensor_constants:
         owner_path, _, leaf = name.rpartition(".")
         try:
-            owner = gm.get_submodule(owner_path) if owner_path else gm
+            owner = graph_module.get_submodule(owner_path) if owner_path else graph_module
         except AttributeError:
             continue
         if leaf in owner._buffers:
             owner._non_persistent_buffers_set.add(leaf)
 
 
-def _as_int(v):
+def _as_int(value):
     try:
-        if v is None:
+        if value is None:
             return None
-        f = float(v)
-        if f != f or f in (float("inf"), float("-inf")) or abs(f) > 2 ** 62:
+        number = float(value)
+        if number != number or number in (float("inf"), float("-inf")) or abs(number) > 2 ** 62:
             return None
-        return int(f)
+        return int(number)
     except (TypeError, ValueError):
         return None
 
 
-def _replace_guards(gm: torch.fx.GraphModule, specs: list[InputSpec]) -> None:
-    for node in list(gm.graph.nodes):
+def _replace_guards(graph_module: torch.fx.GraphModule, specs: list[InputSpec]) -> None:
+    for node in list(graph_module.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-    if hasattr(gm, "_guards_fn"):
-        delattr(gm, "_guards_fn")
-    gm.add_submodule("input_guard", InputGuard(specs))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            graph_module.graph.erase_node(node)
+    if hasattr(graph_module, "_guards_fn"):
+        delattr(graph_module, "_guards_fn")
+    graph_module.add_submodule("input_guard", InputGuard(specs))
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None
-    ctx = gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(None)
+    ctx = (graph_module.graph.inserting_after(anchor) if anchor is not None
+           else graph_module.graph.inserting_before(None))
     with ctx:
-        gm.graph.call_module("input_guard", tuple(placeholders))
+        graph_module.graph.call_module("input_guard", tuple(placeholders))
 
 
 def _serve_other_mode(program: Program, model: nn.Module, args, kwargs, dynamic: bool, dynamic_shapes) -> None:
@@ -415,10 +416,10 @@ def _capture_other_mode(program: Program, model: nn.Module, args, kwargs, other:
     functions = FunctionCalls()
     notes: list[str] = []
     try:
-        ep = _export_in_mode(model, args, kwargs, other, dynamic, dynamic_shapes, functions, notes)
-    except CaptureError as e:
-        raise CaptureError(f"{found}; capturing {word} mode as well failed: {e}") from e
-    second = _program_from_export(ep, model, args, kwargs, other, notes, switchable=False)
+        exported = _export_in_mode(model, args, kwargs, other, dynamic, dynamic_shapes, functions, notes)
+    except CaptureError as error:
+        raise CaptureError(f"{found}; capturing {word} mode as well failed: {error}") from error
+    second = _program_from_export(exported, model, args, kwargs, other, notes, switchable=False)
     where = branch_location(program.module, second.module)
     err = mode_difference(second.module, model, args, kwargs, other, buffers=True)
     if err is not None:
@@ -426,8 +427,8 @@ def _capture_other_mode(program: Program, model: nn.Module, args, kwargs, other:
     if functions.uses:
         try:
             check_gradients(second, model, args, kwargs, other, functions)
-        except CaptureError as e:
-            raise CaptureError(f"{found}{where}; its {word}-mode capture: {e}") from e
+        except CaptureError as error:
+            raise CaptureError(f"{found}{where}; its {word}-mode capture: {error}") from error
     return second, where
 
 

@@ -57,18 +57,18 @@ class ShardedBlock(nn.Module):
         super().__init__()
         for name, child in owner.named_children():
             self.add_module(name, child)
-        for name, p in owner.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in owner.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+        for name, param in owner.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in owner.named_buffers(recurse=False):
+            self.register_buffer(name, buffer)
         self.body = body
         self.n_args = n_args
         self.param_slots = dict(param_slots)
         self.label = label
 
     def forward(self, *args):
-        it = iter(args)
-        full = [self.get_parameter(self.param_slots[i]) if i in self.param_slots else next(it)
+        inputs = iter(args)
+        full = [self.get_parameter(self.param_slots[i]) if i in self.param_slots else next(inputs)
                 for i in range(self.n_args)]
         return self.body(*full)
 
@@ -82,29 +82,29 @@ def _set_module(root: nn.Module, path: str, mod: nn.Module) -> None:
     parent._modules[leaf] = mod
 
 
-def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
+def make_blocks(graph_module: fx.GraphModule, paths: list[str] | None = None,
                 dry_run: bool = False) -> tuple[list[str], list[str]]:
     """Turn each block into a ShardedBlock call (in place). Returns (blocks made, notes). `dry_run`: the same
-    answer without changing `gm` (what `estimate_rank` shards)."""
-    paths = block_paths(gm) if paths is None else list(paths)
+    answer without changing `graph_module` (what `estimate_rank` shards)."""
+    paths = block_paths(graph_module) if paths is None else list(paths)
     notes: list[str] = []
     made: list[str] = []
-    prog = Program(gm, (), {}, "train")
+    prog = Program(graph_module, (), {}, "train")
     for path in paths:
-        graph = gm.graph
+        graph = graph_module.graph
         members = [n for n in graph.nodes if n.op in ("call_function", "call_module")
-                   and any(p == path for p, _ in named_stack(n))
+                   and any(stack_path == path for stack_path, _ in named_stack(n))
                    and not (n.op == "call_module" and n.target in ("input_guard", "mode"))]
         if not members:
             notes.append(f"{path}: no graph nodes; its parameters are sharded with the root")
             continue
         modules = [n for n in members if n.op == "call_module"]
         try:
-            owner = gm.get_submodule(path)
+            owner = graph_module.get_submodule(path)
         except AttributeError:
             notes.append(f"{path}: not a module of the graph; its parameters are sharded with the root")
             continue
-        own_params = {id(p): name for name, p in owner.named_parameters()}
+        own_params = {id(param): name for name, param in owner.named_parameters()}
         # a node outside the block reading its parameters: a region joining part of it to another block (a
         # checkpoint segment h.0.mlp + h.1.ln_1), whose call is not the block's
         member_set = set(members)
@@ -124,43 +124,43 @@ def make_blocks(gm: fx.GraphModule, paths: list[str] | None = None,
         if not whole:
             try:
                 check_outline(members, call_name)
-            except OutlineError as e:
-                notes.append(f"{path}: cannot be one call ({e}); its parameters are sharded with the root")
+            except OutlineError as error:
+                notes.append(f"{path}: cannot be one call ({error}); its parameters are sharded with the root")
                 continue
         made.append(path)
         if dry_run:
             continue
         if whole:
             call = modules[0]
-            body = gm.get_submodule(call.target)
+            body = graph_module.get_submodule(call.target)
         else:
             call = outline(prog, members, call_name)
-            body = gm.get_submodule(call.target)
-            delattr(gm, call.target)
+            body = graph_module.get_submodule(call.target)
+            delattr(graph_module, call.target)
         # which arguments are this block's parameters
         slots: dict[int, str] = {}
         keep: list = []
-        for i, a in enumerate(call.args):
-            if isinstance(a, fx.Node) and a.op == "get_attr":
+        for slot, arg in enumerate(call.args):
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
                 try:
-                    p = gm.get_parameter(a.target)
+                    param = graph_module.get_parameter(arg.target)
                 except AttributeError:
-                    p = None
-                if p is not None and id(p) in own_params:
-                    slots[i] = own_params[id(p)]
+                    param = None
+                if param is not None and id(param) in own_params:
+                    slots[slot] = own_params[id(param)]
                     continue
-            keep.append(a)
+            keep.append(arg)
         block = ShardedBlock(owner, body, len(call.args), slots, path)
-        _set_module(gm, path, block)
+        _set_module(graph_module, path, block)
         call.target = path
         call.args = tuple(keep)
     if dry_run:
         return made, notes
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output", "call_module")
-                                 or (n.op == "call_function" and getattr(getattr(n.target, "_schema", None),
-                                                                          "is_mutable", False)))
-    gm.graph.lint()
-    gm.recompile()
+    graph_module.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.op in ("placeholder", "output", "call_module")
+        or (n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)))
+    graph_module.graph.lint()
+    graph_module.recompile()
     return made, notes
 
 
@@ -180,7 +180,7 @@ def declared_mode(policy) -> str:
 
 
 def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> DistributeOptions:
-    o = DistributeOptions()
+    options = DistributeOptions()
     plan = getattr(module, "fxmem_offload", None) or {}
     src = policy_or_options
     if src is None:
@@ -189,17 +189,17 @@ def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> Dist
             raise FxmemError("fxmem.distribute: no mode given and the module has no offload plan with "
                              "`distributed: ddp|fsdp`; pass 'ddp' or 'fsdp'")
     if isinstance(src, str):
-        o.mode = src
+        options.mode = src
     elif isinstance(src, DistributeOptions):
-        o = DistributeOptions(**vars(src))
+        options = DistributeOptions(**vars(src))
     elif isinstance(src, dict):
-        for k, v in src.items():
-            if k == "distributed":
-                o.mode = v
-            elif hasattr(o, k):
-                setattr(o, k, v)
+        for key, value in src.items():
+            if key == "distributed":
+                options.mode = value
+            elif hasattr(options, key):
+                setattr(options, key, value)
             else:
-                raise FxmemError(f"fxmem.distribute: unknown option {k!r}")
+                raise FxmemError(f"fxmem.distribute: unknown option {key!r}")
     else:
         opts = src
         if hasattr(src, "passes"):  # a Policy
@@ -209,25 +209,25 @@ def _options(policy_or_options: Any, module: nn.Module, overrides: dict) -> Dist
         mode = getattr(opts, "distributed", None)
         if mode in (None, "none"):
             raise FxmemError("fxmem.distribute: passes.offload.distributed is 'none'; set it to 'ddp' or 'fsdp'")
-        o.mode = mode
-        o.cpu_offload = bool(getattr(opts, "grads", False))
+        options.mode = mode
+        options.cpu_offload = bool(getattr(opts, "grads", False))
         if hasattr(src, "passes"):  # the precision pass's compute dtype -> FSDP2 MixedPrecisionPolicy
             psec = src.passes.get("precision") if isinstance(src.passes, dict) else None
             popts = _section_options(src, "precision") if getattr(psec, "enabled", False) else None
             compute = getattr(popts, "compute", "fp32")
             if compute in ("bf16", "fp16"):
-                o.param_dtype = torch.bfloat16 if compute == "bf16" else torch.float16
-                o.reduce_dtype = torch.float32
-    for k, v in overrides.items():
-        if v is not None:
-            setattr(o, k, v)
-    if o.mode not in ("ddp", "fsdp"):
-        raise FxmemError(f"fxmem.distribute: mode must be 'ddp' or 'fsdp', got {o.mode!r}")
+                options.param_dtype = torch.bfloat16 if compute == "bf16" else torch.float16
+                options.reduce_dtype = torch.float32
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(options, key, value)
+    if options.mode not in ("ddp", "fsdp"):
+        raise FxmemError(f"fxmem.distribute: mode must be 'ddp' or 'fsdp', got {options.mode!r}")
     prec = getattr(module, "fxmem_precision", None)
-    if isinstance(prec, dict) and o.param_dtype is None:
-        o.param_dtype = prec.get("param_dtype")
-        o.reduce_dtype = o.reduce_dtype or prec.get("reduce_dtype")
-    return o
+    if isinstance(prec, dict) and options.param_dtype is None:
+        options.param_dtype = prec.get("param_dtype")
+        options.reduce_dtype = options.reduce_dtype or prec.get("reduce_dtype")
+    return options
 
 
 def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | None = None,
@@ -244,33 +244,34 @@ def distribute(module: nn.Module, policy_or_options: Any = None, *, mode: str | 
     if not dist.is_available() or not dist.is_initialized():
         raise FxmemError("fxmem.distribute: torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) first (one process per rank)")
-    o = _options(policy_or_options, module, dict(mode=mode, cpu_offload=cpu_offload, param_dtype=param_dtype,
-                                                 reduce_dtype=reduce_dtype, blocks=blocks))
-    if o.mode == "ddp":
+    options = _options(policy_or_options, module, dict(mode=mode, cpu_offload=cpu_offload, param_dtype=param_dtype,
+                                                       reduce_dtype=reduce_dtype, blocks=blocks))
+    if options.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         dev = next((p.device for p in module.parameters()), torch.device("cpu"))
         if dev.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [dev])
         return DDP(module, **ddp_kwargs)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    kw: dict = {"reshard_after_forward": o.reshard_after_forward}
+    shard_kwargs: dict = {"reshard_after_forward": options.reshard_after_forward}
     if device_mesh is not None:
-        kw["mesh"] = device_mesh
-    if o.cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
-    if o.param_dtype is not None or o.reduce_dtype is not None:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
+        shard_kwargs["mesh"] = device_mesh
+    if options.cpu_offload:
+        shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
+    if options.param_dtype is not None or options.reduce_dtype is not None:
+        shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=options.param_dtype,
+                                                         reduce_dtype=options.reduce_dtype)
     made: list[str] = []
     if isinstance(module, fx.GraphModule):
-        made, notes = make_blocks(module, o.blocks)
+        made, notes = make_blocks(module, options.blocks)
         module.fxmem_distribute_notes = notes
         if notes:  # each rank then all-gathers those parameters whole, with the root's: say so
             warnings.warn("fxmem.distribute (FSDP2): " + "; ".join(notes), stacklevel=2)
     else:
-        made = list(o.blocks or [])
+        made = list(options.blocks or [])
     for path in made:
-        fully_shard(module.get_submodule(path), **kw)
-    fully_shard(module, **kw)
+        fully_shard(module.get_submodule(path), **shard_kwargs)
+    fully_shard(module, **shard_kwargs)
     module.fxmem_sharded_blocks = made
     return module
 
@@ -290,15 +291,15 @@ def measure_rank(module: nn.Module, args: tuple, kwargs: dict | None = None, *, 
 
     kwargs = dict(kwargs or {})
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
     def state_tensors():
         out = []
-        for st in optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    out.append(local(v))
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    out.append(local(value))
         return out
 
     def step(tracker=None):
@@ -362,34 +363,34 @@ def estimate_rank(program: Program, mode: str, world_size: int, *, optimizer: st
     paths: list[str] = []
     est = estimate(program, mode="train", optimizer=optimizer, world_size=world_size, zero_stage=stage,
                    loss_fn=loss_fn)
-    gm = program.module
-    trainable = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
+    graph_module = program.module
+    trainable = [(name, param) for name, param in graph_module.named_parameters() if param.requires_grad]
     extra = 0
     if mode == "ddp":
-        extra = sum(p.numel() * p.element_size() for _, p in trainable)
+        extra = sum(param.numel() * param.element_size() for _, param in trainable)
     else:
         # the blocks `distribute` makes: a block a checkpoint or offload region covers only in part is not one, and
         # its parameters are sharded with the root
-        paths, _ = make_blocks(gm, blocks, dry_run=True)
-        per_block = {b: 0 for b in paths}
+        paths, _ = make_blocks(graph_module, blocks, dry_run=True)
+        per_block = {block: 0 for block in paths}
         root = 0
-        for n, p in gm.named_parameters():
-            b = next((b for b in paths if n.startswith(b + ".")), None)
-            size = p.numel() * p.element_size()
-            if b is None:
+        for name, param in graph_module.named_parameters():
+            block = next((block for block in paths if name.startswith(block + ".")), None)
+            size = param.numel() * param.element_size()
+            if block is None:
                 root += size
             else:
-                per_block[b] += size
+                per_block[block] += size
         unsharded_root = root - -(-root // world_size)
         biggest = sorted(per_block.values(), reverse=True)[:2]
         largest = biggest[0] if biggest else 0
         # the all-gather output of the block being gathered, alive until copied out into its parameters while
         # offloaded activations come back (with checkpoint regions: a margin, see above)
-        regions = any(region_info(m) is not None for m in gm.modules())
+        regions = any(region_info(m) is not None for m in graph_module.modules())
         staging = largest if regions else 0
         # in a block's backward (the root's: at the end of backward): its unsharded gradients and the flat
         # reduce-scatter input built from them
-        rs = 2 * max(largest, root)
-        extra = unsharded_root + sum(biggest) + staging + rs
+        reduce_scatter = 2 * max(largest, root)
+        extra = unsharded_root + sum(biggest) + staging + reduce_scatter
     return {"peak": est.peak + extra, "base_estimate": est.peak, "extra": extra, "zero_stage": stage,
             "blocks": paths if mode != "ddp" else []}

@@ -44,91 +44,91 @@ class GraphDataError(ValueError):
     """Graph data that does not describe an allowed graph (the message names the node)."""
 
 
-def is_identifier(s) -> bool:
-    return isinstance(s, str) and s.isidentifier() and not keyword.iskeyword(s)
+def is_identifier(text) -> bool:
+    return isinstance(text, str) and text.isidentifier() and not keyword.iskeyword(text)
 
 
-def is_path(s, allow_empty: bool = False) -> bool:
+def is_path(text, allow_empty: bool = False) -> bool:
     """A dotted module/attribute path of plain names (`h.0.attn`)."""
-    if s == "" and allow_empty:
+    if text == "" and allow_empty:
         return True
-    return isinstance(s, str) and all(_ATOM.match(a) for a in s.split("."))
+    return isinstance(text, str) and all(_ATOM.match(a) for a in text.split("."))
 
 
 # ============================================================================================ values
 
-def encode_value(v):
+def encode_value(value):
     """A node argument as JSON (ValueError for a type fxmem does not save)."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else {"$float": repr(v)}
-    if isinstance(v, fx.Node):
-        return {"$node": v.name}
-    if isinstance(v, list):
-        return [encode_value(x) for x in v]
-    if type(v) in (tuple, torch.Size):
-        return {"$tuple": [encode_value(x) for x in v]}
-    if isinstance(v, dict):
-        return {"$dict": [[encode_value(k), encode_value(x)] for k, x in v.items()]}
-    if isinstance(v, slice):
-        return {"$slice": [encode_value(v.start), encode_value(v.stop), encode_value(v.step)]}
-    if v is Ellipsis:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, fx.Node):
+        return {"$node": value.name}
+    if isinstance(value, list):
+        return [encode_value(x) for x in value]
+    if type(value) in (tuple, torch.Size):
+        return {"$tuple": [encode_value(x) for x in value]}
+    if isinstance(value, dict):
+        return {"$dict": [[encode_value(k), encode_value(x)] for k, x in value.items()]}
+    if isinstance(value, slice):
+        return {"$slice": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
+    if value is Ellipsis:
         return {"$ellipsis": None}
     for tag, kind in (("$dtype", torch.dtype), ("$layout", torch.layout), ("$memory_format", torch.memory_format)):
-        if isinstance(v, kind):
-            return {tag: str(v).removeprefix("torch.")}
-    if isinstance(v, torch.device):
-        return {"$device": str(v)}
+        if isinstance(value, kind):
+            return {tag: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"$device": str(value)}
     try:
-        return {"$target": target_name(v)}
+        return {"$target": target_name(value)}
     except TargetError:
-        raise ValueError(f"an argument of type {type(v).__module__}.{type(v).__qualname__}, which fxmem does not "
-                         "save") from None
+        raise ValueError(f"an argument of type {type(value).__module__}.{type(value).__qualname__}, which fxmem "
+                         "does not save") from None
 
 
-def decode_value(v, env: dict):
+def decode_value(value, env: dict):
     """The argument `encode_value` wrote; GraphDataError for anything else."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [decode_value(x, env) for x in v]
-    if not isinstance(v, dict) or len(v) != 1:
-        raise GraphDataError(f"not an argument value: {_short(v)}")
-    (tag, x), = v.items()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [decode_value(payload, env) for payload in value]
+    if not isinstance(value, dict) or len(value) != 1:
+        raise GraphDataError(f"not an argument value: {_short(value)}")
+    (tag, payload), = value.items()
     if tag == "$node":
-        if x not in env:
-            raise GraphDataError(f"refers to node {_short(x)}, which is not defined before it")
-        return env[x]
-    if tag == "$tuple" and isinstance(x, list):
-        return tuple(decode_value(e, env) for e in x)
-    if tag == "$dict" and isinstance(x, list) and all(isinstance(e, list) and len(e) == 2 for e in x):
-        return {_hashable(decode_value(k, env)): decode_value(e, env) for k, e in x}
-    if tag == "$slice" and isinstance(x, list) and len(x) == 3:
-        return slice(*(decode_value(e, env) for e in x))
-    if tag == "$ellipsis" and x is None:
+        if payload not in env:
+            raise GraphDataError(f"refers to node {_short(payload)}, which is not defined before it")
+        return env[payload]
+    if tag == "$tuple" and isinstance(payload, list):
+        return tuple(decode_value(e, env) for e in payload)
+    if tag == "$dict" and isinstance(payload, list) and all(isinstance(e, list) and len(e) == 2 for e in payload):
+        return {_hashable(decode_value(k, env)): decode_value(e, env) for k, e in payload}
+    if tag == "$slice" and isinstance(payload, list) and len(payload) == 3:
+        return slice(*(decode_value(e, env) for e in payload))
+    if tag == "$ellipsis" and payload is None:
         return Ellipsis
-    if tag == "$float" and x in ("inf", "-inf", "nan"):
-        return float(x)
-    if tag == "$device" and isinstance(x, str) and re.match(r"^[a-z]+(:[0-9]+)?$", x):
-        return torch.device(x)
+    if tag == "$float" and payload in ("inf", "-inf", "nan"):
+        return float(payload)
+    if tag == "$device" and isinstance(payload, str) and re.match(r"^[a-z]+(:[0-9]+)?$", payload):
+        return torch.device(payload)
     if tag == "$target":
-        return resolve_target(x)
+        return resolve_target(payload)
     kinds = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
-    if tag in kinds and isinstance(x, str) and x in TORCH_CONSTANTS[kinds[tag]]:
-        return TORCH_CONSTANTS[kinds[tag]][x]
-    raise GraphDataError(f"not an argument value: {_short(v)}")
+    if tag in kinds and isinstance(payload, str) and payload in TORCH_CONSTANTS[kinds[tag]]:
+        return TORCH_CONSTANTS[kinds[tag]][payload]
+    raise GraphDataError(f"not an argument value: {_short(value)}")
 
 
-def _hashable(k):
-    if isinstance(k, (list, dict)):
-        raise GraphDataError(f"not a dictionary key: {_short(k)}")
-    return k
+def _hashable(key):
+    if isinstance(key, (list, dict)):
+        raise GraphDataError(f"not a dictionary key: {_short(key)}")
+    return key
 
 
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ============================================================================================ graphs
@@ -136,15 +136,15 @@ def _short(v) -> str:
 def graph_to_data(graph: fx.Graph) -> dict:
     """`graph` as JSON data (ValueError naming the node for what cannot be saved)."""
     nodes = []
-    for n in graph.nodes:
+    for node in graph.nodes:
         try:
-            target = target_name(n.target) if n.op == "call_function" else n.target
-            nodes.append({"op": n.op, "name": n.name, "target": target,
-                          "args": [encode_value(a) for a in n.args],
-                          "kwargs": {k: encode_value(a) for k, a in n.kwargs.items()},
-                          "meta": _meta_to_data(n.meta)})
-        except (TargetError, ValueError) as e:
-            raise ValueError(f"node {n.name}: {e}") from None
+            target = target_name(node.target) if node.op == "call_function" else node.target
+            nodes.append({"op": node.op, "name": node.name, "target": target,
+                          "args": [encode_value(a) for a in node.args],
+                          "kwargs": {k: encode_value(a) for k, a in node.kwargs.items()},
+                          "meta": _meta_to_data(node.meta)})
+        except (TargetError, ValueError) as error:
+            raise ValueError(f"node {node.name}: {error}") from None
     return {"nodes": nodes, "pytree": _codegen_to_data(graph._codegen)}
 
 
@@ -152,54 +152,54 @@ def graph_from_data(data) -> fx.Graph:
     """The graph `graph_to_data` described, every node checked (GraphDataError names the node)."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
         raise GraphDataError("a graph needs a list of nodes")
-    g = fx.Graph()
+    graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    for i, d in enumerate(data["nodes"]):
-        name = d.get("name") if isinstance(d, dict) else None
+    for position, entry in enumerate(data["nodes"]):
+        name = entry.get("name") if isinstance(entry, dict) else None
         try:
-            node = _node_from_data(g, d, env)
-        except (GraphDataError, TargetError) as e:
-            raise GraphDataError(f"node {name if is_identifier(name) else '#' + str(i)}: {e}") from None
+            node = _node_from_data(graph, entry, env)
+        except (GraphDataError, TargetError) as error:
+            raise GraphDataError(f"node {name if is_identifier(name) else '#' + str(position)}: {error}") from None
         env[node.name] = node
-    g._codegen = _codegen_from_data(data.get("pytree"))
+    graph._codegen = _codegen_from_data(data.get("pytree"))
     try:
-        g.lint()
-    except Exception as e:  # noqa: BLE001  (fx's own consistency check, whatever it raises)
-        raise GraphDataError(f"not a valid graph: {e}") from None
-    return g
+        graph.lint()
+    except Exception as error:  # noqa: BLE001  (fx's own consistency check, whatever it raises)
+        raise GraphDataError(f"not a valid graph: {error}") from None
+    return graph
 
 
-def _node_from_data(g: fx.Graph, d, env: dict) -> fx.Node:
-    if not isinstance(d, dict) or set(d) - {"op", "name", "target", "args", "kwargs", "meta"}:
+def _node_from_data(graph: fx.Graph, entry, env: dict) -> fx.Node:
+    if not isinstance(entry, dict) or set(entry) - {"op", "name", "target", "args", "kwargs", "meta"}:
         raise GraphDataError("a node is an object with op, name, target, args, kwargs and meta")
-    op, name, target = d.get("op"), d.get("name"), d.get("target")
+    op, name, target = entry.get("op"), entry.get("name"), entry.get("target")
     if op not in OPS:
         raise GraphDataError(f"unknown op {_short(op)}")
     if not is_identifier(name) or name in env:
         raise GraphDataError(f"the name {_short(name)} is not a new identifier")
-    if not isinstance(d.get("args"), list) or not isinstance(d.get("kwargs"), dict):
+    if not isinstance(entry.get("args"), list) or not isinstance(entry.get("kwargs"), dict):
         raise GraphDataError("args must be a list and kwargs an object")
-    args = tuple(decode_value(a, env) for a in d["args"])
+    args = tuple(decode_value(arg, env) for arg in entry["args"])
     kwargs = {}
-    for k, a in d["kwargs"].items():
-        if not is_identifier(k):
-            raise GraphDataError(f"keyword {_short(k)} is not an identifier")
-        kwargs[k] = decode_value(a, env)
+    for key, arg in entry["kwargs"].items():
+        if not is_identifier(key):
+            raise GraphDataError(f"keyword {_short(key)} is not an identifier")
+        kwargs[key] = decode_value(arg, env)
     target = _target_from_data(op, target, args, kwargs)
-    node = g.create_node(op, target, args, kwargs, name=name)
+    node = graph.create_node(op, target, args, kwargs, name=name)
     if node.name != name:
         raise GraphDataError(f"the name {name} is reserved")
-    node.meta.update(_meta_from_data(d.get("meta", {})))
+    node.meta.update(_meta_from_data(entry.get("meta", {})))
     return node
 
 
 def _target_from_data(op: str, target, args: tuple, kwargs: dict):
     if op == "call_function":
-        fn = resolve_target(target)
-        check_op_name_args(fn, args, kwargs)
-        if fn is getattr:
+        function = resolve_target(target)
+        check_op_name_args(function, args, kwargs)
+        if function is getattr:
             check_attribute_name("getattr", args[1] if len(args) == 2 else None)
-        return fn
+        return function
     if op == "call_method":
         check_attribute_name("call_method", target)
     elif op == "placeholder":
@@ -230,24 +230,24 @@ def _meta_to_data(meta: dict) -> dict:
     return out
 
 
-def _meta_from_data(d) -> dict:
-    if not isinstance(d, dict) or set(d) - set(META_KEEP):
+def _meta_from_data(data) -> dict:
+    if not isinstance(data, dict) or set(data) - set(META_KEEP):
         raise GraphDataError(f"meta may hold only {', '.join(META_KEEP)}")
     out: dict = {}
-    if "nn_module_stack" in d:
-        rows = d["nn_module_stack"]
+    if "nn_module_stack" in data:
+        rows = data["nn_module_stack"]
         if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 and
                                                  all(isinstance(x, str) for x in r) for r in rows):
             raise GraphDataError("meta nn_module_stack must be a list of [key, path, type name]")
         out["nn_module_stack"] = {k: (path, ty) for k, path, ty in rows}
-    if "stack_trace" in d:
-        if not isinstance(d["stack_trace"], str):
+    if "stack_trace" in data:
+        if not isinstance(data["stack_trace"], str):
             raise GraphDataError("meta stack_trace must be a string")
-        out["stack_trace"] = d["stack_trace"]
-    if "fxmem_mode_flag" in d:
-        if not isinstance(d["fxmem_mode_flag"], bool):
+        out["stack_trace"] = data["stack_trace"]
+    if "fxmem_mode_flag" in data:
+        if not isinstance(data["fxmem_mode_flag"], bool):
             raise GraphDataError("meta fxmem_mode_flag must be true or false")
-        out["fxmem_mode_flag"] = d["fxmem_mode_flag"]
+        out["fxmem_mode_flag"] = data["fxmem_mode_flag"]
     return out
 
 
@@ -259,31 +259,31 @@ def _codegen_to_data(codegen) -> dict | None:
     if type(codegen) not in (_PyTreeCodeGen, ModeDispatchCodeGen):
         raise ValueError(f"the graph's code generator is a {type(codegen).__qualname__}, which fxmem does not save")
     info = codegen.pytree_info
-    d = {"orig_args": list(info.orig_args), "in_spec": spec_to_data(info.in_spec),
+    data = {"orig_args": list(info.orig_args), "in_spec": spec_to_data(info.in_spec),
          "out_spec": None if info.out_spec is None else spec_to_data(info.out_spec)}
     if type(codegen) is ModeDispatchCodeGen:
-        d["dispatch"] = codegen.branch  # the child serving the other mode (`fxmem.nn.modes`)
-    return d
+        data["dispatch"] = codegen.branch  # the child serving the other mode (`fxmem.nn.modes`)
+    return data
 
 
-def _codegen_from_data(d):
-    if d is None:
+def _codegen_from_data(data):
+    if data is None:
         return CodeGen()
-    if not isinstance(d, dict) or not {"orig_args", "in_spec", "out_spec"} <= set(d) <= {"orig_args", "in_spec",
+    if not isinstance(data, dict) or not {"orig_args", "in_spec", "out_spec"} <= set(data) <= {"orig_args", "in_spec",
                                                                                         "out_spec", "dispatch"}:
         raise GraphDataError("pytree must hold orig_args, in_spec and out_spec (and dispatch)")
-    branch = d.get("dispatch")
-    if "dispatch" in d and not (is_identifier(branch) and is_path(branch)):
+    branch = data.get("dispatch")
+    if "dispatch" in data and not (is_identifier(branch) and is_path(branch)):
         raise GraphDataError(f"dispatch {_short(branch)} is not a submodule name")
-    orig = d["orig_args"]
+    orig = data["orig_args"]
     if not isinstance(orig, list) or not all(is_identifier(a) for a in orig):
         raise GraphDataError("the forward's argument names (orig_args) must be identifiers")
-    in_spec = spec_from_data(d["in_spec"])
+    in_spec = spec_from_data(data["in_spec"])
     # keyword inputs: generated code writes their keys as literals
     if in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(1).type is dict:
         if not all(is_identifier(k) for k in in_spec.child(1).context):
             raise GraphDataError("keyword input names must be identifiers")
-    out_spec = None if d["out_spec"] is None else spec_from_data(d["out_spec"])
+    out_spec = None if data["out_spec"] is None else spec_from_data(data["out_spec"])
     info = _PyTreeInfo(orig, in_spec, out_spec)
     return _PyTreeCodeGen(info) if branch is None else ModeDispatchCodeGen(info, branch)
 
@@ -308,21 +308,22 @@ def spec_to_data(spec: pytree.TreeSpec) -> dict:
     return {"type": name, "context": context, "children": [spec_to_data(c) for c in spec.children()]}
 
 
-def spec_from_data(d) -> pytree.TreeSpec:
-    if not isinstance(d, dict) or set(d) != {"type", "context", "children"} or not isinstance(d["children"], list):
+def spec_from_data(data) -> pytree.TreeSpec:
+    if (not isinstance(data, dict) or set(data) != {"type", "context", "children"}
+            or not isinstance(data["children"], list)):
         raise GraphDataError("a pytree spec is an object with type, context and children")
-    if d["type"] is None:
-        if d["context"] is not None or d["children"]:
+    if data["type"] is None:
+        if data["context"] is not None or data["children"]:
             raise GraphDataError("a pytree leaf has no context or children")
         return pytree.treespec_leaf()
-    typ = _pytree_type(d["type"])
-    ctx, children = d["context"], [spec_from_data(c) for c in d["children"]]
+    typ = _pytree_type(data["type"])
+    ctx, children = data["context"], [spec_from_data(c) for c in data["children"]]
     if typ in (tuple, list):
         if ctx is not None:
-            raise GraphDataError(f"a {d['type']} spec has no context")
+            raise GraphDataError(f"a {data['type']} spec has no context")
     elif not (isinstance(ctx, list) and len(ctx) == len(children) and
               all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in ctx)):
-        raise GraphDataError(f"a {d['type']} spec needs one key (string or integer) per child")
+        raise GraphDataError(f"a {data['type']} spec needs one key (string or integer) per child")
     return pytree.TreeSpec(typ, ctx, children)
 
 
@@ -339,9 +340,9 @@ def _pytree_type(name) -> type:
         module = name.rpartition(".")[0]
         try:
             importlib.import_module(module)
-        except ImportError as e:
+        except ImportError as error:
             raise GraphDataError(f"the model's output type {name} needs {module}, which cannot be imported "
-                                 f"({e})") from None
+                                 f"({error})") from None
         typ = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(name)
     if typ is None or not _is_model_output(typ):
         raise GraphDataError(f"the pytree type {name} is not a registered model output class")

@@ -48,34 +48,34 @@ class Config:
             if optional:
                 return None
             raise ConfigError(f"{self.where}: config has no {key!r}")
-        v = self.data[key]
+        value = self.data[key]
         kinds = kind if isinstance(kind, tuple) else (kind,)
-        if v is None and optional:
+        if value is None and optional:
             return None
-        ok = any(isinstance(v, k) and not (isinstance(v, bool) and k is not bool) for k in kinds) or \
-            (float in kinds and isinstance(v, int) and not isinstance(v, bool))
+        ok = any(isinstance(value, k) and not (isinstance(value, bool) and k is not bool) for k in kinds) or \
+            (float in kinds and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             raise ConfigError(f"{self.where}: config {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
-                              f"got {type(v).__name__}")
-        return float(v) if float in kinds and isinstance(v, int) and int not in kinds else v
+                              f"got {type(value).__name__}")
+        return float(value) if float in kinds and isinstance(value, int) and int not in kinds else value
 
     def choice(self, key: str, allowed) -> str:
-        v = self.get(key, str)
-        if v not in allowed:
-            raise ConfigError(f"{self.where}: config {key!r} must be one of {', '.join(allowed)}, got {v!r}")
-        return v
+        value = self.get(key, str)
+        if value not in allowed:
+            raise ConfigError(f"{self.where}: config {key!r} must be one of {', '.join(allowed)}, got {value!r}")
+        return value
 
     def ints(self, key: str) -> tuple[int, ...]:
-        v = self.get(key, list)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        value = self.get(key, list)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
             raise ConfigError(f"{self.where}: config {key!r} must be a list of integers")
-        return tuple(v)
+        return tuple(value)
 
     def strings(self, key: str) -> tuple[str, ...]:
-        v = self.get(key, list)
-        if not all(isinstance(x, str) for x in v):
+        value = self.get(key, list)
+        if not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{self.where}: config {key!r} must be a list of strings")
-        return tuple(v)
+        return tuple(value)
 
     def done(self) -> None:
         extra = sorted(set(self.data) - self.read)
@@ -93,8 +93,8 @@ class ModuleKind:
     built: tuple[str, ...] = ()  # submodules the class makes itself
 
 
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(cfg: Config, key: str) -> torch.dtype:
@@ -106,28 +106,30 @@ def _dtype(cfg: Config, key: str) -> torch.dtype:
 
 # ============================================================================================ per class
 
-def _guard_config(m: InputGuard) -> dict:
+def _guard_config(module: InputGuard) -> dict:
     specs = []
-    for s in m.specs:
-        spec = {"name": s.name, "dtype": s.dtype,
-                "dims": None if s.dims is None else [[d.static, d.symbol, d.lower, d.upper] for d in s.dims]}
-        if s.constant:
-            spec["constant"] = list(s.constant)
+    for input_spec in module.specs:
+        spec = {"name": input_spec.name, "dtype": input_spec.dtype,
+                "dims": None if input_spec.dims is None else [[d.static, d.symbol, d.lower, d.upper]
+                                                               for d in input_spec.dims]}
+        if input_spec.constant:
+            spec["constant"] = list(input_spec.constant)
         specs.append(spec)
     return {"specs": specs}
 
 
 def _guard_build(cfg: Config, children, runtimes) -> InputGuard:
     specs = []
-    for s in cfg.get("specs", list):
-        if not isinstance(s, dict) or not {"name", "dtype", "dims"} <= set(s) <= {"name", "dtype", "dims", "constant"} \
-                or not isinstance(s["name"], str) or not isinstance(s["dtype"], (str, type(None))) \
-                or not isinstance(s["dims"], (list, type(None))):
+    for entry in cfg.get("specs", list):
+        if not isinstance(entry, dict) \
+                or not {"name", "dtype", "dims"} <= set(entry) <= {"name", "dtype", "dims", "constant"} \
+                or not isinstance(entry["name"], str) or not isinstance(entry["dtype"], (str, type(None))) \
+                or not isinstance(entry["dims"], (list, type(None))):
             raise ConfigError(f"{cfg.where}: each input spec is an object with name, dtype and dims (and constant)")
         dims = None
-        if s["dims"] is not None:
-            dims = tuple(_dim_spec(d, cfg.where) for d in s["dims"])
-        specs.append(InputSpec(s["name"], dims, s["dtype"], _constant(s.get("constant", []), cfg.where)))
+        if entry["dims"] is not None:
+            dims = tuple(_dim_spec(d, cfg.where) for d in entry["dims"])
+        specs.append(InputSpec(entry["name"], dims, entry["dtype"], _constant(entry.get("constant", []), cfg.where)))
     return InputGuard(specs)
 
 
@@ -138,17 +140,17 @@ def _constant(data, where: str) -> tuple:
     return tuple(data)
 
 
-def _dim_spec(d, where: str) -> DimSpec:
-    def opt_int(x):
-        return x is None or (isinstance(x, int) and not isinstance(x, bool))
-    if not (isinstance(d, list) and len(d) == 4 and opt_int(d[0]) and isinstance(d[1], (str, type(None)))
-            and opt_int(d[2]) and opt_int(d[3])):
+def _dim_spec(entry, where: str) -> DimSpec:
+    def opt_int(value):
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    if not (isinstance(entry, list) and len(entry) == 4 and opt_int(entry[0])
+            and isinstance(entry[1], (str, type(None))) and opt_int(entry[2]) and opt_int(entry[3])):
         raise ConfigError(f"{where}: a dim spec is [static size, symbol, lower, upper]")
-    return DimSpec(*d)
+    return DimSpec(*entry)
 
 
-def _checkpoint_config(m: CheckpointRegion) -> dict:
-    return {"keep_ops": sorted(m.keep_ops), "label": m.label, "restore_args": list(m.restore_args)}
+def _checkpoint_config(module: CheckpointRegion) -> dict:
+    return {"keep_ops": sorted(module.keep_ops), "label": module.label, "restore_args": list(module.restore_args)}
 
 
 def _checkpoint_build(cfg: Config, children, runtimes) -> CheckpointRegion:
@@ -156,18 +158,19 @@ def _checkpoint_build(cfg: Config, children, runtimes) -> CheckpointRegion:
                             restore_args=cfg.ints("restore_args"))
 
 
-def _offload_config(m: OffloadRegion) -> dict:
-    rt, info = m.runtime, m.fxmem_region
+def _offload_config(module: OffloadRegion) -> dict:
+    runtime, info = module.runtime, module.fxmem_region
     model_body = None
     if info.kind == "recompute":  # around a checkpoint region: the cost model runs that region's body
-        model_body = next((p for p, sub in m.named_modules() if sub is info.body and p), None)
+        model_body = next((p for p, sub in module.named_modules() if sub is info.body and p), None)
         if model_body is None:
             raise ValueError("its modelled body is not one of its submodules")
     # (not its scratch directory: a path of the saving machine; the loading one uses its temp dir)
-    return {"runtime": {"id": id(rt), "tier": rt.tier, "prefetch": rt.prefetch, "min_bytes": rt.min_bytes,
-                        "unlink_early": bool(rt.unlink_early)},
-            "index": m.index, "last": m.last, "param_args": list(m.param_args), "inputs_too": m.inputs_too,
-            "label": m.label, "model_body": model_body, "keep_ops": sorted(info.keep_ops)}
+    return {"runtime": {"id": id(runtime), "tier": runtime.tier, "prefetch": runtime.prefetch,
+                        "min_bytes": runtime.min_bytes, "unlink_early": bool(runtime.unlink_early)},
+            "index": module.index, "last": module.last, "param_args": list(module.param_args),
+            "inputs_too": module.inputs_too, "label": module.label, "model_body": model_body,
+            "keep_ops": sorted(info.keep_ops)}
 
 
 def _offload_build(cfg: Config, children, runtimes) -> OffloadRegion:
@@ -202,10 +205,10 @@ def _offload_build(cfg: Config, children, runtimes) -> OffloadRegion:
                          label=label, checkpoint_region=checkpoint_region)
 
 
-def _quant_config(m: QuantLinear) -> dict:
-    return {"kind": m.kind, "in_features": m.in_features, "out_features": m.out_features,
-            "compute_dtype": _dtype_name(m.compute_dtype), "threshold": m.threshold, "double_quant": m.double_quant,
-            "bias": m.bias is not None}
+def _quant_config(module: QuantLinear) -> dict:
+    return {"kind": module.kind, "in_features": module.in_features, "out_features": module.out_features,
+            "compute_dtype": _dtype_name(module.compute_dtype), "threshold": module.threshold,
+            "double_quant": module.double_quant, "bias": module.bias is not None}
 
 
 def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
@@ -218,9 +221,9 @@ def _quant_build(cfg: Config, children, runtimes) -> QuantLinear:
                                    compute_dtype=_dtype(cfg, "compute_dtype"), bias=cfg.get("bias", bool))
 
 
-def _stored_config(m: QuantizedWeight) -> dict:
-    return {"kind": m.kind, "shape": list(m.shape), "dtype": _dtype_name(m.dtype), "row_dims": m.row_dims,
-            "blocksize": m.blocksize}
+def _stored_config(module: QuantizedWeight) -> dict:
+    return {"kind": module.kind, "shape": list(module.shape), "dtype": _dtype_name(module.dtype),
+            "row_dims": module.row_dims, "blocksize": module.blocksize}
 
 
 def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
@@ -233,13 +236,13 @@ def _stored_build(cfg: Config, children, runtimes) -> QuantizedWeight:
     try:
         return QuantizedWeight.for_loading(shape, kind, dtype=_dtype(cfg, "dtype"), row_dims=cfg.get("row_dims", int),
                                            blocksize=blocksize)
-    except ValueError as e:
-        raise ConfigError(f"{cfg.where}: {e}") from None
+    except ValueError as error:
+        raise ConfigError(f"{cfg.where}: {error}") from None
 
 
-def _frozen_config(m: FrozenLinear) -> dict:
-    return {"in_features": m.in_features, "out_features": m.out_features, "transposed": m.transposed,
-            "compute_dtype": _dtype_name(m.compute_dtype), "bias": m.bias is not None}
+def _frozen_config(module: FrozenLinear) -> dict:
+    return {"in_features": module.in_features, "out_features": module.out_features, "transposed": module.transposed,
+            "compute_dtype": _dtype_name(module.compute_dtype), "bias": module.bias is not None}
 
 
 def _frozen_build(cfg: Config, children, runtimes) -> FrozenLinear:
@@ -252,9 +255,9 @@ def _frozen_build(cfg: Config, children, runtimes) -> FrozenLinear:
     return FrozenLinear(weight, bias, transposed=transposed, compute_dtype=_dtype(cfg, "compute_dtype"))
 
 
-def _mode_graph_config(m: ModeGraph) -> dict:
-    return {"serves_training": m.serves_training, "attr_paths": list(m.attr_paths),
-            "out_spec": spec_to_data(m.out_spec)}
+def _mode_graph_config(module: ModeGraph) -> dict:
+    return {"serves_training": module.serves_training, "attr_paths": list(module.attr_paths),
+            "out_spec": spec_to_data(module.out_spec)}
 
 
 def _mode_graph_build(cfg: Config, children, runtimes) -> ModeGraph:
@@ -263,8 +266,8 @@ def _mode_graph_build(cfg: Config, children, runtimes) -> ModeGraph:
         raise ConfigError(f"{cfg.where}: attr_paths must be dotted names of the root's tensors")
     try:
         out_spec = spec_from_data(cfg.get("out_spec", dict))
-    except GraphDataError as e:
-        raise ConfigError(f"{cfg.where}: out_spec: {e}") from None
+    except GraphDataError as error:
+        raise ConfigError(f"{cfg.where}: out_spec: {error}") from None
     return ModeGraph(children["module"], cfg.get("serves_training", bool), list(paths), out_spec)
 
 
@@ -272,58 +275,60 @@ def _mode_refusal_build(cfg: Config, children, runtimes) -> ModeRefusal:
     return ModeRefusal(cfg.get("serves_training", bool), cfg.get("reason", str))
 
 
-def _lora_config(m: LoRALinear) -> dict:
-    p = m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0
-    return {"in_features": int(m.lora_A.shape[1]), "out_features": int(m.lora_B.shape[0]), "rank": m.rank,
-            "alpha": m.alpha, "dropout": float(p)}
+def _lora_config(module: LoRALinear) -> dict:
+    dropout_p = module.dropout.p if isinstance(module.dropout, nn.Dropout) else 0.0
+    return {"in_features": int(module.lora_A.shape[1]), "out_features": int(module.lora_B.shape[0]),
+            "rank": module.rank, "alpha": module.alpha, "dropout": float(dropout_p)}
 
 
 def _lora_build(cfg: Config, children, runtimes) -> LoRALinear:
-    p = cfg.get("dropout", float)
-    if not 0 <= p < 1:
+    dropout_p = cfg.get("dropout", float)
+    if not 0 <= dropout_p < 1:
         raise ConfigError(f"{cfg.where}: dropout must be in [0, 1)")
     return LoRALinear(children["base"], cfg.get("in_features", int), cfg.get("out_features", int),
-                      rank=cfg.get("rank", int), alpha=cfg.get("alpha", float), dropout=p)
+                      rank=cfg.get("rank", int), alpha=cfg.get("alpha", float), dropout=dropout_p)
 
 
-def _gated_config(m: GatedResidual) -> dict:
-    return {"x_index": m.x_index, "features": m.features, "feature_dim": m.feature_dim, "reduction": m.reduction,
-            "threshold": m.threshold, "per_sample": m.per_sample, "row_safe": m.row_safe, "label": m.label,
-            "force_open": bool(m.force_open)}
+def _gated_config(module: GatedResidual) -> dict:
+    return {"x_index": module.x_index, "features": module.features, "feature_dim": module.feature_dim,
+            "reduction": module.reduction, "threshold": module.threshold, "per_sample": module.per_sample,
+            "row_safe": module.row_safe, "label": module.label, "force_open": bool(module.force_open)}
 
 
 def _gated_build(cfg: Config, children, runtimes) -> GatedResidual:
     features, reduction = cfg.get("features", int), cfg.get("reduction", int)
     if features < 1 or reduction < 1:
         raise ConfigError(f"{cfg.where}: features and reduction must be positive")
-    m = GatedResidual(children["body"], cfg.get("x_index", int), features, feature_dim=cfg.get("feature_dim", int),
+    module = GatedResidual(children["body"], cfg.get("x_index", int), features, feature_dim=cfg.get("feature_dim", int),
                       reduction=reduction, threshold=cfg.get("threshold", float),
                       per_sample=cfg.get("per_sample", bool), label=cfg.get("label", str),
                       row_safe=cfg.get("row_safe", bool))
-    m.force_open = cfg.get("force_open", bool)
-    return m
+    module.force_open = cfg.get("force_open", bool)
+    return module
 
 
-def _hybrid_config(m: HybridAttention) -> dict:
-    return {"scale": m.scale, "causal": m.causal, "top_k": m.top_k, "chunk_size": m.chunk_size, "heads": m.heads,
-            "rank": m.rank, "in_features": None if m.q_proj is None else int(m.q_proj.in_features)}
+def _hybrid_config(module: HybridAttention) -> dict:
+    return {"scale": module.scale, "causal": module.causal, "top_k": module.top_k, "chunk_size": module.chunk_size,
+            "heads": module.heads, "rank": module.rank,
+            "in_features": None if module.q_proj is None else int(module.q_proj.in_features)}
 
 
 def _hybrid_build(cfg: Config, children, runtimes) -> HybridAttention:
-    m = HybridAttention(cfg.get("scale", float), cfg.get("causal", bool), cfg.get("top_k", int),
+    module = HybridAttention(cfg.get("scale", float), cfg.get("causal", bool), cfg.get("top_k", int),
                         cfg.get("chunk_size", int))
-    heads, rank, d = cfg.get("heads", int), cfg.get("rank", int), cfg.get("in_features", int, optional=True)
-    if d is not None:
-        if min(heads, rank, d) < 1:
+    heads, rank, in_features = cfg.get("heads", int), cfg.get("rank", int), cfg.get("in_features", int, optional=True)
+    if in_features is not None:
+        if min(heads, rank, in_features) < 1:
             raise ConfigError(f"{cfg.where}: heads, rank and in_features must be positive")
-        m.q_proj, m.k_proj = nn.Linear(d, heads * rank), nn.Linear(d, heads * rank)
-        m.heads, m.rank = heads, rank
-    return m
+        module.q_proj, module.k_proj = nn.Linear(in_features, heads * rank), nn.Linear(in_features, heads * rank)
+        module.heads, module.rank = heads, rank
+    return module
 
 
-def _semisep_config(m: SemiseparableAttention) -> dict:
-    return {"scale": m.scale, "causal": m.causal, "rank": m.rank, "band": m.band, "hierarchical": m.hierarchical,
-            "lowrank_dtype": m.lowrank_dtype, "head_dim": int(m.features.shape[-1])}
+def _semisep_config(module: SemiseparableAttention) -> dict:
+    return {"scale": module.scale, "causal": module.causal, "rank": module.rank, "band": module.band,
+            "hierarchical": module.hierarchical, "lowrank_dtype": module.lowrank_dtype,
+            "head_dim": int(module.features.shape[-1])}
 
 
 def _semisep_build(cfg: Config, children, runtimes) -> SemiseparableAttention:

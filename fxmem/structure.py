@@ -48,9 +48,9 @@ def plain_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, str, tor
     out = []
     for mname, mod in module.named_modules():
         for kind, store in (("parameter", mod._parameters), ("buffer", mod._buffers)):
-            for n, t in store.items():
-                if t is not None:
-                    out.append((mod, kind, n, _join(mname, n), t))
+            for attr, tensor in store.items():
+                if tensor is not None:
+                    out.append((mod, kind, attr, _join(mname, attr), tensor))
     return out
 
 
@@ -59,68 +59,70 @@ def describe(gm: fx.GraphModule, *, mode: str, quantized: dict) -> tuple[dict, d
     the modules (`QuantLinear.without_quantized_state`) and in `quantized`. ValueError says what cannot be saved."""
     root = _describe_module(gm, "", {})
     specs, weights, first = [], {}, {}
-    for mod, kind, n, qual, t in plain_tensors(gm):
-        if type(t) not in (torch.Tensor, nn.Parameter):
-            raise ValueError(f"{qual} is a {type(t).__module__}.{type(t).__qualname__}, which fxmem does not know "
-                             "how to store (only plain tensors and fxmem's quantized linears are saved)")
+    for mod, kind, attr, qual, tensor in plain_tensors(gm):
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            raise ValueError(f"{qual} is a {type(tensor).__module__}.{type(tensor).__qualname__}, which fxmem does "
+                             "not know how to store (only plain tensors and fxmem's quantized linears are saved)")
         if not is_path(qual):
             raise ValueError(f"the tensor name {qual!r} is not a plain dotted name")
-        spec = {"name": qual, "kind": kind, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        spec.update({"requires_grad": t.requires_grad} if kind == "parameter" else
-                    {"persistent": n not in mod._non_persistent_buffers_set})
-        if id(t) in first:
-            spec["tie"] = first[id(t)]  # tied: stored once, under the first name
+        spec = {"name": qual, "kind": kind, "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape)}
+        spec.update({"requires_grad": tensor.requires_grad} if kind == "parameter" else
+                    {"persistent": attr not in mod._non_persistent_buffers_set})
+        if id(tensor) in first:
+            spec["tie"] = first[id(tensor)]  # tied: stored once, under the first name
         else:
-            first[id(t)] = qual
-            weights[qual] = t.detach().contiguous().cpu()
+            first[id(tensor)] = qual
+            weights[qual] = tensor.detach().contiguous().cpu()
         specs.append(spec)
     doc = {"kind": STRUCTURE_KIND, "version": STRUCTURE_VERSION, "mode": mode, "root": root, "tensors": specs,
            "quantized": quantized}
     return doc, weights
 
 
-def _describe_module(m: nn.Module, path: str, seen: dict) -> dict:
-    if id(m) in seen:
-        return {"alias": seen[id(m)]}
-    seen[id(m)] = path
-    where = f"{_where(path)} ({type(m).__name__})"
-    _require_no_hooks(m, where)
+def _describe_module(module: nn.Module, path: str, seen: dict) -> dict:
+    if id(module) in seen:
+        return {"alias": seen[id(module)]}
+    seen[id(module)] = path
+    where = f"{_where(path)} ({type(module).__name__})"
+    _require_no_hooks(module, where)
     built: tuple = ()
-    if isinstance(m, fx.GraphModule):
-        d = {"class": GRAPH_MODULE, "config": {"class_name": type(m).__name__, "recast": recast.installed(m),
-                                               "offload_plan": getattr(m, "fxmem_offload", None)}}
+    if isinstance(module, fx.GraphModule):
+        entry = {"class": GRAPH_MODULE, "config": {"class_name": type(module).__name__,
+                                                   "recast": recast.installed(module),
+                                                   "offload_plan": getattr(module, "fxmem_offload", None)}}
         try:
-            d["graph"] = graph_to_data(m.graph)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-    elif type(m) is nn.Module:
-        d = {"class": CONTAINER, "config": {}}
+            entry["graph"] = graph_to_data(module.graph)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    elif type(module) is nn.Module:
+        entry = {"class": CONTAINER, "config": {}}
     else:
-        kind = kind_of(m)
+        kind = kind_of(module)
         if kind is None:
-            raise ValueError(f"{where} is a {type(m).__module__}.{type(m).__qualname__}, which fxmem's result "
-                             "format does not hold (plain containers, GraphModules and fxmem's runtime modules)")
+            raise ValueError(f"{where} is a {type(module).__module__}.{type(module).__qualname__}, which fxmem's "
+                             "result format does not hold (plain containers, GraphModules and fxmem's runtime modules)")
         try:
-            d = {"class": kind.name, "config": kind.config(m)}
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            entry = {"class": kind.name, "config": kind.config(module)}
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         built = kind.built
     modules = []
-    for name, child in m._modules.items():
+    for name, child in module._modules.items():
         if name in built:
             continue
         if not is_path(name) or "." in name:
             raise ValueError(f"{where}: the submodule name {name!r} is not a plain name")
         modules.append([name, None if child is None else _describe_module(child, _join(path, name), seen)])
-    d["modules"] = modules
-    return d
+    entry["modules"] = modules
+    return entry
 
 
-def _require_no_hooks(m: nn.Module, where: str) -> None:
+def _require_no_hooks(module: nn.Module, where: str) -> None:
     """Hooks are code: a result holds none, except fxmem.nn.recast's pair, which loading installs again."""
     for attr in _HOOKS:
-        hooks = getattr(m, attr, None) or {}
-        allowed = 1 if recast.installed(m) and attr in ("_forward_pre_hooks", "_forward_hooks") else 0
+        hooks = getattr(module, attr, None) or {}
+        allowed = 1 if recast.installed(module) and attr in ("_forward_pre_hooks", "_forward_hooks") else 0
         if len(hooks) > allowed:
             raise ValueError(f"{where} has {attr[1:]} ({', '.join(type(h).__name__ for h in hooks.values())}), "
                              "which a saved result does not hold; remove them before saving")
@@ -152,8 +154,8 @@ def build(doc, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
         if isinstance(mod, fx.GraphModule):
             try:
                 mod.graph.lint()  # now with its owner: get_attr/call_module targets must exist
-            except Exception as e:  # noqa: BLE001  (fx's consistency check, whatever it raises)
-                raise StructureError(f"{_where(path)}: {e}") from None
+            except Exception as error:  # noqa: BLE001  (fx's consistency check, whatever it raises)
+                raise StructureError(f"{_where(path)}: {error}") from None
         if isinstance(mod, ModeGraph):
             _check_mode_graph(root, path, mod)
     keep_persistence_when_copied(root)
@@ -185,71 +187,72 @@ def _check_document(doc) -> None:
         raise StructureError("tensors must be a list and quantized an object")
 
 
-def _build_module(d, path: str, ctx: _Build) -> nn.Module:
+def _build_module(entry, path: str, ctx: _Build) -> nn.Module:
     where = _where(path)
-    if isinstance(d, dict) and set(d) == {"alias"}:
-        target = ctx.modules.get(d["alias"]) if isinstance(d["alias"], str) else None
+    if isinstance(entry, dict) and set(entry) == {"alias"}:
+        target = ctx.modules.get(entry["alias"]) if isinstance(entry["alias"], str) else None
         if target is None:
-            raise StructureError(f"{where}: alias {d['alias']!r} does not name a module described before it")
+            raise StructureError(f"{where}: alias {entry['alias']!r} does not name a module described before it")
         return target
-    if not isinstance(d, dict) or not {"class", "config", "modules"} <= set(d) <= {"class", "config", "modules",
+    if not isinstance(entry, dict) or not {"class", "config", "modules"} <= set(entry) <= {"class", "config", "modules",
                                                                                     "graph"}:
         raise StructureError(f"{where}: a module is an object with class, config, modules (and graph)")
-    children = _build_children(d["modules"], path, ctx)
-    cls = d["class"]
+    children = _build_children(entry["modules"], path, ctx)
+    cls = entry["class"]
     try:
         if cls == GRAPH_MODULE:
-            m = _build_graph_module(d, children, where)
+            module = _build_graph_module(entry, children, where)
         elif cls == CONTAINER:
-            Config(d["config"], where).done()
-            m = nn.Module()
+            Config(entry["config"], where).done()
+            module = nn.Module()
         else:
-            m = _build_runtime_module(d, children, where, ctx)
-    except (ConfigError, GraphDataError) as e:
-        raise StructureError(str(e)) from None
+            module = _build_runtime_module(entry, children, where, ctx)
+    except (ConfigError, GraphDataError) as error:
+        raise StructureError(str(error)) from None
     for name, child in children.items():
-        if m._modules.get(name, child) is not child:
+        if module._modules.get(name, child) is not child:
             raise StructureError(f"{where}: the {cls} built has another submodule {name}")
-        m._modules[name] = child
-    ctx.modules[path] = m
-    return m
+        module._modules[name] = child
+    ctx.modules[path] = module
+    return module
 
 
 def _build_children(entries, path: str, ctx: _Build) -> dict[str, nn.Module | None]:
     if not isinstance(entries, list):
         raise StructureError(f"{_where(path)}: modules must be a list of [name, module]")
     children: dict = {}
-    for e in entries:
-        if not (isinstance(e, list) and len(e) == 2 and is_path(e[0]) and "." not in e[0]) or e[0] in children:
+    for entry in entries:
+        if (not (isinstance(entry, list) and len(entry) == 2 and is_path(entry[0]) and "." not in entry[0])
+                or entry[0] in children):
             raise StructureError(f"{_where(path)}: each submodule is [a new plain name, module]")
-        children[e[0]] = None if e[1] is None else _build_module(e[1], _join(path, e[0]), ctx)
+        children[entry[0]] = None if entry[1] is None else _build_module(entry[1], _join(path, entry[0]), ctx)
     return children
 
 
-def _build_runtime_module(d: dict, children: dict, where: str, ctx: _Build) -> nn.Module:
-    kind = KINDS.get(d["class"]) if isinstance(d["class"], str) else None
+def _build_runtime_module(entry: dict, children: dict, where: str, ctx: _Build) -> nn.Module:
+    kind = KINDS.get(entry["class"]) if isinstance(entry["class"], str) else None
     if kind is None:
-        raise StructureError(f"{where}: class {str(d['class'])[:80]!r} is not one a saved result may hold (plain "
+        raise StructureError(f"{where}: class {str(entry['class'])[:80]!r} is not one a saved result may hold (plain "
                              "containers, GraphModules and fxmem's runtime modules)")
-    if "graph" in d or set(children) != set(kind.children) or any(children[n] is None for n in kind.children):
+    if "graph" in entry or set(children) != set(kind.children) or any(children[n] is None for n in kind.children):
         raise StructureError(f"{where}: a {kind.cls.__name__} has the submodules {list(kind.children)} and no graph")
-    cfg = Config(d["config"], where)
+    cfg = Config(entry["config"], where)
     try:
-        m = kind.build(cfg, children, ctx.runtimes)
-    except ImportError as e:
-        package = (e.name or "").split(".")[0] or "a module"
+        module = kind.build(cfg, children, ctx.runtimes)
+    except ImportError as error:
+        package = (error.name or "").split(".")[0] or "a module"
         raise StructureError(f"{where} is a {kind.cls.__name__}; loading it needs the package {package}, which "
-                             f"is not installed ({e})") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
+                             f"is not installed ({error})") from None
+    except (TypeError, ValueError) as error:
+        if isinstance(error, ConfigError):
             raise
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: {error}") from None
     cfg.done()
-    return m
+    return module
 
 
-def _build_graph_module(d: dict, children: dict, where: str) -> fx.GraphModule:
-    cfg = Config(d["config"], where)
+def _build_graph_module(entry: dict, children: dict, where: str) -> fx.GraphModule:
+    cfg = Config(entry["config"], where)
     class_name = cfg.get("class_name", str)
     installed, plan = cfg.get("recast", bool), cfg.get("offload_plan", dict, optional=True)
     cfg.done()
@@ -258,32 +261,32 @@ def _build_graph_module(d: dict, children: dict, where: str) -> fx.GraphModule:
     if plan is not None and not _plain_json(plan):
         raise ConfigError(f"{where}: offload_plan must hold only strings, numbers, booleans and lists of them")
     try:
-        graph = graph_from_data(d.get("graph"))
-    except GraphDataError as e:
-        raise GraphDataError(f"{where}: {e}") from None
-    gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name=class_name)
+        graph = graph_from_data(entry.get("graph"))
+    except GraphDataError as error:
+        raise GraphDataError(f"{where}: {error}") from None
+    graph_module = fx.GraphModule(nn.Module(), fx.Graph(), class_name=class_name)
     for name, child in children.items():
-        gm._modules[name] = child
-    gm.graph = graph  # generates the forward from the checked graph
+        graph_module._modules[name] = child
+    graph_module.graph = graph  # generates the forward from the checked graph
     info = getattr(graph._codegen, "pytree_info", None)
     if info is not None:
-        gm._in_spec, gm._out_spec = info.in_spec, info.out_spec
+        graph_module._in_spec, graph_module._out_spec = info.in_spec, info.out_spec
     branch = getattr(graph._codegen, "branch", None)  # the forward starts by calling this child in its mode
     if branch is not None and not isinstance(children.get(branch), (ModeGraph, ModeRefusal)):
         raise ConfigError(f"{where}: its forward dispatches to {branch}, which is not a ModeGraph or ModeRefusal")
     if installed:
-        recast.install(gm)
+        recast.install(graph_module)
     if plan is not None:
-        gm.fxmem_offload = plan
-    return gm
+        graph_module.fxmem_offload = plan
+    return graph_module
 
 
-def _plain_json(v) -> bool:
-    if v is None or isinstance(v, (str, int, float, bool)):
+def _plain_json(value) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
         return True
-    if isinstance(v, list):
-        return all(_plain_json(x) for x in v)
-    return isinstance(v, dict) and all(isinstance(k, str) and _plain_json(x) for k, x in v.items())
+    if isinstance(value, list):
+        return all(_plain_json(x) for x in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain_json(x) for k, x in value.items())
 
 
 def _place_tensors(root: nn.Module, specs: list, tensors: dict) -> set[str]:
@@ -300,8 +303,8 @@ def _place_tensors(root: nn.Module, specs: list, tensors: dict) -> set[str]:
             raise StructureError(f"tensor {name}: there is no module {owner_path}") from None
         placed[name] = _put_tensor(owner, attr, spec, tensors, placed)
     ids = {id(t) for t in placed.values()}
-    for _, _, _, qual, t in plain_tensors(root):
-        if type(t) in (torch.Tensor, nn.Parameter) and id(t) not in ids:
+    for _, _, _, qual, tensor in plain_tensors(root):
+        if type(tensor) in (torch.Tensor, nn.Parameter) and id(tensor) not in ids:
             raise StructureError(f"tensor {qual} of the module is not given by the structure's tensors")
     return {n for n, s in zip(placed, specs) if "tie" not in s}
 
@@ -328,8 +331,8 @@ def _put_tensor(owner: nn.Module, attr: str, spec: dict, tensors: dict, placed: 
     if "tie" not in spec and kind == "parameter":
         try:
             value = nn.Parameter(value, requires_grad=flag)
-        except RuntimeError as e:
-            raise StructureError(f"tensor {name}: {e}") from None
+        except RuntimeError as error:
+            raise StructureError(f"tensor {name}: {error}") from None
     if (kind == "parameter") != isinstance(value, nn.Parameter):
         raise StructureError(f"tensor {name}: tied to a tensor of another kind")
     store, other = (owner._parameters, owner._buffers) if kind == "parameter" else (owner._buffers, owner._parameters)
@@ -355,8 +358,8 @@ def load_quantized(root: nn.Module, quantized: dict, tensors: dict) -> set[str]:
         mine = {n: tensors[f"{path}.{n}"] for n in names if f"{path}.{n}" in tensors}
         try:
             found[path].load_quantized_state(mine, fields)
-        except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as e:
-            raise StructureError(f"{_where(path)}: cannot rebuild the quantized layer: {e}") from None
+        except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as error:
+            raise StructureError(f"{_where(path)}: cannot rebuild the quantized layer: {error}") from None
         used |= {f"{path}.{n}" for n in mine}
     return used
 
@@ -385,18 +388,18 @@ def generated_code(doc) -> str:
     return format_code(name, sections)
 
 
-def _collect_code(d, path: str, sections: list) -> None:
-    if not isinstance(d, dict) or "alias" in d:
+def _collect_code(entry, path: str, sections: list) -> None:
+    if not isinstance(entry, dict) or "alias" in entry:
         return
-    cls = d.get("class")
+    cls = entry.get("class")
     if cls not in KINDS and cls not in (CONTAINER, GRAPH_MODULE):
         raise StructureError(f"{_where(path)}: class {str(cls)[:80]!r} is not one a saved result may hold")
     if cls == GRAPH_MODULE:
         try:
-            graph = graph_from_data(d.get("graph"))
-        except GraphDataError as e:
-            raise StructureError(f"{_where(path)}: {e}") from None
+            graph = graph_from_data(entry.get("graph"))
+        except GraphDataError as error:
+            raise StructureError(f"{_where(path)}: {error}") from None
         sections.append((path, graph.python_code(root_module="self").src))
-    for e in d.get("modules") or []:
-        if isinstance(e, list) and len(e) == 2 and is_path(e[0]):
-            _collect_code(e[1], _join(path, e[0]), sections)
+    for child in entry.get("modules") or []:
+        if isinstance(child, list) and len(child) == 2 and is_path(child[0]):
+            _collect_code(child[1], _join(path, child[0]), sections)

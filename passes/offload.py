@@ -63,8 +63,8 @@ class OffloadOptions:
             if getattr(self, key) is not None:
                 try:
                     parse(getattr(self, key))
-                except PolicyError as e:
-                    raise ValueError(f"{key}: {str(e).partition(': ')[2]}") from None
+                except PolicyError as error:
+                    raise ValueError(f"{key}: {str(error).partition(': ')[2]}") from None
 
 
 # ============================================================================================ candidates
@@ -84,23 +84,23 @@ class Candidate:
     exposed_s: float = 0.0  # transfer time the neighbouring compute does not hide
 
 
-def _is_run_node(n: fx.Node) -> bool:
-    if n.op != "call_function":
+def _is_run_node(node: fx.Node) -> bool:
+    if node.op != "call_function":
         return False
-    t = n.target
-    schema = getattr(op_call(t, n.args)[0], "_schema", None)  # (remat_call of an in-place op writes too)
+    target = node.target
+    schema = getattr(op_call(target, node.args)[0], "_schema", None)  # (remat_call of an in-place op writes too)
     if schema is not None and schema.is_mutable:
         return False
-    name = getattr(t, "__name__", "")
-    if name == "count_batch" or name.startswith("_assert") or "sym_size" in str(t):
+    name = getattr(target, "__name__", "")
+    if name == "count_batch" or name.startswith("_assert") or "sym_size" in str(target):
         return False
-    if "higher_order" in str(t):
+    if "higher_order" in str(target):
         return False  # wrap_with_set_grad_enabled etc.: keep outside regions
     return True
 
 
-def _paths(n: fx.Node) -> list[str]:
-    return [p for p, _ in module_stack(n) if p]
+def _paths(node: fx.Node) -> list[str]:
+    return [p for p, _ in module_stack(node) if p]
 
 
 def _levels(nodes: list[fx.Node], saved_by_node: dict[str, int]) -> list[str]:
@@ -108,62 +108,62 @@ def _levels(nodes: list[fx.Node], saved_by_node: dict[str, int]) -> list[str]:
     by_path: dict[str, int] = {}
     children: dict[str, list[str]] = {}
     tops: list[str] = []
-    for n in nodes:
-        ps = _paths(n)
-        for d, p in enumerate(ps):
-            by_path[p] = by_path.get(p, 0) + saved_by_node.get(n.name, 0)
-            lst = children.setdefault(ps[d - 1], []) if d else tops
-            if p not in lst:
-                lst.append(p)
+    for node in nodes:
+        paths = _paths(node)
+        for depth, path in enumerate(paths):
+            by_path[path] = by_path.get(path, 0) + saved_by_node.get(node.name, 0)
+            siblings = children.setdefault(paths[depth - 1], []) if depth else tops
+            if path not in siblings:
+                siblings.append(path)
     out, todo = [], list(tops)
     while todo:
-        p = todo.pop(0)
-        kids = children.get(p, [])
-        if len(kids) >= 2 and by_path.get(p, 0) > 0.5 * total:
+        path = todo.pop(0)
+        kids = children.get(path, [])
+        if len(kids) >= 2 and by_path.get(path, 0) > 0.5 * total:
             todo = kids + todo
         else:
-            out.append(p)
+            out.append(path)
     return out
 
 
 def candidates(program: Program, saved_by_node: dict[str, int], explicit: list[str]) -> list[Candidate]:
     """Runs of consecutive nodes of one module call, and existing checkpoint regions, in graph order."""
-    gm = program.module
+    graph_module = program.module
     nodes = list(program.graph.nodes)
-    run_nodes = [n for n in nodes if _is_run_node(n)]
+    run_nodes = [node for node in nodes if _is_run_node(node)]
     chosen = list(explicit) if explicit else _levels(run_nodes, saved_by_node)
     chosen_set = set(chosen)
     out: list[Candidate] = []
     cur: Candidate | None = None
-    for n in nodes:
-        if n.op == "call_module":
-            info = region_info(gm.get_submodule(n.target))
-            if info is not None and info.kind == "recompute" and not isinstance(gm.get_submodule(n.target),
+    for node in nodes:
+        if node.op == "call_module":
+            info = region_info(graph_module.get_submodule(node.target))
+            if info is not None and info.kind == "recompute" and not isinstance(graph_module.get_submodule(node.target),
                                                                                  OffloadRegion):
-                out.append(Candidate(n.target, [n], "checkpoint"))
+                out.append(Candidate(node.target, [node], "checkpoint"))
             cur = None
             continue
-        if n.op == "call_function" and n.target is operator.getitem:
-            if cur is not None and n.args[0] in cur.nodes:
-                cur.nodes.append(n)  # an element of the run's own tuple (split, max_pool2d_with_indices)
+        if node.op == "call_function" and node.target is operator.getitem:
+            if cur is not None and node.args[0] in cur.nodes:
+                cur.nodes.append(node)  # an element of the run's own tuple (split, max_pool2d_with_indices)
             else:
                 # glue reading another node's tuple (a multi-output checkpoint region's results): outside every
                 # run, so a run takes the tensors as inputs, not the tuple
                 cur = None
             continue
-        if not _is_run_node(n):
-            if n.op in ("get_attr", "placeholder"):
+        if not _is_run_node(node):
+            if node.op in ("get_attr", "placeholder"):
                 continue
             cur = None
             continue
-        owner = next((p for p in _paths(n) if p in chosen_set), None)
+        owner = next((p for p in _paths(node) if p in chosen_set), None)
         if owner is None:
             cur = None
             continue
         if cur is not None and cur.path == owner and cur.kind == "run":
-            cur.nodes.append(n)
+            cur.nodes.append(node)
         else:
-            cur = Candidate(owner, [n], "run")
+            cur = Candidate(owner, [node], "run")
             out.append(cur)
     if not explicit:
         out = with_segments(out, nodes, saved_by_node, _is_run_node, lambda name, seg: Candidate(name, seg, "run"))
@@ -184,11 +184,11 @@ def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int)
             call = cand.nodes[0]
             idxs = {r.idx for r in recorder.records if r.region == call.target}
             records = [r for r in recorder.records if r.idx in idxs]
-            lo = min(idxs) if idxs else 0
+            region_start = min(idxs) if idxs else 0
             keys = set()
             for record in records:
                 for key in record.in_keys:
-                    if key is not None and base_keys.get(key) is None and created_in.get(key, -1) < lo \
+                    if key is not None and base_keys.get(key) is None and created_in.get(key, -1) < region_start \
                             and not (set(index.savers.get(key, ())) - idxs):
                         keys.add(key)
         else:
@@ -199,26 +199,26 @@ def measure_candidates(program: Program, cands: list[Candidate], min_bytes: int)
         cand.flops = float(sum(r.flops for r in records))
 
 
-def _parse_bandwidth(s: str) -> float:
-    m = re.fullmatch(r"\s*(.+?)\s*/\s*s(ec)?\s*", s)
-    if not m:
-        raise PolicyError(f"passes.offload.bandwidth: expected a rate like '2GB/s', got {s!r}")
+def _parse_bandwidth(text: str) -> float:
+    match = re.fullmatch(r"\s*(.+?)\s*/\s*s(ec)?\s*", text)
+    if not match:
+        raise PolicyError(f"passes.offload.bandwidth: expected a rate like '2GB/s', got {text!r}")
     try:
-        return float(parse_size(m.group(1)))
-    except ValueError as e:
-        raise PolicyError(f"passes.offload.bandwidth: {e}") from None
+        return float(parse_size(match.group(1)))
+    except ValueError as error:
+        raise PolicyError(f"passes.offload.bandwidth: {error}") from None
 
 
 _FLOP_PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
-def _parse_rate(s: str) -> float:
+def _parse_rate(text: str) -> float:
     """'50GFLOP/s', '5e10 FLOP/s', '2 TFLOPS' -> FLOP/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTP]?)\s*(?:FLOP/s|FLOPS|flop/s|flops)\s*",
-                     str(s))
-    if not m or float(m.group(1)) <= 0:
-        raise PolicyError(f"passes.offload.compute_rate: expected a positive rate like '50GFLOP/s', got {s!r}")
-    return float(m.group(1)) * _FLOP_PREFIX[m.group(2).upper()]
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGTP]?)\s*(?:FLOP/s|FLOPS|flop/s|flops)\s*",
+                     str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise PolicyError(f"passes.offload.compute_rate: expected a positive rate like '50GFLOP/s', got {text!r}")
+    return float(match.group(1)) * _FLOP_PREFIX[match.group(2).upper()]
 
 
 # ============================================================================================ the pass
@@ -239,93 +239,93 @@ class OffloadPass(Pass):
     Options = OffloadOptions
 
     def run(self, program: Program, ctx: PassContext) -> PassResult:
-        o: OffloadOptions = ctx.options
-        if o.prefetch < 0:
-            raise PolicyError(f"passes.offload.prefetch: must be >= 0, got {o.prefetch}")
-        tier = resolve_tier(o.tier, ctx.device_for(program))
+        options: OffloadOptions = ctx.options
+        if options.prefetch < 0:
+            raise PolicyError(f"passes.offload.prefetch: must be >= 0, got {options.prefetch}")
+        tier = resolve_tier(options.tier, ctx.device_for(program))
         changes, notes, metrics = [], [], {"tier": tier}
-        plan = {"tier": tier, "grads": o.grads, "grad_threshold": o.grad_threshold, "distributed": o.distributed,
-                "fsdp_blocks": []}
+        plan = {"tier": tier, "grads": options.grads, "grad_threshold": options.grad_threshold,
+                "distributed": options.distributed, "fsdp_blocks": []}
         budget = ctx.budget
-        if o.budget is not None:
-            budget = o.budget.resolve(ctx.baseline.peak) if ctx.baseline is not None else None
-        if o.activations and program.mode == "train":
-            c, n, m = offload_activations(program, o, tier, budget, ctx)
-            changes += c
-            notes += n
-            metrics.update(m)
-        elif o.activations:
+        if options.budget is not None:
+            budget = options.budget.resolve(ctx.baseline.peak) if ctx.baseline is not None else None
+        if options.activations and program.mode == "train":
+            region_changes, region_notes, region_metrics = offload_activations(program, options, tier, budget, ctx)
+            changes += region_changes
+            notes += region_notes
+            metrics.update(region_metrics)
+        elif options.activations:
             notes.append("activations: inference mode saves nothing for backward; nothing to offload")
-        if o.weights:
-            c, n = offload_weights(program, o, tier)
-            changes += c
-            notes += n
-        if o.grads:
+        if options.weights:
+            weight_changes, weight_notes = offload_weights(program, options, tier)
+            changes += weight_changes
+            notes += weight_notes
+        if options.grads:
             changes.append(Change("offload-plan", "", [], [], "gradients to host as accumulated, optimizer on host "
                                   "(fxmem.make_optimizer returns a fxmem.nn.offload.OffloadedOptimizer)", None,
-                                  {"grad_threshold": o.grad_threshold}))
+                                  {"grad_threshold": options.grad_threshold}))
             notes.append("grads: the plan is recorded on the module (fxmem_offload); fxmem.make_optimizer(module, "
                          "policy) wraps the optimizer in fxmem.nn.offload.OffloadedOptimizer, which moves gradients to "
                          "the host as they are accumulated")
-        if o.distributed != "none":
+        if options.distributed != "none":
             plan["fsdp_blocks"] = block_paths(program.module)
-            changes.append(Change("offload-plan", "", [], [], f"run under {o.distributed} (fxmem.distribute)", None,
-                                  {"blocks": plan["fsdp_blocks"]}))
-            notes.append(f"distributed: {o.distributed} recorded; call fxmem.distribute(module, options) after "
+            changes.append(Change("offload-plan", "", [], [], f"run under {options.distributed} (fxmem.distribute)",
+                                  None, {"blocks": plan["fsdp_blocks"]}))
+            notes.append(f"distributed: {options.distributed} recorded; call fxmem.distribute(module, options) after "
                          f"torch.distributed.init_process_group (blocks: {len(plan['fsdp_blocks'])})")
         program.module.fxmem_offload = plan
         return PassResult(program, bool(changes), changes, notes, metrics)
 
 
-def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: int | None, ctx):
+def offload_activations(program: Program, options: OffloadOptions, tier: str, budget: int | None, ctx):
     notes: list[str] = []
     costs = _saved_by_node(program)
-    cands = candidates(program, costs, list(o.regions))
-    measure_candidates(program, cands, int(o.min_bytes))
+    cands = candidates(program, costs, list(options.regions))
+    measure_candidates(program, cands, int(options.min_bytes))
     cands = [c for c in cands if c.saved > 0]
     if not cands:
         return [], ["activations: no region saves tensors of at least min_bytes; nothing to offload"], {}
-    bw = _parse_bandwidth(o.bandwidth) if o.bandwidth else _probe(tier, o, notes)
-    rate = _parse_rate(o.compute_rate) if o.compute_rate else _probe_flops(program)
+    bandwidth = _parse_bandwidth(options.bandwidth) if options.bandwidth else _probe(tier, options, notes)
+    rate = _parse_rate(options.compute_rate) if options.compute_rate else _probe_flops(program)
     n_nodes = len(program.graph.nodes)
-    for i, c in enumerate(cands):
-        c.transfer_s = c.saved / bw
-        c.compute_s = c.flops / rate
-        nxt = cands[i + 1].flops / rate if i + 1 < len(cands) else 0.0
+    for position, cand in enumerate(cands):
+        cand.transfer_s = cand.saved / bandwidth
+        cand.compute_s = cand.flops / rate
+        nxt = cands[position + 1].flops / rate if position + 1 < len(cands) else 0.0
         # write hides behind the region's own forward; the read behind the next region's backward (~2x forward)
-        c.exposed_s = max(0.0, c.transfer_s - c.compute_s) + max(0.0, c.transfer_s - 2 * nxt)
-        c.score = c.saved * (n_nodes - c.last)  # large and long-lived first
+        cand.exposed_s = max(0.0, cand.transfer_s - cand.compute_s) + max(0.0, cand.transfer_s - 2 * nxt)
+        cand.score = cand.saved * (n_nodes - cand.last)  # large and long-lived first
     order = sorted(cands[:-1] if len(cands) > 1 else [], key=lambda c: (-c.score, c.first))
     if not order:
         return [], ["activations: only one candidate region (the last before backward, needed at once); "
                     "offloading it cannot lower the peak"], {}
-    metrics = {"bandwidth_bytes_per_s": bw, "flops_per_s": rate, "candidates": len(cands)}
+    metrics = {"bandwidth_bytes_per_s": bandwidth, "flops_per_s": rate, "candidates": len(cands)}
     # probed rates differ run to run: they stay out of the notes (metrics named *_s go to the report's timing
     # section, left out of the deterministic report); pinned rates are policy values and are named
-    pinned = bool(o.bandwidth and o.compute_rate)
-    rates = (f"{format_bytes(bw)}/s, compute {rate:.3g} FLOP/s" if pinned
+    pinned = bool(options.bandwidth and options.compute_rate)
+    rates = (f"{format_bytes(bandwidth)}/s, compute {rate:.3g} FLOP/s" if pinned
              else "bandwidth and compute rate probed on this machine: see the timing section")
 
-    def apply(k: int) -> Program:
+    def apply(count: int) -> Program:
         trial = program.snapshot()
-        emit(trial, order[:k], o, tier)
+        emit(trial, order[:count], options, tier)
         trial.refresh()
         return trial
 
     @functools.cache
-    def peak_of(k: int) -> int:
-        return estimate(apply(k), mode=program.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
+    def peak_of(count: int) -> int:
+        return estimate(apply(count), mode=program.mode, optimizer=ctx.optimizer, loss_fn=ctx.loss_fn).peak
 
     if budget is not None:
         base_peak = ctx.baseline.peak if ctx.baseline is not None else peak_of(0)
         if base_peak <= budget:
             return [], [f"activations: the estimated peak {format_bytes(base_peak)} already fits the budget "
                         f"{format_bytes(budget)}; nothing offloaded"], metrics
-        k = smallest_fitting_prefix(len(order), peak_of, budget)
-        if k == len(order) and peak_of(k) > budget:
-            notes.append(f"activations: offloading every candidate ({k}) gives an estimated peak of "
-                         f"{format_bytes(peak_of(k))}, above the budget {format_bytes(budget)}")
-        chosen = order[:k]
+        count = smallest_fitting_prefix(len(order), peak_of, budget)
+        if count == len(order) and peak_of(count) > budget:
+            notes.append(f"activations: offloading every candidate ({count}) gives an estimated peak of "
+                         f"{format_bytes(peak_of(count))}, above the budget {format_bytes(budget)}")
+        chosen = order[:count]
     else:
         chosen = [c for c in order if c.exposed_s <= 0.1 * max(c.compute_s, 1e-9)]
         if not chosen:
@@ -333,7 +333,7 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
                         f"nothing offloaded (set a budget to force it)"], metrics
     chosen_set = set(id(c) for c in chosen)
     chosen = [c for c in cands if id(c) in chosen_set]
-    changes = emit(program, chosen, o, tier)
+    changes = emit(program, chosen, options, tier)
     metrics["offloaded_bytes"] = sum(c.saved for c in chosen)
     metrics["exposed_transfer_s"] = sum(c.exposed_s for c in chosen)
     exposed = (f"; estimated transfer time not hidden by compute: {sum(c.exposed_s for c in chosen) * 1e3:.1f} ms"
@@ -343,11 +343,11 @@ def offload_activations(program: Program, o: OffloadOptions, tier: str, budget: 
     return changes, notes, metrics
 
 
-def _probe(tier: str, o: OffloadOptions, notes: list) -> float:
+def _probe(tier: str, options: OffloadOptions, notes: list) -> float:
     try:
-        return probe_bandwidth(tier, 16 << 20, scratch_root=o.scratch_dir)
-    except Exception as e:  # noqa: BLE001
-        notes.append(f"bandwidth probe failed ({e}); assumed 1 GB/s")
+        return probe_bandwidth(tier, 16 << 20, scratch_root=options.scratch_dir)
+    except Exception as error:  # noqa: BLE001
+        notes.append(f"bandwidth probe failed ({error}); assumed 1 GB/s")
         return 1e9
 
 
@@ -355,16 +355,16 @@ def _probe_flops(program: Program) -> float:
     """Matmul FLOP/s on the model's device (a ~10 ms probe); compute time of a region = its FLOPs / this."""
     dev = next((p.device for p in program.module.parameters()), torch.device("cpu"))
     try:
-        a = torch.randn(256, 256, device=dev)
-        a @ a
+        matrix = torch.randn(256, 256, device=dev)
+        matrix @ matrix
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         for _ in range(4):
-            a @ a
+            matrix @ matrix
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return max(1e8, 4 * 2 * 256 ** 3 / max(time.perf_counter() - t0, 1e-9))
+        return max(1e8, 4 * 2 * 256 ** 3 / max(time.perf_counter() - start, 1e-9))
     except Exception:  # noqa: BLE001
         return DEFAULT_FLOPS_PER_S
 
@@ -373,64 +373,67 @@ def _saved_by_node(program: Program) -> dict[str, int]:
     return {k: v.saved_bytes for k, v in node_costs(program).items()}
 
 
-def emit(program: Program, chosen: list[Candidate], o: OffloadOptions, tier: str) -> list[Change]:
+def emit(program: Program, chosen: list[Candidate], options: OffloadOptions, tier: str) -> list[Change]:
     """Outline each chosen run into an OffloadRegion; wrap chosen checkpoint regions. One shared runtime."""
-    gm = program.module
+    graph_module = program.module
     by_name = {nd.name: nd for nd in program.graph.nodes}  # candidates may come from the graph this was copied from
     chosen = [Candidate(c.path, [by_name[nd.name] for nd in c.nodes], c.kind, c.first, c.last, c.saved, c.flops,
                         c.score, c.transfer_s, c.compute_s, c.exposed_s) for c in chosen]
-    runtime = OffloadRuntime(tier=tier, prefetch=o.prefetch, min_bytes=int(o.min_bytes),
-                             scratch_root=o.scratch_dir, unlink_early=o.unlink_early)
+    runtime = OffloadRuntime(tier=tier, prefetch=options.prefetch, min_bytes=int(options.min_bytes),
+                             scratch_root=options.scratch_dir, unlink_early=options.unlink_early)
     changes = []
-    n = len(chosen)
-    for i, c in enumerate(chosen):
-        if c.kind == "checkpoint":
-            call = c.nodes[0]
-            ck = gm.get_submodule(call.target)
+    n_regions = len(chosen)
+    for position, cand in enumerate(chosen):
+        if cand.kind == "checkpoint":
+            call = cand.nodes[0]
+            region = graph_module.get_submodule(call.target)
             params = tuple(j for j, a in enumerate(call.args) if isinstance(a, fx.Node) and a.op == "get_attr")
-            wrapper = OffloadRegion(ck, runtime, index=i, last=(i == n - 1), param_args=params, inputs_too=True,
-                                    label=c.path, checkpoint_region=region_info(ck))
+            wrapper = OffloadRegion(region, runtime, index=position, last=(position == n_regions - 1),
+                                    param_args=params, inputs_too=True, label=cand.path,
+                                    checkpoint_region=region_info(region))
             name = f"offload_{call.target}"
-            gm.add_submodule(name, wrapper)
+            graph_module.add_submodule(name, wrapper)
             call.target = name
-            changes.append(Change("offload", c.path, [call.target], [name],
-                                  f"checkpoint region inputs to {tier}", c.saved,
-                                  {"kind": "checkpoint", "index": i, "exposed_s": c.exposed_s}))
+            changes.append(Change("offload", cand.path, [call.target], [name],
+                                  f"checkpoint region inputs to {tier}", cand.saved,
+                                  {"kind": "checkpoint", "index": position, "exposed_s": cand.exposed_s}))
             continue
-        before = [m.name for m in c.nodes]
-        ins, _ = region_boundary(c.nodes)
+        before = [m.name for m in cand.nodes]
+        ins, _ = region_boundary(cand.nodes)
         params = tuple(j for j, a in enumerate(ins) if a.op == "get_attr")
         try:
-            call = outline(program, c.nodes, "offload_" + c.path.replace("#", "_"),
-                           wrap=lambda body, i=i, params=params, c=c: OffloadRegion(
-                               body, runtime, index=i, last=(i == n - 1), param_args=params, label=c.path),
+            call = outline(program, cand.nodes, "offload_" + cand.path.replace("#", "_"),
+                           wrap=lambda body, position=position, params=params, cand=cand: OffloadRegion(
+                               body, runtime, index=position, last=(position == n_regions - 1), param_args=params,
+                               label=cand.path),
                            recompile=False)
-        except OutlineError as e:
-            raise OutlineError(f"offload region {c.path}: {e}") from None
-        changes.append(Change("offload", c.path, before, [call.target],
-                              f"saved activations to {tier}, prefetch {o.prefetch}", c.saved,
-                              {"kind": "run", "index": i, "transfer_s": c.transfer_s, "exposed_s": c.exposed_s}))
-    gm.graph.lint()
-    gm.recompile()  # once for all the regions (outline(recompile=False))
+        except OutlineError as error:
+            raise OutlineError(f"offload region {cand.path}: {error}") from None
+        changes.append(Change("offload", cand.path, before, [call.target],
+                              f"saved activations to {tier}, prefetch {options.prefetch}", cand.saved,
+                              {"kind": "run", "index": position, "transfer_s": cand.transfer_s,
+                               "exposed_s": cand.exposed_s}))
+    graph_module.graph.lint()
+    graph_module.recompile()  # once for all the regions (outline(recompile=False))
     return changes
 
 
 # ============================================================================================ weights
 
-def offload_weights(program: Program, o: OffloadOptions, tier: str):
+def offload_weights(program: Program, options: OffloadOptions, tier: str):
     """Frozen parameters -> WeightStreamer blocks fetched before first use (see the module docstring)."""
-    gm = program.module
-    graph = gm.graph
+    graph_module = program.module
+    graph = graph_module.graph
     inference = program.mode == "inference"
     attrs = [n for n in graph.nodes if n.op == "get_attr"]
     frozen = []
-    for n in attrs:
+    for node in attrs:
         try:
-            p = gm.get_parameter(n.target)
+            param = graph_module.get_parameter(node.target)
         except AttributeError:
             continue
-        if (inference or not p.requires_grad) and n.users:
-            frozen.append((n, p))
+        if (inference or not param.requires_grad) and node.users:
+            frozen.append((node, param))
     if not frozen:
         return [], ["weights: no frozen parameters (requires_grad=False) to stream; in training only frozen "
                     "weights (e.g. a distillation teacher) can be offloaded"]
@@ -440,62 +443,63 @@ def offload_weights(program: Program, o: OffloadOptions, tier: str):
     groups = _weight_blocks([n.target for n, _ in frozen], {n.target: p.numel() * p.element_size()
                                                              for n, p in frozen})
     blocks: dict[str, list] = {}
-    for (n, p) in frozen:
-        blocks.setdefault(groups[n.target], []).append((n, p))
+    for (node, param) in frozen:
+        blocks.setdefault(groups[node.target], []).append((node, param))
     order = sorted(blocks, key=lambda b: min(pos[u] for n, _ in blocks[b] for u in n.users))
     limit = None
-    dev = next((p.device for p in gm.parameters()), torch.device("cpu")).type
-    if o.max_memory:
+    dev = next((p.device for p in graph_module.parameters()), torch.device("cpu")).type
+    if options.max_memory:
         key = dev
-        if key not in o.max_memory:
+        if key not in options.max_memory:
             raise PolicyError(f"passes.offload.max_memory: no entry for the device tier {dev!r} "
-                              f"(have {sorted(o.max_memory)})")
-        limit = parse_size(o.max_memory[key])
+                              f"(have {sorted(options.max_memory)})")
+        limit = parse_size(options.max_memory[key])
     resident, used = [], 0
     streamed = []
-    for b in order:
-        size = sum(p.numel() * p.element_size() for _, p in blocks[b])
+    for block in order:
+        size = sum(p.numel() * p.element_size() for _, p in blocks[block])
         if limit is not None and used + size <= limit:
-            resident.append(b)
+            resident.append(block)
             used += size
         else:
-            streamed.append(b)
+            streamed.append(block)
     if not streamed:
         return [], [f"weights: all {len(order)} frozen blocks fit max_memory; nothing streamed"]
     spec = {b: [(n.target, p.detach()) for n, p in blocks[b]] for b in streamed}  # (the user's flags stay)
-    ws = WeightStreamer(spec, tier=tier, prefetch=o.prefetch, scratch_root=o.scratch_dir, unlink_early=o.unlink_early)
+    streamer = WeightStreamer(spec, tier=tier, prefetch=options.prefetch, scratch_root=options.scratch_dir,
+                              unlink_early=options.unlink_early)
     name = "fxmem_weights"
-    i = 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"fxmem_weights_{i}"
-    gm.add_submodule(name, ws)
+    suffix = 0
+    while hasattr(graph_module, name):
+        suffix += 1
+        name = f"fxmem_weights_{suffix}"
+    graph_module.add_submodule(name, streamer)
     changes = []
-    for bi, b in enumerate(streamed):
-        members = blocks[b]
-        first_user = min((u for n, _ in members for u in n.users), key=lambda u: pos[u])
+    for block_index, block in enumerate(streamed):
+        members = blocks[block]
+        first_user = min((u for node, _ in members for u in node.users), key=lambda u: pos[u])
         with graph.inserting_before(first_user):
-            fetch = graph.call_module(name, (bi,))
+            fetch = graph.call_module(name, (block_index,))
             fetch.meta["nn_module_stack"] = dict(first_user.meta.get("nn_module_stack") or {})
             prev = fetch
-            for j, (n, p) in enumerate(members):
-                g = graph.call_function(operator.getitem, (fetch, j))
-                g.meta.update({k: v for k, v in n.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
-                n.replace_all_uses_with(g)
-                graph.erase_node(n)
-                prev = g
+            for slot, (node, param) in enumerate(members):
+                element = graph.call_function(operator.getitem, (fetch, slot))
+                element.meta.update({k: v for k, v in node.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
+                node.replace_all_uses_with(element)
+                graph.erase_node(node)
+                prev = element
             del prev
-        changes.append(Change("offload", b, [n.target for n, _ in members], [fetch.name],
+        changes.append(Change("offload", block, [node.target for node, _ in members], [fetch.name],
                               f"frozen weights streamed from {tier}",
-                              sum(p.numel() * p.element_size() for _, p in members), {"kind": "weights"}))
-    for b in streamed:
-        for n, _ in blocks[b]:
-            _remove_attr(gm, n.target)
-    ws.install_state_dict_hooks(gm, name)
+                              sum(param.numel() * param.element_size() for _, param in members), {"kind": "weights"}))
+    for block in streamed:
+        for node, _ in blocks[block]:
+            _remove_attr(graph_module, node.target)
+    streamer.install_state_dict_hooks(graph_module, name)
     graph.lint()
-    gm.recompile()
+    graph_module.recompile()
     notes = [f"weights: {len(streamed)} block(s) streamed from {tier} "
-             f"({format_bytes(ws.bytes_offloaded)}), {len(resident)} resident under max_memory"]
+             f"({format_bytes(streamer.bytes_offloaded)}), {len(resident)} resident under max_memory"]
     return changes, notes
 
 
@@ -519,9 +523,9 @@ def _weight_blocks(names: list[str], size: dict[str, int]) -> dict[str, str]:
     """Block of each parameter: the longest prefix of its name ending in a numbered module (`h.3`,
     `teacher.convs.1`), else its top-level module (`wte`)."""
     out = {}
-    for nm in names:
-        parts = nm.split(".")[:-1]
+    for name in names:
+        parts = name.split(".")[:-1]
         idx = [i for i, s in enumerate(parts) if s.isdigit()]
-        out[nm] = ".".join(parts[:idx[-1] + 1]) if idx else (parts[0] if parts else nm)
+        out[name] = ".".join(parts[:idx[-1] + 1]) if idx else (parts[0] if parts else name)
     del size
     return out

@@ -48,14 +48,14 @@ class QuantLinear(nn.Module):
         device = weight.device
         # bitsandbytes' Int8Params quantizes on a move from the CPU only (one already on the GPU stays fp32 until
         # the first call, and its row scales then live where the aux buffers do not see them): start it there
-        w = weight.detach().to(device="cpu" if kind == "int8" else device, dtype=torch.float32, copy=True)
+        fp32_weight = weight.detach().to(device="cpu" if kind == "int8" else device, dtype=torch.float32, copy=True)
         bnb = _bnb()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kind == "int8":
-                inner.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+                inner.weight = bnb.nn.Int8Params(fp32_weight, requires_grad=False, has_fp16_weights=False)
             else:
-                inner.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant,
+                inner.weight = bnb.nn.Params4bit(fp32_weight, requires_grad=False, compress_statistics=double_quant,
                                                  quant_type=kind)
             inner = inner.to(device)  # quantizes
         self.inner = inner
@@ -107,35 +107,35 @@ class QuantLinear(nn.Module):
     # ---------------------------------------------------------------------------------------- bookkeeping
     def aux_tensors(self) -> dict[str, torch.Tensor]:
         """Quantization state bitsandbytes keeps outside parameters (row scales, absmax, codes)."""
-        w = self.inner.weight
+        weight = self.inner.weight
         out: dict[str, torch.Tensor] = {}
         if self.kind == "int8":
-            scb = getattr(w, "SCB", None)
+            scb = getattr(weight, "SCB", None)
             if scb is None:
                 scb = getattr(getattr(self.inner, "state", None), "SCB", None)
             if isinstance(scb, torch.Tensor):
                 out["scb"] = scb
             return out
-        qs = getattr(w, "quant_state", None)
-        if qs is None:
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
             return out
         for name in ("absmax", "code", "offset"):
-            t = getattr(qs, name, None)
-            if isinstance(t, torch.Tensor):
-                out[f"q_{name}"] = t
-        s2 = getattr(qs, "state2", None)
-        if s2 is not None:
+            tensor = getattr(quant_state, name, None)
+            if isinstance(tensor, torch.Tensor):
+                out[f"q_{name}"] = tensor
+        nested_state = getattr(quant_state, "state2", None)
+        if nested_state is not None:
             for name in ("absmax", "code"):
-                t = getattr(s2, name, None)
-                if isinstance(t, torch.Tensor):
-                    out[f"q2_{name}"] = t
+                tensor = getattr(nested_state, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    out[f"q2_{name}"] = tensor
         return out
 
     def _sync_aux(self) -> None:
         for name in [n for n in self._buffers if n.startswith(("scb", "q_", "q2_"))]:
             del self._buffers[name]
-        for name, t in self.aux_tensors().items():
-            self.register_buffer(name, t, persistent=False)
+        for name, tensor in self.aux_tensors().items():
+            self.register_buffer(name, tensor, persistent=False)
         state = getattr(self.inner.weight, "quant_state", None)
         # what a trace needs besides tensors (it swaps the weight for one without a quant state)
         self._layout_4bit = None if state is None else _Layout4bit.of(state)
@@ -151,12 +151,12 @@ class QuantLinear(nn.Module):
     def _restore_standard_layout(self) -> bool:
         """Put a 4-bit weight found in bitsandbytes' CPU inference layout back in the standard one (no change to
         the weights it computes with) and re-read the aux buffers; True when it did."""
-        w = self.inner.weight
-        if self.kind == "int8" or not getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):
+        weight = self.inner.weight
+        if self.kind == "int8" or not getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
             return False
-        w.data, w.quant_state = standard_4bit_layout(w.data, w.quant_state)
-        w.compress_statistics = False
-        self.inner.quant_state = w.quant_state
+        weight.data, weight.quant_state = standard_4bit_layout(weight.data, weight.quant_state)
+        weight.compress_statistics = False
+        self.inner.quant_state = weight.quant_state
         self.double_quant = False
         self._sync_aux()
         return True
@@ -187,26 +187,30 @@ class QuantLinear(nn.Module):
         `load_quantized_state` also reads the CPU layout older fxmem versions saved (`cpu_packed`)."""
         bnb = _bnb()
         self._restore_standard_layout()
-        w = self.inner.weight
+        weight = self.inner.weight
         if self.kind == "int8":
-            if not isinstance(w, bnb.nn.Int8Params) or w.dtype != torch.int8:
+            if not isinstance(weight, bnb.nn.Int8Params) or weight.dtype != torch.int8:
                 raise ValueError(f"QuantLinear(int8): the weight is not a quantized Int8Params "
-                                 f"({type(w).__name__}, {w.dtype})")
+                                 f"({type(weight).__name__}, {weight.dtype})")
             scb = self.aux_tensors().get("scb")
             if scb is None:
                 raise ValueError("QuantLinear(int8): the weight has no row scales (SCB)")
-            return {"inner.weight": w.data, "inner.SCB": scb.clone()}, {"kind": "int8", "tensors": ["inner.SCB",
-                                                                                                 "inner.weight"]}
-        qs = getattr(w, "quant_state", None)
-        if not isinstance(w, bnb.nn.Params4bit) or qs is None or not getattr(w, "bnb_quantized", False):
+            return {"inner.weight": weight.data, "inner.SCB": scb.clone()}, {"kind": "int8",
+                                                                              "tensors": ["inner.SCB", "inner.weight"]}
+        quant_state = getattr(weight, "quant_state", None)
+        if (not isinstance(weight, bnb.nn.Params4bit) or quant_state is None
+                or not getattr(weight, "bnb_quantized", False)):
             raise ValueError(f"QuantLinear({self.kind}): the weight is not a quantized Params4bit "
-                             f"({type(w).__name__})")
-        tensors = {"inner.weight": w.data}
-        for k, v in qs.as_dict(packed=True).items():
-            tensors[f"inner.weight.{k}"] = v.clone()  # small; some are shared between layers (safetensors refuses)
+                             f"({type(weight).__name__})")
+        tensors = {"inner.weight": weight.data}
+        for key, value in quant_state.as_dict(packed=True).items():
+            # small; some are shared between layers (safetensors refuses)
+            tensors[f"inner.weight.{key}"] = value.clone()
         fields: dict = {"kind": self.kind, "tensors": sorted(tensors),
-                        "param": {"blocksize": int(w.blocksize), "compress_statistics": bool(w.compress_statistics),
-                                  "quant_type": str(w.quant_type), "quant_storage": _dtype_name(w.quant_storage)}}
+                        "param": {"blocksize": int(weight.blocksize),
+                                  "compress_statistics": bool(weight.compress_statistics),
+                                  "quant_type": str(weight.quant_type),
+                                  "quant_storage": _dtype_name(weight.quant_storage)}}
         return tensors, fields
 
     @contextlib.contextmanager
@@ -220,24 +224,24 @@ class QuantLinear(nn.Module):
         inner_dict = {k: inner.__dict__[k] for k in ("state", "quant_state") if k in inner.__dict__}
         try:
             inner._parameters["weight"] = None
-            for n in aux:
-                del self._buffers[n]
-                self._non_persistent_buffers_set.discard(n)
+            for name in aux:
+                del self._buffers[name]
+                self._non_persistent_buffers_set.discard(name)
             if "state" in inner_dict:  # MatmulLtState: CB is the weight, SCB the scales, the rest per-call caches
-                st = copy.copy(inner_dict["state"])
-                for k, v in list(vars(st).items()):
-                    if isinstance(v, torch.Tensor):
-                        setattr(st, k, None)
-                inner.__dict__["state"] = st
+                state = copy.copy(inner_dict["state"])
+                for attr, value in list(vars(state).items()):
+                    if isinstance(value, torch.Tensor):
+                        setattr(state, attr, None)
+                inner.__dict__["state"] = state
             if inner_dict.get("quant_state") is not None:
                 inner.__dict__["quant_state"] = None
             yield self
         finally:
             inner._parameters["weight"] = weight
             inner.__dict__.update(inner_dict)
-            for n, t in aux.items():
-                self._buffers[n] = t
-                self._non_persistent_buffers_set.add(n)
+            for name, tensor in aux.items():
+                self._buffers[name] = tensor
+                self._non_persistent_buffers_set.add(name)
 
     def load_quantized_state(self, tensors: dict[str, torch.Tensor], fields: dict) -> None:
         """Rebuild the bitsandbytes weight from what `quantized_state()` gave (same parameter types, same state:
@@ -262,22 +266,22 @@ class QuantLinear(nn.Module):
                 inner.init_8bit_state()  # the scales live in the layer's state, as after its first call
             else:
                 qs_dict = {k[len("inner.weight."):]: v for k, v in tensors.items() if k.startswith("inner.weight.")}
-                w = bnb.nn.Params4bit.from_prequantized(data, qs_dict, requires_grad=False, device=data.device)
+                weight = bnb.nn.Params4bit.from_prequantized(data, qs_dict, requires_grad=False, device=data.device)
                 param = fields.get("param", {})
-                w.blocksize = int(param.get("blocksize", w.blocksize))
-                w.compress_statistics = bool(param.get("compress_statistics", w.compress_statistics))
+                weight.blocksize = int(param.get("blocksize", weight.blocksize))
+                weight.compress_statistics = bool(param.get("compress_statistics", weight.compress_statistics))
                 if "quant_storage" in param:
-                    w.quant_storage = _dtype(param["quant_storage"])
+                    weight.quant_storage = _dtype(param["quant_storage"])
                 packed = fields.get("cpu_packed")
                 if packed:
-                    qs = w.quant_state
-                    qs.packing_format_for_cpu = True
-                    qs.original_dtype = _dtype(packed["original_dtype"])
-                    qs.original_nested = bool(packed["original_nested"])
-                    qs.original_qshape = torch.Size(packed["original_qshape"])
+                    quant_state = weight.quant_state
+                    quant_state.packing_format_for_cpu = True
+                    quant_state.original_dtype = _dtype(packed["original_dtype"])
+                    quant_state.original_nested = bool(packed["original_nested"])
+                    quant_state.original_qshape = torch.Size(packed["original_qshape"])
                     if packed.get("original_storage_type"):
-                        qs.original_storage_type = _dtype(packed["original_storage_type"])
-                inner._parameters["weight"] = w
+                        quant_state.original_storage_type = _dtype(packed["original_storage_type"])
+                inner._parameters["weight"] = weight
         self._keep_standard_layout()
 
     def weight_bytes(self) -> int:
@@ -286,41 +290,41 @@ class QuantLinear(nn.Module):
         tensors = [self.inner.weight] + list(self.aux_tensors().values())
         if self.bias is not None:
             tensors.append(self.bias)
-        for t in tensors:
-            st = t.untyped_storage()
-            if st.data_ptr() in seen:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
                 continue
-            seen.add(st.data_ptr())
-            total += int(st.nbytes())
+            seen.add(storage.data_ptr())
+            total += int(storage.nbytes())
         return total
 
     def dense_bytes(self, dtype: torch.dtype = torch.float32) -> int:
-        n = self.in_features * self.out_features + (self.out_features if self.bias is not None else 0)
-        return n * torch.empty((), dtype=dtype).element_size()
+        count = self.in_features * self.out_features + (self.out_features if self.bias is not None else 0)
+        return count * torch.empty((), dtype=dtype).element_size()
 
     def dequantized_weight(self) -> torch.Tensor:
         bnb = _bnb()
         self._restore_standard_layout()
-        w = self.inner.weight
+        weight = self.inner.weight
         if self.kind == "int8":
             scb = self.aux_tensors()["scb"]
-            return w.data.float() * scb.float().unsqueeze(1) / 127.0
-        return bnb.functional.dequantize_4bit(w.data, w.quant_state).float()
+            return weight.data.float() * scb.float().unsqueeze(1) / 127.0
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
 
     # ---------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
+        dtype = x.dtype
         if isinstance(x, FakeTensor) or torch.compiler.is_exporting():
-            return self._traced(x).to(dt)
+            return self._traced(x).to(dtype)
         if self.kind == "int8":
-            y = self.inner(x.to(self.compute_dtype))
+            output = self.inner(x.to(self.compute_dtype))
         else:
-            y = self._matmul_4bit(x.to(self.compute_dtype))
+            output = self._matmul_4bit(x.to(self.compute_dtype))
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(dt)
+            output = output + self.bias.to(output.dtype)
+        return output.to(dtype)
 
-    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+    def _traced(self, inputs: torch.Tensor) -> torch.Tensor:
         """What a trace (torch.export, the cost model's fake tensors) records: bitsandbytes would cache fake state
         in the layer. 4-bit: the ops its CPU matmul runs, on this module's own parameter and buffers (the same
         values, bit for bit, and a captured program that computes them). int8: the work (a dequantized weight
@@ -330,11 +334,11 @@ class QuantLinear(nn.Module):
                 raise NotImplementedError(
                     "an int8 QuantLinear cannot be captured (bitsandbytes' outlier decomposition has data-dependent "
                     "shapes): capture the model before quantizing it, or quantize to nf4/fp4")
-            weight = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=x.device)
+            weight = torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device=inputs.device)
         else:
             weight = self._dequantized_from_buffers().to(self.compute_dtype)
-        y = torch.nn.functional.linear(x.to(self.compute_dtype), weight)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        output = torch.nn.functional.linear(inputs.to(self.compute_dtype), weight)
+        return output if self.bias is None else output + self.bias.to(output.dtype)
 
     def _dequantized_from_buffers(self) -> torch.Tensor:
         """`bitsandbytes.functional.dequantize_4bit` of the weight, reading the parameter and the aux buffers
@@ -342,29 +346,29 @@ class QuantLinear(nn.Module):
         packed, layout = self.inner.weight, self._layout_4bit
         absmax = self.q_absmax
         if layout.nested_blocksize:
-            fn = _bnb().functional
-            outer = fn.QuantState(absmax=self.q2_absmax, code=self.q2_code, blocksize=layout.nested_blocksize,
+            functional = _bnb().functional
+            outer = functional.QuantState(absmax=self.q2_absmax, code=self.q2_code, blocksize=layout.nested_blocksize,
                                   dtype=layout.nested_dtype)
-            absmax = (fn.dequantize_blockwise(absmax, outer) + self.q_offset).float()
+            absmax = (functional.dequantize_blockwise(absmax, outer) + self.q_offset).float()
         weight = torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, layout.blocksize, layout.quant_type,
                                                                  layout.shape, layout.dtype)
         return weight.t() if packed.shape[0] == 1 else weight
 
-    def _matmul_4bit(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul_4bit(self, inputs: torch.Tensor) -> torch.Tensor:
         """bitsandbytes' 4-bit matmul on the standard layout, with autograd, in every mode and on every device
         (`Linear4bit.forward` minus its eval-mode CPU repack; `weight.t()` as older bitsandbytes' `Linear4bit`
         passes it, which 0.50 takes too)."""
         self._restore_standard_layout()
-        w = self.inner.weight
-        return _bnb().matmul_4bit(x, w.t(), quant_state=w.quant_state)
+        weight = self.inner.weight
+        return _bnb().matmul_4bit(inputs, weight.t(), quant_state=weight.quant_state)
 
     def extra_repr(self) -> str:
-        s = f"in={self.in_features}, out={self.out_features}, kind={self.kind}, compute={self.compute_dtype}"
+        text = f"in={self.in_features}, out={self.out_features}, kind={self.kind}, compute={self.compute_dtype}"
         if self.kind == "int8":
-            s += f", threshold={self.threshold:g}"
+            text += f", threshold={self.threshold:g}"
         else:
-            s += f", double_quant={self.double_quant}"
-        return s
+            text += f", double_quant={self.double_quant}"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,15 +403,15 @@ def standard_4bit_layout(data: torch.Tensor, quant_state) -> tuple[torch.Tensor,
     return data, quant_state
 
 
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name), None)
-    if not isinstance(dt, torch.dtype):
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
         raise ValueError(f"not a torch dtype: {name!r}")
-    return dt
+    return dtype
 
 
 class FrozenLinear(nn.Module):
@@ -432,8 +436,8 @@ class FrozenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        y = torch.nn.functional.linear(x.to(self.compute_dtype), weight.t() if self.transposed else weight, bias)
-        return y.to(x.dtype)
+        output = torch.nn.functional.linear(x.to(self.compute_dtype), weight.t() if self.transposed else weight, bias)
+        return output.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}, "
@@ -452,21 +456,21 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         self.base = base
         self.rank, self.alpha, self.scaling = int(rank), float(alpha), float(alpha) / float(rank)
-        g = torch.Generator().manual_seed(seed)
-        a = torch.empty(rank, in_features)
+        generator = torch.Generator().manual_seed(seed)
+        lora_a = torch.empty(rank, in_features)
         bound = 1.0 / math.sqrt(in_features)  # kaiming-uniform(a=sqrt(5)) as nn.Linear / peft
-        a.uniform_(-bound, bound, generator=g)
-        self.lora_A = nn.Parameter(a.to(device) if device is not None else a)
+        lora_a.uniform_(-bound, bound, generator=generator)
+        self.lora_A = nn.Parameter(lora_a.to(device) if device is not None else lora_a)
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=device))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        for p in self.base.parameters():
-            p.requires_grad_(False)
+        for param in self.base.parameters():
+            param.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        h = self.dropout(x).to(self.lora_A.dtype)
-        upd = (h @ self.lora_A.t()) @ self.lora_B.t()
-        return y + (upd * self.scaling).to(y.dtype)
+        base_output = self.base(x)
+        dropped = self.dropout(x).to(self.lora_A.dtype)
+        upd = (dropped @ self.lora_A.t()) @ self.lora_B.t()
+        return base_output + (upd * self.scaling).to(base_output.dtype)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}"

@@ -24,23 +24,23 @@ _state = threading.local()
 
 
 def _stack() -> list:
-    s = getattr(_state, "stack", None)
-    if s is None:
-        s = _state.stack = []
-    return s
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
 
 
 def _leave(entry) -> None:
     """Pop `entry` (a scope, or None for `aside`) if it is the innermost: leaving what was entered."""
-    s = _stack()
-    if s and s[-1] is entry:
-        s.pop()
+    stack = _stack()
+    if stack and stack[-1] is entry:
+        stack.pop()
 
 
 def active_scope():
     """The scope registrations go to: the innermost entered one, None outside forward or inside a region."""
-    s = _stack()
-    return s[-1] if s else None
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 class aside:
@@ -79,9 +79,9 @@ class observing:
 def observe_held(tensors) -> None:
     """For modules that keep tensors for backward outside saved-tensor hooks (a checkpoint region's cached
     selective outputs and dropout masks): report them to the observer, if one is active."""
-    cb = getattr(_state, "observer", None)
-    if cb is not None:
-        cb([t for t in tensors if isinstance(t, torch.Tensor)])
+    callback = getattr(_state, "observer", None)
+    if callback is not None:
+        callback([t for t in tensors if isinstance(t, torch.Tensor)])
 
 
 def observed() -> bool:
@@ -90,23 +90,23 @@ def observed() -> bool:
 
 def _observe(packed) -> None:
     """Tell the observer (if any) what a finished pack keeps."""
-    cb = getattr(_state, "observer", None)
-    if cb is None or isinstance(packed, _Deferred):
+    callback = getattr(_state, "observer", None)
+    if callback is None or isinstance(packed, _Deferred):
         return
     if isinstance(packed, _Remat):
-        cb(recipe_tensors(packed.recipe))
+        callback(recipe_tensors(packed.recipe))
     elif isinstance(packed, _Recast):
-        cb([packed.param])
+        callback([packed.param])
     elif isinstance(packed, torch.Tensor):
-        cb([packed])
+        callback([packed])
 
 
 def _calls() -> list:
     """Scopes entered by forward pre-hooks on this thread, innermost last (nested fxmem modules)."""
-    c = getattr(_state, "calls", None)
-    if c is None:
-        c = _state.calls = []
-    return c
+    calls = getattr(_state, "calls", None)
+    if calls is None:
+        calls = _state.calls = []
+    return calls
 
 
 def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,11 +123,11 @@ def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 torch.fx.wrap("cast_param")
 
 class _Pick:
-    """Output `i` of a tuple (a recipe's function: one output of a shared run of a multi-output op)."""
+    """Output `index` of a tuple (a recipe's function: one output of a shared run of a multi-output op)."""
     __slots__ = ("i", "__name__")
 
-    def __init__(self, i: int):
-        self.i, self.__name__ = i, f"output {i}"
+    def __init__(self, index: int):
+        self.i, self.__name__ = index, f"output {index}"
 
     def __call__(self, outputs):
         return outputs[self.i]
@@ -160,11 +160,11 @@ class RecastScope:
         self._pending: list | None = None  # while remat_call runs its op: that op's saves, packed after it
 
     def _add(self, out: torch.Tensor, entry: tuple) -> None:
-        st = out.untyped_storage()
-        key = st._cdata
+        storage = out.untyped_storage()
+        key = storage._cdata
         # the storage object is preserved while the storage lives; when it dies the entry goes with it, so a
         # later tensor that reuses the address is never mistaken for the cast
-        ref = weakref.ref(st, functools.partial(_storage_died, weakref.ref(self), key))
+        ref = weakref.ref(storage, functools.partial(_storage_died, weakref.ref(self), key))
         self._entries[key] = (ref,) + entry
         self._hook_saves()
 
@@ -187,23 +187,23 @@ class RecastScope:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._pushed_pack = None
 
-    def register(self, out: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> None:
-        self._add(out, (p, dtype))
+    def register(self, out: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> None:
+        self._add(out, (param, dtype))
 
-    def register_recipe(self, out: torch.Tensor, fn, args: tuple, kwargs: dict, share: bool = False) -> None:
-        """`out` saved as fn(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
+    def register_recipe(self, out: torch.Tensor, function, args: tuple, kwargs: dict, share: bool = False) -> None:
+        """`out` saved as function(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
         e.g. relu_ on a batch norm's output) replaces that entry: `args` hold the earlier recipe, nested."""
-        self._add(out, (_Recipe(fn, args, kwargs, tuple(t._version for t in arg_tensors(args)), out._version,
+        self._add(out, (_Recipe(function, args, kwargs, tuple(t._version for t in arg_tensors(args)), out._version,
                                 share),))
 
-    def register_picks(self, fn, args: tuple, kwargs: dict, outputs) -> None:
-        """One shared run of fn(*args, **kwargs), a multi-output op, for several of its outputs (`outputs`: (index,
-        tensor) pairs): each saved as a pick of that run (a grouped max pooling's output and indices)."""
-        whole = _Recipe(fn, args, kwargs, tuple(a._version for a in arg_tensors(args)), None, share=True)
-        for i, t in outputs:
+    def register_picks(self, function, args: tuple, kwargs: dict, outputs) -> None:
+        """One shared run of function(*args, **kwargs), a multi-output op, for several of its outputs (`outputs`:
+        (index, tensor) pairs): each saved as a pick of that run (a grouped max pooling's output and indices)."""
+        whole = _Recipe(function, args, kwargs, tuple(a._version for a in arg_tensors(args)), None, share=True)
+        for index, tensor in outputs:
             part = _Remat(whole, None, None, None)
             part.how = "shared"
-            self.register_recipe(t, _Pick(i), (part,), {})
+            self.register_recipe(tensor, _Pick(index), (part,), {})
 
     def deferring(self) -> "_Deferral":
         """A context in which saves are deferred (into the list it yields) until `pack_deferred`: remat_call runs
@@ -212,19 +212,19 @@ class RecastScope:
 
     def pack_deferred(self, pending: list) -> None:
         """Pack the saves deferred while an op ran (`deferring`), now that its outputs are registered."""
-        for d in pending:
-            d.value = self._pack_now(d.value, count=True)
-            _observe(d.value)
+        for deferred in pending:
+            deferred.value = self._pack_now(deferred.value, count=True)
+            _observe(deferred.value)
 
-    def recipe_for(self, t: torch.Tensor):
-        """The recipe t would be saved as (None: saved as it is, or a parameter cast)."""
-        p = self._pack_now(t)
-        return p.recipe if isinstance(p, _Remat) else None
+    def recipe_for(self, tensor: torch.Tensor):
+        """The recipe `tensor` would be saved as (None: saved as it is, or a parameter cast)."""
+        packed = self._pack_now(tensor)
+        return packed.recipe if isinstance(packed, _Remat) else None
 
     def recipe_of_storage(self, key: int):
         """The recipe registered for the storage with this `_cdata` (None: none)."""
-        e = self._entries.get(key)
-        return e[1] if e is not None and len(e) == 2 and e[0]() is not None else None
+        entry = self._entries.get(key)
+        return entry[1] if entry is not None and len(entry) == 2 and entry[0]() is not None else None
 
     def as_recipe_args(self, args: tuple, nest: tuple = ()) -> tuple:
         """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested), also
@@ -232,80 +232,81 @@ class RecastScope:
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         if not self._entries:
             return tuple(args)
-        at = itertools.count()  # flat positions, in `map_args`'s order
+        positions = itertools.count()  # flat positions, in `map_args`'s order
 
-        def one(a):
-            i = next(at)
-            p = self._pack_now(a) if isinstance(a, torch.Tensor) else a
-            if not isinstance(p, _Remat):
-                return a
-            if i in nest and p.recipe.share:
-                p.how = "shared"
-            return p
+        def one(arg):
+            position = next(positions)
+            packed = self._pack_now(arg) if isinstance(arg, torch.Tensor) else arg
+            if not isinstance(packed, _Remat):
+                return arg
+            if position in nest and packed.recipe.share:
+                packed.how = "shared"
+            return packed
         return map_args(args, one)
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor):
         entries = self._entries
-        if self._pending is None and (not entries or t.untyped_storage()._cdata not in entries) and \
+        if self._pending is None and (not entries or tensor.untyped_storage()._cdata not in entries) and \
                 getattr(_state, "observer", None) is None:
-            return t  # most saves: nothing registered for this storage and nobody watching (the hot path)
+            return tensor  # most saves: nothing registered for this storage and nobody watching (the hot path)
         if self._pending is not None:
-            d = _Deferred(t)
-            self._pending.append(d)
-            return d  # (observed once remat_call packs it)
+            deferred = _Deferred(tensor)
+            self._pending.append(deferred)
+            return deferred  # (observed once remat_call packs it)
         if active_scope() is None:
             # inside a checkpoint or offload region (`aside`): non-reentrant checkpoint saving the region's inputs.
             # A recipe there is made again by and for the region's recomputation alone, not through a shared value
             # (held from the region's recomputation to some other save's unpack, far from both)
-            p = self._pack_now(t)
-            if isinstance(p, _Remat):
-                p.how = "private"
+            packed = self._pack_now(tensor)
+            if isinstance(packed, _Remat):
+                packed.how = "private"
         else:
-            p = self._pack_now(t, count=True)
-        _observe(p)
-        return p
+            packed = self._pack_now(tensor, count=True)
+        _observe(packed)
+        return packed
 
-    def _pack_now(self, t: torch.Tensor, count: bool = False):
-        """What `t` is saved as; `count`: a save autograd will unpack (shared recipes count their uses)."""
+    def _pack_now(self, tensor: torch.Tensor, count: bool = False):
+        """What `tensor` is saved as; `count`: a save autograd will unpack (shared recipes count their uses)."""
         if not self._entries:
-            return t
-        st = t.untyped_storage()
-        e = self._entries.get(st._cdata)
-        if e is None or e[0]() is not st:
-            return t
-        if len(e) == 2:  # a recipe
-            r = e[1]
-            if t._version != r.out_version:
-                return t  # changed in place since (the recipe would give the old values): saved as it is
+            return tensor
+        storage = tensor.untyped_storage()
+        entry = self._entries.get(storage._cdata)
+        if entry is None or entry[0]() is not storage:
+            return tensor
+        if len(entry) == 2:  # a recipe
+            recipe = entry[1]
+            if tensor._version != recipe.out_version:
+                return tensor  # changed in place since (the recipe would give the old values): saved as it is
             if count:
-                _count_use(r)
-            return _Remat(r, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-        return _Recast(e[1], e[2], tuple(t.shape), tuple(t.stride()), t.storage_offset(), e[1]._version)
+                _count_use(recipe)
+            return _Remat(recipe, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        return _Recast(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                       entry[1]._version)
 
     @staticmethod
-    def _unpack(x):
-        if isinstance(x, torch.Tensor):
-            return x  # saved as it was (the hot path)
-        if isinstance(x, _Deferred):
-            x = x.value
-        if isinstance(x, _Remat):
-            r = x.recipe
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed  # saved as it was (the hot path)
+        if isinstance(packed, _Deferred):
+            packed = packed.value
+        if isinstance(packed, _Remat):
+            recipe = packed.recipe
             with torch.no_grad():
-                if x.how == "private":
-                    return _recompute(r, private=True).as_strided(x.shape, x.stride, x.offset)
-                if not r.share:
-                    return _materialize(x)
-                return _shared_value(r).as_strided(x.shape, x.stride, x.offset)
-        if isinstance(x, _Recast):
-            if x.param._version != x.version:
+                if packed.how == "private":
+                    return _recompute(recipe, private=True).as_strided(packed.shape, packed.stride, packed.offset)
+                if not recipe.share:
+                    return _materialize(packed)
+                return _shared_value(recipe).as_strided(packed.shape, packed.stride, packed.offset)
+        if isinstance(packed, _Recast):
+            if packed.param._version != packed.version:
                 raise RuntimeError(
                     "fxmem recast: a parameter or input whose low-precision copy backward needs was modified in "
                     "place between forward and backward (e.g. optimizer.step() before loss.backward()); "
-                    f"shape {tuple(x.param.shape)}, version {x.version} -> {x.param._version}")
+                    f"shape {tuple(packed.param.shape)}, version {packed.version} -> {packed.param._version}")
             with torch.no_grad():
-                full = x.param.to(x.dtype)
-                return full.as_strided(x.shape, x.stride, x.offset)
-        return x
+                full = packed.param.to(packed.dtype)
+                return full.as_strided(packed.shape, packed.stride, packed.offset)
+        return packed
 
     def __enter__(self):
         # nested in another fxmem module's forward, our hooks stay the innermost for the whole forward (as the
@@ -353,8 +354,8 @@ class _Recast:
 class _Recipe:
     __slots__ = ("fn", "args", "kwargs", "versions", "out_version", "share", "saves", "value")
 
-    def __init__(self, fn, args, kwargs, versions, out_version, share=False):
-        self.fn, self.args, self.kwargs, self.versions = fn, args, kwargs, versions
+    def __init__(self, function, args, kwargs, versions, out_version, share=False):
+        self.fn, self.args, self.kwargs, self.versions = function, args, kwargs, versions
         self.out_version = out_version  # the output's version when registered
         self.share = share  # recomputed once for all its saves (see `remat`)
         self.saves = 0  # shared: saves not unpacked yet
@@ -384,11 +385,11 @@ class _Deferred:
 def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:
     """The tensors a recipe holds: its tensor arguments and, through nested recipes, theirs."""
     out: list[torch.Tensor] = []
-    for a in flat_args(recipe.args):
-        if isinstance(a, _Remat):
-            out.extend(recipe_tensors(a.recipe))
-        elif isinstance(a, torch.Tensor):
-            out.append(a)
+    for arg in flat_args(recipe.args):
+        if isinstance(arg, _Remat):
+            out.extend(recipe_tensors(arg.recipe))
+        elif isinstance(arg, torch.Tensor):
+            out.append(arg)
     return out
 
 
@@ -399,42 +400,43 @@ def nested_recipes(recipe: _Recipe, shared: bool | None = None) -> list[_Recipe]
             and (shared is None or (a.how == "shared") == shared)]
 
 
-def _count_use(r: _Recipe) -> None:
-    """Backward will use r's output once more: a shared recipe counts the use (made once, held until its last);
-    a recomputation of r uses its nested recipes, so theirs are counted with r's first."""
-    if r.share:
-        r.saves += 1
-        if r.saves > 1:
+def _count_use(recipe: _Recipe) -> None:
+    """Backward will use the recipe's output once more: a shared recipe counts the use (made once, held until its
+    last); a recomputation of the recipe uses its nested recipes, so theirs are counted with its first."""
+    if recipe.share:
+        recipe.saves += 1
+        if recipe.saves > 1:
             return
-    _count_nested(r)
+    _count_nested(recipe)
 
 
-def _count_nested(r: _Recipe) -> None:
-    """One recomputation of r: its nested shared uses count, its other nested recipes are recomputed with it."""
-    for a in flat_args(r.args):
-        if isinstance(a, _Remat):
-            if a.how == "shared":
-                _count_use(a.recipe)
+def _count_nested(recipe: _Recipe) -> None:
+    """One recomputation of the recipe: its nested shared uses count, its other nested recipes are recomputed
+    with it."""
+    for arg in flat_args(recipe.args):
+        if isinstance(arg, _Remat):
+            if arg.how == "shared":
+                _count_use(arg.recipe)
             else:
-                _count_nested(a.recipe)
+                _count_nested(arg.recipe)
 
 
-def _shared_value(r: _Recipe) -> torch.Tensor:
+def _shared_value(recipe: _Recipe) -> torch.Tensor:
     """A shared recipe's output: recomputed at its first use, held until its last (`saves` counts them down)."""
-    value = r.value if r.value is not None else _recompute(r)
-    r.saves -= 1
-    r.value = value if r.saves > 0 else None
+    value = recipe.value if recipe.value is not None else _recompute(recipe)
+    recipe.saves -= 1
+    recipe.value = value if recipe.saves > 0 else None
     return value
 
 
 def flat_args(args: tuple) -> list:
     """Arguments with the elements of list arguments (cat, stack) in their place."""
     out: list = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            out.extend(a)
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            out.extend(arg)
         else:
-            out.append(a)
+            out.append(arg)
     return out
 
 
@@ -442,30 +444,32 @@ def arg_tensors(args: tuple) -> list[torch.Tensor]:
     return [a for a in flat_args(args) if isinstance(a, torch.Tensor)]
 
 
-def map_args(args: tuple, f) -> tuple:
-    """`args` with `f` applied to each argument, and inside list arguments (cat, stack) to each element."""
-    return tuple(type(a)(f(t) for t in a) if isinstance(a, (list, tuple)) else f(a) for a in args)
+def map_args(args: tuple, function) -> tuple:
+    """`args` with `function` applied to each argument, and inside list arguments (cat, stack) to each element."""
+    return tuple(type(a)(function(t) for t in a) if isinstance(a, (list, tuple)) else function(a) for a in args)
 
 
-def _materialize(x: _Remat) -> torch.Tensor:
-    """Run x's recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
-    return _recompute(x.recipe).as_strided(x.shape, x.stride, x.offset)
+def _materialize(remat: _Remat) -> torch.Tensor:
+    """Run the recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
+    return _recompute(remat.recipe).as_strided(remat.shape, remat.stride, remat.offset)
 
 
-def _recompute(r: _Recipe, private: bool = False) -> torch.Tensor:
-    """r's output, computed again (nested recipes first: those used through a shared value take it, unless
+def _recompute(recipe: _Recipe, private: bool = False) -> torch.Tensor:
+    """The recipe's output, computed again (nested recipes first: those used through a shared value take it, unless
     `private`, a region's recomputation, which makes every nested recipe again for itself)."""
-    if any(a._version != v for a, v in zip(arg_tensors(r.args), r.versions)):
+    if any(tensor._version != version for tensor, version in zip(arg_tensors(recipe.args), recipe.versions)):
         raise RuntimeError(
-            f"fxmem remat: an input of {getattr(r.fn, '__name__', r.fn)}, whose output backward recomputes, "
+            f"fxmem remat: an input of {getattr(recipe.fn, '__name__', recipe.fn)}, whose output backward recomputes, "
             "was modified in place between forward and backward")
 
-    def arg(a):
-        if not isinstance(a, _Remat):
-            return a
-        value = _shared_value(a.recipe) if a.how == "shared" and not private else _recompute(a.recipe, private)
-        return value if a.shape is None else value.as_strided(a.shape, a.stride, a.offset)  # (None: all outputs)
-    return r.fn(*map_args(r.args, arg), **r.kwargs)
+    def arg(item):
+        if not isinstance(item, _Remat):
+            return item
+        value = (_shared_value(item.recipe) if item.how == "shared" and not private
+                 else _recompute(item.recipe, private))
+        # (shape None: all outputs)
+        return value if item.shape is None else value.as_strided(item.shape, item.stride, item.offset)
+    return recipe.fn(*map_args(recipe.args, arg), **recipe.kwargs)
 
 
 class _Enter:

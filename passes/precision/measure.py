@@ -20,112 +20,112 @@ aten = torch.ops.aten
 class _Recorder(fx.Interpreter):
     """Runs the graph, keeping the values of the nodes named in `keep`."""
 
-    def __init__(self, gm, keep: set):
-        super().__init__(gm)
+    def __init__(self, graph_module, keep: set):
+        super().__init__(graph_module)
         self.keep = keep
         self.values: dict[str, object] = {}
 
-    def run_node(self, n):
-        out = super().run_node(n)
-        if n.name in self.keep:
+    def run_node(self, node):
+        out = super().run_node(node)
+        if node.name in self.keep:
             # a copy: later in-place ops (relu_) must not change what was recorded
-            self.values[n.name] = pytree.tree_map(
+            self.values[node.name] = pytree.tree_map(
                 lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
         return out
 
 
-def record_values(gm: fx.GraphModule, inputs: list[tuple[tuple, dict]], keep: set) -> list[dict]:
-    was = gm.training
-    gm.eval()
+def record_values(graph_module: fx.GraphModule, inputs: list[tuple[tuple, dict]], keep: set) -> list[dict]:
+    was = graph_module.training
+    graph_module.eval()
     res = []
     try:
         with torch.no_grad():
             for args, kwargs in inputs:
                 flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
-                r = _Recorder(gm, keep)
-                r.run(*flat, enable_io_processing=False)
-                res.append(r.values)
+                recorder = _Recorder(graph_module, keep)
+                recorder.run(*flat, enable_io_processing=False)
+                res.append(recorder.values)
     finally:
-        gm.train(was)
+        graph_module.train(was)
     return res
 
 
 def _err(ref, got) -> tuple[float, float]:
-    d = deviation(ref, got)
-    return d.max_abs, d.rel
+    difference = deviation(ref, got)
+    return difference.max_abs, difference.rel
 
 
-def site_error_compute(n: fx.Node, values: list[dict], dt: torch.dtype, seed: int = 0) -> tuple[float, float]:
-    """Error of running node `n` with its float inputs in `dt` (vs its fp32 outputs), over the recorded batches."""
-    mx, rels = 0.0, []
-    bn = optable.packet(n.target) in BATCH_NORMS
+def site_error_compute(node: fx.Node, values: list[dict], dtype: torch.dtype, seed: int = 0) -> tuple[float, float]:
+    """Error of running `node` with its float inputs in `dtype` (vs its fp32 outputs), over the recorded batches."""
+    worst_abs, rels = 0.0, []
+    batch_norm = optable.packet(node.target) in BATCH_NORMS
     for vals in values:
-        if n.name not in vals:
+        if node.name not in vals:
             continue
 
-        def get(a, cast_to):
-            if isinstance(a, fx.Node):
-                v = vals[a.name]
-                if cast_to is not None and isinstance(v, torch.Tensor) and v.is_floating_point() \
-                        and not (bn and a is not n.args[0]):
-                    return v.to(cast_to)
-                return v
-            return a
-        args = fx.node.map_aggregate(n.args, lambda a: get(a, dt) if isinstance(a, fx.Node) else a)
-        kwargs = fx.node.map_aggregate(n.kwargs, lambda a: get(a, dt) if isinstance(a, fx.Node) else a)
-        if n.target in (aten.softmax.int, aten.log_softmax.int) and len(args) > 2 and args[2] == torch.float32:
+        def get(arg, cast_to):
+            if isinstance(arg, fx.Node):
+                value = vals[arg.name]
+                if cast_to is not None and isinstance(value, torch.Tensor) and value.is_floating_point() \
+                        and not (batch_norm and arg is not node.args[0]):
+                    return value.to(cast_to)
+                return value
+            return arg
+        args = fx.node.map_aggregate(node.args, lambda a: get(a, dtype) if isinstance(a, fx.Node) else a)
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda a: get(a, dtype) if isinstance(a, fx.Node) else a)
+        if node.target in (aten.softmax.int, aten.log_softmax.int) and len(args) > 2 and args[2] == torch.float32:
             args = args[:2] + (None,) + tuple(args[3:])
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            got = n.target(*args, **kwargs)
+            got = node.target(*args, **kwargs)
         got = pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, got)
-        m, r = _err(vals[n.name], got)
-        mx, rels = max(mx, m), rels + [r]
-    return mx, (max(rels) if rels else 0.0)
+        batch_abs, batch_rel = _err(vals[node.name], got)
+        worst_abs, rels = max(worst_abs, batch_abs), rels + [batch_rel]
+    return worst_abs, (max(rels) if rels else 0.0)
 
 
-def site_error_module(n: fx.Node, mod: nn.Module, values: list[dict], x_node: fx.Node | None = None) \
+def site_error_module(node: fx.Node, mod: nn.Module, values: list[dict], x_node: fx.Node | None = None) \
         -> tuple[float, float]:
-    mx, rels = 0.0, []
-    x_node = x_node if x_node is not None else n.args[0]
+    worst_abs, rels = 0.0, []
+    x_node = x_node if x_node is not None else node.args[0]
     for vals in values:
-        x = vals.get(x_node.name)
-        if x is None or n.name not in vals:
+        x_value = vals.get(x_node.name)
+        if x_value is None or node.name not in vals:
             continue
         with torch.no_grad():
-            got = mod(x)
-        m, r = _err(vals[n.name], got)
-        mx, rels = max(mx, m), rels + [r]
-    return mx, (max(rels) if rels else 0.0)
+            got = mod(x_value)
+        batch_abs, batch_rel = _err(vals[node.name], got)
+        worst_abs, rels = max(worst_abs, batch_abs), rels + [batch_rel]
+    return worst_abs, (max(rels) if rels else 0.0)
 
 
-def output_deviation(ref_gm, gm, inputs) -> dict:
-    mx, rel = 0.0, 0.0
+def output_deviation(reference, transformed, inputs) -> dict:
+    worst_abs, worst_rel = 0.0, 0.0
     for args, kwargs in inputs:
         outs = []
-        for m in (ref_gm, gm):
-            was = m.training
-            m.eval()
+        for module in (reference, transformed):
+            was = module.training
+            module.eval()
             try:
                 with torch.no_grad():
-                    outs.append(m(*args, **kwargs))
+                    outs.append(module(*args, **kwargs))
             finally:
-                m.train(was)
-        d = deviation(*outs)
-        mx, rel = max(mx, d.max_abs), max(rel, d.rel)
-    return {"max_abs": mx, "rel": rel}
+                module.train(was)
+        difference = deviation(*outs)
+        worst_abs, worst_rel = max(worst_abs, difference.max_abs), max(worst_rel, difference.rel)
+    return {"max_abs": worst_abs, "rel": worst_rel}
 
 
-def losses_after_steps(gm: fx.GraphModule, args, kwargs, loss_fn, steps: int, seed: int = 0) -> list[float]:
+def losses_after_steps(graph_module: fx.GraphModule, args, kwargs, loss_fn, steps: int, seed: int = 0) -> list[float]:
     """Losses of `steps` training steps (AdamW, lr 1e-3) on a deep copy (the module is not changed)."""
-    m = deep_copy(gm)
-    m.train()
-    opt = make_optimizer(m, "adamw", lr=1e-3)
+    trained = deep_copy(graph_module)
+    trained.train()
+    opt = make_optimizer(trained, "adamw", lr=1e-3)
     out = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for _ in range(steps + 1):
-            loss = compute_loss(loss_fn, m(*args, **kwargs), args, kwargs)
+            loss = compute_loss(loss_fn, trained(*args, **kwargs), args, kwargs)
             out.append(float(loss.detach()))
             if len(out) > steps:
                 break
