@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from fxmem.copy_on_write import private_owner
 from fxmem.depgroups import attr_of
 from fxmem.nn.lowbit import QuantLinear
 from fxmem.program import module_path
 
 from .nodes import is_param_attr, matching_pattern
 from .options import PrecisionOptions
-from .params import own_path
 
 aten = torch.ops.aten
 
@@ -101,7 +101,7 @@ def install_module(gm: fx.GraphModule, path: str, mod: nn.Module, site: LinearSi
     own = {site.weight.rpartition(".")[2]} | ({site.bias.rpartition(".")[2]} if site.bias else set())
     if type(container) is nn.Module and not container._modules and set(container._parameters) <= own \
             and not container._buffers:
-        parent = own_path(gm, prefix)
+        parent = private_owner(gm, prefix)
         parent._modules[name] = mod
         return path
     target = "fxmem_lowbit_" + path.replace(".", "_")
