@@ -29,8 +29,9 @@ def check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) -
 
 
 def mode_difference(captured: nn.Module, model: nn.Module, args, kwargs, mode: str, *, buffers: bool) -> str | None:
-    """How `gm` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers after
-    the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same seed."""
+    """How `captured` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers
+    after the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same
+    seed."""
     ref_out, ref_buffers = _seeded_call(model, mode, args, kwargs)
     got_out, got_buffers = _seeded_call(captured, mode, args, kwargs)
     err = compare_outputs(ref_out, got_out, atol=1e-5, rtol=1e-4)
