@@ -22,61 +22,61 @@ SDPA = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flas
         aten._scaled_dot_product_attention_math.default}
 
 
-def is_op(n, targets) -> bool:
-    """`n` is a node that calls one of `targets`."""
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+def is_op(node, targets) -> bool:
+    """`node` is a node that calls one of `targets`."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def sym_shape(n) -> tuple | None:
-    v = node_value(n, source=SYMBOLIC, tensor_only=True)
-    return None if v is None else tuple(str(s) for s in v.shape)
+def sym_shape(node) -> tuple | None:
+    value = node_value(node, source=SYMBOLIC, tensor_only=True)
+    return None if value is None else tuple(str(s) for s in value.shape)
 
 
-def _as_int(s) -> int:
+def _as_int(size) -> int:
     try:
-        return int(s)
+        return int(size)
     except Exception:  # noqa: BLE001 - an unbacked / symbolic size: its example hint
-        hint = getattr(getattr(s, "node", None), "hint", None)
+        hint = getattr(getattr(size, "node", None), "hint", None)
         return int(hint) if hint is not None else -1
 
 
-def shape(n) -> tuple | None:
-    v = node_value(n)
-    return tuple(_as_int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+def shape(node) -> tuple | None:
+    value = node_value(node)
+    return tuple(_as_int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def dtype(n):
-    v = node_value(n)
-    return v.dtype if isinstance(v, torch.Tensor) else None
+def dtype(node):
+    value = node_value(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
-def device(n):
-    v = node_value(n)
-    return v.device if isinstance(v, torch.Tensor) else None
+def device(node):
+    value = node_value(node)
+    return value.device if isinstance(value, torch.Tensor) else None
 
 
-def same_shape(a, b) -> bool:
+def same_shape(first, second) -> bool:
     """Provably the same shape: symbolic shapes equal (and concrete example shapes equal)."""
-    sa, sb = sym_shape(a), sym_shape(b)
-    if sa is None or sb is None or sa != sb:
+    first_symbolic, second_symbolic = sym_shape(first), sym_shape(second)
+    if first_symbolic is None or second_symbolic is None or first_symbolic != second_symbolic:
         return False
-    return shape(a) == shape(b)
+    return shape(first) == shape(second)
 
 
-def norm_dim(d: int, ndim: int) -> int:
-    """Dim `d` of an `ndim`-dim tensor, counted from the front."""
-    return d + ndim if d < 0 else d
+def norm_dim(dim: int, ndim: int) -> int:
+    """Dim `dim` of an `ndim`-dim tensor, counted from the front."""
+    return dim + ndim if dim < 0 else dim
 
 
-def consumers(n: fx.Node) -> list[fx.Node]:
-    """The users of `n` but its metadata asserts (`ASSERTS`)."""
-    return [u for u in n.users if not is_op(u, ASSERTS)]
+def consumers(node: fx.Node) -> list[fx.Node]:
+    """The users of `node` but its metadata asserts (`ASSERTS`)."""
+    return [u for u in node.users if not is_op(u, ASSERTS)]
 
 
-def attr_value(n: fx.Node):
-    """What the get_attr node `n` names in its graph's module; None when it names nothing."""
-    obj = n.graph.owning_module
-    for part in str(n.target).split("."):
+def attr_value(node: fx.Node):
+    """What the get_attr node `node` names in its graph's module; None when it names nothing."""
+    obj = node.graph.owning_module
+    for part in str(node.target).split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             return None

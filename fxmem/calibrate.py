@@ -51,22 +51,22 @@ class LayerStats:
 
     @property
     def var(self) -> torch.Tensor:
-        m = self.mean
-        return (self.sum_sq / max(self.count, 1) - m * m).clamp_min(0)
+        mean = self.mean
+        return (self.sum_sq / max(self.count, 1) - mean * mean).clamp_min(0)
 
     @property
     def freq(self) -> torch.Tensor:
         return self.fired / max(self.count, 1)
 
-    def update(self, a: torch.Tensor, eps: float) -> None:
-        a = a.detach().to(torch.float64)
-        d = self.channel_dim if self.channel_dim >= 0 else a.dim() + self.channel_dim
-        flat = a.movedim(d, -1).reshape(-1, a.shape[d])
+    def update(self, activation: torch.Tensor, eps: float) -> None:
+        activation = activation.detach().to(torch.float64)
+        dim = self.channel_dim if self.channel_dim >= 0 else activation.dim() + self.channel_dim
+        flat = activation.movedim(dim, -1).reshape(-1, activation.shape[dim])
         scale = flat.abs().mean()
         fire = (flat.abs() > eps * scale).to(torch.float64) if eps > 0 else (flat != 0).to(torch.float64)
         if self.sum is None:
-            z = torch.zeros(flat.shape[1], dtype=torch.float64)
-            self.sum, self.sum_sq, self.sum_abs, self.fired = z.clone(), z.clone(), z.clone(), z.clone()
+            zeros = torch.zeros(flat.shape[1], dtype=torch.float64)
+            self.sum, self.sum_sq, self.sum_abs, self.fired = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
         if flat.shape[1] != self.sum.numel():
             raise FxmemError(f"calibration: {self.layer} ({self.node}) has {flat.shape[1]} units in one batch and "
                              f"{self.sum.numel()} in another")
@@ -77,10 +77,10 @@ class LayerStats:
         self.fired += fire.sum(0)
 
     def to_dict(self) -> dict:
-        f = self.freq
+        freq = self.freq
         return {"layer": self.layer, "node": self.node, "units": self.units, "positions": self.count,
-                "cold_units": int((f < 0.05).sum()), "mean_freq": float(f.mean()) if f.numel() else 0.0,
-                "mean_abs": float(self.mean_abs.mean()) if f.numel() else 0.0}
+                "cold_units": int((freq < 0.05).sum()), "mean_freq": float(freq.mean()) if freq.numel() else 0.0,
+                "mean_abs": float(self.mean_abs.mean()) if freq.numel() else 0.0}
 
 
 @dataclass
@@ -99,11 +99,11 @@ class CalibrationStats:
         """{"bin_edges": [...], layer: counts} of the per-unit firing frequency (the report draws these)."""
         edges = torch.linspace(0, 1, bins + 1)
         out: dict[str, Any] = {"bin_edges": [round(float(e), 4) for e in edges]}
-        for name, st in self.layers.items():
-            if st.sum is None:
+        for name, layer_stats in self.layers.items():
+            if layer_stats.sum is None:
                 continue
-            h = torch.histc(st.freq.float().clamp(0, 1), bins=bins, min=0.0, max=1.0)
-            out[name] = [int(x) for x in h.tolist()]
+            counts = torch.histc(layer_stats.freq.float().clamp(0, 1), bins=bins, min=0.0, max=1.0)
+            out[name] = [int(x) for x in counts.tolist()]
         return out
 
     def summary(self) -> dict:
@@ -116,17 +116,17 @@ class CalibrationStats:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         names = [k for k, v in self.layers.items() if v.sum is not None]
-        n = max(len(names), 1)
-        cols = min(4, n)
-        rows = (n + cols - 1) // cols
+        panels = max(len(names), 1)
+        cols = min(4, panels)
+        rows = (panels + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
-        for ax, name in zip(axes.flat, names):
-            ax.hist(self.layers[name].freq.numpy(), bins=bins, range=(0, 1), color="#4477aa")
-            ax.set_title(name, fontsize=8)
-            ax.set_xlabel("firing frequency", fontsize=7)
-            ax.tick_params(labelsize=7)
-        for ax in list(axes.flat)[len(names):]:
-            ax.axis("off")
+        for axis, name in zip(axes.flat, names):
+            axis.hist(self.layers[name].freq.numpy(), bins=bins, range=(0, 1), color="#4477aa")
+            axis.set_title(name, fontsize=8)
+            axis.set_xlabel("firing frequency", fontsize=7)
+            axis.tick_params(labelsize=7)
+        for axis in list(axes.flat)[len(names):]:
+            axis.axis("off")
         fig.tight_layout()
         with matplotlib.rc_context({"svg.hashsalt": "fxmem-calibration"}):
             if path_png:
@@ -149,15 +149,15 @@ def normalize_item(item) -> tuple[tuple, dict]:
 
 
 class _Watcher(fx.Interpreter):
-    def __init__(self, gm, watch: dict, eps: float):
-        super().__init__(gm)
+    def __init__(self, graph_module, watch: dict, eps: float):
+        super().__init__(graph_module)
         self.watch, self.eps = watch, eps
 
-    def run_node(self, n):
-        out = super().run_node(n)
-        st = self.watch.get(n.name)
-        if st is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
-            st.update(out, self.eps)
+    def run_node(self, node):
+        out = super().run_node(node)
+        layer_stats = self.watch.get(node.name)
+        if layer_stats is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+            layer_stats.update(out, self.eps)
         return out
 
 
@@ -180,39 +180,39 @@ def calibrate(program: Program, data: Iterable, *, max_batches: int | None = 16,
             raise FxmemError("calibrate: the calibration data is empty")
         args, kwargs = normalize_item(data[0])
         program = capture(program, args, kwargs, mode="inference")
-    gm = program.module
-    watch_spec = nodes if nodes is not None else probe_nodes(gm)
+    graph_module = program.module
+    watch_spec = nodes if nodes is not None else probe_nodes(graph_module)
     stats = stats or CalibrationStats(eps=eps)
     for name, (layer, cdim) in watch_spec.items():
         if name not in stats.by_node:
             label = layer if layer not in stats.layers else f"{layer}:{name}"
-            st = LayerStats(layer=label, node=name, channel_dim=cdim)
-            stats.by_node[name] = st
-            stats.layers[label] = st
+            layer_stats = LayerStats(layer=label, node=name, channel_dim=cdim)
+            stats.by_node[name] = layer_stats
+            stats.layers[label] = layer_stats
     watch = {n: stats.by_node[n] for n in watch_spec}
     items = []
-    for i, item in enumerate(data):
-        if max_batches is not None and i >= max_batches:
+    for index, item in enumerate(data):
+        if max_batches is not None and index >= max_batches:
             break
         items.append(item)
     if not items:
         raise FxmemError("calibrate: the calibration data is empty")
-    it = items
+    item_iter = items
     if progress:
         try:
             from tqdm.auto import tqdm
-            it = tqdm(items, desc="calibrating", unit="batch", leave=False)
+            item_iter = tqdm(items, desc="calibrating", unit="batch", leave=False)
         except ImportError:  # pragma: no cover
             pass
-    was = gm.training
-    gm.eval()
+    was = graph_module.training
+    graph_module.eval()
     try:
         with torch.no_grad():
-            for item in it:
+            for item in item_iter:
                 args, kwargs = normalize_item(item)
                 flat = program.flat_inputs(args, kwargs)
-                _Watcher(gm, watch, eps).run(*flat, enable_io_processing=False)
+                _Watcher(graph_module, watch, eps).run(*flat, enable_io_processing=False)
                 stats.batches += 1
     finally:
-        gm.train(was)
+        graph_module.train(was)
     return stats

@@ -28,11 +28,12 @@ def check_outputs(program: Program, model: nn.Module, args, kwargs, mode: str) -
             f"({err}); the model may depend on python state that torch.export specialised")
 
 
-def mode_difference(gm: nn.Module, model: nn.Module, args, kwargs, mode: str, *, buffers: bool) -> str | None:
-    """How `gm` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers after
-    the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same seed."""
+def mode_difference(captured: nn.Module, model: nn.Module, args, kwargs, mode: str, *, buffers: bool) -> str | None:
+    """How `captured` differs from `model` in `mode` on the example inputs (outputs, and with `buffers` the buffers
+    after the call, e.g. a counter only training advances), or None. Each runs from the same buffers, with the same
+    seed."""
     ref_out, ref_buffers = _seeded_call(model, mode, args, kwargs)
-    got_out, got_buffers = _seeded_call(gm, mode, args, kwargs)
+    got_out, got_buffers = _seeded_call(captured, mode, args, kwargs)
     err = compare_outputs(ref_out, got_out, atol=1e-5, rtol=1e-4)
     if err is None and buffers:
         for name, value in got_buffers.items():
@@ -59,9 +60,9 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P
 def _user_line(node: torch.fx.Node) -> str | None:
     """file:line and code of the innermost model-code frame that made `node` (its stack trace), or None."""
     found = None
-    for m in _FRAME.finditer(node.meta.get("stack_trace") or ""):
-        if is_user_file(m["file"]):
-            found = f"{m['file']}:{m['line']}: {m['code'].strip()}"
+    for frame in _FRAME.finditer(node.meta.get("stack_trace") or ""):
+        if is_user_file(frame["file"]):
+            found = f"{frame['file']}:{frame['line']}: {frame['code'].strip()}"
     return found
 
 
@@ -75,9 +76,9 @@ def branch_location(first: torch.fx.GraphModule, second: torch.fx.GraphModule) -
         for line, node in zip(mine, nodes):
             if line is not None and line not in other_lines:
                 return _located(node, line)
-    for a, b in zip(*ops):
-        if a.target != b.target or _constants(a) != _constants(b):
-            return _located(a, _user_line(a))
+    for first_op, second_op in zip(*ops):
+        if first_op.target != second_op.target or _constants(first_op) != _constants(second_op):
+            return _located(first_op, _user_line(first_op))
     return ""
 
 
@@ -100,35 +101,35 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
     (parameters and floating inputs) must equal the model's on the example inputs, in the captured mode with the
     same RNG seed as `check_outputs`, for one fixed random cotangent per output. Only run when a Function was
     recorded: a graph of aten ops has the aten ops' derivatives, which is what the model has too."""
-    gm = program.module
-    gparams = dict(gm.named_parameters())
+    graph_module = program.module
+    gparams = dict(graph_module.named_parameters())
     params = [(n, p, gparams[n]) for n, p in model.named_parameters() if p.requires_grad and n in gparams]
     used = f"the model uses {functions.describe()}"
     try:
-        with buffers_kept(model, gm), mode_set(model, mode == "train"):
-            gm.train(mode == "train")
+        with buffers_kept(model, graph_module), mode_set(model, mode == "train"):
+            graph_module.train(mode == "train")
             try:
                 ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=True)
             except Exception:  # noqa: BLE001 - e.g. the model writes into an input in place: parameters only
                 try:
                     ref = _gradients(model, args, kwargs, [p for _, p, _ in params], inputs=False)
-                except Exception as e:  # noqa: BLE001 - the model's own backward fails: said in a note
+                except Exception as error:  # noqa: BLE001 - the model's own backward fails: said in a note
                     program.notes.append(
                         f"{used} ({DROPPED}): the captured module's gradients are autograd's "
                         "derivative of the inlined forward, not the Function's backward; they could not be compared "
-                        f"because the model's backward raised {_first_line(e)}")
+                        f"because the model's backward raised {_first_line(error)}")
                     return
             if not ref.outputs:
                 program.notes.append(f"{used} ({DROPPED}); gradients were "
                                      "not compared: no output of the model requires grad")
                 return
             try:
-                got = _gradients(gm, args, kwargs, [q for _, _, q in params], inputs=bool(ref.inputs),
+                got = _gradients(graph_module, args, kwargs, [q for _, _, q in params], inputs=bool(ref.inputs),
                                  cotangents=ref.cotangents)
-            except Exception as e:  # noqa: BLE001 - reported in the CaptureError below
-                got = e
+            except Exception as error:  # noqa: BLE001 - reported in the CaptureError below
+                got = error
     finally:
-        gm.train(mode == "train")
+        graph_module.train(mode == "train")
 
     diff = None
     if isinstance(got, Exception):
@@ -142,10 +143,10 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
     else:
         labels = [f"parameter '{n}'" for n, _, _ in params]
         labels += [f"input '{program.input_names[i]}'" for i in ref.inputs]
-        for label, x, y in zip(labels, ref.grads, got.grads):
-            d = _grad_diff(x, y)
-            if d is not None:
-                diff = f"the gradient of {label} differs ({d})"
+        for label, expected, actual in zip(labels, ref.grads, got.grads):
+            difference = _grad_diff(expected, actual)
+            if difference is not None:
+                diff = f"the gradient of {label} differs ({difference})"
                 break
     if diff is not None:
         hint = ("register the operation with torch.library.custom_op and give it its backward with "
@@ -165,9 +166,9 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
         + (" and inputs" if ref.inputs else "") + f", {mode} mode), so the capture is kept")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 @dataclass
@@ -184,19 +185,20 @@ def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -
     flat, spec = pytree.tree_flatten((args, kwargs))
     idx = [i for i, x in enumerate(flat) if inputs and isinstance(x, torch.Tensor) and x.is_floating_point()]
     flat = list(flat)
-    for i in idx:
-        flat[i] = flat[i].detach().clone().requires_grad_(True)
-    a, k = pytree.tree_unflatten(flat, spec)
+    for index in idx:
+        flat[index] = flat[index].detach().clone().requires_grad_(True)
+    call_args, call_kwargs = pytree.tree_unflatten(flat, spec)
     with torch.enable_grad(), torch.random.fork_rng(devices=[]), buffers_kept(module):
         torch.manual_seed(1234)
-        out = module(*a, **k)
+        out = module(*call_args, **call_kwargs)
     leaves = pytree.tree_leaves(out)
     out_idx = [i for i, o in enumerate(leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
     outs = [leaves[i] for i in out_idx]
     if cotangents is None:
-        g = torch.Generator().manual_seed(4321)
+        generator = torch.Generator().manual_seed(4321)
         # drawn on the CPU generator (the same numbers on any device), then put where the output is
-        cotangents = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.device, o.dtype) for o in outs]
+        cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device, o.dtype)
+                      for o in outs]
     if not outs or [o.shape for o in outs] != [c.shape for c in cotangents]:
         return _Grads([], idx, out_idx, cotangents)
     # backward() rather than autograd.grad(): reentrant checkpoint (a Function too) refuses the latter. The
@@ -204,23 +206,24 @@ def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -
     wrt = list(params) + [flat[i] for i in idx]
     saved = [(p, p.grad) for p in {id(p): p for p in [*module.parameters(), *params]}.values()]
     try:
-        for p, _ in saved:
-            p.grad = None
+        for param, _ in saved:
+            param.grad = None
         torch.autograd.backward(outs, grad_tensors=cotangents)
         grads = [t.grad for t in wrt]
     finally:
-        for p, g in saved:
-            p.grad = g
+        for param, grad in saved:
+            param.grad = grad
     return _Grads(grads, idx, out_idx, cotangents)
 
 
-def _grad_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
-    if a is None and b is None:
+def _grad_diff(expected: torch.Tensor | None, actual: torch.Tensor | None) -> str | None:
+    if expected is None and actual is None:
         return None
-    ref = torch.zeros_like(b) if a is None else a
-    got = torch.zeros_like(a) if b is None else b
-    x, y = ref.detach().double(), got.detach().double()
-    tol = 1e-5 + 1e-4 * float(x.abs().max()) if x.numel() else 0.0
-    if torch.allclose(x, y, atol=tol, rtol=1e-4, equal_nan=True):
+    ref = torch.zeros_like(actual) if expected is None else expected
+    got = torch.zeros_like(expected) if actual is None else actual
+    ref_double, got_double = ref.detach().double(), got.detach().double()
+    tol = 1e-5 + 1e-4 * float(ref_double.abs().max()) if ref_double.numel() else 0.0
+    if torch.allclose(ref_double, got_double, atol=tol, rtol=1e-4, equal_nan=True):
         return None
-    return f"max abs diff {float((x - y).abs().max()):.3g}, model's max abs {float(x.abs().max()):.3g}"
+    return (f"max abs diff {float((ref_double - got_double).abs().max()):.3g}, "
+            f"model's max abs {float(ref_double.abs().max()):.3g}")

@@ -74,18 +74,18 @@ class _Signals:
             yield
             return
         old = {}
-        for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
-            h = signal.getsignal(s) if s is not None else None
-            if h is None or (s == signal.SIGINT and h == signal.SIG_IGN):
+        for signal_number in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+            handler = signal.getsignal(signal_number) if signal_number is not None else None
+            if handler is None or (signal_number == signal.SIGINT and handler == signal.SIG_IGN):
                 continue  # not a Python handler, or an interrupt the parent asked this process to ignore
-            old[s] = h
-            signal.signal(s, self.handle)
+            old[signal_number] = handler
+            signal.signal(signal_number, self.handle)
         try:
             yield
         finally:
             self.finished = True
-            for s, h in old.items():
-                signal.signal(s, signal.SIG_IGN if for_the_process else h)
+            for signal_number, handler in old.items():
+                signal.signal(signal_number, signal.SIG_IGN if for_the_process else handler)
 
 
 def main(argv=None) -> int:
@@ -115,9 +115,9 @@ def _run(args, signals: _Signals) -> tuple[int, str]:
     try:
         code = args.func(args)
         signals.finished = True  # the outcome is decided: a signal from here on is noted, not raised
-    except BaseException as e:  # noqa: BLE001 - sorted below
+    except BaseException as caught:  # noqa: BLE001 - sorted below
         signals.finished = True
-        error = e
+        error = caught
     # what is on disk decides: a complete result is never reported as interrupted, and an interrupt that some code
     # turned into another error (or swallowed) still makes an interrupted run
     if not signals.written() and (signals.raised is not None or isinstance(error, KeyboardInterrupt)):
@@ -145,73 +145,76 @@ def _exit_site(error: SystemExit) -> str | None:
     paths = sysconfig.get_paths()
     stdlib = os.path.abspath(paths["stdlib"]) + os.sep
     installed = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
-    for fr in reversed(traceback.extract_tb(error.__traceback__)):
-        f = os.path.abspath(fr.filename)
-        if f.startswith(_FXMEM_DIR + os.sep):
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        filename = os.path.abspath(frame.filename)
+        if filename.startswith(_FXMEM_DIR + os.sep):
             return None
-        if not f.startswith(stdlib) or f.startswith(installed):
-            return f"{fr.filename}:{fr.lineno}"
+        if not filename.startswith(stdlib) or filename.startswith(installed):
+            return f"{frame.filename}:{frame.lineno}"
     return None
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxmem", description="A model-surgery compiler that makes PyTorch models "
-                                "fit in memory. " + MODEL_FILE_HELP[0].upper() + MODEL_FILE_HELP[1:] + ".",
-                                epilog=EXIT_CODES_HELP)
-    sub = p.add_subparsers(dest="cmd")
+    parser = argparse.ArgumentParser(prog="fxmem", description="A model-surgery compiler that makes PyTorch models "
+                                     "fit in memory. " + MODEL_FILE_HELP[0].upper() + MODEL_FILE_HELP[1:] + ".",
+                                     epilog=EXIT_CODES_HELP)
+    sub = parser.add_subparsers(dest="cmd")
 
-    e = sub.add_parser("estimate", help="estimate (and optionally measure) the memory of a training step")
-    e.add_argument("model", help=MODEL_FILE_HELP)
-    e.add_argument("--mode", choices=["train", "inference"], default="train")
-    e.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, adamw8bit, ...")
-    e.add_argument("--method", choices=["static", "traced"], default="static")
-    e.add_argument("--measure", action="store_true", help="also run real steps and show measured bytes")
-    e.add_argument("--meta", action="store_true", help="build the model on the meta device: sized without "
-                   "allocating its weights (a model larger than this machine), not run")
-    e.add_argument("--budget", help="device budget like 16GiB: print the largest batch that fits")
-    e.add_argument("--device", default="cpu", help="device the budget is for (cuda reserves context memory)")
-    e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
-    e.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    e.set_defaults(func=cmd_estimate)
+    estimate = sub.add_parser("estimate", help="estimate (and optionally measure) the memory of a training step")
+    estimate.add_argument("model", help=MODEL_FILE_HELP)
+    estimate.add_argument("--mode", choices=["train", "inference"], default="train")
+    estimate.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, adamw8bit, ...")
+    estimate.add_argument("--method", choices=["static", "traced"], default="static")
+    estimate.add_argument("--measure", action="store_true", help="also run real steps and show measured bytes")
+    estimate.add_argument("--meta", action="store_true", help="build the model on the meta device: sized without "
+                          "allocating its weights (a model larger than this machine), not run")
+    estimate.add_argument("--budget", help="device budget like 16GiB: print the largest batch that fits")
+    estimate.add_argument("--device", default="cpu",
+                          help="device the budget is for (cuda reserves context memory)")
+    estimate.add_argument("--world-size", type=int, default=1)
+    estimate.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    estimate.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    estimate.set_defaults(func=cmd_estimate)
 
-    o = sub.add_parser("optimize", help="transform a model under a policy and write the result and a report",
-                       epilog=EXIT_CODES_HELP)
-    o.add_argument("model", help=MODEL_FILE_HELP)
-    o.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
-    o.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline peak; "
-                   "required (out of reach: exit 2) unless --set budget_strict=false makes it a target")
-    o.add_argument("--activation-budget", help="activations kept at the end of forward: a size like 1GiB or a "
-                   "fraction like 30%% of the baseline's (what torch.compile's activation_memory_budget bounds)")
-    o.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace an existing result of fxmem optimize at --out atomically (never a directory holding "
-                        "anything else, nor the working directory or one holding the model or policy file)")
-    o.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
-    o.add_argument("--fit", choices=["batch", "length"],
-                   help="batch: among the batches whose transformed step fits --budget (a size) by the cost model, "
-                   "the one with the most samples/s by its estimate; length: the longest sequence (dim 1 of the "
-                   "inputs) that fits; the result is transformed and written at that size")
-    o.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
-    o.add_argument("--strict", action="store_true",
-                   help="a pass that fails or is rolled back, a lossy pass that does less than the policy asks, or a "
-                        "result over its budget, is an error: exit 3, nothing is written")
-    o.add_argument("--json", action="store_true", help="print the report as JSON")
-    o.add_argument("--quiet", action="store_true")
-    o.set_defaults(func=cmd_optimize)
+    optimize = sub.add_parser("optimize", help="transform a model under a policy and write the result and a report",
+                              epilog=EXIT_CODES_HELP)
+    optimize.add_argument("model", help=MODEL_FILE_HELP)
+    optimize.add_argument("--policy", default="high", help="preset name (fxmem policies) or a YAML file")
+    optimize.add_argument("--budget", help="memory budget: a size like 4GiB or a fraction like 40%% of the baseline "
+                          "peak; required (out of reach: exit 2) unless --set budget_strict=false makes it a target")
+    optimize.add_argument("--activation-budget", help="activations kept at the end of forward: a size like 1GiB or "
+                          "a fraction like 30%% of the baseline's (what torch.compile's activation_memory_budget "
+                          "bounds)")
+    optimize.add_argument("--out", help="output directory (default: ./fxmem-out/<model name>)")
+    optimize.add_argument("--overwrite", action="store_true",
+                          help="replace an existing result of fxmem optimize at --out atomically (never a directory "
+                               "holding anything else, nor the working directory or one holding the model or policy "
+                               "file)")
+    optimize.add_argument("--measure", action="store_true", help="measure memory before/after with real steps")
+    optimize.add_argument("--fit", choices=["batch", "length"],
+                          help="batch: among the batches whose transformed step fits --budget (a size) by the cost "
+                          "model, the one with the most samples/s by its estimate; length: the longest sequence (dim "
+                          "1 of the inputs) that fits; the result is transformed and written at that size")
+    optimize.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a policy key, e.g. passes.checkpoint.solver=greedy (repeatable)")
+    optimize.add_argument("--strict", action="store_true",
+                          help="a pass that fails or is rolled back, a lossy pass that does less than the policy "
+                               "asks, or a result over its budget, is an error: exit 3, nothing is written")
+    optimize.add_argument("--json", action="store_true", help="print the report as JSON")
+    optimize.add_argument("--quiet", action="store_true")
+    optimize.set_defaults(func=cmd_optimize)
 
-    d = sub.add_parser("diff", help="graph diff of two saved results, or of a saved result and its original (the "
-                       "code generated from each result's checked module.json: what fxmem.load loads)")
-    d.add_argument("a", help="a directory written by fxmem optimize")
-    d.add_argument("b", nargs="?", help="another result directory (default: A's original graph)")
-    d.set_defaults(func=cmd_diff)
+    diff = sub.add_parser("diff", help="graph diff of two saved results, or of a saved result and its original (the "
+                          "code generated from each result's checked module.json: what fxmem.load loads)")
+    diff.add_argument("a", help="a directory written by fxmem optimize")
+    diff.add_argument("b", nargs="?", help="another result directory (default: A's original graph)")
+    diff.set_defaults(func=cmd_diff)
 
-    pp = sub.add_parser("policies", help="list presets, or show one resolved")
-    pp.add_argument("action", nargs="?", choices=["list", "show"], default="list")
-    pp.add_argument("name", nargs="?")
-    pp.set_defaults(func=cmd_policies)
-    return p
+    policies = sub.add_parser("policies", help="list presets, or show one resolved")
+    policies.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    policies.add_argument("name", nargs="?")
+    policies.set_defaults(func=cmd_policies)
+    return parser
 
 
 # ============================================================================================ estimate
@@ -335,116 +338,120 @@ def _flag_budget(flag: str, value: str | None, key: str | None = None) -> str | 
     from .units import parse_budget
     try:
         return str(parse_budget(value))
-    except ValueError as e:
-        raise FxmemError(f"{flag}{f' ({key})' if key else ''}: {e}") from None
+    except ValueError as error:
+        raise FxmemError(f"{flag}{f' ({key})' if key else ''}: {error}") from None
 
 
-def cmd_optimize(a) -> int:
+def cmd_optimize(args) -> int:
     from .api import transform
     from .output_dir import OutputDir
     from .modelfile import check_inputs, load_model_file
-    budget = _flag_budget("--budget", a.budget)
-    activation_budget = _flag_budget("--activation-budget", a.activation_budget,
+    budget = _flag_budget("--budget", args.budget)
+    activation_budget = _flag_budget("--activation-budget", args.activation_budget,
                                      "passes.checkpoint.activation_budget")
-    if a.out is not None and not a.out.strip():
+    if args.out is not None and not args.out.strip():
         raise FxmemError("--out: the output path is empty; nothing was written")
-    out_arg = a.out if a.out else os.path.join("fxmem-out", Path(a.model).stem)
-    protect = [("the model file", a.model)]
-    if a.policy and os.path.isfile(a.policy):
-        protect.append(("the policy file", a.policy))
+    out_arg = args.out if args.out else os.path.join("fxmem-out", Path(args.model).stem)
+    protect = [("the model file", args.model)]
+    if args.policy and os.path.isfile(args.policy):
+        protect.append(("the policy file", args.policy))
     # checked and reserved before any work: a run that cannot write its result fails now, not after the transform
-    a.signals.output = out = OutputDir(out_arg, overwrite=a.overwrite, protect=protect)
+    args.signals.output = output_dir = OutputDir(out_arg, overwrite=args.overwrite, protect=protect)
     try:
-        mf = load_model_file(a.model)
-        check_inputs(mf)
-        log = (lambda msg: None) if (a.quiet or a.json) else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        options = dict(policy=a.policy, activation_budget=activation_budget, calibration=mf.calibration(limit=64),
-                       loss_fn=mf.loss_fn, evaluate=mf.evaluator(), measure=a.measure, strict=a.strict,
-                       overrides=a.set, log=log, model_file=mf.module)
-        res = (_fitted(mf, a.fit, budget, options) if a.fit
-               else transform(mf.model, mf.args, mf.kwargs, budget=budget, **options))
-        out.write(res)
-        _print_summary(a, res, out)
+        model_file = load_model_file(args.model)
+        check_inputs(model_file)
+        quiet = args.quiet or args.json
+        log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        options = dict(policy=args.policy, activation_budget=activation_budget,
+                       calibration=model_file.calibration(limit=64), loss_fn=model_file.loss_fn,
+                       evaluate=model_file.evaluator(), measure=args.measure, strict=args.strict, overrides=args.set,
+                       log=log, model_file=model_file.module)
+        result = (_fitted(model_file, args.fit, budget, options) if args.fit
+                  else transform(model_file.model, model_file.args, model_file.kwargs, budget=budget, **options))
+        output_dir.write(result)
+        _print_summary(args, result, output_dir)
         return 0
     finally:
-        out.discard()
+        output_dir.discard()
 
 
-def _fitted(mf, what: str, budget, options: dict):
+def _fitted(model_file, what: str, budget, options: dict):
     """--fit batch|length: the result at the size `fxmem.fit_batch` / `fxmem.fit_length` chooses under the budget,
     its search in the report's notes."""
     from .fit import fit_batch, fit_length
     if budget is None:
         raise FxmemError(f"--fit {what}: give the memory cap with --budget (a size like 16GiB)")
     search = fit_batch if what == "batch" else fit_length
-    fit = search(mf.model, mf.args, mf.kwargs, budget=budget, **options)
+    fit = search(model_file.model, model_file.args, model_file.kwargs, budget=budget, **options)
     fit.result.report.notes.append(fit.summary())
     fit.result.fit_summary = fit.summary()
     return fit.result
 
 
-def _print_summary(a, res, out) -> None:
+def _print_summary(args, result, output_dir) -> None:
     from .intent import coverage_lines, shortfall_lines
     from .units import format_bytes
-    if a.json:
-        print(res.report.to_json())
+    if args.json:
+        print(result.report.to_json())
         return
-    b, af = res.before, res.after
-    print(f"\nfxmem optimize: {Path(a.model).name}  policy={res.policy.name}  mode={res.policy.mode}")
-    if res.fit_summary:
-        print(res.fit_summary)
-    for miss in (res.report.budget_miss(), res.report.activation_budget_miss()):
+    before, after = result.before, result.after
+    print(f"\nfxmem optimize: {Path(args.model).name}  policy={result.policy.name}  mode={result.policy.mode}")
+    if result.fit_summary:
+        print(result.fit_summary)
+    for miss in (result.report.budget_miss(), result.report.activation_budget_miss()):
         if miss:
             print(f"OVER BUDGET: {miss}")
-    for line in shortfall_lines(res.records):
+    for line in shortfall_lines(result.records):
         print(f"SHORT OF THE POLICY: {line}")
-    for line in coverage_lines(res.records):
+    for line in coverage_lines(result.records):
         print(f"NOT COVERED BY THE POLICY: {line}")
     print(f"{'':18s}{'before':>14s}{'after':>14s}   (estimated, static)")
-    for r in ("params", "grads", "optimizer_state", "activations", "peak"):
-        print(f"{r:18s}{format_bytes(getattr(b, r)):>14s}{format_bytes(getattr(af, r)):>14s}")
-    if res.measured_before is not None:
-        print(f"{'peak (measured)':18s}{format_bytes(res.measured_before.peak):>14s}"
-              f"{format_bytes(res.measured_after.peak):>14s}")
-    for rec in res.records:
+    for field in ("params", "grads", "optimizer_state", "activations", "peak"):
+        print(f"{field:18s}{format_bytes(getattr(before, field)):>14s}{format_bytes(getattr(after, field)):>14s}")
+    if result.measured_before is not None:
+        print(f"{'peak (measured)':18s}{format_bytes(result.measured_before.peak):>14s}"
+              f"{format_bytes(result.measured_after.peak):>14s}")
+    for rec in result.records:
         extra = f" — {rec.reason}" if rec.reason else ""
         print(f"  pass {rec.name:11s} {rec.status:12s} {len(rec.changes)} change(s){extra}")
-    for line in (res.report.budget_line(), res.report.activation_budget_line()):
+    for line in (result.report.budget_line(), result.report.activation_budget_line()):
         if line:
             print(line)
-    print(f"wrote {out.given.rstrip(os.sep)}/ (report.md, report.html, report.json, transformed.py, module)")
+    print(f"wrote {output_dir.given.rstrip(os.sep)}/ (report.md, report.html, report.json, transformed.py, module)")
 
 
 # ============================================================================================ diff / policies
 
-def cmd_diff(a) -> int:
+def cmd_diff(args) -> int:
     """The code a result's module runs, generated from its checked module.json (what `fxmem.load` loads; the
     transformed.py beside it is a readable copy), against another result's or against its captured original."""
     from .report import diff_text
     from .resultdir import original_code, transformed_code
-    A = Path(a.a)
-    if a.b:
-        B = Path(a.b)
-        text = diff_text(transformed_code(A), transformed_code(B), f"{A}/transformed.py", f"{B}/transformed.py")
+    result_a = Path(args.a)
+    if args.b:
+        result_b = Path(args.b)
+        text = diff_text(transformed_code(result_a), transformed_code(result_b), f"{result_a}/transformed.py",
+                         f"{result_b}/transformed.py")
     else:
-        text = diff_text(original_code(A), transformed_code(A), f"{A}/original.py", f"{A}/transformed.py")
+        text = diff_text(original_code(result_a), transformed_code(result_a), f"{result_a}/original.py",
+                         f"{result_a}/transformed.py")
     print(text if text.strip() else "no differences")
     return 0
 
 
-def cmd_policies(a) -> int:
+def cmd_policies(args) -> int:
     from .pipeline import load_passes
     from .policy_loader import load_policy
     from .policy_presets import list_presets
     load_passes()
-    if a.action == "list":
+    if args.action == "list":
         for name in list_presets():
             pol = load_policy(name)
             print(f"{name:12s} {pol.description}")
         return 0
-    if not a.name:
+    if not args.name:
         raise FxmemError("fxmem policies show NAME: name a preset or a YAML file")
-    print(load_policy(a.name).dump_yaml())
+    print(load_policy(args.name).dump_yaml())
     return 0
 
 

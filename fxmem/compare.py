@@ -24,9 +24,9 @@ ASSERT_CLOSE_TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3,
 ACCURACY_FACTOR = 2.0
 
 
-def _leaves(x):
+def _leaves(tree):
     # HF ModelOutput is a registered pytree / OrderedDict; dict-like outputs flatten by key
-    return pytree.tree_leaves(x)
+    return pytree.tree_leaves(tree)
 
 
 def least_precise_of(dtypes) -> torch.dtype | None:
@@ -70,37 +70,38 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_difference(ref: torch.Tensor, got: torch.Tensor, atol: float, rtol: float,
                       precision: Precision | None = None, equal_nan: bool = True) -> str | None:
     """None when two floating tensors of one shape are equal (see the module docstring); else what differs."""
-    a, b = ref.detach().double(), got.detach().double()
+    ref_double, got_double = ref.detach().double(), got.detach().double()
     low = precision.dtype if precision is not None else None
     if low is None or (atol == 0 and rtol == 0):
-        return _allclose_difference(a, b, atol, rtol, equal_nan)
+        return _allclose_difference(ref_double, got_double, atol, rtol, equal_nan)
     shadows = (precision.ref_shadow, precision.got_shadow)
-    if all(isinstance(s, torch.Tensor) and s.shape == a.shape for s in shadows):
-        return _shadow_difference(a, b, [s.detach().double() for s in shadows], atol, rtol, low)
+    if all(isinstance(shadow, torch.Tensor) and shadow.shape == ref_double.shape for shadow in shadows):
+        shadow_doubles = [shadow.detach().double() for shadow in shadows]
+        return _shadow_difference(ref_double, got_double, shadow_doubles, atol, rtol, low)
     floor_rtol, floor_atol = ASSERT_CLOSE_TOLERANCES[low]
-    why = _allclose_difference(a, b, max(atol, floor_atol), max(rtol, floor_rtol), equal_nan)
+    why = _allclose_difference(ref_double, got_double, max(atol, floor_atol), max(rtol, floor_rtol), equal_nan)
     return None if why is None else f"{why} at {dtype_name(low)}'s tolerance, no float32 shadow"
 
 
-def _allclose_difference(a, b, atol, rtol, equal_nan) -> str | None:
-    if torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=equal_nan):
+def _allclose_difference(ref, got, atol, rtol, equal_nan) -> str | None:
+    if torch.allclose(ref, got, atol=atol, rtol=rtol, equal_nan=equal_nan):
         return None
-    return f"max abs diff {(a - b).abs().max().item():.3g} (atol {atol:g}, rtol {rtol:g})"
+    return f"max abs diff {(ref - got).abs().max().item():.3g} (atol {atol:g}, rtol {rtol:g})"
 
 
-def _shadow_difference(a, b, shadows, atol, rtol, low) -> str | None:
-    """`a` (reference) and `b` in dtype `low`, judged by their float32 shadows: those agree within (atol, rtol), and
-    `b` is no further from the reference's shadow than `ACCURACY_FACTOR` times `a`, plus one rounding."""
+def _shadow_difference(ref, got, shadows, atol, rtol, low) -> str | None:
+    """`ref` (reference) and `got` in dtype `low`, judged by their float32 shadows: those agree within (atol, rtol),
+    and `got` is no further from the reference's shadow than `ACCURACY_FACTOR` times `ref`, plus one rounding."""
     truth, other = shadows
     why = _allclose_difference(truth, other, atol, rtol, True)
     if why is not None:
         return f"{why} in float32 (the programs' float32 shadows)"
-    same = (a == b) | (a.isnan() & b.isnan())
-    if not ((a.isfinite() & b.isfinite()) | same).all():
+    same = (ref == got) | (ref.isnan() & got.isnan())
+    if not ((ref.isfinite() & got.isfinite()) | same).all():
         return f"non-finite values differ in {dtype_name(low)}"
-    kept = a.isfinite() & b.isfinite() & truth.isfinite()
-    a, b, truth = a[kept], b[kept], truth[kept]
-    ref_error, error, scale = (a - truth).norm().item(), (b - truth).norm().item(), truth.norm().item()
+    kept = ref.isfinite() & got.isfinite() & truth.isfinite()
+    ref, got, truth = ref[kept], got[kept], truth[kept]
+    ref_error, error, scale = (ref - truth).norm().item(), (got - truth).norm().item(), truth.norm().item()
     allowed = ACCURACY_FACTOR * ref_error + torch.finfo(low).eps * scale + atol * math.sqrt(truth.numel())
     if error <= allowed:
         return None
@@ -112,25 +113,25 @@ def compare_outputs(ref, got, *, atol: float, rtol: float, precision: Precision 
     """None when every tensor leaf matches within (atol, rtol), at the precision the values were computed in
     (`precision`; by default the least precise of the reference's leaves); else a one-line description of the first
     leaf that differs."""
-    a, b = _leaves(ref), _leaves(got)
-    if len(a) != len(b):
-        return f"output structure differs: {len(a)} leaves vs {len(b)}"
-    precisions = (precision or Precision(least_precise(ref))).leaves(len(a))
-    for i, (x, y) in enumerate(zip(a, b)):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return f"output leaf {i}: tensor vs {type(y).__name__}"
-        if not isinstance(x, torch.Tensor):
-            if x != y:
-                return f"output leaf {i}: {x!r} != {y!r}"
+    ref_leaves, got_leaves = _leaves(ref), _leaves(got)
+    if len(ref_leaves) != len(got_leaves):
+        return f"output structure differs: {len(ref_leaves)} leaves vs {len(got_leaves)}"
+    precisions = (precision or Precision(least_precise(ref))).leaves(len(ref_leaves))
+    for index, (ref_leaf, got_leaf) in enumerate(zip(ref_leaves, got_leaves)):
+        if isinstance(ref_leaf, torch.Tensor) != isinstance(got_leaf, torch.Tensor):
+            return f"output leaf {index}: tensor vs {type(got_leaf).__name__}"
+        if not isinstance(ref_leaf, torch.Tensor):
+            if ref_leaf != got_leaf:
+                return f"output leaf {index}: {ref_leaf!r} != {got_leaf!r}"
             continue
-        if x.shape != y.shape:
-            return f"output leaf {i}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
-        if x.dtype.is_floating_point or y.dtype.is_floating_point:
-            why = tensor_difference(x, y, atol, rtol, precisions[i])
+        if ref_leaf.shape != got_leaf.shape:
+            return f"output leaf {index}: shape {tuple(ref_leaf.shape)} vs {tuple(got_leaf.shape)}"
+        if ref_leaf.dtype.is_floating_point or got_leaf.dtype.is_floating_point:
+            why = tensor_difference(ref_leaf, got_leaf, atol, rtol, precisions[index])
             if why is not None:
-                return f"output leaf {i}: {why}"
-        elif not torch.equal(x, y):
-            return f"output leaf {i}: integer/bool values differ"
+                return f"output leaf {index}: {why}"
+        elif not torch.equal(ref_leaf, got_leaf):
+            return f"output leaf {index}: integer/bool values differ"
     return None
 
 
@@ -140,18 +141,18 @@ def compare_named(ref: dict, got: dict, what: str, atol: float, rtol: float, req
     None. `required`: a missing or reshaped one is a difference too (else it is passed over). `precision` as in
     `compare_outputs`, its shadows dicts by the same names."""
     precision = precision or Precision(least_precise(ref))
-    for name, a in ref.items():
-        b = got.get(name)
-        if b is None or b.shape != a.shape:
+    for name, ref_tensor in ref.items():
+        got_tensor = got.get(name)
+        if got_tensor is None or got_tensor.shape != ref_tensor.shape:
             if not required:
                 continue
-            return (f"{what.format(name)} missing after the pass" if b is None else
-                    f"{what.format(name)}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
-        if not a.is_floating_point():
-            if not torch.equal(a, b):
+            return (f"{what.format(name)} missing after the pass" if got_tensor is None else
+                    f"{what.format(name)}: shape {tuple(ref_tensor.shape)} vs {tuple(got_tensor.shape)}")
+        if not ref_tensor.is_floating_point():
+            if not torch.equal(ref_tensor, got_tensor):
                 return f"{what.format(name)} differs"
             continue
-        why = tensor_difference(a, b, atol, rtol, precision.named(name), equal_nan=False)
+        why = tensor_difference(ref_tensor, got_tensor, atol, rtol, precision.named(name), equal_nan=False)
         if why is not None:
             return f"{what.format(name)}: {why}"
     return None
@@ -169,17 +170,17 @@ class Deviation:
 
 def deviation(ref, got) -> Deviation:
     num = den = 0.0
-    mx = 0.0
-    for x, y in zip(_leaves(ref), _leaves(got)):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point():
-            if x.shape != y.shape:
+    max_abs = 0.0
+    for ref_leaf, got_leaf in zip(_leaves(ref), _leaves(got)):
+        if isinstance(ref_leaf, torch.Tensor) and isinstance(got_leaf, torch.Tensor) and ref_leaf.is_floating_point():
+            if ref_leaf.shape != got_leaf.shape:
                 return Deviation(float("inf"), float("inf"))
-            xd, yd = x.detach().double(), y.detach().double()
-            diff = (xd - yd)
+            ref_double, got_double = ref_leaf.detach().double(), got_leaf.detach().double()
+            diff = (ref_double - got_double)
             diff = torch.nan_to_num(diff, nan=float("inf"))
             num += float((diff ** 2).sum())
-            den += float((xd ** 2).sum())
+            den += float((ref_double ** 2).sum())
             if diff.numel():
-                mx = max(mx, float(diff.abs().max()))
+                max_abs = max(max_abs, float(diff.abs().max()))
     rel = (num ** 0.5) / max(den ** 0.5, 1e-30)
-    return Deviation(mx, rel)
+    return Deviation(max_abs, rel)

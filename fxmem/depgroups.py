@@ -12,12 +12,12 @@ Design: docs/design/pruning-gating.md, "Dependency groups".
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
+from .copy_on_write import private_owner
 from .node_value import node_value
 from .ops import op_name
 from .program import module_path
@@ -503,27 +503,9 @@ def _visit_view(group: Group, member: fx.Node, channel_dim: int, user: fx.Node, 
 
 
 # ---------------------------------------------------------------------------------------------- slicing
-def _private_owner(root: nn.Module, prefix: str) -> nn.Module:
-    """The module at `prefix`, made private to `gm` first: every container on the path is replaced by a shallow
-    copy (own parameter/buffer/module dicts). Snapshots may share containers with the program they came from,
-    and rollback needs those untouched."""
-    parent = root
-    if not prefix:
-        return root
-    for item in prefix.split("."):
-        child = parent._modules[item]
-        private_copy = copy.copy(child)
-        private_copy._parameters = dict(child._parameters)
-        private_copy._buffers = dict(child._buffers)
-        private_copy._modules = dict(child._modules)
-        parent._modules[item] = private_copy
-        parent = private_copy
-    return parent
-
-
 def _set_tensor(gm: nn.Module, target: str, new: torch.Tensor) -> None:
     prefix, _, attr = target.rpartition(".")
-    owner = _private_owner(gm, prefix)
+    owner = private_owner(gm, prefix)
     old = getattr(owner, attr)
     if isinstance(old, nn.Parameter):
         owner._parameters[attr] = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -57,43 +57,43 @@ class StorageTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------------------------------- storages
     @staticmethod
-    def _key(t: torch.Tensor) -> tuple[int, int] | None:
+    def _key(tensor: torch.Tensor) -> tuple[int, int] | None:
         try:
-            st = t.untyped_storage()
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return None
-        return st
+        return storage
 
-    def add(self, t: torch.Tensor) -> bool:
-        st = self._key(t)
-        if st is None or (self.device is not None and st.device != self.device):
+    def add(self, tensor: torch.Tensor) -> bool:
+        storage = self._key(tensor)
+        if storage is None or (self.device is not None and storage.device != self.device):
             return False
-        key = st._cdata
+        key = storage._cdata
         if key in self.live:
             return False
-        n = int(st.nbytes())
-        self.live[key] = n
-        self.current += n
-        self._finalizers.append(weakref.finalize(st, self._release, key))
+        nbytes = int(storage.nbytes())
+        self.live[key] = nbytes
+        self.current += nbytes
+        self._finalizers.append(weakref.finalize(storage, self._release, key))
         return True
 
     def _release(self, key: int) -> None:
-        n = self.live.pop(key, 0)
-        self.current -= n
+        nbytes = self.live.pop(key, 0)
+        self.current -= nbytes
 
     def seed(self, tree) -> None:
-        for t in pytree.tree_leaves(tree):
-            if isinstance(t, torch.Tensor):
-                self.add(t)
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                self.add(leaf)
 
     def bytes_of(self, tree) -> int:
         seen, total = set(), 0
-        for t in pytree.tree_leaves(tree):
-            if isinstance(t, torch.Tensor):
-                st = self._key(t)
-                if st is not None and st._cdata not in seen:
-                    seen.add(st._cdata)
-                    total += int(st.nbytes())
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                storage = self._key(leaf)
+                if storage is not None and storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    total += int(storage.nbytes())
         return total
 
     def reset_peak(self) -> None:
@@ -102,35 +102,35 @@ class StorageTracker(TorchDispatchMode):
         self.peak_phase = self.phase
 
     def close(self) -> None:
-        for f in self._finalizers:
-            f.detach()
+        for finalizer in self._finalizers:
+            finalizer.detach()
         self._finalizers.clear()
 
     # ------------------------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.add(t)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.add(leaf)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_label = self._label(func)
             self.peak_phase = self.phase
         if self.record:
             label = self._label(func)
-            tl = self.timeline
-            if tl and tl[-1].label == label and tl[-1].phase == self.phase:
-                tl[-1].live = self.current
-                tl[-1].peak = max(tl[-1].peak, self.current)
+            timeline = self.timeline
+            if timeline and timeline[-1].label == label and timeline[-1].phase == self.phase:
+                timeline[-1].live = self.current
+                timeline[-1].peak = max(timeline[-1].peak, self.current)
             else:
-                tl.append(TimelinePoint(self.phase, label, self.current, self.current))
+                timeline.append(TimelinePoint(self.phase, label, self.current, self.current))
         return out
 
     def _label(self, func) -> str:
         if self.label_fn is not None:
-            lab = self.label_fn(func)
-            if lab:
-                return lab
+            label = self.label_fn(func)
+            if label:
+                return label
         return str(getattr(func, "__name__", func))
 
 
@@ -143,9 +143,9 @@ def backward_label(func) -> str | None:
     if node is None:
         return None
     try:
-        md = node.metadata
-        if "fxmem_label" in md:
-            return md["fxmem_label"]
+        metadata = node.metadata
+        if "fxmem_label" in metadata:
+            return metadata["fxmem_label"]
     except Exception:  # noqa: BLE001
         pass
     return node.name()
@@ -160,23 +160,23 @@ class MemoryProfile(StepMemory):
     allocator: dict | None = None  # CUDA: the caching allocator on the same step (`allocator_counters`)
 
     def to_dict(self) -> dict:
-        d = self.plain(COMMON_KEYS + ("world_size", "zero_stage", "timeline", "unknown_ops"))
+        data = self.plain(COMMON_KEYS + ("world_size", "zero_stage", "timeline", "unknown_ops"))
         if self.cuda_max_allocated is not None:
-            d["cuda_max_allocated"] = self.cuda_max_allocated
+            data["cuda_max_allocated"] = self.cuda_max_allocated
         if self.allocator is not None:
-            d["allocator"] = dict(self.allocator)
-        return d
+            data["allocator"] = dict(self.allocator)
+        return data
 
     def allocator_line(self) -> str | None:
         """The CUDA allocator's peak beside this count's, both above the step's start (None off CUDA)."""
-        a = self.allocator
-        if not a:
+        counters = self.allocator
+        if not counters:
             return None
-        return (f"CUDA allocator on the same step: peak allocated {format_bytes(a['allocated_peak'])} "
-                f"({format_bytes(a['allocated_peak'] - a['allocated_start'])} above the step's start; requested "
-                f"{format_bytes(a['requested_peak'] - a['requested_start'])}, reserved peak "
-                f"{format_bytes(a['reserved_peak'])}) against live tensors {format_bytes(self.peak)} "
-                f"({format_bytes(self.peak - a['tracked_start'])} above the step's start): the allocator adds "
+        return (f"CUDA allocator on the same step: peak allocated {format_bytes(counters['allocated_peak'])} "
+                f"({format_bytes(counters['allocated_peak'] - counters['allocated_start'])} above the step's start; "
+                f"requested {format_bytes(counters['requested_peak'] - counters['requested_start'])}, reserved peak "
+                f"{format_bytes(counters['reserved_peak'])}) against live tensors {format_bytes(self.peak)} "
+                f"({format_bytes(self.peak - counters['tracked_start'])} above the step's start): the allocator adds "
                 "rounding, cached blocks and kernel workspaces")
 
 
@@ -236,8 +236,8 @@ class _ForwardLabels:
         return self.stack[-1] if self.stack else None
 
     def close(self):
-        for h in self.handles:
-            h.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 # (nine parameters: the measuring entry's keyword options, called by fxmem.measure and the benchmarks)
@@ -250,7 +250,7 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
         optimizer = make_torch_optimizer(optimizer_name, params)
     labels = _ForwardLabels(model) if label_fn is None else None
 
-    def lab(func):
+    def label_of(func):
         if tracker.phase == "backward":
             return backward_label(func) or str(func)
         if label_fn is not None:
@@ -258,7 +258,7 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
         return labels.current() or str(getattr(func, "__name__", func))
 
     device = next((p.device for p in params), torch.device("cpu"))
-    tracker = StorageTracker(lab, device=device if device.type == "cuda" else None)
+    tracker = StorageTracker(label_of, device=device if device.type == "cuda" else None)
     prof = MemoryProfile(mode=mode, optimizer=optimizer_name if mode == "train" else "none")
     prof.device = str(device)
     marks = {}
@@ -269,8 +269,8 @@ def run_profiled_step(model, args, kwargs, *, mode: str, optimizer_name: str, lo
         tracker.phase = phase if phase != "end" else "end"
 
     try:
-        for i in range(steps):
-            last = i == steps - 1
+        for step in range(steps):
+            last = step == steps - 1
             if last:
                 base, counters_at_start = _start_recording(tracker, prof, (params, buffers), (args, kwargs),
                                                            optimizer, device)
@@ -334,23 +334,23 @@ def _start_recording(tracker, prof, model_state, inputs, optimizer, device):
 
 
 def _train_step_with_grad_capture(model, args, kwargs, optimizer, loss_fn, mark, prof, params):
-    def m(phase):
+    def on_phase(phase):
         if mark is not None:
             if phase == "optimizer" and prof is not None:
                 prof.grads = sum(int(p.grad.untyped_storage().nbytes()) for p in params if p.grad is not None)
             mark(phase)
-    training_step(model, args, kwargs, optimizer, loss_fn, m)
+    training_step(model, args, kwargs, optimizer, loss_fn, on_phase)
 
 
 def optimizer_state_tensors(optimizer) -> list:
     """The tensors of an optimizer's state (bitsandbytes keeps some inside state objects)."""
     out = []
-    for st in optimizer.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                out.append(v)
-            elif hasattr(v, "__dict__"):
-                out.extend(t for t in vars(v).values() if isinstance(t, torch.Tensor))
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif hasattr(value, "__dict__"):
+                out.extend(t for t in vars(value).values() if isinstance(t, torch.Tensor))
     return out
 
 
@@ -358,7 +358,7 @@ class _nullcontext:
     def __enter__(self):
         return self
 
-    def __exit__(self, *a):
+    def __exit__(self, *exc_info):
         return False
 
 
@@ -400,14 +400,14 @@ def saved_tensors(model, args=(), kwargs=None) -> list:
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, torch.Tensor] = {}
 
-    def pack(t):
+    def pack(tensor):
         try:
-            st = t.untyped_storage()
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, wrapper subclasses)
-            return t
-        if st.data_ptr() not in own:
-            seen.setdefault(st.data_ptr(), t.detach())
-        return t
+            return tensor
+        if storage.data_ptr() not in own:
+            seen.setdefault(storage.data_ptr(), tensor.detach())
+        return tensor
 
     with mode_set(model, True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             observing(lambda ts: [pack(t) for t in ts]):

@@ -43,34 +43,34 @@ class MasterWeightOptimizer:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        for param in self.params:
             if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
         self.inner.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
-        for p, m in zip(self.params, self.masters):
-            if m is p:
+        for param, master in zip(self.params, self.masters):
+            if master is param:
                 continue
-            m.grad = None if p.grad is None else p.grad.detach().float()
+            master.grad = None if param.grad is None else param.grad.detach().float()
         out = self.inner.step(closure) if closure is not None else self.inner.step()
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)  # round to the parameter's dtype
-                m.grad = None
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                param.copy_(master)  # round to the parameter's dtype
+                master.grad = None
         return out
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(), "masters": [m.detach() for m in self.masters]}
 
-    def load_state_dict(self, sd):
-        self.inner.load_state_dict(sd["inner"])
+    def load_state_dict(self, state_dict):
+        self.inner.load_state_dict(state_dict["inner"])
         with torch.no_grad():
-            for m, v in zip(self.masters, sd["masters"]):
-                m.copy_(v)
+            for master, saved in zip(self.masters, state_dict["masters"]):
+                master.copy_(saved)
 
 
 def optimizer_name(policy_or_name) -> str:
@@ -144,19 +144,19 @@ def optimizer_state_bytes(opt) -> int:
     """Real storage bytes of an optimizer's state (after at least one step), master weights included."""
     seen, total = set(), 0
 
-    def add(t):
+    def add(tensor):
         nonlocal total
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += int(st.nbytes())
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += int(storage.nbytes())
     inner = opt.inner if isinstance(opt, MasterWeightOptimizer) else opt
-    for st in inner.state.values():
-        for v in st.values():
-            add(v)
+    for param_state in inner.state.values():
+        for value in param_state.values():
+            add(value)
     if isinstance(opt, MasterWeightOptimizer):
-        for p, m in zip(opt.params, opt.masters):
-            if m is not p:
-                add(m)
+        for param, master in zip(opt.params, opt.masters):
+            if master is not param:
+                add(master)
     return total

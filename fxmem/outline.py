@@ -36,15 +36,15 @@ def region_boundary(nodes: Iterable[fx.Node]) -> tuple[list[fx.Node], list[fx.No
     inputs: values defined outside the set (get_attr nodes included) that nodes of the set read.
     outputs: nodes of the set that a node outside the set reads.
     """
-    members = {n for n in nodes if n.op != "get_attr"}
+    members = {node for node in nodes if node.op != "get_attr"}
     ins: dict[fx.Node, None] = {}
     outs: dict[fx.Node, None] = {}
-    for n in _in_graph_order(members):
-        for a in n.all_input_nodes:
-            if a not in members:
-                ins.setdefault(a, None)
-        if any(u not in members for u in n.users):
-            outs[n] = None
+    for node in _in_graph_order(members):
+        for source in node.all_input_nodes:
+            if source not in members:
+                ins.setdefault(source, None)
+        if any(u not in members for u in node.users):
+            outs[node] = None
     return list(ins), list(outs)
 
 
@@ -53,10 +53,10 @@ def unique_name(root: nn.Module, name: str) -> str:
     base = re.sub(r"[^0-9A-Za-z_]", "_", name) or "region"  # dots and other punctuation -> '_'
     if base[0].isdigit():
         base = "_" + base
-    cand, i = base, 0
+    cand, suffix = base, 0
     while hasattr(root, cand):
-        i += 1
-        cand = f"{base}_{i}"
+        suffix += 1
+        cand = f"{base}_{suffix}"
     return cand
 
 
@@ -74,33 +74,33 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
     new submodule.
     Raises OutlineError if the region is empty, contains placeholders/outputs, or is not convex.
     """
-    gm = program.module
-    graph = gm.graph
+    graph_module = program.module
+    graph = graph_module.graph
     members, inputs, outputs = check_outline(nodes, name)
     member_set = set(members)
 
     # ---------------------------------------------------------------------------- the child graph
     child = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        ph = child.placeholder(a.name)
-        ph.meta = dict(a.meta)
-        env[a] = ph
-    for n in members:
-        env[n] = child.node_copy(n, lambda a: env[a])
+    for input_node in inputs:
+        placeholder = child.placeholder(input_node.name)
+        placeholder.meta = dict(input_node.meta)
+        env[input_node] = placeholder
+    for node in members:
+        env[node] = child.node_copy(node, lambda a: env[a])
     if len(outputs) == 1:
         child.output(env[outputs[0]])
     else:
-        child.output(tuple(env[o] for o in outputs))
+        child.output(tuple(env[output_node] for output_node in outputs))
     child.lint()
     # submodules the region calls (an earlier region inside a block being outlined) move into the body
-    inner = [n.target for n in members if n.op == "call_module"]
-    body = fx.GraphModule(gm if inner else nn.Module(), child,
+    inner = [node.target for node in members if node.op == "call_module"]
+    body = fx.GraphModule(graph_module if inner else nn.Module(), child,
                           class_name="Region_" + re.sub(r"[^0-9A-Za-z_]", "_", name))
     mod = wrap(body) if wrap is not None else body
 
-    attr = unique_name(gm, name)
-    gm.add_submodule(attr, mod)
+    attr = unique_name(graph_module, name)
+    graph_module.add_submodule(attr, mod)
 
     # ---------------------------------------------------------------------------- the call in the outer graph
     with graph.inserting_after(members[-1]):
@@ -111,25 +111,26 @@ def outline(program: Program, nodes: list[fx.Node], name: str,
         call.meta.update({k: v for k, v in outputs[0].meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in member_set)
     else:
-        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        call.meta["val"] = tuple(output_node.meta.get("val") for output_node in outputs)
         prev = call
-        for i, o in enumerate(outputs):
+        for index, output_node in enumerate(outputs):
             with graph.inserting_after(prev):
-                g = graph.call_function(operator.getitem, (call, i))
-            g.meta = {k: v for k, v in o.meta.items() if k in ("val", "fxmem_val", "tensor_meta",
-                                                                  "nn_module_stack", "stack_trace")}
-            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in member_set and u is not call)
-            prev = g
-    for n in reversed(members):
-        graph.erase_node(n)
+                getitem = graph.call_function(operator.getitem, (call, index))
+            getitem.meta = {k: v for k, v in output_node.meta.items()
+                            if k in ("val", "fxmem_val", "tensor_meta", "nn_module_stack", "stack_trace")}
+            output_node.replace_all_uses_with(getitem,
+                                              delete_user_cb=lambda u: u not in member_set and u is not call)
+            prev = getitem
+    for node in reversed(members):
+        graph.erase_node(node)
     for target in inner:
-        if not any(n.op == "call_module" and n.target == target for n in graph.nodes):
+        if not any(node.op == "call_module" and node.target == target for node in graph.nodes):
             parent, _, leaf = target.rpartition(".")
-            delattr(gm.get_submodule(parent) if parent else gm, leaf)
+            delattr(graph_module.get_submodule(parent) if parent else graph_module, leaf)
     stable_toposort(graph)
     if recompile:
         graph.lint()
-        gm.recompile()
+        graph_module.recompile()
     return call
 
 
@@ -164,32 +165,32 @@ def _check_convex(members: set, name: str) -> None:
     order = {n: i for i, n in enumerate(next(iter(members)).graph.nodes)}
     last = max(order[n] for n in members)
     # forward search from outside users of members, limited to nodes before the region's last node
-    frontier = [u for n in members for u in n.users if u not in members and order[u] < last]
+    frontier = [user for n in members for user in n.users if user not in members and order[user] < last]
     seen: set = set()
     while frontier:
-        x = frontier.pop()
-        if x in seen:
+        outside = frontier.pop()
+        if outside in seen:
             continue
-        seen.add(x)
-        for u in x.users:
-            if u in members:
-                raise OutlineError(f"outline {name!r}: the nodes are not convex: {x.name} (outside) reads a "
-                                   f"region value and feeds {u.name} (inside)")
-            if order[u] < last:
-                frontier.append(u)
+        seen.add(outside)
+        for user in outside.users:
+            if user in members:
+                raise OutlineError(f"outline {name!r}: the nodes are not convex: {outside.name} (outside) reads a "
+                                   f"region value and feeds {user.name} (inside)")
+            if order[user] < last:
+                frontier.append(user)
 
 
 def _common_stack(members: list[fx.Node]) -> dict:
     stacks = [list((n.meta.get("nn_module_stack") or {}).items()) for n in members]
-    stacks = [s for s in stacks if s]
+    stacks = [stack for stack in stacks if stack]
     if not stacks:
         return {}
     common = stacks[0]
-    for s in stacks[1:]:
-        k = 0
-        while k < min(len(common), len(s)) and common[k][0] == s[k][0]:
-            k += 1
-        common = common[:k]
+    for stack in stacks[1:]:
+        depth = 0
+        while depth < min(len(common), len(stack)) and common[depth][0] == stack[depth][0]:
+            depth += 1
+        common = common[:depth]
     return dict(common)
 
 

@@ -68,8 +68,8 @@ class OutputDir:
             self._check_name()
             self._check()
             self._was_new = not (self.dest.is_dir() and os.listdir(self.dest))  # absent or empty now
-        except OSError as e:  # a path the system cannot look at (too long, a loop of links, no permission)
-            raise self._error(f"cannot use it: {e.strerror or e}") from None
+        except OSError as error:  # a path the system cannot look at (too long, a loop of links, no permission)
+            raise self._error(f"cannot use it: {error.strerror or error}") from None
         self._reserve()
 
     # ------------------------------------------------------------------------------------------- checks
@@ -95,16 +95,16 @@ class OutputDir:
         if cwd is not None and dest in cwd.parents:
             raise self._error(f"contains the current working directory ({cwd}); fxmem never replaces it "
                               "(choose a new directory)")
-        for label, p in self.protect:
-            rp = Path(os.path.realpath(p))
-            if dest == rp or dest in rp.parents:
-                raise self._error(f"contains {label} {p}; fxmem never replaces it (choose a new directory)")
+        for label, path in self.protect:
+            real_path = Path(os.path.realpath(path))
+            if dest == real_path or dest in real_path.parents:
+                raise self._error(f"contains {label} {path}; fxmem never replaces it (choose a new directory)")
         if not dest.is_dir():
             return
         try:
             entries = sorted(os.listdir(dest))
-        except OSError as e:
-            raise self._error(f"cannot read it: {e.strerror or e}") from None
+        except OSError as error:
+            raise self._error(f"cannot read it: {error.strerror or error}") from None
         if not entries:
             return  # an empty directory is taken as it is
         foreign = not_an_fxmem_result(dest, entries)
@@ -129,35 +129,35 @@ class OutputDir:
             name_max = os.pathconf(existing, "PC_NAME_MAX")
         except (OSError, ValueError, AttributeError):
             name_max = 255
-        n = len(os.fsencode(self.dest.name))
-        if name_max and name_max > 0 and n > name_max:
-            raise self._error(f"the name is too long ({n} bytes; this file system allows {name_max})")
+        name_bytes = len(os.fsencode(self.dest.name))
+        if name_max and name_max > 0 and name_bytes > name_max:
+            raise self._error(f"the name is too long ({name_bytes} bytes; this file system allows {name_max})")
 
     def _reserve(self) -> None:
         parent, name = self.dest.parent, self.dest.name
         missing = []
-        p = parent
-        while not os.path.lexists(p):
-            missing.append(p)
-            p = p.parent
-        for d in reversed(missing):
+        ancestor = parent
+        while not os.path.lexists(ancestor):
+            missing.append(ancestor)
+            ancestor = ancestor.parent
+        for directory in reversed(missing):
             try:
-                os.mkdir(d)
+                os.mkdir(directory)
             except FileExistsError:
-                if d.is_dir():
+                if directory.is_dir():
                     continue  # made by someone else meanwhile
                 self.discard()
-                raise self._error(f"{d} is not a directory") from None
-            except OSError as e:
+                raise self._error(f"{directory} is not a directory") from None
+            except OSError as error:
                 self.discard()
-                raise self._error(f"cannot create the directory {d}: {e.strerror or e}") from None
-            self._created.append(d)
+                raise self._error(f"cannot create the directory {directory}: {error.strerror or error}") from None
+            self._created.append(directory)
         remove_abandoned(parent, name)  # what earlier runs to this output left (killed by SIGKILL, ...)
         try:
             self.staging, self._claim = claim_scratch(parent, name)
-        except OSError as e:
+        except OSError as error:
             self.discard()
-            raise self._error(f"cannot write in {parent}: {e.strerror or e}") from None
+            raise self._error(f"cannot write in {parent}: {error.strerror or error}") from None
 
     # ------------------------------------------------------------------------------------------- writing
     def write(self, result) -> Path:
@@ -168,8 +168,9 @@ class OutputDir:
         try:
             new.mkdir()
             write_result_files(result, new)
-        except OSError as e:  # a full disk, a quota, a read-only file system (`files.writing` names the file)
-            raise self._error(f"writing the result failed{written_file(e, new)}: {e.strerror or e}") from e
+        except OSError as error:  # a full disk, a quota, a read-only file system (`files.writing` names the file)
+            where = written_file(error, new)
+            raise self._error(f"writing the result failed{where}: {error.strerror or error}") from error
         with signals_deferred():  # a signal during the swap is handled once the scratch directory is gone too
             self._commit(new)
             self.discard()
@@ -184,19 +185,19 @@ class OutputDir:
                     raise self._error("was created by another process while fxmem ran (another fxmem run with the "
                                       "same --out?)") from None
                 raise
-            except OSError as e:
-                raise self._error(f"cannot use it: {e.strerror or e}") from None
+            except OSError as error:
+                raise self._error(f"cannot use it: {error.strerror or error}") from None
             dest = self.dest
             if dest.is_dir() and os.listdir(dest):
                 self._swap(new, dest)  # a result fxmem wrote, with --overwrite (else _check raised)
             else:
                 try:
                     os.replace(new, dest)  # a new path, or an empty directory (replaced by the rename)
-                except OSError as e:
-                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                except OSError as error:
+                    if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                         raise self._error("was created by another process while fxmem ran (another fxmem run "
                                           "with the same --out?)") from None
-                    raise self._error(f"cannot move the result into place: {e.strerror or e}") from None
+                    raise self._error(f"cannot move the result into place: {error.strerror or error}") from None
             self.committed = True
 
     def _swap(self, new: Path, dest: Path) -> None:
@@ -204,24 +205,25 @@ class OutputDir:
         try:
             if exchange(new, dest):
                 return  # atomic: `new` now holds the previous result
-        except OSError as e:
-            raise self._error(f"cannot replace it: {e.strerror or e}") from None
+        except OSError as error:
+            raise self._error(f"cannot replace it: {error.strerror or error}") from None
         old = self.staging / "previous"
         try:
             os.replace(dest, old)
-        except OSError as e:
-            raise self._error(f"cannot move the previous result aside: {e.strerror or e}") from None
+        except OSError as error:
+            raise self._error(f"cannot move the previous result aside: {error.strerror or error}") from None
         try:
             os.replace(new, dest)
-        except BaseException as e:
+        except BaseException as error:
             try:
                 os.replace(old, dest)  # put the previous result back
-            except OSError as e2:
+            except OSError as restore_error:
                 self._keep_staging = True
-                raise self._error(f"cannot move the result into place ({e}), nor the previous result back "
-                                  f"({e2.strerror or e2}): the previous result is in {old}", nothing=False) from None
-            if isinstance(e, OSError):
-                raise self._error(f"cannot move the result into place: {e.strerror or e}") from None
+                raise self._error(f"cannot move the result into place ({error}), nor the previous result back "
+                                  f"({restore_error.strerror or restore_error}): the previous result is in {old}",
+                                  nothing=False) from None
+            if isinstance(error, OSError):
+                raise self._error(f"cannot move the result into place: {error.strerror or error}") from None
             raise
 
     def discard(self) -> None:
@@ -234,9 +236,9 @@ class OutputDir:
                 release_scratch(self._claim, self.staging if self._keep_staging else None)
                 self._claim = None
             if not self.committed:
-                for d in reversed(self._created):
+                for directory in reversed(self._created):
                     try:
-                        os.rmdir(d)
+                        os.rmdir(directory)
                     except OSError:
                         break
             self._created = []
@@ -248,11 +250,11 @@ class OutputDir:
         self.discard()
 
 
-def written_file(e: OSError, result_dir: Path) -> str:
-    """" at NAME" for the file of the result that `e` names (its path inside the result), "" when it names none."""
-    if not isinstance(e.filename, str):
+def written_file(error: OSError, result_dir: Path) -> str:
+    """" at NAME" for the file of the result that `error` names (its path inside the result), "" when it names none."""
+    if not isinstance(error.filename, str):
         return ""
     try:
-        return f" at {Path(e.filename).relative_to(result_dir)}"
+        return f" at {Path(error.filename).relative_to(result_dir)}"
     except ValueError:
-        return f" at {e.filename}"
+        return f" at {error.filename}"

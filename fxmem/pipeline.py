@@ -103,39 +103,40 @@ def run_reference(program: Program, mode: str, loss_fn=None, seed: int = 0, want
     training with autograd on); the buffers after the step are returned too. Buffers, `.grad`, the mode and the
     global RNG state are left as they were. A program computing in bf16/fp16 also runs its float32 shadow (`shadow`).
     """
-    gm = program.module
-    was = gm.training
-    prev_grads = {n: p.grad for n, p in gm.named_parameters()}
-    for p in gm.parameters():
-        p.grad = None
+    graph_module = program.module
+    was = graph_module.training
+    prev_grads = {name: param.grad for name, param in graph_module.named_parameters()}
+    for param in graph_module.parameters():
+        param.grad = None
     args, kwargs = program.example_args, program.example_kwargs
-    gm.train(training)
+    graph_module.train(training)
     buffers = None
     try:
-        with torch.random.fork_rng(devices=[]), buffers_kept(gm):
+        with torch.random.fork_rng(devices=[]), buffers_kept(graph_module):
             torch.manual_seed(seed)
             if training or mode == "train" and want_grads:
-                out = gm(*args, **kwargs)
+                out = graph_module(*args, **kwargs)
                 loss = compute_loss(loss_fn, out, args, kwargs)
                 loss.backward()
-                grads = {n: p.grad.detach().clone() for n, p in gm.named_parameters() if p.grad is not None}
+                grads = {name: param.grad.detach().clone() for name, param in graph_module.named_parameters()
+                         if param.grad is not None}
                 out = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
             else:
                 with torch.no_grad():
-                    out = gm(*args, **kwargs)
+                    out = graph_module(*args, **kwargs)
                 grads = None
             if training:
-                buffers = {n: b.detach().clone() for n, b in gm.named_buffers()}
+                buffers = {name: buffer.detach().clone() for name, buffer in graph_module.named_buffers()}
     finally:
-        for n, p in gm.named_parameters():
-            p.grad = prev_grads.get(n)
-        gm.train(was)
+        for name, param in graph_module.named_parameters():
+            param.grad = prev_grads.get(name)
+        graph_module.train(was)
     ref = Reference(out, grads, buffers, low_precision=program_precision(program, out, grads))
     if shadow and ref.low_precision is not None:
         try:
             ref.shadow = run_reference(float32_shadow(program), mode, loss_fn, seed, want_grads, training, False)
-        except Exception as e:  # noqa: BLE001 - then the dtype's tolerances judge (`fxmem.compare`)
-            ref.shadow_error = f"{type(e).__name__}: {e}"
+        except Exception as error:  # noqa: BLE001 - then the dtype's tolerances judge (`fxmem.compare`)
+            ref.shadow_error = f"{type(error).__name__}: {error}"
     return ref
 
 
@@ -220,31 +221,31 @@ class PassManager:
             rec = PassRecord(name=name, status="unchanged", exact=entry.is_exact(options),
                              peak_before=current_est.peak)
             self.records.append(rec)
-            t0 = time.perf_counter()
-            result = self._run_pass(entry, program, ctx, rec, t0)
+            started = time.perf_counter()
+            result = self._run_pass(entry, program, ctx, rec, started)
             if result is None:
                 continue
             new = result.program
             try:
                 new.refresh()
-            except Exception as e:  # noqa: BLE001
-                self._rollback(rec, f"graph invalid after the pass: {type(e).__name__}: {e}", t0)
+            except Exception as error:  # noqa: BLE001
+                self._rollback(rec, f"graph invalid after the pass: {type(error).__name__}: {error}", started)
                 continue
-            ok = self._verify(rec, new, original, current_ref, verify, t0)
+            ok = self._verify(rec, new, original, current_ref, verify, started)
             if ok and not rec.exact and verify.enabled:
-                ok = self._judge_lossy(rec, result.verdicts, ctx, program, new, t0)
+                ok = self._judge_lossy(rec, result.verdicts, ctx, program, new, started)
             if not ok:
                 continue
-            new_train = self._verify_train(rec, new, result.draws_differ, verify, t0)
+            new_train = self._verify_train(rec, new, result.draws_differ, verify, started)
             if new_train is False:
                 continue
-            new_other = self._verify_other_mode(rec, new, verify, t0, ctx, program)
+            new_other = self._verify_other_mode(rec, new, verify, started, ctx, program)
             if new_other is False:
                 continue
             est = costmodel.estimate(new, mode=mode, optimizer=optimizer, loss_fn=self.loss_fn)
             rec.peak_after = est.peak
             rec.status = "applied"
-            rec.seconds = time.perf_counter() - t0
+            rec.seconds = time.perf_counter() - started
             self.log(f"[{name}] applied: {len(rec.changes)} change(s), estimated peak "
                      f"{format_bytes(current_est.peak)} -> {format_bytes(est.peak)}")
             program, current_est = new, est
@@ -269,7 +270,7 @@ class PassManager:
                            log=self.log, seed=policy.verify.seed, model_file=self.model_file, evaluate=self.evaluate)
 
     def _run_pass(self, entry: Registration, program: Program, ctx: PassContext, rec: PassRecord,
-                  t0: float) -> PassResult | None:
+                  started: float) -> PassResult | None:
         """Run one pass on a snapshot of `program` and record what it returned; None when there is nothing to
         verify (it failed, or changed nothing)."""
         self.log(f"[{entry.name}] running")
@@ -279,13 +280,13 @@ class PassManager:
                 result = entry.pass_class().run(candidate, ctx)
         except FxmemError:
             raise
-        except Exception as e:  # noqa: BLE001 - a pass bug must not lose the user's model
-            rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
+        except Exception as error:  # noqa: BLE001 - a pass bug must not lose the user's model
+            rec.status, rec.reason = "failed", f"{type(error).__name__}: {error}"
             rec.notes.append(traceback.format_exc(limit=3))
-            rec.seconds = time.perf_counter() - t0
+            rec.seconds = time.perf_counter() - started
             self.log(f"[{entry.name}] failed and was rolled back: {rec.reason}")
             if self.strict:
-                raise PassError(f"pass {entry.name} failed: {rec.reason}") from e
+                raise PassError(f"pass {entry.name} failed: {rec.reason}") from error
             return None
         rec.changes, rec.notes, rec.metrics = list(result.changes), list(result.notes), dict(result.metrics)
         rec.intents = [intent.to_dict() for intent in result.intents]
@@ -293,28 +294,28 @@ class PassManager:
             rec.metrics["guard"] = [verdict.to_dict() for verdict in result.verdicts]
         if not result.modified:
             rec.reason = result.reason
-            rec.seconds = time.perf_counter() - t0
+            rec.seconds = time.perf_counter() - started
             self.log(f"[{entry.name}] no change")
             return None
         return result
 
     def _budget_for(self, options, baseline) -> int | None:
         """The pass's own `budget` option when it has one, else the policy's; in bytes of the baseline's peak."""
-        b = getattr(options, "budget", None) or self.policy.budget
-        if b is None:
+        budget = getattr(options, "budget", None) or self.policy.budget
+        if budget is None:
             return None
-        if isinstance(b, int):
-            return b
-        return int(b.resolve(baseline.peak))
+        if isinstance(budget, int):
+            return budget
+        return int(budget.resolve(baseline.peak))
 
-    def _rollback(self, rec: PassRecord, reason: str, t0: float) -> None:
+    def _rollback(self, rec: PassRecord, reason: str, started: float) -> None:
         rec.status, rec.reason = "rolled_back", reason
-        rec.seconds = time.perf_counter() - t0
+        rec.seconds = time.perf_counter() - started
         self.log(f"[{rec.name}] rolled back: {reason}")
         if self.strict:
             raise PassError(f"pass {rec.name} was rolled back: {reason}")
 
-    def _verify(self, rec, new, original, current_ref, verify, t0) -> bool:
+    def _verify(self, rec, new, original, current_ref, verify, started) -> bool:
         if not verify.enabled or original is None:
             return True
         mode = self.policy.mode
@@ -334,11 +335,11 @@ class PassManager:
                                     current_ref.precision(got, "grads"))
                 rec.grad_deviation = {"checked": len(current_ref.grads), "ok": err is None}
             if err is not None:
-                self._rollback(rec, f"exact pass changed the result: {err}", t0)
+                self._rollback(rec, f"exact pass changed the result: {err}", started)
                 return False
         return True
 
-    def _judge_lossy(self, rec, verdicts: list, ctx, previous: Program, new: Program, t0) -> bool:
+    def _judge_lossy(self, rec, verdicts: list, ctx, previous: Program, new: Program, started) -> bool:
         """A lossy pass is judged by the guard of lossy changes (`fxmem.lossguard`): on the verdicts the pass gave
         for what it kept, or, when it gave none, by the manager on its result (kind "lossy"). A refusal rolls it
         back."""
@@ -349,7 +350,7 @@ class PassManager:
         if refused is None:
             return True
         self._rollback(rec, f"the guard refused {KIND_WORDS.get(refused.kind, refused.kind)}: {refused.reason()} on "
-                            f"{refused.data}; {refused.hint()}", t0)
+                            f"{refused.data}; {refused.hint()}", started)
         return False
 
 
@@ -358,12 +359,12 @@ class PassManager:
         mode; the eval-mode verification still holds)."""
         try:
             return run_reference(program, "train", self.loss_fn, self.policy.verify.seed, training=True)
-        except Exception as e:  # noqa: BLE001 - the captured program's own step: not a pass's fault
+        except Exception as error:  # noqa: BLE001 - the captured program's own step: not a pass's fault
             self.log(f"training-mode verification off: the captured program's training step raised "
-                     f"{type(e).__name__}: {e}")
+                     f"{type(error).__name__}: {error}")
             return None
 
-    def _verify_train(self, rec, new, draws_differ: bool, verify, t0):
+    def _verify_train(self, rec, new, draws_differ: bool, verify, started):
         """Run the seeded training step of the pass's result. A step that raises rolls the pass back (a pass whose
         result runs in eval mode but not in training is broken); an exact pass's outputs, gradients and buffers
         must then equal the previous program's step, unless the pass draws its random numbers differently
@@ -373,9 +374,10 @@ class PassManager:
             return None
         try:
             got = run_reference(new, "train", self.loss_fn, verify.seed, training=True)
-        except Exception as e:  # noqa: BLE001
-            rec.train_check = {"compared": False, "ok": False, "why": f"the training step raised: {e}"}
-            self._rollback(rec, f"the training-mode step fails after the pass: {type(e).__name__}: {e}", t0)
+        except Exception as error:  # noqa: BLE001
+            rec.train_check = {"compared": False, "ok": False, "why": f"the training step raised: {error}"}
+            self._rollback(rec, f"the training-mode step fails after the pass: {type(error).__name__}: {error}",
+                           started)
             return False
         if not rec.exact:
             rec.train_check = {"compared": False, "ok": True, "why": "lossy pass: the training step runs"}
@@ -390,12 +392,12 @@ class PassManager:
         rec.train_check = {"compared": True, "ok": err is None, "checked": len(ref.grads or {})}
         if err is not None:
             rec.train_check["why"] = err
-            self._rollback(rec, f"exact pass changed the training-mode step: {err}", t0)
+            self._rollback(rec, f"exact pass changed the training-mode step: {err}", started)
             return False
         return got
 
 
-    def _verify_other_mode(self, rec, new, verify, t0, ctx, previous: Program):
+    def _verify_other_mode(self, rec, new, verify, started, ctx, previous: Program):
         """A program with one graph per mode: passes leave the other mode's graph as captured, but it reads the
         root's parameters and buffers, which a pass may replace. It must still run, and give the same outputs as
         before the pass (an exact pass) or be accepted by the guard of the pass's kind of change against them (a
@@ -407,9 +409,9 @@ class PassManager:
         word = "train" if branch.serves_training else "eval"
         try:
             got = run_other_mode(new, verify.seed)
-        except Exception as e:  # noqa: BLE001 - the pass broke what the other graph reads
+        except Exception as error:  # noqa: BLE001 - the pass broke what the other graph reads
             self._rollback(rec, f"the {word}-mode graph (the model reads self.training) fails after the pass: "
-                                f"{type(e).__name__}: {e}", t0)
+                                f"{type(error).__name__}: {error}", started)
             return False
         if rec.exact:
             err = compare_outputs(self._other_refs[1], got, atol=verify.atol, rtol=verify.rtol)
@@ -419,7 +421,7 @@ class PassManager:
             err = None if verdict.accepted else verdict.reason()
             why = f"the {word}-mode graph after the pass: {err}; {verdict.hint()}"
         if err is not None:
-            self._rollback(rec, why, t0)
+            self._rollback(rec, why, started)
             return False
         return got
 
@@ -434,18 +436,18 @@ def _lossy_guard(ctx, previous: Program, rec: PassRecord):
 def run_other_mode(program: Program, seed: int = 0):
     """Outputs of a program's other mode's graph (`fxmem.nn.modes.ModeGraph`) on the example inputs, without
     gradients and with a fixed seed, or None when it has none. Buffers, the mode and the RNG state are put back."""
-    gm = program.module
-    branch = mode_graph(gm)
+    graph_module = program.module
+    branch = mode_graph(graph_module)
     if branch is None:
         return None
-    was = gm.training
-    gm.train(branch.serves_training)
+    was = graph_module.training
+    graph_module.train(branch.serves_training)
     try:
-        with mode_dispatch(True), buffers_kept(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with mode_dispatch(True), buffers_kept(graph_module), torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return gm(*program.example_args, **program.example_kwargs)
+            return graph_module(*program.example_args, **program.example_kwargs)
     finally:
-        gm.train(was)
+        graph_module.train(was)
 
 
 def _grads_comparable(rec: PassRecord) -> bool:

@@ -32,11 +32,11 @@ KeyPath = tuple  # a key path: ("passes", "checkpoint", "budget") or with list i
 
 def format_key_path(path: KeyPath) -> str:
     out = ""
-    for p in path:
-        if isinstance(p, int):
-            out += f"[{p}]"
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(p)
+            out += ("." if out else "") + str(part)
     return out
 
 
@@ -48,13 +48,13 @@ class ErrorContext:
         self.default = Loc(default_file)
 
     def loc(self, path: KeyPath) -> Loc:
-        p = tuple(path)
+        prefix = tuple(path)
         while True:
-            if p in self.locs:
-                return self.locs[p]
-            if not p:
+            if prefix in self.locs:
+                return self.locs[prefix]
+            if not prefix:
                 return self.default
-            p = p[:-1]
+            prefix = prefix[:-1]
 
     def fail(self, path: KeyPath, what: str, *, at: str = "value"):
         loc = self.loc(path)
@@ -87,79 +87,80 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _is_union(tp) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
+def _is_union(annotation) -> bool:
+    return typing.get_origin(annotation) in (Union, types.UnionType)
 
 
-def _describe(tp) -> str:
+def _describe(annotation) -> str:
     """'a bool', "one of 'a', 'b'", 'a list of strings' ... for error messages."""
-    if tp is Any:
+    if annotation is Any:
         return "anything"
-    if tp is bool:
+    if annotation is bool:
         return "a bool"
-    if tp is int:
+    if annotation is int:
         return "an integer"
-    if tp is float:
+    if annotation is float:
         return "a number"
-    if tp is str:
+    if annotation is str:
         return "a string"
-    if tp is Budget:
+    if annotation is Budget:
         return BUDGET_EXAMPLE
-    if tp is Size:
+    if annotation is Size:
         return SIZE_EXAMPLE
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
-        return "one of " + ", ".join(_lit(a) for a in args)
-    if _is_union(tp):
-        parts = [_describe(a) for a in args if a is not type(None)]
+        return "one of " + ", ".join(_lit(arg) for arg in args)
+    if _is_union(annotation):
+        parts = [_describe(arg) for arg in args if arg is not type(None)]
         if type(None) in args:
             parts.append("null")
         return " or ".join(parts)
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
         inner = args[0] if args else Any
         return "a list" if inner is Any else f"a list of {_plural(inner)}"
-    if origin in (dict, Mapping) or tp is dict:
+    if origin in (dict, Mapping) or annotation is dict:
         return "a mapping"
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(annotation):
         return "a mapping"
-    return getattr(tp, "__name__", str(tp))
+    return getattr(annotation, "__name__", str(annotation))
 
 
-def _plural(tp) -> str:
-    return {bool: "bools", int: "integers", float: "numbers", str: "strings"}.get(tp, f"({_describe(tp)})")
+def _plural(annotation) -> str:
+    plurals = {bool: "bools", int: "integers", float: "numbers", str: "strings"}
+    return plurals.get(annotation, f"({_describe(annotation)})")
 
 
-def _lit(v) -> str:
-    return f"'{v}'" if isinstance(v, str) else show_value(v)
+def _lit(value) -> str:
+    return f"'{value}'" if isinstance(value, str) else show_value(value)
 
 
 def check_dataclass_fields(cls: type, where: str, *, top: bool = True) -> None:
     """Fail at registration, not at load time, if a field cannot be read from YAML."""
     try:
         hints = field_types(cls)
-    except Exception as e:  # an annotation that does not resolve
-        raise TypeError(f"{where}: cannot resolve field types: {e}") from None
-    for f in dataclasses.fields(cls):
-        if not f.init:
+    except Exception as error:  # an annotation that does not resolve
+        raise TypeError(f"{where}: cannot resolve field types: {error}") from None
+    for field in dataclasses.fields(cls):
+        if not field.init:
             continue
-        if top and f.name == "enabled":
+        if top and field.name == "enabled":
             raise TypeError(f"{where}: 'enabled' is reserved for the pass section; remove that field")
-        if top and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise TypeError(f"{where}.{f.name}: every option needs a default")
-        _check_type(hints[f.name], f"{where}.{f.name}")
+        if top and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise TypeError(f"{where}.{field.name}: every option needs a default")
+        _check_type(hints[field.name], f"{where}.{field.name}")
 
 
-def _check_type(tp, where: str) -> None:
-    if tp in (Any, bool, int, float, str, Budget, Size, list, dict, type(None)):
+def _check_type(annotation, where: str) -> None:
+    if annotation in (Any, bool, int, float, str, Budget, Size, list, dict, type(None)):
         return
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
-        if not all(isinstance(a, (str, int, float, bool)) for a in args):
+        if not all(isinstance(arg, (str, int, float, bool)) for arg in args):
             raise TypeError(f"{where}: Literal values must be str, int, float or bool")
         return
-    if _is_union(tp):
-        for a in args:
-            _check_type(a, where)
+    if _is_union(annotation):
+        for arg in args:
+            _check_type(arg, where)
         return
     if origin in (list, Sequence):
         _check_type(args[0] if args else Any, where)
@@ -175,88 +176,88 @@ def _check_type(tp, where: str) -> None:
         if args:
             _check_type(args[1], where)
         return
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        check_dataclass_fields(tp, where, top=False)
+    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
+        check_dataclass_fields(annotation, where, top=False)
         return
-    raise TypeError(f"{where}: unsupported option type {tp!r}")
+    raise TypeError(f"{where}: unsupported option type {annotation!r}")
 
 
-def convert(value: Any, tp: Any, path: KeyPath, ctx: ErrorContext) -> Any:
+def convert(value: Any, annotation: Any, path: KeyPath, ctx: ErrorContext) -> Any:
     """Check `value` (plain YAML data) against the type `tp`; return the typed value or raise PolicyError."""
-    if tp is Any:
+    if annotation is Any:
         return copy.deepcopy(value)
-    if tp is type(None):
+    if annotation is type(None):
         if value is not None:
             ctx.fail(path, f"expected null, got {show_value(value)}")
         return None
-    if tp is bool:
+    if annotation is bool:
         if not isinstance(value, bool):
             ctx.fail(path, f"expected a bool, got {show_value(value)}")
         return value
-    if tp is int:
+    if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             ctx.fail(path, f"expected an integer, got {show_value(value)}")
         return value
-    if tp is float:
+    if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             ctx.fail(path, f"expected a number, got {show_value(value)}")
         if isinstance(value, float) and math.isnan(value):
             ctx.fail(path, "expected a number, got nan")
         return float(value)
-    if tp is str:
+    if annotation is str:
         if not isinstance(value, str):
             ctx.fail(path, f"expected a string, got {show_value(value)}")
         return value
-    if tp is Budget:
+    if annotation is Budget:
         try:
             return parse_budget(value)
-        except ValueError as e:
-            ctx.fail(path, str(e))
-    if tp is Size:
+        except ValueError as error:
+            ctx.fail(path, str(error))
+    if annotation is Size:
         try:
             return Size(parse_size(value))
-        except ValueError as e:
-            ctx.fail(path, str(e))
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+        except ValueError as error:
+            ctx.fail(path, str(error))
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
-        for a in args:
-            if value == a and type(value) is type(a):
-                return a
-        choices = ", ".join(_lit(a) for a in args)
+        for arg in args:
+            if value == arg and type(value) is type(arg):
+                return arg
+        choices = ", ".join(_lit(arg) for arg in args)
         ctx.fail(path, f"expected one of {choices}, got {show_value(value)}{suggest(value, args)}")
-    if _is_union(tp):
+    if _is_union(annotation):
         if value is None:
             if type(None) in args:
                 return None
-            ctx.fail(path, f"expected {_describe(tp)}, got null")
-        options = [a for a in args if a is not type(None)]
+            ctx.fail(path, f"expected {_describe(annotation)}, got null")
+        options = [arg for arg in args if arg is not type(None)]
         if len(options) == 1:
             return convert(value, options[0], path, ctx)
-        for a in options:
+        for arg in options:
             try:
-                return convert(value, a, path, ctx)
+                return convert(value, arg, path, ctx)
             except PolicyError:
                 continue
-        ctx.fail(path, f"expected {_describe(tp)}, got {show_value(value)}")
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        ctx.fail(path, f"expected {_describe(annotation)}, got {show_value(value)}")
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            ctx.fail(path, f"expected {_describe(tp)}, got {show_value(value)}")
+            ctx.fail(path, f"expected {_describe(annotation)}, got {show_value(value)}")
         inner = args[0] if args else Any
-        items = [convert(v, inner, path + (i,), ctx) for i, v in enumerate(value)]
+        items = [convert(item_value, inner, path + (i,), ctx) for i, item_value in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    if origin in (dict, Mapping) or tp is dict:
+    if origin in (dict, Mapping) or annotation is dict:
         if not isinstance(value, Mapping):
             ctx.fail(path, f"expected a mapping, got {show_value(value)}")
         inner = args[1] if args else Any
         out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                ctx.fail(path, f"expected string keys, got {show_value(k)}")
-            out[k] = convert(v, inner, path + (k,), ctx)
+        for key, item_value in value.items():
+            if not isinstance(key, str):
+                ctx.fail(path, f"expected string keys, got {show_value(key)}")
+            out[key] = convert(item_value, inner, path + (key,), ctx)
         return out
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, path, ctx)
-    raise TypeError(f"{format_key_path(path)}: unsupported option type {tp!r}")
+    if dataclasses.is_dataclass(annotation):
+        return build_dataclass(annotation, value, path, ctx)
+    raise TypeError(f"{format_key_path(path)}: unsupported option type {annotation!r}")
 
 
 def build_dataclass(cls: type, data: Any, path: KeyPath, ctx: ErrorContext, *, noun: str = "key",
@@ -270,8 +271,8 @@ def build_dataclass(cls: type, data: Any, path: KeyPath, ctx: ErrorContext, *, n
     if not isinstance(data, Mapping):
         ctx.fail(path, f"expected a mapping, got {show_value(data)}")
     hints = field_types(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]
-    names = [f.name for f in fields]
+    fields = [field for field in dataclasses.fields(cls) if field.init and not field.metadata.get("internal")]
+    names = [field.name for field in fields]
     for key in data:
         if key not in names:
             known = list(extra_known) + names
@@ -279,33 +280,34 @@ def build_dataclass(cls: type, data: Any, path: KeyPath, ctx: ErrorContext, *, n
             ctx.fail(path + (key,), f"unknown {noun}{suggest(key, known)}; known {plural}: {', '.join(known)}",
                      at="key")
     kwargs = {}
-    for f in fields:
-        p = path + (f.name,)
-        if f.name in data:
-            parse: Callable | None = f.metadata.get("parse")
-            kwargs[f.name] = parse(data[f.name], p, ctx) if parse else convert(data[f.name], hints[f.name], p, ctx)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            ctx.fail(path, f"missing required key '{f.name}'", at="key")
-        elif f.metadata.get("parse") and f.default_factory is not dataclasses.MISSING:
-            kwargs[f.name] = f.metadata["parse"](f.default_factory(), p, ctx)
+    for field in fields:
+        field_path = path + (field.name,)
+        if field.name in data:
+            parse: Callable | None = field.metadata.get("parse")
+            kwargs[field.name] = (parse(data[field.name], field_path, ctx) if parse
+                                  else convert(data[field.name], hints[field.name], field_path, ctx))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            ctx.fail(path, f"missing required key '{field.name}'", at="key")
+        elif field.metadata.get("parse") and field.default_factory is not dataclasses.MISSING:
+            kwargs[field.name] = field.metadata["parse"](field.default_factory(), field_path, ctx)
     try:
         return cls(**kwargs)
-    except ValueError as e:
-        msg = str(e)
+    except ValueError as error:
+        msg = str(error)
         head, sep, rest = msg.partition(": ")
         if sep and head in names:
             ctx.fail(path + (head,), rest)
         ctx.fail(path, msg, at="key")
 
 
-def display_file(p: Path, given: str | None = None) -> str:
+def display_file(path: Path, given: str | None = None) -> str:
     if given is not None:
         return given
     try:
-        rel = os.path.relpath(p)
-        return rel if not rel.startswith("..") else str(p)
+        rel = os.path.relpath(path)
+        return rel if not rel.startswith("..") else str(path)
     except ValueError:
-        return str(p)
+        return str(path)
 
 
 def short_source(source: str) -> str:

@@ -74,35 +74,35 @@ class Program:
     # ----------------------------------------------------------------------------------------------- graph upkeep
     def refresh(self, *, dce: bool = True) -> None:
         """lint, dead-code elimination, recompile, and concrete metadata at the example inputs."""
-        g = self.module.graph
+        graph = self.module.graph
         if dce:
-            g.eliminate_dead_code(is_impure_node=is_impure)
-        g.lint()
+            graph.eliminate_dead_code(is_impure_node=is_impure)
+        graph.lint()
         self.module.recompile()
         with_data_dependent_fallback(lambda: static_sizes_if_needed(
             lambda static: propagate_meta(self.module, self.flat_inputs(), self.mode, static)))
 
     def snapshot(self) -> "Program":
         """A copy for rollback: a new graph and GraphModule; submodules and parameters are shared."""
-        gm = self.module
-        new_graph = deep_copy(gm.graph)
-        new_gm = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
+        graph_module = self.module
+        new_graph = deep_copy(graph_module.graph)
+        new_module = fx.GraphModule(graph_module, new_graph, class_name=type(graph_module).__name__)
         for attr in ("_in_spec", "_out_spec"):
-            if hasattr(gm, attr):
-                setattr(new_gm, attr, getattr(gm, attr))
+            if hasattr(graph_module, attr):
+                setattr(new_module, attr, getattr(graph_module, attr))
         # the same module tree (GraphModule() copies only what the graph references, which would drop unused
         # or tied parameters and the original module types)
-        new_gm._modules = dict(gm._modules)
-        new_gm._parameters = dict(gm._parameters)
-        new_gm._buffers = dict(gm._buffers)
-        new_gm._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
-        keep_persistence_when_copied(new_gm)
+        new_module._modules = dict(graph_module._modules)
+        new_module._parameters = dict(graph_module._parameters)
+        new_module._buffers = dict(graph_module._buffers)
+        new_module._non_persistent_buffers_set = set(graph_module._non_persistent_buffers_set)
+        keep_persistence_when_copied(new_module)
         # module hooks a pass installed on the root (e.g. fxmem.nn.recast's scope) belong to the program
         for attr in ROOT_HOOK_ATTRS:
-            if hasattr(gm, attr):
-                setattr(new_gm, attr, copy.copy(getattr(gm, attr)))
-        new_gm.train(gm.training)
-        return Program(module=new_gm, example_args=self.example_args, example_kwargs=self.example_kwargs,
+            if hasattr(graph_module, attr):
+                setattr(new_module, attr, copy.copy(getattr(graph_module, attr)))
+        new_module.train(graph_module.training)
+        return Program(module=new_module, example_args=self.example_args, example_kwargs=self.example_kwargs,
                        mode=self.mode, input_names=list(self.input_names), input_specs=list(self.input_specs),
                        specialized=list(self.specialized), notes=list(self.notes), model_name=self.model_name)
 
@@ -122,13 +122,13 @@ def is_impure(node: fx.Node) -> bool:
     if node.op == "call_module":
         return True  # guards, checkpoint regions, stateful modules: keep
     if node.op == "call_function":
-        t = node.target
-        op = op_call(t, node.args)[0]  # (remat_call of an in-place op writes its input too)
+        target = node.target
+        op = op_call(target, node.args)[0]  # (remat_call of an in-place op writes its input too)
         if getattr(op, "_schema", None) is not None and op._schema.is_mutable:
             return True
-        if t is torch.ops.aten._assert_tensor_metadata.default:
+        if target is torch.ops.aten._assert_tensor_metadata.default:
             return True
-        name = getattr(t, "__name__", "")
+        name = getattr(target, "__name__", "")
         if name in ("count_batch",) or name.startswith("_assert"):
             return True
     return node.is_impure() if hasattr(node, "is_impure") else False
@@ -149,47 +149,47 @@ def module_stack(node: fx.Node) -> list[tuple[str, str]]:
     """[(path, type name), ...] outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
     out = []
-    for path, ty in stack.values():
-        tname = ty if isinstance(ty, str) else getattr(ty, "__qualname__", str(ty))
+    for path, module_type in stack.values():
+        tname = module_type if isinstance(module_type, str) else getattr(module_type, "__qualname__", str(module_type))
         out.append((_clean_path(path), tname.rsplit(".", 1)[-1]))
-    return [p for p in out if p[0] != ""] or out
+    return [entry for entry in out if entry[0] != ""] or out
 
 
 def _clean_path(path: str) -> str:
     # export writes "L['self'].transformer.h[0]" in some versions and "transformer.h.0" in others
-    p = path.replace("L['self']", "").replace("L__self__", "")
-    p = p.replace("[", ".").replace("]", "").replace("'", "")
-    p = p.replace("._modules.", ".")
-    while ".." in p:
-        p = p.replace("..", ".")
-    return p.strip(".")
+    clean = path.replace("L['self']", "").replace("L__self__", "")
+    clean = clean.replace("[", ".").replace("]", "").replace("'", "")
+    clean = clean.replace("._modules.", ".")
+    while ".." in clean:
+        clean = clean.replace("..", ".")
+    return clean.strip(".")
 
 
-def propagate_meta(gm: fx.GraphModule, flat_inputs: list, mode: str, static_inputs: bool = False) -> None:
+def propagate_meta(graph_module: fx.GraphModule, flat_inputs: list, mode: str, static_inputs: bool = False) -> None:
     """Run the graph under FakeTensorMode at the example inputs; store concrete outputs in meta["fxmem_val"].
 
     Parameters keep their requires_grad, so meta says which values need grad (train mode). No real memory.
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    on_device = meta_as_device(fake_mode, module_tensors(gm) + list(flat_inputs), sizing_device(flat_inputs))
+    on_device = meta_as_device(fake_mode, module_tensors(graph_module) + list(flat_inputs), sizing_device(flat_inputs))
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x, static_shapes=static_inputs) if isinstance(x, torch.Tensor) else x
                        for x in flat_inputs]
 
     class _Prop(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            n.meta["fxmem_val"] = out
+        def run_node(self, node):
+            out = super().run_node(node)
+            node.meta["fxmem_val"] = out
             return out
 
     grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
-    was_training = gm.training
-    gm.train(mode == "train")
+    was_training = graph_module.training
+    graph_module.train(mode == "train")
     try:
-        with buffers_kept(gm), fake_mode, CpuKernelLayouts(), grad_ctx:
-            _Prop(gm).run(*fake_inputs, enable_io_processing=False)
+        with buffers_kept(graph_module), fake_mode, CpuKernelLayouts(), grad_ctx:
+            _Prop(graph_module).run(*fake_inputs, enable_io_processing=False)
     finally:
-        gm.train(was_training)
+        graph_module.train(was_training)
     del on_device  # (a model built on the meta device: its fakes on the inputs' device, held through the run)
 
 
@@ -225,22 +225,22 @@ def keep_persistence_when_copied(module: torch.nn.Module) -> None:
                 sub._non_persistent_buffers_set
 
 
-def tensor_bytes(t) -> int:
-    if not isinstance(t, torch.Tensor):
+def tensor_bytes(value) -> int:
+    if not isinstance(value, torch.Tensor):
         return 0
-    return int(t.numel()) * t.element_size()
+    return int(value.numel()) * value.element_size()
 
 
-def tree_tensor_bytes(v) -> int:
-    return sum(tensor_bytes(x) for x in pytree.tree_leaves(v))
+def tree_tensor_bytes(tree) -> int:
+    return sum(tensor_bytes(x) for x in pytree.tree_leaves(tree))
 
 
 def call_signature_repr(program: Program) -> str:
     return ", ".join(program.input_names)
 
 
-def as_list(x: Any) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
+def as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 @contextlib.contextmanager
@@ -250,14 +250,14 @@ def buffers_kept(*modules: torch.nn.Module):
     values are put back afterwards (each buffer once, however many of `modules` share it; all of them: a kernel
     that updates running statistics does not bump the version counter)."""
     saved, seen = [], set()
-    for m in modules:
-        for b in m.buffers():
-            if id(b) not in seen:
-                seen.add(id(b))
-                saved.append((b, b.detach().clone()))
+    for module in modules:
+        for buffer in module.buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                saved.append((buffer, buffer.detach().clone()))
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
+            for buffer, saved_value in saved:
+                buffer.copy_(saved_value)

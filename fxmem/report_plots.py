@@ -11,11 +11,11 @@ from .units import format_bytes
 
 def _points(timeline) -> list[tuple[str, str, int, int]]:
     out = []
-    for p in timeline or []:
-        if isinstance(p, dict):
-            out.append((p["phase"], p["label"], int(p["live"]), int(p["peak"])))
+    for point in timeline or []:
+        if isinstance(point, dict):
+            out.append((point["phase"], point["label"], int(point["live"]), int(point["peak"])))
         else:
-            out.append((p.phase, p.label, int(p.live), int(p.peak)))
+            out.append((point.phase, point.label, int(point.live), int(point.peak)))
     return out
 
 
@@ -26,8 +26,8 @@ MAX_POINTS_PER_PHASE = 1500
 def _phases(*timelines) -> list[str]:
     """Phases present, canonical ones first in step order, any others in order of appearance."""
     seen: list[str] = []
-    for tl in timelines:
-        for phase, *_ in _points(tl):
+    for timeline in timelines:
+        for phase, *_ in _points(timeline):
             if phase not in seen:
                 seen.append(phase)
     return [p for p in PHASES if p in seen] + [p for p in seen if p not in PHASES]
@@ -40,21 +40,21 @@ def _series(timeline, phases: list[str]) -> tuple[list[float], list[int]]:
     groups: dict[int, list[int]] = {}
     for phase, _label, live, peak in _points(timeline):
         groups.setdefault(phases.index(phase), []).append(max(live, peak))
-    xs: list[float] = []
-    ys: list[int] = []
-    for k in sorted(groups):
-        vals = groups[k]
+    x_values: list[float] = []
+    y_values: list[int] = []
+    for phase_index in sorted(groups):
+        vals = groups[phase_index]
         if len(vals) > MAX_POINTS_PER_PHASE:
-            n = len(vals)
-            vals = [max(vals[i * n // MAX_POINTS_PER_PHASE:(i + 1) * n // MAX_POINTS_PER_PHASE])
+            count = len(vals)
+            vals = [max(vals[i * count // MAX_POINTS_PER_PHASE:(i + 1) * count // MAX_POINTS_PER_PHASE])
                     for i in range(MAX_POINTS_PER_PHASE)]
-        n = len(vals)
-        for i, v in enumerate(vals):
-            xs.append(k + i / n)
-            ys.append(v)
-        xs.append(k + 1.0)  # op i spans [k + i/n, k + (i+1)/n] (drawn with steps-post)
-        ys.append(vals[-1])
-    return xs, ys
+        count = len(vals)
+        for position, value in enumerate(vals):
+            x_values.append(phase_index + position / count)
+            y_values.append(value)
+        x_values.append(phase_index + 1.0)  # op i spans [k + i/n, k + (i+1)/n] (drawn with steps-post)
+        y_values.append(vals[-1])
+    return x_values, y_values
 
 
 def _unit(maxval: int) -> tuple[str, float]:
@@ -78,36 +78,36 @@ def timeline_figure(report):
     fig = Figure(figsize=(10, 3.6 * len(panels) + 0.4), dpi=100)
     FigureCanvasAgg(fig)
     values = [report.budget or 0]
-    for _t, b, a in panels:
-        for e in (b, a):
-            if e is not None:
-                values.append(e.peak)
-                values.extend(max(p[2], p[3]) for p in _points(e.timeline))
+    for _title, before, after in panels:
+        for estimate in (before, after):
+            if estimate is not None:
+                values.append(estimate.peak)
+                values.extend(max(p[2], p[3]) for p in _points(estimate.timeline))
     unit, scale = _unit(max(values))
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    for ax, (title, b, a) in zip(axes, panels):
-        phases = _phases(*(e.timeline for e in (b, a) if e is not None)) or ["forward"]
-        for e, color, tag in ((b, _BEFORE, "before"), (a, _AFTER, "after")):
-            if e is None:
+    for axis, (title, before, after) in zip(axes, panels):
+        phases = _phases(*(e.timeline for e in (before, after) if e is not None)) or ["forward"]
+        for estimate, color, tag in ((before, _BEFORE, "before"), (after, _AFTER, "after")):
+            if estimate is None:
                 continue
-            xs, ys = _series(e.timeline, phases)
-            if xs:
-                ax.plot(xs, [y / scale for y in ys], color=color, lw=1.6, drawstyle="steps-post",
-                        label=f"{tag}: peak {format_bytes(e.peak)}")
-            ax.axhline(e.peak / scale, color=color, lw=1, ls="--", alpha=0.8)
+            x_values, y_values = _series(estimate.timeline, phases)
+            if x_values:
+                axis.plot(x_values, [y / scale for y in y_values], color=color, lw=1.6, drawstyle="steps-post",
+                          label=f"{tag}: peak {format_bytes(estimate.peak)}")
+            axis.axhline(estimate.peak / scale, color=color, lw=1, ls="--", alpha=0.8)
         if report.budget is not None:
-            ax.axhline(report.budget / scale, color=_BUDGET, lw=1.2, ls=":",
-                       label=f"budget {format_bytes(report.budget)}")
-        for k in range(1, len(phases)):
-            ax.axvline(k, color="#999999", lw=0.8)
-        ax.set_xlim(0, len(phases))
-        ax.set_ylim(bottom=0)
-        ax.set_xticks([k + 0.5 for k in range(len(phases))])
-        ax.set_xticklabels(phases)
-        ax.set_ylabel(f"live memory ({unit})")
-        ax.set_title(f"{report.model_name}: memory during one {report.mode} step, {title}", fontsize=11)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=9, frameon=False)
+            axis.axhline(report.budget / scale, color=_BUDGET, lw=1.2, ls=":",
+                         label=f"budget {format_bytes(report.budget)}")
+        for boundary in range(1, len(phases)):
+            axis.axvline(boundary, color="#999999", lw=0.8)
+        axis.set_xlim(0, len(phases))
+        axis.set_ylim(bottom=0)
+        axis.set_xticks([k + 0.5 for k in range(len(phases))])
+        axis.set_xticklabels(phases)
+        axis.set_ylabel(f"live memory ({unit})")
+        axis.set_title(f"{report.model_name}: memory during one {report.mode} step, {title}", fontsize=11)
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend(loc="upper left", fontsize=9, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -142,19 +142,19 @@ def histograms_svg(hist, title: str = "coldness per layer", max_layers: int = 24
     with matplotlib.rc_context({"svg.hashsalt": "fxmem-report", "svg.fonttype": "path",
                                 "font.family": "DejaVu Sans"}):
         fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 1.9 * rows + 0.5), squeeze=False)
-        for ax in axes.flat[len(shown):]:
-            ax.axis("off")
-        for ax, (name, counts) in zip(axes.flat, shown):
-            lo = [float(x) for x in edges[:-1]][:len(counts)]
+        for axis in axes.flat[len(shown):]:
+            axis.axis("off")
+        for axis, (name, counts) in zip(axes.flat, shown):
+            left_edges = [float(x) for x in edges[:-1]][:len(counts)]
             width = [float(b) - float(a) for a, b in zip(edges[:-1], edges[1:])][:len(counts)]
-            ax.bar(lo, counts, width=width, align="edge", color="#1f4e8c", edgecolor="white", linewidth=0.5)
-            ax.set_title(str(name) if len(str(name)) <= 34 else "…" + str(name)[-33:], fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.set_xlim(float(edges[0]), float(edges[-1]))
-        for ax in axes[-1]:
-            ax.set_xlabel("firing frequency", fontsize=7)
-        for ax in axes[:, 0]:
-            ax.set_ylabel("hidden units", fontsize=7)
+            axis.bar(left_edges, counts, width=width, align="edge", color="#1f4e8c", edgecolor="white", linewidth=0.5)
+            axis.set_title(str(name) if len(str(name)) <= 34 else "…" + str(name)[-33:], fontsize=8)
+            axis.tick_params(labelsize=7)
+            axis.set_xlim(float(edges[0]), float(edges[-1]))
+        for axis in axes[-1]:
+            axis.set_xlabel("firing frequency", fontsize=7)
+        for axis in axes[:, 0]:
+            axis.set_ylabel("hidden units", fontsize=7)
         more = f" (first {len(shown)} of {len(layers)} layers)" if len(layers) > len(shown) else ""
         fig.suptitle(title + more, fontsize=10)
         fig.tight_layout()

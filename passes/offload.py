@@ -11,7 +11,6 @@ Design: docs/design/offload.md, "The pass".
 """
 from __future__ import annotations
 
-import copy
 import functools
 import operator
 import re
@@ -23,6 +22,7 @@ import torch
 from torch import fx
 
 from fxmem.blocks import block_paths
+from fxmem.copy_on_write import private_owner
 from fxmem.costmodel import TraceIndex, estimate, node_costs, smallest_fitting_prefix, trace_forward
 from fxmem.errors import PolicyError
 from fxmem.graph_segments import with_segments
@@ -506,17 +506,8 @@ def offload_weights(program: Program, options: OffloadOptions, tier: str):
 def _remove_attr(root: torch.nn.Module, target: str) -> None:
     """Delete a parameter from the module tree, copying the modules on its path first (copy-on-write), so the
     program this one was snapshotted from keeps its parameter."""
-    *path, leaf = target.split(".")
-    mod = root
-    for name in path:
-        child = mod._modules[name]
-        new = copy.copy(child)
-        new._parameters = dict(child._parameters)
-        new._buffers = dict(child._buffers)
-        new._modules = dict(child._modules)
-        mod._modules[name] = new
-        mod = new
-    del mod._parameters[leaf]
+    prefix, _, leaf = target.rpartition(".")
+    del private_owner(root, prefix)._parameters[leaf]
 
 
 def _weight_blocks(names: list[str], size: dict[str, int]) -> dict[str, str]:

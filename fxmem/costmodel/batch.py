@@ -39,14 +39,14 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
         try:
             return estimate(program, scaled_args, scaled_kwargs, mode=mode, optimizer=optimizer, method=method,
                             loss_fn=loss_fn).peak
-        except (RuntimeError, IndexError) as e:
+        except (RuntimeError, IndexError) as error:
             if batch == example_batch or not _runs_at(program, args, kwargs, mode, loss_fn):
                 raise  # not the scaling: the example inputs fail too
             raise InputShapeError(
                 f"plan_batch: the model rejects its inputs scaled to batch {batch} along dim {batch_dim} (the inputs "
-                f"of size {example_batch} there, rows repeated): {type(e).__name__}: {str(e).splitlines()[0]}; "
+                f"of size {example_batch} there, rows repeated): {type(error).__name__}: {str(error).splitlines()[0]}; "
                 "inputs whose rows are not independent samples (a graph's node features beside its edge_index) "
-                "cannot be scaled so: estimate at the sizes you plan instead") from e
+                "cannot be scaled so: estimate at the sizes you plan instead") from error
 
     peak_one = peak_at(1)
     if peak_one > usable:
@@ -95,30 +95,30 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, limit: int) -> int:
     Brackets the answer from `guess` in steps that start at a tenth of it and double (down while it does not
     fit, up while it does), then bisects: a guess off by a factor costs a few evaluations more, not a smaller
     answer."""
-    n, step = min(max(1, guess), limit), max(1, guess // 10)
-    if fits(n):
-        lo, hi = n, limit + 1
-        while lo < limit:
-            n = min(limit, lo + step)
-            if not fits(n):
-                hi = n
+    candidate, step = min(max(1, guess), limit), max(1, guess // 10)
+    if fits(candidate):
+        fitting, failing = candidate, limit + 1
+        while fitting < limit:
+            candidate = min(limit, fitting + step)
+            if not fits(candidate):
+                failing = candidate
                 break
-            lo, step = n, 2 * step
+            fitting, step = candidate, 2 * step
     else:
-        lo, hi = 1, n
-        while hi - step > 1:
-            n = hi - step
-            if fits(n):
-                lo = n
+        fitting, failing = 1, candidate
+        while failing - step > 1:
+            candidate = failing - step
+            if fits(candidate):
+                fitting = candidate
                 break
-            hi, step = n, 2 * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+            failing, step = candidate, 2 * step
+    while failing - fitting > 1:
+        mid = (fitting + failing) // 2
         if fits(mid):
-            lo = mid
+            fitting = mid
         else:
-            hi = mid
-    return lo
+            failing = mid
+    return fitting
 
 
 def smallest_fitting_prefix(count: int, peak_of, budget: int) -> int:
@@ -126,11 +126,11 @@ def smallest_fitting_prefix(count: int, peak_of, budget: int) -> int:
     so the peak falls as k grows); count when even all do not fit. Passes call this with their own peak_of."""
     if peak_of(count) > budget:
         return count
-    lo, hi = 1, count
-    while lo < hi:
-        mid = (lo + hi) // 2
+    low, high = 1, count
+    while low < high:
+        mid = (low + high) // 2
         if peak_of(mid) <= budget:
-            hi = mid
+            high = mid
         else:
-            lo = mid + 1
-    return lo
+            low = mid + 1
+    return low

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
@@ -24,17 +24,15 @@ from .. import ops as optable
 from ..fake import (meta_as_device, module_tensors, propagating_real_values, sizing_device, static_sizes_if_needed,
                     with_data_dependent_fallback)
 from ..kernel_layouts import CpuKernelLayouts
-from ..nn.recast import active_scope as recast_active, aside as recast_aside, cast_param, group_of, \
-    installed as recast_installed, nested_recipes, recipe_tensors, scope_for as recast_scope
-from ..nn.regions import region_info
+from ..nn.recast import installed as recast_installed, nested_recipes, scope_for as recast_scope
 from ..ops import written_positions
-from ..program import Program, buffers_kept, module_path
+from ..program import Program, buffers_kept
 from ..step import compute_loss
 from .formula import call_signature, formula_run
 from .grad_leaves import reached_leaves
 from .measured_saves import measured_slots
 from .grad_layouts import layout_of
-from .graph_run import CodegenInterpreter
+from .recording_interpreter import RecordingInterpreter
 from .storage_keys import StorageKeys
 
 
@@ -360,84 +358,6 @@ class DispatchRecorder(TorchDispatchMode):
             record.grad_alias = info.grad_alias
 
 
-class _RecordingInterpreter(CodegenInterpreter):
-    def __init__(self, module, recorder: DispatchRecorder):
-        super().__init__(module)
-        self.recorder = recorder
-
-    def run_node(self, n):
-        recorder = self.recorder
-        recorder.node = n.name
-        recorder.step += 1
-        recorder.module = module_path(n)
-        recorder.recast_node = n.op == "call_function" and n.target is cast_param
-        first = len(recorder.records)
-        out = super().run_node(n)
-        recorder.settle_deferred()
-        scope = recast_active()
-        recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
-        if recipe is not None and recorder.recipe_of.get(recorder.key(out)[0]) is not recipe:
-            # the node registered its output as a recipe (fxmem.nn.recast: remat, remat_call, bool-mask dropout),
-            # or an in-place op re-registered a recipe's storage (relu_ after a batch norm): saved as the recipe,
-            # which holds its arguments, and recomputed in backward (a view of a recipe's output is not new)
-            self._as_recipe(recorder.key(out)[0], recipe, n, first)
-            # a tensor of the op's own making it saves besides its output (max pooling's indices), a recipe too
-            for record in recorder.records[first:]:
-                for saved in list(record.saved):
-                    other = scope.recipe_of_storage(recorder.storages.address(saved))
-                    if other is not None and other is not recipe and recorder.recipe_of.get(saved) is not other:
-                        self._as_recipe(saved, other, n, first)
-        recorder.node_held = []
-        return out
-
-    def _as_recipe(self, key: int, recipe, n, first: int) -> None:
-        """Storage `key`, made by node `n` (its records from `first` on), saved as `recipe`."""
-        recorder = self.recorder
-        recorder.recast_keys.add(key)
-        recorder.recipe_holds[key] = list(dict.fromkeys(recorder.key(t)[0] for t in recipe_tensors(recipe)))
-        recorder.recipe_at[key] = n.name
-        recorder.recipe_of[key] = recipe
-        group = group_of(recipe)
-        if recipe.share or group is not None:
-            recorder.recipe_shared.add(key)
-        else:
-            recorder.recipe_shared.discard(key)
-        if group is not None:
-            recorder.recipe_group[key] = id(group)
-        for record in recorder.records[first:]:  # the op's own saves of it (ReLU's result, max pooling's indices)
-            if record.region is None and key in record.saved:
-                record.saved = [saved for saved in record.saved if saved != key]
-                record.recast = list(record.recast) + [key]
-                recorder.hold_recipe_args(record)
-
-    def call_module(self, target, args, kwargs):
-        module = self.fetch_attr(target)
-        info = region_info(module)
-        if info is None:
-            return super().call_module(target, args, kwargs)
-        enclosing = self.recorder.region
-        self.recorder.region = target
-        try:
-            with recast_aside():  # as the region's forward does: its own hooks decide inside
-                if isinstance(info.body, fx.GraphModule) and not kwargs:  # its nodes counted, as the program's
-                    return _StepInterpreter(info.body, self.recorder).run(*args)
-                return info.body(*args, **kwargs)  # the region's computation, recorded op by op
-        finally:
-            self.recorder.region = enclosing
-
-
-class _StepInterpreter(CodegenInterpreter):
-    """Runs a region's body node by node, counting its nodes as steps (labels stay the region's)."""
-
-    def __init__(self, module, recorder: DispatchRecorder):
-        super().__init__(module)
-        self.recorder = recorder
-
-    def run_node(self, n):
-        self.recorder.step += 1
-        return super().run_node(n)
-
-
 @dataclass(frozen=True)
 class ForwardTrace:
     """What `trace_forward` recorded: the recorder (its `records`, `storage_bytes`, recipes), the storages that
@@ -456,8 +376,6 @@ def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> Fo
     tensor values are taken from the example inputs (see `fxmem.fake.with_data_dependent_fallback`)."""
     return with_data_dependent_fallback(lambda: static_sizes_if_needed(
         lambda static: _trace_forward(program, args, kwargs, mode, loss_fn, static)))
-
-
 
 
 class _SharedFakes:
@@ -540,7 +458,7 @@ def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: st
             # the CPU kernels' output layouts below the recorder (a reshape copies where the real run's does), and
             # what the module's forward hooks enter (recipes register there)
             with CpuKernelLayouts(), recorder, recast_scope(module):
-                out_flat = _RecordingInterpreter(module, recorder).run(*fake_flat, enable_io_processing=False)
+                out_flat = RecordingInterpreter(module, recorder).run(*fake_flat, enable_io_processing=False)
                 output = module.graph.process_outputs(out_flat)
                 out_keys = {recorder.key(t)[0] for t in pytree.tree_leaves(out_flat) if isinstance(t, torch.Tensor)}
                 if mode == "train":

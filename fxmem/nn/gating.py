@@ -20,16 +20,16 @@ from ..errors import FxmemError
 __all__ = ["GatedResidual", "gating_loss", "skip_stats", "reset_skip_stats", "gates"]
 
 
-def _is_fake_or_tracing(x) -> bool:
+def _is_fake_or_tracing(value) -> bool:
     try:
         from torch._subclasses.fake_tensor import is_fake
-        if is_fake(x):
+        if is_fake(value):
             return True
     except ImportError:  # pragma: no cover
         pass
     if torch.compiler.is_compiling():
         return True
-    return type(x) is not torch.Tensor and not isinstance(x, nn.Parameter)
+    return type(value) is not torch.Tensor and not isinstance(value, nn.Parameter)
 
 
 class GatedResidual(nn.Module):
@@ -60,9 +60,9 @@ class GatedResidual(nn.Module):
 
     def __getstate__(self):
         # the last training forward's gate values are part of an autograd graph: never copied or pickled
-        d = self.__dict__.copy()
-        d["_last_raw"] = None
-        return d
+        state = self.__dict__.copy()
+        state["_last_raw"] = None
+        return state
 
     # ------------------------------------------------------------------------------------------- stats
     def reset_stats(self) -> None:
@@ -77,60 +77,60 @@ class GatedResidual(nn.Module):
                 "skip_rate": self.rows_skipped / self.rows if self.rows else 0.0}
 
     # ------------------------------------------------------------------------------------------- gate
-    def summary(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, d): the mean of x over every dim except 0 and the feature dim."""
-        fd = self.feature_dim if self.feature_dim >= 0 else x.dim() + self.feature_dim
-        if x.dim() == 1:
-            return x.unsqueeze(0)
-        xm = x.movedim(fd, -1) if fd != x.dim() - 1 else x
-        if xm.dim() > 2:
-            xm = xm.reshape(xm.shape[0], -1, xm.shape[-1]).mean(1)
-        return xm
+    def summary(self, residual: torch.Tensor) -> torch.Tensor:
+        """(B, d): the mean of `residual` over every dim except 0 and the feature dim."""
+        feature_dim = self.feature_dim if self.feature_dim >= 0 else residual.dim() + self.feature_dim
+        if residual.dim() == 1:
+            return residual.unsqueeze(0)
+        moved = residual.movedim(feature_dim, -1) if feature_dim != residual.dim() - 1 else residual
+        if moved.dim() > 2:
+            moved = moved.reshape(moved.shape[0], -1, moved.shape[-1]).mean(1)
+        return moved
 
-    def raw_gate(self, x: torch.Tensor) -> torch.Tensor:
+    def raw_gate(self, residual: torch.Tensor) -> torch.Tensor:
         """2 * sigmoid(u) per row, unclamped (what gating_loss penalises)."""
-        u = self.gate(self.summary(x)).squeeze(-1)
-        return 2.0 * torch.sigmoid(u)
+        logit = self.gate(self.summary(residual)).squeeze(-1)
+        return 2.0 * torch.sigmoid(logit)
 
-    def _bcast(self, g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return g.reshape([g.shape[0]] + [1] * (like.dim() - 1)).to(like.dtype)
+    def _bcast(self, gate: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return gate.reshape([gate.shape[0]] + [1] * (like.dim() - 1)).to(like.dtype)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, *inputs):
-        x = inputs[self.x_index]
+        residual = inputs[self.x_index]
         if self.force_open:
-            return x + self.body(*inputs)
-        raw = self.raw_gate(x)
-        g = torch.clamp(raw, max=1.0)
-        soft = self.training or torch.is_grad_enabled() and x.requires_grad or _is_fake_or_tracing(x)
+            return residual + self.body(*inputs)
+        raw = self.raw_gate(residual)
+        gate = torch.clamp(raw, max=1.0)
+        soft = self.training or torch.is_grad_enabled() and residual.requires_grad or _is_fake_or_tracing(residual)
         if soft:
             if self.training:
                 self._last_raw = raw
-            f = self.body(*inputs)
-            return x + self._bcast(g, f) * f
+            branch = self.body(*inputs)
+            return residual + self._bcast(gate, branch) * branch
         # ---- hard gates (inference)
-        open_ = g >= self.threshold
-        n = int(open_.numel())
+        open_ = gate >= self.threshold
+        rows = int(open_.numel())
         n_open = int(open_.sum())
         self.calls += 1
-        self.rows += n
+        self.rows += rows
         if n_open == 0:
             self.calls_skipped += 1
-            self.rows_skipped += n
-            return x
-        if n_open == n:
-            f = self.body(*inputs)
-            return x + self._bcast(g, f) * f
+            self.rows_skipped += rows
+            return residual
+        if n_open == rows:
+            branch = self.body(*inputs)
+            return residual + self._bcast(gate, branch) * branch
         if self.per_sample and self.row_safe:
             idx = open_.nonzero().squeeze(1)
             sub = list(inputs)
-            xs = x.index_select(0, idx)
-            sub[self.x_index] = xs
-            f = self.body(*sub)
-            self.rows_skipped += n - n_open
-            return x.index_copy(0, idx, xs + self._bcast(g.index_select(0, idx), f) * f)
-        f = self.body(*inputs)
-        return x + self._bcast(torch.where(open_, g, torch.zeros_like(g)), f) * f
+            open_rows = residual.index_select(0, idx)
+            sub[self.x_index] = open_rows
+            branch = self.body(*sub)
+            self.rows_skipped += rows - n_open
+            return residual.index_copy(0, idx, open_rows + self._bcast(gate.index_select(0, idx), branch) * branch)
+        branch = self.body(*inputs)
+        return residual + self._bcast(torch.where(open_, gate, torch.zeros_like(gate)), branch) * branch
 
     def extra_repr(self) -> str:
         return (f"label={self.label!r}, features={self.features}, threshold={self.threshold}, "
@@ -144,10 +144,10 @@ def gates(module: nn.Module) -> dict[str, GatedResidual]:
 def gating_loss(module: nn.Module) -> torch.Tensor:
     """Sparsity regulariser for the gates: the mean over gated branches of the mean (unclamped) gate value of the
     last training-mode forward. Add `lam * gating_loss(model)` to the task loss."""
-    gs = gates(module)
-    if not gs:
+    gated = gates(module)
+    if not gated:
         raise FxmemError("gating_loss: the module has no GatedResidual (run the gating pass first)")
-    vals = [m._last_raw.float().mean() for m in gs.values() if m._last_raw is not None]
+    vals = [m._last_raw.float().mean() for m in gated.values() if m._last_raw is not None]
     if not vals:
         raise FxmemError("gating_loss: no gate has run in training mode yet (call model.train() and run a "
                          "forward pass before computing the loss)")
@@ -160,8 +160,8 @@ def skip_stats(module: nn.Module) -> dict[str, dict]:
 
 
 def reset_skip_stats(module: nn.Module) -> None:
-    for m in gates(module).values():
-        m.reset_stats()
+    for gate_module in gates(module).values():
+        gate_module.reset_stats()
 
 
 def _body_repr(body) -> str:  # pragma: no cover - debugging aid

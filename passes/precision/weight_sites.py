@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from fxmem.copy_on_write import private_owner
 from fxmem.depgroups import attr_of
 from fxmem.nn.quantized_weights import QuantizedWeight
 from fxmem.ops import op_name
@@ -15,7 +16,6 @@ from fxmem.weights_left import feeds_a_linear
 
 from .nodes import matching_pattern
 from .options import PrecisionOptions
-from .params import own_path
 
 aten = torch.ops.aten
 CONVOLUTIONS = (aten.convolution.default, aten._convolution.default, aten.conv1d.default, aten.conv2d.default,
@@ -110,7 +110,7 @@ def swap_weight(gm: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:
     every read of the parameter a call of it, placed just before the read; a read of one expert
     (`select(W, 0, i)`) dequantizes that expert only. Returns the module's target."""
     prefix, _, name = site.target.rpartition(".")
-    owner = own_path(gm, prefix)
+    owner = private_owner(gm, prefix)
     del owner._parameters[name]
     owner._modules[name] = module
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -46,17 +46,17 @@ class WeightStreamer(nn.Module):
         flat: dict[str, torch.Tensor] = {}
         for bname in self.names:
             row = []
-            for qn, t in blocks[bname]:
-                if t.requires_grad:
-                    raise ValueError(f"weight offload: parameter {qn!r} of block {bname!r} requires grad; only "
+            for param_name, tensor in blocks[bname]:
+                if tensor.requires_grad:
+                    raise ValueError(f"weight offload: parameter {param_name!r} of block {bname!r} requires grad; only "
                                      f"frozen (requires_grad=False) or inference-time weights can be streamed")
-                row.append((qn, tuple(t.shape), t.dtype))
-                flat[qn] = t.detach()
+                row.append((param_name, tuple(tensor.shape), tensor.dtype))
+                flat[param_name] = tensor.detach()
             self.spec.append(row)
         first = next(iter(flat.values()), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None
                                                                          else torch.device("cpu"))
-        self.bytes_offloaded = sum(t.numel() * t.element_size() for t in flat.values())
+        self.bytes_offloaded = sum(tensor.numel() * tensor.element_size() for tensor in flat.values())
         self.scratch_root = scratch_root
         self._dir: str | None = None
         self._path: str | None = None
@@ -75,7 +75,7 @@ class WeightStreamer(nn.Module):
                 self._path = os.path.join(self._dir, "weights.safetensors")
                 self._finalizer = weakref.finalize(self, cleanup_files, [None], self._path, self._dir)
             self._file = None
-            save_file({k: v.detach().cpu().contiguous() for k, v in flat.items()}, self._path)
+            save_file({name: tensor.detach().cpu().contiguous() for name, tensor in flat.items()}, self._path)
             self._open()
             if self.unlink_early:
                 try:
@@ -86,9 +86,9 @@ class WeightStreamer(nn.Module):
                     pass
         else:
             pin = torch.cuda.is_available()
-            for k, v in flat.items():
-                h = v.detach().to("cpu", copy=True)
-                self._host[k] = h.pin_memory() if pin else h
+            for name, tensor in flat.items():
+                host_copy = tensor.detach().to("cpu", copy=True)
+                self._host[name] = host_copy.pin_memory() if pin else host_copy
 
     def _open(self):
         from safetensors import safe_open
@@ -107,55 +107,55 @@ class WeightStreamer(nn.Module):
         raise TypeError("a WeightStreamer (fxmem weight offload) cannot be pickled: its weights live in a scratch "
                         "file; save the model's state_dict instead")
 
-    def _source(self, qn: str) -> torch.Tensor:
-        return self._file.get_tensor(qn) if self.tier == "disk" else self._host[qn]
+    def _source(self, name: str) -> torch.Tensor:
+        return self._file.get_tensor(name) if self.tier == "disk" else self._host[name]
 
-    def _alloc(self, i: int) -> list:
-        return [torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in self.spec[i]]
+    def _alloc(self, block: int) -> list:
+        return [torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in self.spec[block]]
 
-    def _fill(self, i: int, dst: list) -> list:
+    def _fill(self, block: int, dst: list) -> list:
         with torch.no_grad():
-            for (qn, _, _), d in zip(self.spec[i], dst):
-                d.copy_(self._source(qn), non_blocking=self.device.type == "cuda")
+            for (name, _, _), target in zip(self.spec[block], dst):
+                target.copy_(self._source(name), non_blocking=self.device.type == "cuda")
         return dst
 
-    def _fill_from_box(self, i: int, box: list) -> None:
+    def _fill_from_box(self, block: int, box: list) -> None:
         """`_fill` on the I/O thread, which then holds nothing of block i's tensors (its executor keeps a task's
         arguments until after the result is set: the block would outlive its last use while that thread waits)."""
-        self._fill(i, box.pop())
+        self._fill(block, box.pop())
 
-    def fetch(self, i: int) -> tuple:
-        if not 0 <= i < len(self.spec):
-            raise IndexError(f"WeightStreamer: block {i} out of range (have {len(self.spec)})")
-        got = self._pending.pop(i, None)
+    def fetch(self, block: int) -> tuple:
+        if not 0 <= block < len(self.spec):
+            raise IndexError(f"WeightStreamer: block {block} out of range (have {len(self.spec)})")
+        got = self._pending.pop(block, None)
         if got is None:
-            out = self._fill(i, self._alloc(i))
+            out = self._fill(block, self._alloc(block))
         else:
             out, fut = got
             if fut is not None:
                 fut.result()
-        for j in range(i + 1, min(len(self.spec), i + 1 + self.prefetch)):
-            if j not in self._pending:
-                dst = self._alloc(j)  # allocated here, on the calling thread: counted by fxmem.measure
-                self._pending[j] = (dst, executor("weights").submit(self._fill_from_box, j, [dst]))
-        if i == 0:
+        for ahead in range(block + 1, min(len(self.spec), block + 1 + self.prefetch)):
+            if ahead not in self._pending:
+                dst = self._alloc(ahead)  # allocated here, on the calling thread: counted by fxmem.measure
+                self._pending[ahead] = (dst, executor("weights").submit(self._fill_from_box, ahead, [dst]))
+        if block == 0:
             # a new step: drop prefetches the last step left behind for blocks before this one
             pass
         return tuple(out)
 
-    def forward(self, i: int) -> tuple:
+    def forward(self, block: int) -> tuple:
         from torch._guards import detect_fake_mode
         if detect_fake_mode() is not None or torch.compiler.is_compiling():
-            if i == 0:
+            if block == 0:
                 self._fake_next.clear()
-            out = self._fake_next.pop(i, None) or tuple(self._alloc(i))
-            for j in range(i + 1, min(len(self.spec), i + 1 + self.prefetch)):
-                if j not in self._fake_next:
-                    self._fake_next[j] = tuple(self._alloc(j))
-            if i == len(self.spec) - 1:
+            out = self._fake_next.pop(block, None) or tuple(self._alloc(block))
+            for ahead in range(block + 1, min(len(self.spec), block + 1 + self.prefetch)):
+                if ahead not in self._fake_next:
+                    self._fake_next[ahead] = tuple(self._alloc(ahead))
+            if block == len(self.spec) - 1:
                 self._fake_next.clear()
             return out
-        return self.fetch(i)
+        return self.fetch(block)
 
     def state_dict_entries(self) -> dict[str, torch.Tensor]:
         return {qn: self._source(qn).clone() for row in self.spec for qn, _, _ in row}
@@ -163,11 +163,11 @@ class WeightStreamer(nn.Module):
     def update(self, values: dict[str, torch.Tensor]) -> None:
         """Replace stored weights (load_state_dict)."""
         known = {qn: (shape, dt) for row in self.spec for qn, shape, dt in row}
-        for k, v in values.items():
-            if k not in known:
-                raise KeyError(f"WeightStreamer: no streamed weight named {k!r}")
-            if tuple(v.shape) != known[k][0]:
-                raise ValueError(f"WeightStreamer: {k!r} has shape {tuple(v.shape)}, expected {known[k][0]}")
+        for name, value in values.items():
+            if name not in known:
+                raise KeyError(f"WeightStreamer: no streamed weight named {name!r}")
+            if tuple(value.shape) != known[name][0]:
+                raise ValueError(f"WeightStreamer: {name!r} has shape {tuple(value.shape)}, expected {known[name][0]}")
         flat = {qn: (values[qn] if qn in values else self._source(qn)).detach().to(known[qn][1]).cpu().clone()
                 for qn in known}
         self._pending.clear()
@@ -177,21 +177,21 @@ class WeightStreamer(nn.Module):
         """Make `owner.state_dict()` / `load_state_dict()` see the streamed weights under their original names."""
         # the hooks find the streamer by attribute on the module they run for, so deep copies use their own
         def save_hook(module, state_dict, prefix, local_metadata):
-            ws = getattr(module, attr, None)
-            if isinstance(ws, WeightStreamer):
-                for k, v in ws.state_dict_entries().items():
-                    state_dict[prefix + k] = v
+            streamer = getattr(module, attr, None)
+            if isinstance(streamer, WeightStreamer):
+                for name, value in streamer.state_dict_entries().items():
+                    state_dict[prefix + name] = value
             return state_dict
 
         def load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs):
-            ws = getattr(module, attr, None)
-            if not isinstance(ws, WeightStreamer):
+            streamer = getattr(module, attr, None)
+            if not isinstance(streamer, WeightStreamer):
                 return
-            names = [qn for row in ws.spec for qn, _, _ in row]
+            names = [qn for row in streamer.spec for qn, _, _ in row]
             vals = {qn: state_dict.pop(prefix + qn) for qn in names if prefix + qn in state_dict}
             if vals:
-                ws.update(vals)
+                streamer.update(vals)
             if strict:
                 missing_keys.extend(prefix + qn for qn in names if qn not in vals)
 
