@@ -40,8 +40,10 @@ def emit_fully_masked_rows(graph: fx.Graph, call: SdpaCall, out: fx.Node, mask_d
     graph's insertion point). `ndim`: the rank of q, k and v."""
     fn = graph.call_function
     lowest = torch.finfo(mask_dtype).min
-    top = fn(aten.amax.default, (call.mask, [-1], True))
-    bottom = fn(aten.amin.default, (call.mask, [-1], True))
+    # (a learned bias's extremes, detached: no autograd node keeps the bias and its extremes alive to backward)
+    mask_const = fn(aten.detach.default, (call.mask,))
+    top = fn(aten.amax.default, (mask_const, [-1], True))
+    bottom = fn(aten.amin.default, (mask_const, [-1], True))
     full = fn(aten.logical_and.default, (fn(aten.eq.Scalar, (top, lowest)), fn(aten.eq.Scalar, (bottom, lowest))))
     v_const = fn(aten.detach.default, (call.v,))
     v_mean_const = fn(aten.mean.dim, (v_const, [-2], True))

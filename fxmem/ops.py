@@ -372,6 +372,15 @@ def view_grad_is_new(op) -> bool:
     return info is not None and info.category == VIEW and info.grad_passthrough and not info.grad_view
 
 
+def view_grad_is_a_view(op) -> bool:
+    """A view whose backward hands its input the output's gradient seen through the inverse view (a transpose, a
+    permute, an unsqueeze), no new buffer: the op returns an alias of its input (not `_unsafe_view`'s fresh tensor)."""
+    info = lookup(op)
+    schema = getattr(op, "_schema", None)
+    return info is not None and info.category == VIEW and info.grad_view and schema is not None \
+        and any(ret.alias_info is not None for ret in schema.returns)
+
+
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))
 _reg(["clone", "_to_copy", "to", "repeat", "copy_", "copy", "roll", "flip", "pad",
       "constant_pad_nd", "repeat_interleave", "type_as", "_unsafe_index", "tile", "masked_select",

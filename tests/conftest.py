@@ -185,6 +185,18 @@ def planner_sets(program, loss_fn, remat: bool = False, opts=None):
     return prog, est0, sets, estimate_of
 
 
+def estimates_and_measured(program, args) -> tuple:
+    """(peak, activations) of `program`'s training step three ways: the static estimate, the traced one, and
+    `fxmem.measure` on a copy of the program at `args`."""
+    import copy
+
+    import fxmem
+    static = fxmem.estimate(program)
+    traced = fxmem.estimate(program, method="traced")
+    measured = fxmem.measure(copy.deepcopy(program.module), args)
+    return tuple((memory.peak, memory.activations) for memory in (static, traced, measured))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

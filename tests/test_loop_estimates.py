@@ -1,10 +1,8 @@
 """Models that loop over time (issue 30 §4): a recurrent cell run step by step in Python, a selective scan written
-as a loop (what Hugging Face's Mamba runs on CPU), a two-layer GRU (a composite op looping in C++). The static
-estimate of a training step is within 2% of fxmem.measure on the same captured program: a weight every step reads,
-a slice of one tensor read at every step, and a composite op's temporaries each once cost it 3-9%. A recurrent state
-both fed to the next step and collected for the output (stacked, joined, summed, unsqueezed at each step and
-joined) is estimated exactly: the static
-estimate equals the traced one and the measurement."""
+as a loop (what Hugging Face's Mamba runs on CPU), a two-layer GRU (a composite op looping in C++), and recurrent
+states both fed to the next step and collected for the output (stacked, joined, summed, unsqueezed at each step and
+joined). The static estimate equals the traced one and the measurement on all but the GRU, which it estimates at
+most 2% high."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +12,8 @@ import torch
 from torch import nn
 
 import fxmem
+
+from .conftest import estimates_and_measured
 
 BATCH, STEPS, HIDDEN = 4, 16, 32
 
@@ -69,15 +69,32 @@ class _TwoLayerGRU(nn.Module):
 LOOPS = {"rnn_cell_loop": _CellLoop, "scan_loop": _ScanLoop, "two_layer_gru": _TwoLayerGRU}
 
 
-@pytest.mark.parametrize("name", LOOPS)
-def test_static_estimate_of_a_looping_model_is_within_two_percent_of_measured(name):
+@pytest.mark.parametrize("steps", [3, STEPS])
+@pytest.mark.parametrize("name", ["rnn_cell_loop", "scan_loop"])
+def test_static_estimate_of_a_cell_or_scan_loop_equals_traced_and_measured(name, steps):
+    """A cell's weights, read through `weight.t()` at every step: the gradient each step makes waits at that
+    transpose's backward and is added to the weight's there, once the step's other gradients are gone (the walk
+    added it at the step's matmul, with them: 640 B high from 4 steps on)."""
     torch.manual_seed(0)
-    model, x = LOOPS[name](), torch.randn(BATCH, STEPS, HIDDEN)
+    model, x = LOOPS[name](), torch.randn(BATCH, steps, HIDDEN)
+    program = fxmem.capture(model, (x,))
+    assert fxmem.estimate(program).unknown_ops == []
+    static, traced, measured = estimates_and_measured(program, (x,))
+    assert static == traced == measured
+
+
+def test_static_estimate_of_a_composite_gru_is_within_two_percent_of_measured():
+    """`nn.GRU` runs as one composite op whose in-place gate arithmetic the walk follows op by op: exact on the
+    activations; where backward holds the peak (a few steps), up to 2048 B per step high there (the gate
+    gradients' joins), never low."""
+    torch.manual_seed(0)
+    model, x = LOOPS["two_layer_gru"](), torch.randn(BATCH, STEPS, HIDDEN)
     program = fxmem.capture(model, (x,))
     static = fxmem.estimate(program)
     measured = fxmem.measure(copy.deepcopy(program.module), (x,))
     assert static.unknown_ops == [], static.unknown_ops
-    assert abs(static.peak / measured.peak - 1) <= 0.02, (static.peak, measured.peak)
+    assert static.activations == measured.activations
+    assert 0 <= static.peak - measured.peak <= 0.02 * measured.peak, (static.peak, measured.peak)
 
 
 class _StateLoop(nn.Module):
@@ -147,9 +164,5 @@ STATE_LOOPS = {
 def test_static_estimate_of_a_state_fed_on_and_collected_equals_traced_and_measured(name):
     torch.manual_seed(0)
     model, x = STATE_LOOPS[name](), torch.randn(BATCH, 6, HIDDEN)
-    program = fxmem.capture(model, (x,))
-    static = fxmem.estimate(program)
-    traced = fxmem.estimate(program, method="traced")
-    measured = fxmem.measure(copy.deepcopy(program.module), (x,))
-    assert (static.peak, static.activations) == (traced.peak, traced.activations) \
-        == (measured.peak, measured.activations)
+    static, traced, measured = estimates_and_measured(fxmem.capture(model, (x,)), (x,))
+    assert static == traced == measured

@@ -13,6 +13,7 @@ from torch import nn
 import fxmem
 from fxmem.extreme_values import beyond_range
 
+from .conftest import estimates_and_measured
 from .test_attention import assert_same, check_exact, rewrite, run_with_grads
 
 aten = torch.ops.aten
@@ -169,3 +170,37 @@ def test_left_padded_decoder_keeps_bf16_in_medium():
         got = result.module(*args, **kwargs)
         assert torch.isfinite(got.logits).all()
         assert abs(got.loss.item() - model(*args, **kwargs).loss.item()) < 0.02
+
+
+class LearnedBiasAttention(nn.Module):
+    """Attention with a learned additive bias per head (T5's and ALiBi-like position biases), the scale applied
+    by division: the rewrite passes the bias to SDPA as its mask, and the rows check reads the bias."""
+
+    def __init__(self, dim=32, heads=4, seq=16):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.bias = nn.Parameter(torch.randn(heads, seq, seq) * 0.1)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / (dim // self.heads) ** 0.5 + self.bias
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim))
+
+
+@pytest.mark.parametrize("name", ["padded_mask", "learned_bias"])
+def test_static_estimate_of_the_rewritten_attention_equals_traced_and_measured(name):
+    """After the rewrite, the fully masked rows' correction is estimated exactly: k read through a transpose and
+    directly (its gradient is unbind's view's, not the whole projection's), and a learned bias's extremes read
+    without keeping the bias to backward."""
+    if name == "padded_mask":
+        model, args = attention_inputs("left")
+    else:
+        torch.manual_seed(0)
+        model, args = LearnedBiasAttention(), (torch.randn(8, 16, 32),)
+    result = fxmem.transform(model, args, policy="low")
+    assert any(n.target is aten.scaled_dot_product_attention.default for n in result.module.graph.nodes)
+    static, traced, measured = estimates_and_measured(result.program, args)
+    assert static == traced == measured

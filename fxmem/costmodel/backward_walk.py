@@ -15,9 +15,13 @@ from .join_views import join_views
 from .liveness import SavePlan, first_unpack
 from .op_grads import OpGrads
 from .shared_grads import SharedGrads
+from .view_grad_walk import ViewGradWalk
 
 
-class StaticBackward:
+DIRECT = "direct"  # a sum into the gradient a storage's producer has apart from a join's slice (`_direct_grad`)
+
+
+class StaticBackward(ViewGradWalk):
     """The backward walk, from the last record to the first. Its live bytes continue the forward walk's.
 
     What stays referenced until the step ends: its outputs, and what ops off the loss's path saved (`off_loss`:
@@ -43,6 +47,8 @@ class StaticBackward:
         self.join_views = join_views(plan.records)
         self.pending: dict[int, int] = {}
         self.direct_grads: dict[int, int] = {}
+        self.alias_grads: dict[int, tuple[int, int]] = {}  # transpose/reshape record -> (its input's key, bytes of
+        # the gradient held for it there: `_hold_for_alias`)
         self.seed = seed
         if seed[0] is not None:
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
@@ -78,7 +84,7 @@ class StaticBackward:
         for record in reversed(self.plan.records):
             for key in self.reload_at.get(record.idx, ()):
                 self.live_bytes += self.storage_bytes[key]
-            if not record.out_rg or record.idx in self.off_loss:
+            if not record.out_rg or record.idx in self.off_loss or record.routes_grads:
                 self._recompute(record)
                 # an op without a backward still frees what is held until its position (a region input held
                 # until the region's first op, e.g. a mask built there), and a region whose first op needs no
@@ -212,120 +218,9 @@ class StaticBackward:
             self.live_bytes += nbytes
         self._free_saved(record)
         node_peak = self._add_sums(op, node_peak)
-        node_peak = max(node_peak, self._add_pending(record))
+        node_peak = max(node_peak, self._add_pending(record), self._add_alias_grad(record))
         self._end_region(record)
         timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
-
-    def _hand_fresh_view_grads(self, op: OpGrads, routed: dict) -> None:
-        """Inputs that are views whose backward makes a new buffer (`OpRecord.view_inputs`: `x[:, t]`, a chunk),
-        given a new gradient by the formula: it is the view's own (its bytes), apart from its storage's, until the
-        view's backward makes the base's from it; one added to the one the view has already is a new buffer once
-        this op's backward has released what it held (out of place)."""
-        record = op.record
-        for position, made in routed.items():
-            if not made.fresh:
-                continue
-            (view, out), nbytes = record.view_inputs[position], record.in_bytes[position]
-            self.live_bytes += nbytes
-            self._bump(record.node, record.module)
-            if out in self.view_grads.get(view, {}):
-                op.view_sums.append((position, view, out, nbytes))
-            else:
-                self.view_grads.setdefault(view, {})[out] = nbytes
-
-    def _hand_view_grads_as_is(self, op: OpGrads, routed: dict) -> None:
-        """Such inputs given the output's gradient as it is (add's): the view's gradient holds that buffer when no
-        other input took it, else shares it (nothing of its own)."""
-        record = op.record
-        out_key = record.out_keys[0] if record.out_keys else None
-        for position, made in routed.items():
-            if made.fresh:
-                continue
-            view, out = record.view_inputs[position]
-            grads = self.view_grads.setdefault(view, {})
-            if out in grads:
-                op.view_sums.append((position, view, out, 0))
-                continue
-            grads[out] = 0
-            if not op.handed_over and out_key in self.grad_live and out_key not in self.param_keys \
-                    and out_key not in op.same:
-                heir = self.shared.leave(out_key)
-                grads[out] = self.grad_live.pop(out_key)
-                if heir is not None:  # the buffer stays counted under another gradient that is it
-                    self.grad_live[heir] += grads[out]
-                    grads[out] = 0
-                self.grad_views.discard(out_key)
-                op.handed_over = True
-
-    def _add_to_view_grad(self, view: int, out: int, record) -> int:
-        """Output `out` of view `view` has a gradient; a new one is added out of place: the sum is a new buffer of
-        the output's size, the old one goes (the new one is the caller's to release). Returns the live bytes with
-        the three."""
-        grads = self.view_grads[view]
-        total = self.plan.records[view].out_bytes[out]
-        self.live_bytes += total
-        self._bump(record.node, record.module)
-        high = self.live_bytes
-        self.live_bytes -= grads[out]
-        grads[out] = total
-        return high
-
-    def _view_backward(self, record) -> None:
-        """The backward of a view whose outputs have gradients of their own (`view_grads`): a new buffer of its
-        input's size made from them (select, slice: zeros with it copied in; expand: it summed; split: them
-        joined, with the storage's gradient its other outputs got through views of theirs), with the formula's
-        temporaries; then the outputs' gradients go and the new one is handed on (`_hand_view_input_grad`)."""
-        node_peak_start = self.node_high = self.live_bytes
-        self._recompute(record)
-        grads = self.view_grads.pop(record.idx)
-        key, nbytes = record.in_keys[0], record.in_bytes[0]
-        joined = record.grad_alias == "joined" and key in self.grad_live and key not in self.param_keys
-        mask = tuple(out in grads or joined for out in range(len(record.out_keys)))
-        strides = tuple(self.grad_layouts.take(out_key, layout) if wanted else None
-                        for out_key, layout, wanted in zip(record.out_keys, record.out_layouts, mask))
-        run = formula_run(record.call, mask, strides)
-        self.live_bytes += nbytes + run.temps
-        self._bump(record.node, record.module)
-        self.live_bytes -= run.temps + sum(grads.values())
-        if joined:  # (what `_join_split_grads` joins)
-            self._drop_grad(key)
-            self.grad_views.discard(key)
-            self.grad_expanded.discard(key)
-        node_peak = max(self.live_bytes, node_peak_start, self.node_high)
-        made = run.grads[0] if run.grads else None
-        self.grad_layouts.receive(key, record.in_layouts[0], made.strides if made is not None else None)
-        node_peak = max(node_peak, self._hand_view_input_grad(record, key, nbytes))
-        self._free_saved(record)
-        self._end_region(record)
-        timeline_add(self.timeline, "backward", record.node, self.live_bytes, node_peak)
-
-    def _hand_view_input_grad(self, record, key: int, nbytes: int) -> int:
-        """The gradient a view's backward made for its input (`key`, `nbytes`): the output's of the view it was
-        made from, or its storage's, added to what they have out of place. Returns the live bytes at the sum."""
-        if 0 in record.view_inputs:
-            view, out = record.view_inputs[0]
-            if out in self.view_grads.get(view, {}):
-                high = self._add_to_view_grad(view, out, record)
-                self.live_bytes -= nbytes
-                return high
-            self.view_grads.setdefault(view, {})[out] = nbytes
-            return self.live_bytes
-        if key not in self.grad_live:
-            # as `_input_grads` gives a gradient by storage: the whole storage's (q of a qkv: all three's, which
-            # their other views' gradients then fill)
-            self.grad_live[key] = nbytes if key in self.param_keys else max(nbytes, self.storage_bytes.get(key, 0))
-            self.live_bytes += self.grad_live[key] - nbytes
-            return self.live_bytes
-        total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
-        self.live_bytes += total
-        self._bump(record.node, record.module)
-        high = self.live_bytes
-        self.live_bytes -= nbytes
-        self._drop_grad(key)
-        self.grad_live[key] = total
-        self.grad_views.discard(key)
-        self.grad_expanded.discard(key)
-        return high
 
     def _seed_output_grads(self, record) -> None:
         """The gradients of the op's outputs (allocated by consumers; the graph's outputs get theirs from the
@@ -502,7 +397,7 @@ class StaticBackward:
         place): the sum is a new buffer then, the old and new ones go."""
         record = op.record
         self._bump(record.node, record.module)
-        if self._direct_grad(op, key, nbytes, position):
+        if self._direct_grad(op, key, nbytes, position) or self._hold_for_alias(op, key, nbytes, position):
             return
         if key not in record.out_keys:
             # the new one: nothing of its own where it is a view of the output's gradient (add's, a sum's expanded);
@@ -512,7 +407,7 @@ class StaticBackward:
             self.live_bytes += added
             self._bump(record.node, record.module)
             total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
-            op.sums.append((position, key, added, total, False))
+            op.sums.append((position, key, added, total, None))
             self.grad_views.discard(key)
             return
         self.live_bytes += nbytes
@@ -536,7 +431,7 @@ class StaticBackward:
         added = 0 if key in op.views and key not in op.fresh else nbytes
         if key in self.direct_grads:
             self.live_bytes += added
-            op.sums.append((position, key, added, max(nbytes, self.direct_grads[key]), True))
+            op.sums.append((position, key, added, max(nbytes, self.direct_grads[key]), DIRECT))
             return True
         if not added:
             return False
@@ -544,6 +439,41 @@ class StaticBackward:
         self._bump(record.node, record.module)
         self.direct_grads[key] = nbytes
         return True
+
+    def _hold_for_alias(self, op: OpGrads, key: int, nbytes: int, position: int) -> bool:
+        """Whether the gradient this op makes for parameter `key` goes to a transpose or reshape of it first (an
+        autograd node of its own, `OpRecord.alias_inputs`: a linear's `weight.t()`): it waits there, a new buffer,
+        and is added to `key`'s at that view's backward, once this op's other new gradients are gone; a second
+        reader of the same view adds to the one waiting. (Parameters only: an activation's gradient is its
+        storage's in this walk, which its other views' paths meet.)"""
+        record = op.record
+        alias = record.alias_inputs.get(position)
+        if alias is None or key in record.out_keys or key not in self.param_keys:
+            return False
+        added = 0 if key in op.views and key not in op.fresh else nbytes
+        if alias in self.alias_grads:  # a second reader of the view: added to the gradient held there
+            self.live_bytes += added
+            op.sums.append((position, key, added, max(nbytes, self.alias_grads[alias][1]), alias))
+            return True
+        if not added:
+            return False
+        self.live_bytes += nbytes
+        self._bump(record.node, record.module)
+        self.alias_grads[alias] = (key, nbytes)
+        return True
+
+    def _add_alias_grad(self, record) -> int:
+        """At the backward of a transpose or reshape holding a gradient for its input (`_hold_for_alias`): added to
+        the one the input has, out of place; the old one and the held one go. Returns the live bytes at the sum."""
+        held = self.alias_grads.pop(record.idx, None)
+        if held is None:
+            return self.live_bytes
+        key, nbytes = held
+        if key not in self.grad_live:  # (the other gradient went meanwhile: the held one is the input's)
+            self.grad_live[key] = nbytes
+            return self.live_bytes
+        total = nbytes if key in self.grad_views else max(nbytes, self.grad_live[key])
+        return self._add_held(record, key, nbytes, total)
 
     def _add_pending(self, record) -> int:
         """At the backward of a view a join read: the slice it hands its storage's producer is added to the gradient
@@ -556,12 +486,17 @@ class StaticBackward:
         if key not in self.direct_grads:
             return self.live_bytes
         direct = self.direct_grads.pop(key)
-        self.live_bytes += direct
+        return self._add_held(record, key, direct, direct)
+
+    def _add_held(self, record, key: int, held: int, total: int) -> int:
+        """A gradient of `held` bytes kept apart from `key`'s is added to it out of place, a sum of `total` bytes: the
+        old one and the held one go. Returns the live bytes at the sum."""
+        self.live_bytes += total
         self._bump(record.node, record.module)
         high = self.live_bytes
         self._drop_grad(key)
-        self.live_bytes -= direct
-        self.grad_live[key] = direct
+        self.live_bytes -= held
+        self.grad_live[key] = total
         self.grad_views.discard(key)
         return high
 
@@ -571,21 +506,24 @@ class StaticBackward:
         the join's buffer when this input held it: the slices of inputs created later were consumed before, their
         producers ran first); the new gradients stay until all are handed on (the engine holds the op's outputs
         until then). Returns the node's peak with them."""
-        sums = [(position, (key, total, direct), None) for position, key, _, total, direct in op.sums]
+        sums = [(position, (key, total, into), None) for position, key, _, total, into in op.sums]
         sums += [(position, None, (view, out)) for position, view, out, _ in op.view_sums]
         for _, grad_sum, view_sum in sorted(sums, key=lambda item: item[0]):
             if view_sum is not None:
                 node_peak = max(node_peak, self._add_to_view_grad(*view_sum, op.record))
                 continue
-            key, total, direct = grad_sum
+            key, total, into = grad_sum
             self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            if direct:  # (the gradient its producer has, apart from a join's slice waiting at a view)
+            if into is DIRECT:  # (the gradient its producer has, apart from a join's slice waiting at a view)
                 self.live_bytes -= self.direct_grads[key]
                 self.direct_grads[key] = total
-                continue
-            self._drop_grad(key)
-            self.grad_live[key] = total
+            elif into is not None:  # (the gradient held at a transpose or reshape of it, `_hold_for_alias`)
+                self.live_bytes -= self.alias_grads[into][1]
+                self.alias_grads[into] = (key, total)
+            else:
+                self._drop_grad(key)
+                self.grad_live[key] = total
         self.live_bytes -= sum(item[2] for item in op.sums) + sum(item[3] for item in op.view_sums)
         return node_peak

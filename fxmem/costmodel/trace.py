@@ -74,6 +74,12 @@ class OpRecord:
     # views whose backward makes a new buffer (`fxmem.ops.view_grad_is_new`: select, slice, split): its gradient is
     # its own until that view's backward
     view_inputs: dict = field(default_factory=dict)
+    # a transpose or reshape of such a view: its consumers' gradients go to that view's gradient (`view_inputs`),
+    # its own backward hands nothing on
+    routes_grads: bool = False
+    # positional input -> the record of the transpose or reshape that made that very tensor: autograd node of its
+    # own, whose backward hands the gradient on (and adds it to one its input has)
+    alias_inputs: dict = field(default_factory=dict)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -115,6 +121,7 @@ class DispatchRecorder(TorchDispatchMode):
         self.node_held: list = []  # storages the current graph node's ops save (`_hold_saved`)
         # tensor -> (the record of the view (`view_grad_is_new`) that made it, which of its outputs it is)
         self.view_made = WeakIdKeyDictionary()
+        self.alias_made = WeakIdKeyDictionary()  # a transpose's or reshape's output -> its record
 
     def key(self, tensor) -> tuple[int, bool]:
         """(the tensor's storage key, whether this is the first time the storage is seen)."""
@@ -317,6 +324,18 @@ class DispatchRecorder(TorchDispatchMode):
             for position, out in enumerate(outs):
                 if isinstance(out, torch.Tensor):
                     self.view_made[out] = (record.idx, position)
+        elif optable.view_grad_is_a_view(func) and 0 in record.view_inputs:
+            # a transpose or reshape of such a view: its gradient is that view's, seen through it (one buffer)
+            record.routes_grads = True
+            for out in outs:
+                if isinstance(out, torch.Tensor):
+                    self.view_made[out] = record.view_inputs[0]
+        record.alias_inputs = {position: self.alias_made[arg] for position, arg in enumerate(args)
+                               if isinstance(arg, torch.Tensor) and arg in self.alias_made}
+        if optable.view_grad_is_a_view(func) and not record.routes_grads:
+            for out in outs:
+                if isinstance(out, torch.Tensor):
+                    self.alias_made[out] = record.idx
 
     @staticmethod
     def _slot_keys(record: OpRecord, slots, kw_keys: dict) -> list:
