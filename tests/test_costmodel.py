@@ -935,11 +935,14 @@ def test_static_backward_of_a_view_read_through_a_transpose_and_directly(split, 
     assert static == traced == measured
 
 
-def test_static_backward_of_the_gpt_example_is_traced_at_every_node():
-    """GPT's attention reads q, k and v (views of one projection's split) through transposes, and the matmuls
-    expand their operands to their own shapes: each node's backward peak is the traced one's (a storage-sized
-    gradient high at 36 nodes before the transposes routed their gradients to the split's views)."""
-    model, args, kwargs, loss_fn = example("gpt")
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "vit"])
+def test_static_backward_of_an_example_is_traced_at_every_node(name):
+    """Each node's backward peak is the traced one's. GPT's attention reads q, k and v (views of one projection's
+    split) through transposes, and its matmuls expand operands to their own shapes (36 nodes a storage-sized
+    gradient high before); Llama's rotary embedding joins a negated half of q with the other half, views with
+    gradients of their own (8 nodes high or low by a q); ViT joins its class token, an expanded parameter, with
+    the patches (4 nodes)."""
+    model, args, kwargs, loss_fn = example(name)
     program = fxmem.capture(model, args, kwargs)
     static = fxmem.estimate(program, loss_fn=loss_fn)
     traced = fxmem.estimate(program, method="traced", loss_fn=loss_fn)

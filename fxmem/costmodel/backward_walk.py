@@ -260,28 +260,61 @@ class StaticBackward(ViewGradWalk):
 
     def _hand_join_slices(self, op: OpGrads) -> None:
         """cat/stack hand each input a slice of their output's gradient (views, no new buffer): the buffer lives
-        until the last slice is consumed, held by the earliest-created input (whose producer runs last)."""
-        record, grad_live = op.record, self.grad_live
+        until the last slice is consumed, held by the earliest-created input (whose producer runs last). An input
+        that is a view with a gradient of its own (`OpRecord.list_members`: a RoPE half, `x[..., :d]`) gets its
+        slice there, apart from its storage's."""
+        record = op.record
+        members = record.list_members or [(key, None) for key in record.list_keys]
         if not (record.grad_alias == "sliced" and record.list_keys and any(record.in_rg) and record.out_keys
-                and record.out_keys[0] in grad_live and not any(key in self.param_keys for key in record.list_keys)):
+                and record.out_keys[0] in self.grad_live
+                and not any(key in self.param_keys for key, made in members if made is None)):
             return
         out_key = record.out_keys[0]
-        buffer = grad_live[out_key]
-        for key in sorted(dict.fromkeys(record.list_keys), key=lambda k: self.plan.created_in.get(k, -1)):
-            if key in grad_live:  # accumulated into an existing gradient: a transient of its size
-                self._accumulate_transient(record, key)
-                continue
-            if buffer is not None:
-                grad_live[key], buffer = grad_live.pop(out_key), None
-                self.shared.replace(out_key, key)
+        inputs = [(made[0], made) for made in dict.fromkeys(made for _, made in members if made is not None)]
+        inputs += [(self.plan.created_in.get(key, -1), key)
+                   for key in dict.fromkeys(key for key, made in members if made is None)]
+        holds = True  # (the first input in creation order takes the buffer)
+        for _, item in sorted(inputs, key=lambda pair: pair[0]):
+            if isinstance(item, tuple):
+                holds = self._hand_slice_to_view(record, item, holds) and holds
             else:
-                grad_live[key] = 0
-            self.grad_views.add(key)
-            if key in self.join_views.get(record.idx, {}):
-                self.pending[key] = self.join_views[record.idx][key]
-        if buffer is not None:
+                holds = self._hand_slice_to_storage(record, item, holds) and holds
+        if holds:
             self._drop_grad(out_key)  # every input had a gradient already
         op.ins = [item for item in op.ins if item[0] not in record.list_keys]
+
+    def _hand_slice_to_storage(self, record, key: int, holds: bool) -> bool:
+        """A join's slice for a storage's gradient; returns whether the buffer is still to be held."""
+        grad_live = self.grad_live
+        if key in grad_live:  # accumulated into an existing gradient: a transient of its size
+            self._accumulate_transient(record, key)
+            return True
+        if holds:
+            grad_live[key] = grad_live.pop(record.out_keys[0])
+            self.shared.replace(record.out_keys[0], key)
+        else:
+            grad_live[key] = 0
+        self.grad_views.add(key)
+        if key in self.join_views.get(record.idx, {}):
+            self.pending[key] = self.join_views[record.idx][key]
+        return not holds
+
+    def _hand_slice_to_view(self, record, made: tuple, holds: bool) -> bool:
+        """A join's slice for output `out` of view `view` (`made`); returns whether the buffer is still to be held."""
+        view, out = made
+        grads = self.view_grads.setdefault(view, {})
+        if out in grads:  # added to the one it has, out of place
+            self._add_to_view_grad(view, out, record)
+            return True
+        grads[out] = 0
+        if holds:
+            out_key = record.out_keys[0]
+            heir = self.shared.leave(out_key)
+            grads[out] = self.grad_live.pop(out_key)
+            if heir is not None:  # the buffer stays counted under another gradient that is it
+                self.grad_live[heir] += grads[out]
+                grads[out] = 0
+        return not holds
 
     def _join_split_grads(self, record) -> None:
         """split/unbind: backward joins its outputs' gradients (the views' under the storage's key) into a new
