@@ -374,15 +374,18 @@ class StaticBackward(ViewGradWalk):
                 continue
             out_key = record.out_keys[0] if record.out_keys else None
             if op.passthrough and not op.handed_over and out_key in grad_live and key not in op.fresh \
-                    and (nbytes <= self._grad_bytes(out_key)
+                    and (nbytes <= self._handed_size(record, out_key)
                          or out_key in self.grad_expanded and key not in self.param_keys
                          and (key == record.in_keys[0] or op.shares) and op.grad_view):
                 op.handed_expanded = out_key in self.grad_expanded
+                handed_view = out_key in self.grad_views
                 grad_live[key] = grad_live.pop(out_key)  # the output's grad becomes the input's (a view)
                 self.shared.replace(out_key, key)
                 op.handed_to = key
                 if op.handed_expanded:
                     self._expanded_view(key)
+                elif handed_view:
+                    self.grad_views.add(key)
                 op.handed_over = True
                 continue
             grad_live[key] = self.storage_bytes.get(key, nbytes) if key not in self.param_keys else nbytes
@@ -391,6 +394,11 @@ class StaticBackward(ViewGradWalk):
             views = sum(view_bytes for view_key, view_bytes, view_rg, _ in op.ins if view_key == key and view_rg)
             if key not in self.param_keys and views <= grad_live[key]:
                 op.covered.add(key)  # views of one storage, together within it: a gradient each, as many bytes
+
+    def _handed_size(self, record, out_key: int) -> int:
+        """The size of the output's gradient an op can hand on: its buffer's, or the output's own where it is a view
+        of another's buffer (a join's slice, which holds no bytes of its own)."""
+        return record.out_bytes[0] if out_key in self.grad_views else self._grad_bytes(out_key)
 
     def _hands_on(self, record, run) -> bool:
         """Whether the formula hands every input needing a gradient the output's as it is (clone's backward), each
