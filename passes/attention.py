@@ -380,10 +380,10 @@ def _hybrid_module(program: Program, site: AttentionSite, opts, key_len: int):
     if opts.rank_ratio is None:
         return mod, params, None
     query_proj, key_proj = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
-    if query_proj is None or key_proj is None or query_proj.x is not key_proj.x \
+    if query_proj is None or key_proj is None or query_proj.input_node is not key_proj.input_node \
             or query_proj.heads != key_proj.heads or site.gqa_groups > 1:
         return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}, None
-    input_example = _example_node(program, query_proj.x)
+    input_example = _example_node(program, query_proj.input_node)
     if input_example is None or site.batch_dims != 2:
         return None, {"why": "rank_ratio: example value of the projection input unavailable"}, None
     query_weight = _attr(program, query_proj.weight)
@@ -452,7 +452,8 @@ def _insert_approx(program: Program, site: AttentionSite, opts, mod, kind: str, 
             value = graph.call_function(aten.repeat_interleave.self_int, (value, site.gqa_groups, 1))
         mask = site.masks[0].node if mask_ex is not None else None
         lowrank = getattr(mod, "q_proj", None) is not None
-        out = graph.call_module(name, (query, key, value, mask) + ((trace_projection(site.q).x,) if lowrank else ()))
+        out = graph.call_module(name, (query, key, value, mask)
+                                + ((trace_projection(site.q).input_node,) if lowrank else ()))
         final = out if site.batch_dims != 1 else graph.call_function(aten.squeeze.dim, (out, 0))
     added = [node for node in graph.nodes if node not in before]
     for node in added:
@@ -501,7 +502,7 @@ def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
             want.setdefault(mask_term.node, []).append((None, mask_term.node.name))
         proj = trace_projection(site.q) if site.q is not None else None
         if proj is not None:
-            want.setdefault(proj.x, []).append((None, proj.x.name))
+            want.setdefault(proj.input_node, []).append((None, proj.input_node.name))
     got = {}
 
     class _Grab(fx.Interpreter):
