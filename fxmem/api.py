@@ -80,11 +80,11 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     being reported.
     """
     load_passes()  # passes register their option classes, so the policy validates their sections
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     pol = _resolve_policy(policy, overrides, option_overrides, budget, activation_budget)
     evaluator = make_evaluator(evaluate, evaluate_mode, model_file)
     program = model if isinstance(model, Program) else _capture(model, args, kwargs, pol.mode)
-    t_capture = time.perf_counter() - t0
+    t_capture = time.perf_counter() - start
     program.refresh()
     if pol.mode == "train":  # a loss backward cannot run from is the user's error, said before any work
         check_trainable(program.module, program.example_args, program.example_kwargs, loss_fn,
@@ -95,31 +95,31 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     if budget_bytes is not None and budget_bytes <= 0:
         raise BudgetError(f"budget resolves to {budget_bytes} bytes; it must be positive")
     measured_before = _measure(program, pol, loss_fn) if measure else None
-    pm = PassManager(pol, strict=strict, calibration=calibration, loss_fn=loss_fn, log=log,
+    manager = PassManager(pol, strict=strict, calibration=calibration, loss_fn=loss_fn, log=log,
                      model_file=model_file, evaluate=evaluator)
-    t1 = time.perf_counter()
-    result_program = pm.run(program, before)
-    t_passes = time.perf_counter() - t1
+    passes_start = time.perf_counter()
+    result_program = manager.run(program, before)
+    t_passes = time.perf_counter() - passes_start
     after = costmodel.estimate(result_program, mode=pol.mode, optimizer=pol.optimizer, loss_fn=loss_fn)
-    require_reachable(pol, budget_bytes, before, after, pm.records, result_program.module)
+    require_reachable(pol, budget_bytes, before, after, manager.records, result_program.module)
     measured_after = _measure(result_program, pol, loss_fn) if measure else None
     result_program.module.train(pol.mode == "train")
     report = Report(
         model_name=program.model_name, policy=pol.to_dict(), mode=pol.mode, optimizer=pol.optimizer,
         before=before, after=after, measured_before=measured_before, measured_after=measured_after,
-        passes=pm.records, code_before=full_code(original.module), code_after=full_code(result_program.module),
+        passes=manager.records, code_before=full_code(original.module), code_after=full_code(result_program.module),
         specialized=[str(s) for s in program.specialized], notes=list(program.notes),
         budget=budget_bytes, budget_further=(further_steps(pol, after, result_program.module)
                                              if budget_bytes is not None and after.peak > budget_bytes else None),
         versions={"fxmem": __version__, "torch": torch.__version__},
         timing={"capture_s": round(t_capture, 3), "passes_s": round(t_passes, 3),
-                "total_s": round(time.perf_counter() - t0, 3)})
+                "total_s": round(time.perf_counter() - start, 3)})
     if strict:
-        require_intents(pm.records)
-        _require_budgets(report, pm.records)
+        require_intents(manager.records)
+        _require_budgets(report, manager.records)
     return TransformResult(module=result_program.module, report=report, before=before, after=after,
                            program=result_program, original=original, policy=pol,
-                           measured_before=measured_before, measured_after=measured_after, records=pm.records)
+                           measured_before=measured_before, measured_after=measured_after, records=manager.records)
 
 
 def _resolve_policy(policy, overrides, option_overrides: dict, budget, activation_budget):
@@ -163,11 +163,11 @@ def _require_budgets(report, records) -> None:
         peaks = [report.after.peak] + ([report.measured_after.peak] if report.measured_after is not None else [])
         if max(peaks) > report.budget * (1 + slack):
             misses.append(report.budget_line())
-    ab = report.activation_budget()
-    if ab is not None:
+    activation_budget = report.activation_budget()
+    if activation_budget is not None:
         acts = [report.after.activations] + (
             [report.measured_after.activations] if report.measured_after is not None else [])
-        if max(acts) > ab * (1 + slack):
+        if max(acts) > activation_budget * (1 + slack):
             misses.append(report.activation_budget_line())
     if misses:
         raise StrictBudgetError("strict: the result is over its budget (" + "; ".join(misses)

@@ -11,35 +11,35 @@ from .attention_nodes import aten, attr_value, is_op, shape, sym_shape
 from .attention_site import AttentionSite
 
 
-def _tril_source(n: fx.Node) -> tuple[torch.Tensor | None, str]:
-    """The constant whose (top-left) slice `n` is, if n = slice*(const) with every slice starting at 0."""
-    while is_op(n, {aten.slice.Tensor, aten.alias.default, aten.detach.default}):
-        if n.target is not aten.slice.Tensor:  # a full slice is captured as alias
-            n = n.args[0]
+def _tril_source(node: fx.Node) -> tuple[torch.Tensor | None, str]:
+    """The constant whose (top-left) slice `node` is, if node = slice*(const) with every slice starting at 0."""
+    while is_op(node, {aten.slice.Tensor, aten.alias.default, aten.detach.default}):
+        if node.target is not aten.slice.Tensor:  # a full slice is captured as alias
+            node = node.args[0]
             continue
-        a = list(n.args) + [None] * (5 - len(n.args))
-        if a[2] not in (None, 0) or (a[4] not in (None, 1)):
+        slice_args = list(node.args) + [None] * (5 - len(node.args))
+        if slice_args[2] not in (None, 0) or (slice_args[4] not in (None, 1)):
             return None, "slice does not start at 0"
-        n = a[0]
-    if isinstance(n, fx.Node) and n.op == "get_attr":
-        t = attr_value(n)
-        return (t if isinstance(t, torch.Tensor) else None), f"buffer {n.target}"
-    if is_op(n, {aten.tril.default}) and (len(n.args) < 2 or n.args[1] == 0):
-        base = n.args[0]
+        node = slice_args[0]
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        value = attr_value(node)
+        return (value if isinstance(value, torch.Tensor) else None), f"buffer {node.target}"
+    if is_op(node, {aten.tril.default}) and (len(node.args) < 2 or node.args[1] == 0):
+        base = node.args[0]
         if is_op(base, {aten.ones.default, aten.ones_like.default}) or (
                 is_op(base, {aten.full.default}) and float_const(base.args[1]) == 1.0):
-            s = shape(base)
-            if s is not None:
-                return torch.ones(s).tril(), "tril(ones)"
+            ones_shape = shape(base)
+            if ones_shape is not None:
+                return torch.ones(ones_shape).tril(), "tril(ones)"
     return None, "not a constant buffer"
 
 
-def _is_lower_tri_ones(t: torch.Tensor) -> bool:
-    if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]):
+def _is_lower_tri_ones(tensor: torch.Tensor) -> bool:
+    if tensor.dim() < 2 or any(s != 1 for s in tensor.shape[:-2]):
         return False
-    m = t.reshape(t.shape[-2], t.shape[-1]) != 0
-    want = torch.ones(m.shape, dtype=torch.bool, device=m.device).tril()
-    return bool(torch.equal(m, want))
+    nonzero = tensor.reshape(tensor.shape[-2], tensor.shape[-1]) != 0
+    want = torch.ones(nonzero.shape, dtype=torch.bool, device=nonzero.device).tril()
+    return bool(torch.equal(nonzero, want))
 
 
 def _causal_keep(mask: fx.Node, scores_like: fx.Node, kind: str) -> tuple[bool, str]:
@@ -65,8 +65,9 @@ def _causal_keep(mask: fx.Node, scores_like: fx.Node, kind: str) -> tuple[bool, 
     src, how = _tril_source(node)
     if src is None or not _is_lower_tri_ones(src):
         return False, ""
-    s, m = sym_shape(scores_like), sym_shape(node)
-    if s is None or m is None or len(m) < 2 or m[-2:] != s[-2:] or any(x != "1" for x in m[:-2]):
+    score_shape, mask_shape = sym_shape(scores_like), sym_shape(node)
+    if score_shape is None or mask_shape is None or len(mask_shape) < 2 or mask_shape[-2:] != score_shape[-2:] or \
+            any(x != "1" for x in mask_shape[:-2]):
         return False, ""
     return True, f"{how} sliced to the score shape"
 
@@ -74,17 +75,17 @@ def _causal_keep(mask: fx.Node, scores_like: fx.Node, kind: str) -> tuple[bool, 
 def finish_masks(site: AttentionSite) -> None:
     """Mark the provably causal masks of `site` (`site.causal` when that is its only mask) and note how SDPA treats
     its other bool masks."""
-    for m in site.masks:
-        if m.kind in ("keep", "drop"):
-            m.causal, how = _causal_keep(m.node, site.scores, m.kind)
-            if m.causal:
-                m.source += f" ({how})"
+    for mask in site.masks:
+        if mask.kind in ("keep", "drop"):
+            mask.causal, how = _causal_keep(mask.node, site.scores, mask.kind)
+            if mask.causal:
+                mask.source += f" ({how})"
     if len(site.masks) == 1 and site.masks[0].causal:
         site.causal = True
     elif any(m.causal for m in site.masks):
         site.notes.append("causal mask combined with another mask: passed as an explicit attn_mask")
-    for m in site.masks:
-        if m.kind in ("keep", "drop") and not m.causal:
+    for mask in site.masks:
+        if mask.kind in ("keep", "drop") and not mask.causal:
             site.notes.append("bool mask: a row whose every key is masked gives 0 with SDPA where the original "
                               "softmax gives NaN")
             break

@@ -67,7 +67,8 @@ def _parse_einsum(equation: str):
 
 
 def qk_operands(site: AttentionSite, scores: fx.Node) -> None:
-    """Set `site.q` and `site.k` (or `site.k_transposed`) from the score product, peeling scales and transposes."""
+    """Set `site.query` and `site.key` (or `site.key_transposed`) from the score product, peeling scales and
+    transposes."""
     site._peeled = []  # type: ignore[attr-defined]
     if is_op(scores, {aten.baddbmm.default}):
         query, key_t = scores.args[1], scores.args[2]
@@ -83,8 +84,8 @@ def qk_operands(site: AttentionSite, scores: fx.Node) -> None:
             raise Reject(f"einsum {scores.args[0]!r}: batch dims of q, k and scores differ")
         row_label, feature_label = query_subs[-2], query_subs[-1]
         if key_subs[-2:] == out_subs[-1] + feature_label and out_subs[-2:] == row_label + out_subs[-1]:
-            site.k = _peel_scale(site, key_operand)
-            site.q = _peel_scale(site, query)
+            site.key = _peel_scale(site, key_operand)
+            site.query = _peel_scale(site, query)
             return
         if key_subs[-2:] == feature_label + out_subs[-1] and out_subs[-2:] == row_label + out_subs[-1]:
             query, key_t = query, key_operand
@@ -95,14 +96,14 @@ def qk_operands(site: AttentionSite, scores: fx.Node) -> None:
     key_t = _peel_scale(site, key_t)
     key = _peel_transpose(key_t)
     if key is None:
-        site.k_transposed = key_t
+        site.key_transposed = key_t
     else:
-        site.k = _peel_scale(site, key)
-    site.q = _peel_scale(site, query)
+        site.key = _peel_scale(site, key)
+    site.query = _peel_scale(site, query)
 
 
 def v_operand(site: AttentionSite, out: fx.Node, probs: fx.Node) -> None:
-    """Set `site.v` from the value product `out` of the probabilities `probs`."""
+    """Set `site.value` from the value product `out` of the probabilities `probs`."""
     if is_op(out, EINSUM):
         parsed = _parse_einsum(out.args[0])
         if parsed is None or len(out.args[1]) != 2 or out.args[1][0] is not probs:
@@ -113,16 +114,16 @@ def v_operand(site: AttentionSite, out: fx.Node, probs: fx.Node) -> None:
                 or not (value_subs[-2] == probs_subs[-1] and out_subs[-2] == probs_subs[-2]
                         and out_subs[-1] == value_subs[-1]):
             raise Reject(f"einsum {out.args[0]!r} is not P @ V")
-        site.v = out.args[1][1]
+        site.value = out.args[1][1]
     else:
-        site.v = out.args[1]
+        site.value = out.args[1]
 
 
 def check_shapes(site: AttentionSite) -> None:
     """q, k and v are tensors of one SDPA dtype with shapes SDPA takes (grouped-query attention recognised); sets
     `site.batch_dims`."""
-    query, value = site.q, site.v
-    key = site.k if site.k is not None else site.k_transposed
+    query, value = site.query, site.value
+    key = site.key if site.key is not None else site.key_transposed
     for name, operand in (("q", query), ("k", key), ("v", value)):
         if not isinstance(operand, fx.Node) or node_value(operand, tensor_only=True) is None:
             raise Reject(f"{name} is not a tensor")
@@ -135,15 +136,15 @@ def check_shapes(site: AttentionSite) -> None:
     if not (len(query_shape) == len(key_shape) == len(value_shape)) or len(query_shape) < 3:
         raise Reject(f"q, k, v ranks {len(query_shape)}, {len(key_shape)}, {len(value_shape)}: need equal ranks >= 3 "
                      f"(batch dims)")
-    if site.k is None:  # K^T layout (..., E, Lk)
+    if site.key is None:  # K^T layout (..., E, Lk)
         key_shape = key_shape[:-2] + (key_shape[-1], key_shape[-2])
     if query_shape[:-2] != key_shape[:-2] or query_shape[:-2] != value_shape[:-2]:
         # GQA is the only batch mismatch we accept, handled below
         _gqa(site)
-        key_shape_after_gqa = sym_shape(site.k if site.k is not None else site.k_transposed)
-        if site.k is None:
+        key_shape_after_gqa = sym_shape(site.key if site.key is not None else site.key_transposed)
+        if site.key is None:
             key_shape_after_gqa = key_shape_after_gqa[:-2] + (key_shape_after_gqa[-1], key_shape_after_gqa[-2])
-        if query_shape[:-2] != key_shape_after_gqa[:-2] or query_shape[:-2] != sym_shape(site.v)[:-2]:
+        if query_shape[:-2] != key_shape_after_gqa[:-2] or query_shape[:-2] != sym_shape(site.value)[:-2]:
             raise Reject(f"batch dims of q {query_shape[:-2]}, k {key_shape[:-2]}, v {value_shape[:-2]} differ "
                          "(broadcasting in matmul is not SDPA's)")
     else:
@@ -191,10 +192,10 @@ def _peel_repeat_kv(node: fx.Node):
 
 
 def _gqa(site: AttentionSite) -> None:
-    if site.k is None:
+    if site.key is None:
         return
-    key_repeat, value_repeat = _peel_repeat_kv(site.k), _peel_repeat_kv(site.v)
+    key_repeat, value_repeat = _peel_repeat_kv(site.key), _peel_repeat_kv(site.value)
     if key_repeat and value_repeat and key_repeat[1] == value_repeat[1] and key_repeat[1] > 1:
-        site.k_expanded, site.v_expanded = site.k, site.v
-        site.k, site.v = key_repeat[0], value_repeat[0]
+        site.key_expanded, site.value_expanded = site.key, site.value
+        site.key, site.value = key_repeat[0], value_repeat[0]
         site.gqa_groups = key_repeat[1]

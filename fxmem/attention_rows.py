@@ -26,9 +26,9 @@ aten = torch.ops.aten
 class SdpaCall:
     """The graph nodes (or constants) of one SDPA call: q, k, v in (..., H, L, E) layout, its additive mask and
     scale, and the query heads per key/value head (`enable_gqa`)."""
-    q: fx.Node
-    k: fx.Node
-    v: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
     mask: fx.Node
     scale: float | fx.Node
     gqa_groups: int = 1
@@ -38,27 +38,27 @@ def emit_fully_masked_rows(graph: fx.Graph, call: SdpaCall, out: fx.Node, mask_d
                            ndim: int) -> fx.Node:
     """`out` with its fully masked rows replaced by eager attention's value and gradient (nodes inserted at the
     graph's insertion point). `ndim`: the rank of q, k and v."""
-    fn = graph.call_function
+    emit = graph.call_function
     lowest = torch.finfo(mask_dtype).min
     # (a learned bias's extremes, detached: no autograd node keeps the bias and its extremes alive to backward)
-    mask_const = fn(aten.detach.default, (call.mask,))
-    top = fn(aten.amax.default, (mask_const, [-1], True))
-    bottom = fn(aten.amin.default, (mask_const, [-1], True))
-    full = fn(aten.logical_and.default, (fn(aten.eq.Scalar, (top, lowest)), fn(aten.eq.Scalar, (bottom, lowest))))
-    v_const = fn(aten.detach.default, (call.v,))
-    v_mean_const = fn(aten.mean.dim, (v_const, [-2], True))
-    keys = fn(aten.sym_size.int, (call.k, ndim - 2))
-    kv_mean = fn(aten.div.Scalar, (fn(aten.matmul.default, (fn(aten.transpose.int, (call.k, -2, -1)), v_const)),
+    mask_const = emit(aten.detach.default, (call.mask,))
+    top = emit(aten.amax.default, (mask_const, [-1], True))
+    bottom = emit(aten.amin.default, (mask_const, [-1], True))
+    full = emit(aten.logical_and.default, (emit(aten.eq.Scalar, (top, lowest)), emit(aten.eq.Scalar, (bottom, lowest))))
+    v_const = emit(aten.detach.default, (call.value,))
+    v_mean_const = emit(aten.mean.dim, (v_const, [-2], True))
+    keys = emit(aten.sym_size.int, (call.key, ndim - 2))
+    kv_mean = emit(aten.div.Scalar, (emit(aten.matmul.default, (emit(aten.transpose.int, (call.key, -2, -1)), v_const)),
                                    keys))
-    k_mean = fn(aten.mean.dim, (call.k, [-2], True))
-    centred = fn(aten.sub.Tensor, (kv_mean, fn(aten.matmul.default, (fn(aten.transpose.int, (k_mean, -2, -1)),
+    k_mean = emit(aten.mean.dim, (call.key, [-2], True))
+    centred = emit(aten.sub.Tensor, (kv_mean, emit(aten.matmul.default, (emit(aten.transpose.int, (k_mean, -2, -1)),
                                                                        v_mean_const))))
-    v_mean = fn(aten.mean.dim, (call.v, [-2], True))
+    v_mean = emit(aten.mean.dim, (call.value, [-2], True))
     if call.gqa_groups > 1:
-        centred, v_mean = (fn(aten.repeat_interleave.self_int, (t, call.gqa_groups, ndim - 3))
+        centred, v_mean = (emit(aten.repeat_interleave.self_int, (t, call.gqa_groups, ndim - 3))
                            for t in (centred, v_mean))
-    first_order = fn(aten.mul.Tensor, (fn(aten.matmul.default, (call.q, centred)), call.scale))
-    zero_valued = fn(aten.sub.Tensor, (first_order, fn(aten.detach.default, (first_order,))))
-    eager_rows = fn(aten.add.Tensor, (v_mean, zero_valued))
-    return fn(aten.where.self, (full, eager_rows, out))
+    first_order = emit(aten.mul.Tensor, (emit(aten.matmul.default, (call.query, centred)), call.scale))
+    zero_valued = emit(aten.sub.Tensor, (first_order, emit(aten.detach.default, (first_order,))))
+    eager_rows = emit(aten.add.Tensor, (v_mean, zero_valued))
+    return emit(aten.where.self, (full, eager_rows, out))
 

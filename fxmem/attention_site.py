@@ -26,12 +26,12 @@ class AttentionSite:
     scores: fx.Node | None = None  # the Q @ K^T node
     output: fx.Node | None = None  # the P @ V node, whose uses the rewrite replaces
     nodes: list = field(default_factory=list)  # every node the rewrite replaces, graph order
-    q: fx.Node | None = None
-    k: fx.Node | None = None  # (..., Lk, E) layout (transpose peeled); None when `k_transposed` must be used
-    k_transposed: fx.Node | None = None  # K^T as it is in the graph, when no transpose node could be peeled
-    v: fx.Node | None = None
-    k_expanded: fx.Node | None = None  # the repeat_kv outputs, used when GQA is not emitted
-    v_expanded: fx.Node | None = None
+    query: fx.Node | None = None
+    key: fx.Node | None = None  # (..., Lk, E) layout (transpose peeled); None when `key_transposed` must be used
+    key_transposed: fx.Node | None = None  # K^T as it is in the graph, when no transpose node could be peeled
+    value: fx.Node | None = None
+    key_expanded: fx.Node | None = None  # the repeat_kv outputs, used when GQA is not emitted
+    value_expanded: fx.Node | None = None
     scale: list = field(default_factory=list)  # factors: ("mul"|"div", float | fx.Node)
     scale_value: float | None = None  # the product at the example inputs
     masks: list = field(default_factory=list)  # MaskTerm
@@ -59,9 +59,9 @@ class AttentionSite:
         parts = [f"scale={self.scale_value:.6g}" if self.scale_value is not None else "scale=?"]
         if self.causal:
             parts.append("causal")
-        for m in self.masks:
-            if not (self.causal and m.causal):
-                parts.append(f"mask:{m.kind}")
+        for mask in self.masks:
+            if not (self.causal and mask.causal):
+                parts.append(f"mask:{mask.kind}")
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p:g}")
         if self.gqa_groups > 1:

@@ -8,7 +8,7 @@ report's warnings. The peak is the cost model's estimate, missed beyond the budg
 """
 from __future__ import annotations
 
-from .errors import BudgetError
+from .errors import BudgetError, first_line
 from .units import format_bytes
 
 _EIGHT_BIT = {"adam": "adam8bit", "adamw": "adamw8bit"}  # optimizers with an 8-bit state variant
@@ -75,14 +75,9 @@ def passes_reached(records, estimate) -> str:
     if not records:
         return f"with no pass enabled the estimated peak is {peak}"
     said = [record.name if record.status in ("applied", "unchanged") else
-            f"{record.name} {record.status.replace('_', ' ')}: {_first_line(record.reason)}"
+            f"{record.name} {record.status.replace('_', ' ')}: {first_line(record.reason) or 'no reason recorded'}"
             for record in records]
     return f"the enabled passes ({', '.join(said)}) go as low as an estimated peak of {peak}"
-
-
-def _first_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else "no reason recorded"
 
 
 def miss_line(budget: int, baseline, estimate, records, steps: list[str] | None, verdict: str) -> str:

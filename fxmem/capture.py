@@ -35,7 +35,7 @@ from .capture_functions import DROPPED, FunctionCalls, ModuleTracker, is_user_fi
 from .capture_hints import hint_for
 from .capture_modes import make_mode_switchable
 from .capture_output import export_output_kept, write_details
-from .errors import CaptureError
+from .errors import CaptureError, first_line
 from .guards import CONSTANT_TYPES, DimSpec, InputGuard, InputSpec
 from .library_sizes import library_sizes_symbolic
 from .mode_graphs import attach_mode_graph, attach_mode_refusal
@@ -253,7 +253,7 @@ def _user_frame(exc: BaseException) -> str | None:
 
 
 def _capture_error(error: Exception, module_stack: list[str], model: nn.Module) -> CaptureError:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first_line(str(error)) or type(error).__name__
     where = _user_frame(error)
     path = module_stack[-1] if module_stack else "<root>"
     mod_type = ""

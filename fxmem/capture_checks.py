@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from .capture_functions import DROPPED, FunctionCalls, TensorHook, is_user_file
 from .compare import compare_outputs
-from .errors import CaptureError
+from .errors import CaptureError, first_line
 from .program import Program, buffers_kept, module_stack
 from .userstate import mode_set
 
@@ -117,7 +117,7 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
                     program.notes.append(
                         f"{used} ({DROPPED}): the captured module's gradients are autograd's "
                         "derivative of the inlined forward, not the Function's backward; they could not be compared "
-                        f"because the model's backward raised {_first_line(error)}")
+                        f"because the model's backward raised {_error_summary(error)}")
                     return
             if not ref.outputs:
                 program.notes.append(f"{used} ({DROPPED}); gradients were "
@@ -133,7 +133,7 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
 
     diff = None
     if isinstance(got, Exception):
-        diff = f"the captured module's backward fails ({_first_line(got)})"
+        diff = f"the captured module's backward fails ({_error_summary(got)})"
     elif got.outputs != ref.outputs:
         leaf = min(set(ref.outputs) ^ set(got.outputs))
         where, other = ("the model", "the captured module") if leaf in ref.outputs else ("the captured module",
@@ -166,9 +166,9 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
         + (" and inputs" if ref.inputs else "") + f", {mode} mode), so the capture is kept")
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+def _error_summary(error: BaseException) -> str:
+    line = first_line(str(error))
+    return f"{type(error).__name__}: {line[:200]}" if line else type(error).__name__
 
 
 @dataclass

@@ -43,8 +43,8 @@ class ModuleTracker:
         return hook
 
     def close(self):
-        for h in self.handles:
-            h.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 # what torch.export does with the two things `FunctionCalls` records
@@ -60,10 +60,10 @@ class FunctionUse:
     where: str | None = None                       # source line of the first call
 
     def describe(self) -> str:
-        at = f" at {self.where}" if self.where else ""
+        location = f" at {self.where}" if self.where else ""
         paths = ", ".join(repr(p) for p in self.paths[:3])
         more = f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
-        return f"{self.name} (in module {paths}{more}{at})"
+        return f"{self.name} (in module {paths}{more}{location})"
 
 
 class FunctionCalls:
@@ -116,17 +116,17 @@ class TensorHook:
 
 def is_user_file(filename: str) -> bool:
     """Model code: a real file outside torch and fxmem."""
-    f = os.path.abspath(filename)
-    return not (f.startswith(_TORCH_DIR) or f.startswith(_FXMEM_DIR) or "<" in filename)
+    path = os.path.abspath(filename)
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_FXMEM_DIR) or "<" in filename)
 
 
 def _calling_line() -> str | None:
     """file:line of the innermost model-code frame calling in."""
-    f = sys._getframe(2)
-    while f is not None:
-        if is_user_file(f.f_code.co_filename):
-            return f"{f.f_code.co_filename}:{f.f_lineno}"
-        f = f.f_back
+    frame = sys._getframe(2)
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
     return None
 
 

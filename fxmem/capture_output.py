@@ -73,6 +73,6 @@ def write_details(model_name: str, header: str, details: str) -> str:
     """Write `details` under a one-line `header` to a new file in the temp directory; its path."""
     safe = re.sub(r"[^0-9A-Za-z_.-]", "_", model_name)[:64] or "model"
     handle, path = tempfile.mkstemp(prefix=f"fxmem-capture-{safe}-", suffix=".txt")
-    with os.fdopen(handle, "w", encoding="utf-8") as f:
-        f.write(header + "\n\n" + details)
+    with os.fdopen(handle, "w", encoding="utf-8") as file:
+        file.write(header + "\n\n" + details)
     return path

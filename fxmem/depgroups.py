@@ -222,22 +222,22 @@ def _norm_dim(dim, ndim):
     return dim + ndim if dim < 0 else dim
 
 
-def find_groups(gm: fx.GraphModule) -> list[Group]:
+def find_groups(graph_module: fx.GraphModule) -> list[Group]:
     """Every producer's dependency group (joined producers are listed once), in graph order."""
-    nodes = {node.name: node for node in gm.graph.nodes}
+    nodes = {node.name: node for node in graph_module.graph.nodes}
     attr_uses: dict[int, int] = {}
-    for node in gm.graph.nodes:
+    for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            obj = _safe_attr(gm, node.target)
+            obj = _safe_attr(graph_module, node.target)
             if isinstance(obj, torch.Tensor):
                 attr_uses[id(obj)] = attr_uses.get(id(obj), 0) + len(node.users)
     groups: list[Group] = []
     taken: set[str] = set()
-    for node in gm.graph.nodes:
-        weight_op = _weight_op(gm, node)
+    for node in graph_module.graph.nodes:
+        weight_op = _weight_op(graph_module, node)
         if weight_op is None or node.name in taken:
             continue
-        group = _grow(gm, node, attr_uses)
+        group = _grow(graph_module, node, attr_uses)
         for producer in group.producers:
             taken.add(producer.node)
         groups.append(group)
@@ -503,9 +503,9 @@ def _visit_view(group: Group, member: fx.Node, channel_dim: int, user: fx.Node, 
 
 
 # ---------------------------------------------------------------------------------------------- slicing
-def _set_tensor(gm: nn.Module, target: str, new: torch.Tensor) -> None:
+def _set_tensor(graph_module: nn.Module, target: str, new: torch.Tensor) -> None:
     prefix, _, attr = target.rpartition(".")
-    owner = private_owner(gm, prefix)
+    owner = private_owner(graph_module, prefix)
     old = getattr(owner, attr)
     if isinstance(old, nn.Parameter):
         owner._parameters[attr] = nn.Parameter(new, requires_grad=old.requires_grad)
@@ -515,42 +515,42 @@ def _set_tensor(gm: nn.Module, target: str, new: torch.Tensor) -> None:
         setattr(owner, attr, new)
 
 
-def slice_group(gm: fx.GraphModule, g: Group, keep: torch.Tensor, bias_delta: dict | None = None) -> dict:
-    """Keep only units `keep` (sorted indices) of group `g` in `gm`: new sliced parameters/buffers under the
+def slice_group(graph_module: fx.GraphModule, group: Group, keep: torch.Tensor, bias_delta: dict | None = None) -> dict:
+    """Keep only units `keep` (sorted indices) of `group` in `graph_module`: new sliced parameters/buffers under the
     same names, shape literals rewritten. `bias_delta`: {consumer node name: tensor added to its bias} (mean
     compensation). Returns {target: (old shape, new shape)}."""
-    if not g.ok:
-        raise ValueError(f"group {g.name} is not prunable: {g.reason}")
+    if not group.ok:
+        raise ValueError(f"group {group.name} is not prunable: {group.reason}")
     keep = keep.to(torch.long)
     shapes = {}
 
     def slice_tensor(target, dim, extra=None):
-        tensor = attr_of(gm, target)
+        tensor = attr_of(graph_module, target)
         with torch.no_grad():
             new = tensor.detach().index_select(dim, keep.to(tensor.device)).clone()
         shapes[target] = (tuple(tensor.shape), tuple(new.shape))
-        _set_tensor(gm, target, new)
+        _set_tensor(graph_module, target, new)
 
-    for producer in g.producers:
+    for producer in group.producers:
         slice_tensor(producer.weight, producer.wdim)
         if producer.bias is not None:
             slice_tensor(producer.bias, 0)
-    for consumer in g.consumers:
+    for consumer in group.consumers:
         slice_tensor(consumer.weight, consumer.wdim)
         if bias_delta and consumer.node in bias_delta and consumer.bias is not None:
-            bias = attr_of(gm, consumer.bias)
+            bias = attr_of(graph_module, consumer.bias)
             with torch.no_grad():
                 new_bias = (bias.detach() + bias_delta[consumer.node].to(bias.dtype)).clone()
-            _set_tensor(gm, consumer.bias, new_bias)
-    for target, dim in dict.fromkeys(g.params):
+            _set_tensor(graph_module, consumer.bias, new_bias)
+    for target, dim in dict.fromkeys(group.params):
         slice_tensor(target, dim)
-    by_name = {node.name: node for node in gm.graph.nodes}
-    for node_name, arg_index, pos in g.literals:
+    by_name = {node.name: node for node in graph_module.graph.nodes}
+    for node_name, arg_index, pos in group.literals:
         node = by_name[node_name]
         shape = list(node.args[arg_index])
         shape[pos] = int(keep.numel())
         args = list(node.args)
         args[arg_index] = shape
         node.args = tuple(args)
-    gm.recompile()
+    graph_module.recompile()
     return shapes

@@ -1,6 +1,13 @@
 """User-facing errors. Each names what is wrong and where; the CLI prints the message and exits."""
 
 
+def first_line(text: str | None) -> str:
+    """The first line of `text` without the whitespace around it, "" when there is none: how a message quotes
+    another error's (possibly long, multi-line) text."""
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
 class FxmemError(Exception):
     """Base of fxmem's user-facing errors. `exit_code` is what the CLI returns."""
     exit_code = 2

@@ -31,9 +31,9 @@ def _literal_beyond(arg, limit: float) -> bool:
     return isinstance(arg, float) and math.isfinite(arg) and abs(arg) > limit
 
 
-def _constant_beyond(gm: fx.GraphModule, node: fx.Node, limit: float) -> bool:
+def _constant_beyond(graph_module: fx.GraphModule, node: fx.Node, limit: float) -> bool:
     try:
-        tensor = attr_of(gm, str(node.target))
+        tensor = attr_of(graph_module, str(node.target))
     except AttributeError:
         return False
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, torch.nn.Parameter) \
@@ -48,13 +48,13 @@ def _float_valued(node: fx.Node) -> bool:
     return not isinstance(value, torch.Tensor) or value.is_floating_point()
 
 
-def beyond_range(gm: fx.GraphModule, dtype: torch.dtype) -> set[fx.Node]:
-    """The nodes of `gm` whose values may include finite numbers outside `dtype`'s finite range."""
+def beyond_range(graph_module: fx.GraphModule, dtype: torch.dtype) -> set[fx.Node]:
+    """The nodes of `graph_module` whose values may include finite numbers outside `dtype`'s finite range."""
     limit = torch.finfo(dtype).max
     found: set[fx.Node] = set()
-    for node in gm.graph.nodes:
+    for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            if _constant_beyond(gm, node, limit):
+            if _constant_beyond(graph_module, node, limit):
                 found.add(node)
             continue
         if node.op != "call_function" or node.target in BOUNDED or not _float_valued(node):

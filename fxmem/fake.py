@@ -18,13 +18,13 @@ _REAL_VALUE_CONFIG = {key: True for key in ("fake_tensor_propagate_real_tensors"
                       if hasattr(functorch_config, key)}
 
 
-def with_data_dependent_fallback(fn: Callable, on_retry: Callable | None = None):
-    """Run `fn` under FakeTensorMode; if a size depends on tensor values (PyG's masks, boolean indexing), run it
+def with_data_dependent_fallback(run: Callable, on_retry: Callable | None = None):
+    """Run `run` under FakeTensorMode; if a size depends on tensor values (PyG's masks, boolean indexing), run it
     again with fake tensors that carry the example inputs' real values, so those sizes are the example's.
     `on_retry(result)` is called with the second run's result."""
     grad_mode = torch.is_grad_enabled()
     try:
-        return fn()
+        return run()
     except GuardOnDataDependentSymNode:
         # a failure inside a higher-order op (wrap_with_set_grad_enabled) can leave grad mode switched
         torch.set_grad_enabled(grad_mode)
@@ -33,7 +33,7 @@ def with_data_dependent_fallback(fn: Callable, on_retry: Callable | None = None)
         log.setLevel(logging.ERROR)  # it logs every value it takes from the real tensors
         try:
             with functorch_config.patch(**_REAL_VALUE_CONFIG):
-                out = fn()
+                out = run()
         finally:
             log.setLevel(level)
         if on_retry is not None:
@@ -103,7 +103,7 @@ def static_sizes_if_needed(run: Callable[[bool], object]):
     the example's sizes."""
     try:
         return run(False)
-    except RuntimeError as e:
-        if "symbolic sizes" not in str(e):
+    except RuntimeError as error:
+        if "symbolic sizes" not in str(error):
             raise
     return run(True)

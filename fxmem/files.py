@@ -21,20 +21,20 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
     """Errors while the block writes `path` come out as OSError naming it (an OSError naming another file stays)."""
     try:
         yield
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror or str(e), os.fspath(path)) from e
+    except OSError as error:
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror or str(error), os.fspath(path)) from error
         raise
-    except Exception as e:
-        if type(e).__name__ != "SafetensorError":
+    except Exception as error:
+        if type(error).__name__ != "SafetensorError":
             raise
-        text = " ".join(str(e).split())
+        text = " ".join(str(error).split())
         found = _OS_ERROR.search(text)
         if found is not None:
             code = int(found.group(1))
-            raise OSError(code, os.strerror(code), os.fspath(path)) from e
+            raise OSError(code, os.strerror(code), os.fspath(path)) from error
         if "I/O error" in text:
-            raise OSError(errno.EIO, text, os.fspath(path)) from e
+            raise OSError(errno.EIO, text, os.fspath(path)) from error
         raise
 
 

@@ -55,26 +55,26 @@ class InputGuard(nn.Module):
                 raise InputShapeError(
                     f"input {spec.name}: expected a {len(spec.dims)}-d tensor (as in the example inputs), "
                     f"got shape {tuple(value.shape)}")
-            for i, (d, size) in enumerate(zip(spec.dims, value.shape)):
+            for axis, (dim, size) in enumerate(zip(spec.dims, value.shape)):
                 size = int(size)
-                if d.static is not None:
-                    if size != d.static:
+                if dim.static is not None:
+                    if size != dim.static:
                         raise InputShapeError(
-                            f"input {spec.name} dim {i}: the captured model is specialised to size {d.static}, "
+                            f"input {spec.name} dim {axis}: the captured model is specialised to size {dim.static}, "
                             f"got {size}. The model forced this dim static during capture (a size-1 example dim, "
                             f"or the model's code/weights fix it); capture again with example inputs of that shape, "
                             f"or pass dynamic_shapes=... to fxmem.capture")
                     continue
-                if d.lower is not None and size < d.lower or d.upper is not None and size > d.upper:
+                if dim.lower is not None and size < dim.lower or dim.upper is not None and size > dim.upper:
                     raise InputShapeError(
-                        f"input {spec.name} dim {i}: size {size} is outside the range the model supports "
-                        f"[{d.lower}, {d.upper}] (e.g. a position table or block size)")
-                if d.symbol in bound and bound[d.symbol][0] != size:
-                    other_size, other_name, other_dim = bound[d.symbol]
+                        f"input {spec.name} dim {axis}: size {size} is outside the range the model supports "
+                        f"[{dim.lower}, {dim.upper}] (e.g. a position table or block size)")
+                if dim.symbol in bound and bound[dim.symbol][0] != size:
+                    other_size, other_name, other_dim = bound[dim.symbol]
                     raise InputShapeError(
-                        f"input {spec.name} dim {i} (size {size}) must equal input {other_name} dim {other_dim} "
+                        f"input {spec.name} dim {axis} (size {size}) must equal input {other_name} dim {other_dim} "
                         f"(size {other_size}): the model uses them together")
-                bound.setdefault(d.symbol, (size, spec.name, i))
+                bound.setdefault(dim.symbol, (size, spec.name, axis))
         return None
 
 

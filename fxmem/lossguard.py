@@ -74,15 +74,15 @@ def make_evaluator(evaluate, evaluate_mode=None, model_file=None) -> Evaluator |
     and its optional `evaluate_mode`); higher is better unless a mode says "min". An Evaluator is taken as it is."""
     if isinstance(evaluate, Evaluator) and evaluate_mode is None:
         return evaluate
-    fn = evaluate if evaluate is not None else getattr(model_file, "evaluate", None)
-    if fn is None:
+    metric = evaluate if evaluate is not None else getattr(model_file, "evaluate", None)
+    if metric is None:
         if evaluate_mode is not None:
             raise FxmemError("evaluate_mode: given without evaluate (pass evaluate=fn, a function module -> number)")
         return None
-    if not callable(fn):
-        raise FxmemError(f"evaluate: expected a function module -> number, got {type(fn).__name__}")
+    if not callable(metric):
+        raise FxmemError(f"evaluate: expected a function module -> number, got {type(metric).__name__}")
     mode = evaluate_mode if evaluate_mode is not None else getattr(model_file, "evaluate_mode", None)
-    return Evaluator(fn, mode if mode is not None else "max")
+    return Evaluator(metric, mode if mode is not None else "max")
 
 
 # ============================================================================================ verdicts
@@ -232,8 +232,8 @@ def class_scores(output) -> torch.Tensor | None:
     """The class scores in a model's output, or None: the `logits` entry of a mapping (Hugging Face outputs), else
     a lone floating-point output of shape (batch, classes) or (batch, positions, classes) with at least 2 classes."""
     if hasattr(output, "keys") and "logits" in output.keys():
-        t = output["logits"]
-        return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+        logits = output["logits"]
+        return logits if isinstance(logits, torch.Tensor) and logits.is_floating_point() else None
     if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() in (2, 3) \
             and output.shape[-1] >= 2:
         return output
@@ -244,11 +244,11 @@ def top1_agreement(ref_outputs: list, got_outputs: list) -> float | None:
     """Share of positions whose top-1 class is unchanged, over all items; None when outputs are not class scores."""
     same = total = 0
     for ref, got in zip(ref_outputs, got_outputs):
-        a, b = class_scores(ref), class_scores(got)
-        if a is None or b is None or a.shape != b.shape:
+        ref_scores, got_scores = class_scores(ref), class_scores(got)
+        if ref_scores is None or got_scores is None or ref_scores.shape != got_scores.shape:
             return None
-        same += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.argmax(-1).numel()
+        same += int((ref_scores.argmax(-1) == got_scores.argmax(-1)).sum())
+        total += ref_scores.argmax(-1).numel()
     return same / total if total else None
 
 
@@ -381,9 +381,9 @@ def first_accepted(guard: LossGuard | None, build: Callable, states: Iterable, k
 def exclusion_steps(order: list) -> Iterator[list]:
     """Prefixes of `order` (sites by their own error, largest first) to leave out: none, then 1, 2, 4, ... sites,
     then all but one; never all (that is the program unchanged)."""
-    n, k = len(order), 0
-    while k < n:
-        yield list(order[:k])
-        if k == n - 1:
+    site_count, left_out = len(order), 0
+    while left_out < site_count:
+        yield list(order[:left_out])
+        if left_out == site_count - 1:
             return
-        k = min(max(1, 2 * k), n - 1)
+        left_out = min(max(1, 2 * left_out), site_count - 1)

@@ -21,17 +21,18 @@ def attach_mode_graph(program: Program, other: Program, state_names: set[str]) -
     """Serve `other.mode` with `other`'s graph: `program.module` runs it whenever its `training` flag is that mode's.
     `state_names`: the model's parameter and buffer names (other attributes the graph reads stay its own). Returns
     the name of the child that holds it."""
-    root, gm = program.module, other.module
-    _require_pytree_code(program, gm)
-    if gm._in_spec != root._in_spec:
+    root, graph_module = program.module, other.module
+    _require_pytree_code(program, graph_module)
+    if graph_module._in_spec != root._in_spec:
         raise CaptureError(f"cannot switch {program.model_name} between its train and eval graphs: the two "
                            "captures take their inputs in different structures")
     training = other.mode == "train"
-    paths = _inputs_from_root(gm, root, state_names)
-    gm.graph._codegen = CodeGen()  # flat inputs, flat outputs: ModeGraph restores the structure
-    flat = fx.GraphModule(gm, gm.graph, class_name=f"{program.model_name}{'Train' if training else 'Eval'}")
-    copy_buffer_persistence(gm, flat)
-    return _dispatch_to(program, ModeGraph(flat, training, paths, gm._out_spec))
+    paths = _inputs_from_root(graph_module, root, state_names)
+    graph_module.graph._codegen = CodeGen()  # flat inputs, flat outputs: ModeGraph restores the structure
+    flat = fx.GraphModule(graph_module, graph_module.graph,
+                          class_name=f"{program.model_name}{'Train' if training else 'Eval'}")
+    copy_buffer_persistence(graph_module, flat)
+    return _dispatch_to(program, ModeGraph(flat, training, paths, graph_module._out_spec))
 
 
 def attach_mode_refusal(program: Program, training: bool, reason: str) -> str:
@@ -42,10 +43,11 @@ def attach_mode_refusal(program: Program, training: bool, reason: str) -> str:
 
 
 def _require_pytree_code(program: Program, *others: fx.GraphModule) -> None:
-    for gm in (program.module, *others):
-        if type(gm.graph._codegen) is not _PyTreeCodeGen:
+    for graph_module in (program.module, *others):
+        if type(graph_module.graph._codegen) is not _PyTreeCodeGen:
             raise CaptureError(f"cannot switch {program.model_name} between its train and eval graphs: torch.export "
-                               f"generated {type(gm.graph._codegen).__name__} code, which fxmem does not know")
+                               f"generated {type(graph_module.graph._codegen).__name__} code, "
+                               "which fxmem does not know")
 
 
 def _dispatch_to(program: Program, child: ModeGraph | ModeRefusal) -> str:
@@ -59,10 +61,10 @@ def _dispatch_to(program: Program, child: ModeGraph | ModeRefusal) -> str:
     return name
 
 
-def _inputs_from_root(gm: fx.GraphModule, root: nn.Module, state_names: set[str]) -> list[str]:
-    """Turn `gm`'s reads of the model's tensors (get_attr of a name in `state_names`) into leading placeholders;
-    return their names in order. A tensor only this graph reads is added to `root` under its name."""
-    graph = gm.graph
+def _inputs_from_root(graph_module: fx.GraphModule, root: nn.Module, state_names: set[str]) -> list[str]:
+    """Turn `graph_module`'s reads of the model's tensors (get_attr of a name in `state_names`) into leading
+    placeholders; return their names in order. A tensor only this graph reads is added to `root` under its name."""
+    graph = graph_module.graph
     first_input = next((n for n in graph.nodes if n.op == "placeholder"), None)
     placeholders: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
@@ -70,7 +72,7 @@ def _inputs_from_root(gm: fx.GraphModule, root: nn.Module, state_names: set[str]
             continue
         path = node.target
         if path not in placeholders:
-            _ensure_on_root(root, gm, path)
+            _ensure_on_root(root, graph_module, path)
             ctx = graph.inserting_before(first_input) if first_input is not None else graph.inserting_before(None)
             with ctx:
                 placeholders[path] = graph.placeholder("root_" + path.replace(".", "_"))
@@ -80,15 +82,15 @@ def _inputs_from_root(gm: fx.GraphModule, root: nn.Module, state_names: set[str]
     return list(placeholders)
 
 
-def _ensure_on_root(root: nn.Module, gm: fx.GraphModule, path: str) -> None:
-    """`root` gets `gm`'s tensor at `path` (the same tensor object) unless it has one there already."""
+def _ensure_on_root(root: nn.Module, graph_module: fx.GraphModule, path: str) -> None:
+    """`root` gets `graph_module`'s tensor at `path` (the same tensor object) unless it has one there already."""
     try:
         tensor_at(root, path)
         return
     except AttributeError:
         pass
     owner_path, _, leaf = path.rpartition(".")
-    source_owner = gm.get_submodule(owner_path) if owner_path else gm
+    source_owner = graph_module.get_submodule(owner_path) if owner_path else graph_module
     owner = root
     for part in owner_path.split(".") if owner_path else []:
         if part not in owner._modules:

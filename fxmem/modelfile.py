@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import FxmemError, LossFnError, ModelFileError
+from .errors import FxmemError, LossFnError, ModelFileError, first_line
 from .lossguard import Evaluator
 from .step import require_trainable_loss
 from .userstate import mode_set, model_state_kept
@@ -79,12 +79,7 @@ def call_user(path: Path, what: str, function: Callable, *args, **kwargs) -> Any
         raise
     except Exception as error:  # noqa: BLE001 - the user's code
         raise ModelFileError(f"{_user_path_line(error, path)}: {what} failed: {type(error).__name__}: "
-                             f"{_first_line(error)}") from error
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
+                             f"{first_line(str(error))}") from error
 
 
 class UserLossFn:
@@ -112,7 +107,7 @@ class UserLossFn:
             if _is_trace_control_flow(error):
                 raise
             raise LossFnError(f"{_user_path_line(error, self.path)}: loss_fn(output, inputs) failed: "
-                              f"{type(error).__name__}: {_first_line(error)}") from error
+                              f"{type(error).__name__}: {first_line(str(error))}") from error
         if not isinstance(loss, torch.Tensor):
             raise LossFnError(f"{self.path}: loss_fn(output, inputs) must return a scalar tensor, got "
                               f"{type(loss).__name__}")
@@ -223,7 +218,7 @@ def check_inputs(model_file: ModelFile, mode: str | None = None) -> None:
             out = model_file.model(*model_file.args, **model_file.kwargs)
         except Exception as error:  # noqa: BLE001
             raise ModelFileError(f"{model_file.path}: the model rejects example_inputs(): {type(error).__name__}: "
-                                 f"{_first_line(error)}") from error
+                                 f"{first_line(str(error))}") from error
         if train:
             require_trainable_loss(model_file.model, out, model_file.args, model_file.kwargs, model_file.loss_fn,
                                    str(model_file.path))

@@ -123,15 +123,15 @@ class PassRecord:
         return GuardMetrics.from_metrics(self.metrics)
 
     def to_dict(self, with_timing: bool = True):
-        d = {"name": self.name, "status": self.status, "exact": self.exact,
+        record = {"name": self.name, "status": self.status, "exact": self.exact,
              "changes": [c.to_dict() for c in self.changes], "notes": list(self.notes), "reason": self.reason,
              "intents": _jsonable(self.intents),
              "deviation": self.deviation, "grad_deviation": self.grad_deviation, "train_check": self.train_check,
              "peak_before": self.peak_before,
              "peak_after": self.peak_after, "metrics": _jsonable(self.metrics)}
         if with_timing:
-            d["seconds"] = round(self.seconds, 3)
-        return d
+            record["seconds"] = round(self.seconds, 3)
+        return record
 
 
 @dataclass(frozen=True)
@@ -228,15 +228,15 @@ def register(cls: type) -> type:
     return cls
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    if isinstance(x, Deviation):
-        return x.to_dict()
-    if isinstance(x, torch.Tensor):
-        return x.tolist() if x.numel() <= 64 else f"tensor{tuple(x.shape)}"
-    return str(x)
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, Deviation):
+        return value.to_dict()
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 64 else f"tensor{tuple(value.shape)}"
+    return str(value)

@@ -123,9 +123,9 @@ class VerifyOptions:
     def __post_init__(self) -> None:
         for name in ("atol", "rtol", "grad_atol", "grad_rtol", "lossy_tolerance", "loss_increase",
                      "metric_tolerance"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:  # also rejects nan
-                raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # also rejects nan
+                raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
         if self.top1_agreement is not None and not 0 <= self.top1_agreement <= 1:
             raise ValueError(f"top1_agreement: expected a share in [0, 1] (0.97 = 97% of predictions unchanged), "
                              f"got {self.top1_agreement!r}")
@@ -171,14 +171,14 @@ def _parse_passes(value, path, ctx) -> dict[str, PassSection]:
     out: dict[str, PassSection] = {}
     for name in known:
         cls = options_class(name)
-        p = path + (name,)
+        section_path = path + (name,)
         if name not in value:
             opts = None
             if cls is not None:
                 try:
                     opts = cls()
-                except (TypeError, ValueError) as e:
-                    ctx.fail(p, f"options class {cls.__qualname__} has no valid defaults: {e}")
+                except (TypeError, ValueError) as error:
+                    ctx.fail(section_path, f"options class {cls.__qualname__} has no valid defaults: {error}")
             if name in KNOWN_PASSES:
                 out[name] = PassSection(enabled=False, options=opts, raw={}, line=None, where=None)
             continue
@@ -188,16 +188,17 @@ def _parse_passes(value, path, ctx) -> dict[str, PassSection]:
         if isinstance(sec, bool):
             sec = {"enabled": sec}
         if not isinstance(sec, Mapping):
-            ctx.fail(p, f"expected a mapping like {{enabled: true, ...}} or true/false, got {show_value(sec)}")
+            ctx.fail(section_path,
+                     f"expected a mapping like {{enabled: true, ...}} or true/false, got {show_value(sec)}")
         enabled = sec.get("enabled", True)
         if not isinstance(enabled, bool):
-            ctx.fail(p + ("enabled",), f"expected a bool, got {show_value(enabled)}")
+            ctx.fail(section_path + ("enabled",), f"expected a bool, got {show_value(enabled)}")
         raw = {k: copy.deepcopy(v) for k, v in sec.items() if k != "enabled"}
         opts = None
         if cls is not None:
-            opts = build_dataclass(cls, raw, p, ctx, noun=f"option for pass '{name}'",
+            opts = build_dataclass(cls, raw, section_path, ctx, noun=f"option for pass '{name}'",
                                     extra_known=("enabled",))
-        loc = ctx.loc(p)
+        loc = ctx.loc(section_path)
         out[name] = PassSection(enabled=enabled, options=opts, raw=raw, line=loc.line, where=loc.where())
     return out
 
@@ -268,14 +269,14 @@ class Policy:
         """The resolved policy as plain data (JSON-ready, fixed key order); `load_policy(p.to_dict())`
         gives an equal policy. `extends` and `source` are left out: the result is already resolved."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.metadata.get("internal") or f.name == "extends":
+        for field_info in dataclasses.fields(self):
+            if field_info.metadata.get("internal") or field_info.name == "extends":
                 continue
-            value = getattr(self, f.name)
-            if f.name == "passes":
+            value = getattr(self, field_info.name)
+            if field_info.name == "passes":
                 out["passes"] = {n: s.to_dict() for n, s in value.items()}
             else:
-                out[f.name] = _plain(value)
+                out[field_info.name] = _plain(value)
         return out
 
     def dump_yaml(self) -> str:

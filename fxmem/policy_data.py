@@ -11,8 +11,8 @@ from .policy_check import KeyPath, Loc, show_value
 
 def drop_key(data: dict, locs: dict, key: str) -> None:
     data.pop(key, None)
-    for p in [p for p in locs if p[:1] == (key,)]:
-        del locs[p]
+    for key_path in [p for p in locs if p[:1] == (key,)]:
+        del locs[key_path]
 
 
 def normalize_passes(data: dict, locs: dict) -> None:
@@ -32,20 +32,20 @@ def normalize_passes(data: dict, locs: dict) -> None:
 
 def merge(dst: dict, dst_locs: dict, src: dict, src_locs: dict, path: KeyPath = ()) -> None:
     """Deep merge `src` onto `dst` in place: mappings merge key by key, everything else replaces."""
-    for k, v in src.items():
-        p = path + (k,)
-        if k in dst and isinstance(dst[k], dict) and isinstance(v, dict):
-            if p in src_locs:
-                dst_locs[p] = src_locs[p]
-            merge(dst[k], dst_locs, v, src_locs, p)
+    for key, value in src.items():
+        key_path = path + (key,)
+        if key in dst and isinstance(dst[key], dict) and isinstance(value, dict):
+            if key_path in src_locs:
+                dst_locs[key_path] = src_locs[key_path]
+            merge(dst[key], dst_locs, value, src_locs, key_path)
         else:
-            dst[k] = copy.deepcopy(v)
-            n = len(p)
-            for q in [q for q in dst_locs if q[:n] == p]:
-                del dst_locs[q]
-            for q, loc in src_locs.items():
-                if q[:n] == p:
-                    dst_locs[q] = loc
+            dst[key] = copy.deepcopy(value)
+            depth = len(key_path)
+            for loc_path in [q for q in dst_locs if q[:depth] == key_path]:
+                del dst_locs[loc_path]
+            for loc_path, loc in src_locs.items():
+                if loc_path[:depth] == key_path:
+                    dst_locs[loc_path] = loc
 
 
 def key_parts(key: Any, where: str, *, refused: str) -> list[str]:
@@ -68,28 +68,28 @@ def set_value(data: dict, locs: dict, parts: list[str], value: Any, where: str) 
         parts = parts + ["enabled"]
     loc = Loc(where)
     node = data
-    for i, part in enumerate(parts[:-1]):
+    for index, part in enumerate(parts[:-1]):
         nxt = node.get(part)
         if nxt is None:
             nxt = node[part] = {}
-            locs[tuple(parts[: i + 1])] = loc
+            locs[tuple(parts[: index + 1])] = loc
         elif not isinstance(nxt, dict):
-            raise PolicyError(f"{where} {'.'.join(parts[: i + 1])}: is {show_value(nxt)}, not a mapping, so "
-                              f"'{'.'.join(parts[i + 1:])}' cannot be set inside it")
+            raise PolicyError(f"{where} {'.'.join(parts[: index + 1])}: is {show_value(nxt)}, not a mapping, so "
+                              f"'{'.'.join(parts[index + 1:])}' cannot be set inside it")
         node = nxt
-    p = tuple(parts)
-    n = len(p)
-    for q in [q for q in locs if q[:n] == p]:
-        del locs[q]
+    key_path = tuple(parts)
+    depth = len(key_path)
+    for loc_path in [q for q in locs if q[:depth] == key_path]:
+        del locs[loc_path]
     node[parts[-1]] = value
-    locs[p] = loc
+    locs[key_path] = loc
     if isinstance(value, (dict, list)):
-        def mark(v, q):
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, sub in items:
-                locs[q + (k,)] = loc
+        def mark(subtree, prefix):
+            items = subtree.items() if isinstance(subtree, dict) else enumerate(subtree)
+            for key, sub in items:
+                locs[prefix + (key,)] = loc
                 if isinstance(sub, (dict, list)):
-                    mark(sub, q + (k,))
-        mark(value, p)
-    if p[:1] == ("passes",) and n == 2:
+                    mark(sub, prefix + (key,))
+        mark(value, key_path)
+    if key_path[:1] == ("passes",) and depth == 2:
         normalize_passes(data, locs)

@@ -36,32 +36,32 @@ class _Src:
     read: Callable[[], str]
 
 
-def _looks_like_path(s: str) -> bool:
-    return ("/" in s or "\\" in s or s.endswith((".yaml", ".yml")) or s.startswith(".")
-            or Path(s).is_absolute())
+def _looks_like_path(text: str) -> bool:
+    return ("/" in text or "\\" in text or text.endswith((".yaml", ".yml")) or text.startswith(".")
+            or Path(text).is_absolute())
 
 
-def _file_src(p: Path, display: str) -> _Src:
-    resolved = p.resolve()
+def _file_src(path: Path, display: str) -> _Src:
+    resolved = path.resolve()
 
     def read() -> str:
         try:
-            with open(resolved, "rb") as f:
-                data = f.read(MAX_POLICY_BYTES + 1)  # never more: a huge file is refused, not read into memory
+            with open(resolved, "rb") as file:
+                data = file.read(MAX_POLICY_BYTES + 1)  # never more: a huge file is refused, not read into memory
                 if len(data) > MAX_POLICY_BYTES:
-                    size = os.fstat(f.fileno()).st_size
+                    size = os.fstat(file.fileno()).st_size
                     shown = f"{size} bytes" if size > MAX_POLICY_BYTES else f"more than {MAX_POLICY_BYTES} bytes"
                     raise PolicyError(f"{display}: {shown}; a policy is read only up to {MAX_POLICY_BYTES} bytes "
                                       "(1 MiB)")
             return data.decode("utf-8")
         except FileNotFoundError:
             raise PolicyError(f"{display}: no such policy file") from None
-        except UnicodeDecodeError as e:
-            raise PolicyError(f"{display}: not a UTF-8 text file ({e.reason})") from None
-        except OSError as e:
-            raise PolicyError(f"{display}: cannot read policy file: {e.strerror or e}") from None
+        except UnicodeDecodeError as error:
+            raise PolicyError(f"{display}: not a UTF-8 text file ({error.reason})") from None
+        except OSError as error:
+            raise PolicyError(f"{display}: cannot read policy file: {error.strerror or error}") from None
 
-    return _Src(ident=str(resolved), display=display, source=str(p), stem=p.name.rsplit(".", 1)[0],
+    return _Src(ident=str(resolved), display=display, source=str(path), stem=path.name.rsplit(".", 1)[0],
                 base_dir=resolved.parent, read=read)
 
 
@@ -77,14 +77,14 @@ def _preset_src(name: str, found) -> _Src:
 def _resolve_ref(ref: str, base_dir: Path | None, search_dirs, fail: Callable[[str], None]) -> _Src:
     """`extends:` value -> the parent's source. `fail(msg)` raises at the extends key."""
     if _looks_like_path(ref):
-        p = Path(ref).expanduser()
-        if not p.is_absolute():
+        path = Path(ref).expanduser()
+        if not path.is_absolute():
             if base_dir is None:
                 fail(f"cannot resolve the relative path '{ref}' from a packaged preset")
-            p = base_dir / p
-        if not p.is_file():
-            fail(f"policy file not found: {ref} (looked at {p})")
-        return _file_src(p, display_file(p))
+            path = base_dir / path
+        if not path.is_file():
+            fail(f"policy file not found: {ref} (looked at {path})")
+        return _file_src(path, display_file(path))
     found = find_preset(ref, search_dirs)
     if found is None:
         fail(unknown_preset(ref, search_dirs))
@@ -135,8 +135,8 @@ def _load_chain(src: _Src, search_dirs, stack: tuple[_Src, ...]) -> tuple[dict, 
 
 
 def _override_where(text: str) -> str:
-    q = shlex.quote(text)
-    return f"--set {q if q != text else repr(text)}"
+    quoted = shlex.quote(text)
+    return f"--set {quoted if quoted != text else repr(text)}"
 
 
 def _apply_override(data: dict, locs: dict, text: str) -> None:
@@ -147,29 +147,29 @@ def _apply_override(data: dict, locs: dict, text: str) -> None:
     parts = key_parts(key.strip(), where, refused="cannot be set with --set; choose the policy file instead")
     try:
         value = parse_value(raw, where) if raw.strip() else None
-    except yaml.MarkedYAMLError as e:
-        raise PolicyError(f"{where}: cannot read the value {raw!r}: {yaml_problem(e)}") from None
-    except yaml.YAMLError as e:
-        raise PolicyError(f"{where}: cannot read the value {raw!r}: {' '.join(str(e).split())}") from None
+    except yaml.MarkedYAMLError as error:
+        raise PolicyError(f"{where}: cannot read the value {raw!r}: {yaml_problem(error)}") from None
+    except yaml.YAMLError as error:
+        raise PolicyError(f"{where}: cannot read the value {raw!r}: {' '.join(str(error).split())}") from None
     set_value(data, locs, parts, value, where)
 
 
 def _dict_data(spec: Mapping) -> tuple[dict, dict]:
-    def plain(v, path):
+    def plain(value, path):
         if len(path) > MAX_DEPTH:  # the YAML reader's limit; a dict that holds itself reaches it too
             raise PolicyError(f"<dict> {format_key_path(path[:3])}...: nested more than {MAX_DEPTH} levels deep "
                               "(a dict or list that contains itself?)")
-        if isinstance(v, Mapping):
+        if isinstance(value, Mapping):
             out = {}
-            for k, sub in v.items():
-                if not isinstance(k, str):
-                    raise PolicyError(f"<dict> {format_key_path(path)}: expected string keys, got {show_value(k)}"
-                                      if path else f"<dict>: expected string keys, got {show_value(k)}")
-                out[k] = plain(sub, path + (k,))
+            for key, sub in value.items():
+                if not isinstance(key, str):
+                    raise PolicyError(f"<dict> {format_key_path(path)}: expected string keys, got {show_value(key)}"
+                                      if path else f"<dict>: expected string keys, got {show_value(key)}")
+                out[key] = plain(sub, path + (key,))
             return out
-        if isinstance(v, (list, tuple)):
-            return [plain(x, path + (i,)) for i, x in enumerate(v)]
-        return copy.deepcopy(v)
+        if isinstance(value, (list, tuple)):
+            return [plain(x, path + (i,)) for i, x in enumerate(value)]
+        return copy.deepcopy(value)
     return plain(spec, ()), {}
 
 
@@ -206,14 +206,14 @@ def load_policy(spec: Any, *, overrides: Sequence[str] = (), search_dirs=None) -
     elif isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
         if isinstance(spec, os.PathLike) or _looks_like_path(text):
-            p = Path(text).expanduser()
-            if not p.is_file():
+            path = Path(text).expanduser()
+            if not path.is_file():
                 hint = ""
-                if not p.is_dir() and find_preset(p.name.rsplit(".", 1)[0], search_dirs) is not None:
-                    hint = f" (did you mean the preset '{p.name.rsplit('.', 1)[0]}'?)"
-                raise PolicyError(f"{text}: no such policy file{hint}" if not p.is_dir()
+                if not path.is_dir() and find_preset(path.name.rsplit(".", 1)[0], search_dirs) is not None:
+                    hint = f" (did you mean the preset '{path.name.rsplit('.', 1)[0]}'?)"
+                raise PolicyError(f"{text}: no such policy file{hint}" if not path.is_dir()
                                   else f"{text}: is a directory, not a policy file")
-            src = _file_src(p, text)
+            src = _file_src(path, text)
         else:
             found = find_preset(text, search_dirs)
             if found is None:

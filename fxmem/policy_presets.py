@@ -29,24 +29,24 @@ def _preset_dirs(search_dirs) -> list:
 def list_presets(search_dirs=None) -> list[str]:
     """Names of the presets (builtin and in `search_dirs`), sorted."""
     names = set()
-    for d in _preset_dirs(search_dirs):
+    for preset_dir in _preset_dirs(search_dirs):
         try:
-            entries = list(d.iterdir())
+            entries = list(preset_dir.iterdir())
         except (FileNotFoundError, NotADirectoryError):
             continue
-        for e in entries:
-            if e.is_file() and e.name.endswith((".yaml", ".yml")) and not e.name.startswith("."):
-                names.add(e.name.rsplit(".", 1)[0])
+        for entry in entries:
+            if entry.is_file() and entry.name.endswith((".yaml", ".yml")) and not entry.name.startswith("."):
+                names.add(entry.name.rsplit(".", 1)[0])
     return sorted(names)
 
 
 def find_preset(name: str, search_dirs):
     if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", name):
-        for d in _preset_dirs(search_dirs):
+        for preset_dir in _preset_dirs(search_dirs):
             for ext in (".yaml", ".yml"):
-                p = d.joinpath(name + ext)
-                if p.is_file():
-                    return p
+                path = preset_dir.joinpath(name + ext)
+                if path.is_file():
+                    return path
     return None
 
 
@@ -60,7 +60,7 @@ def unknown_preset(name: str, search_dirs) -> str:
 
 def preset_path(name: str, search_dirs=None) -> Path:
     """Path of a preset's YAML file. Raises PolicyError for an unknown name."""
-    p = find_preset(name, search_dirs)
-    if p is None:
+    path = find_preset(name, search_dirs)
+    if path is None:
         raise PolicyError(unknown_preset(name, search_dirs))
-    return p
+    return path

@@ -102,13 +102,13 @@ def parse_yaml(text: str, display: str) -> tuple[dict, dict[KeyPath, Loc]]:
     try:
         try:
             root = loader.get_single_node()
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark or e.context_mark
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark or error.context_mark
             line = f":{mark.line + 1}" if mark else ""
             col = f" (column {mark.column + 1})" if mark else ""
-            raise PolicyError(f"{display}{line}: invalid YAML{col}: {yaml_problem(e)}") from None
-        except yaml.YAMLError as e:
-            raise PolicyError(f"{display}: invalid YAML: {' '.join(str(e).split())}") from None
+            raise PolicyError(f"{display}{line}: invalid YAML{col}: {yaml_problem(error)}") from None
+        except yaml.YAMLError as error:
+            raise PolicyError(f"{display}: invalid YAML: {' '.join(str(error).split())}") from None
         if root is None:
             raise PolicyError(f"{display}:1: expected a mapping of policy settings, got an empty file")
         if not isinstance(root, yaml.MappingNode):
@@ -122,11 +122,11 @@ def parse_yaml(text: str, display: str) -> tuple[dict, dict[KeyPath, Loc]]:
         loader.dispose()
 
 
-def yaml_problem(e: yaml.MarkedYAMLError) -> str:
-    what = e.problem or e.context or "syntax error"
-    if e.context and e.problem:
-        at = f" at line {e.context_mark.line + 1}" if e.context_mark else ""
-        what += f" ({e.context}{at})"
+def yaml_problem(error: yaml.MarkedYAMLError) -> str:
+    what = error.problem or error.context or "syntax error"
+    if error.context and error.problem:
+        context_at = f" at line {error.context_mark.line + 1}" if error.context_mark else ""
+        what += f" ({error.context}{context_at})"
     return " ".join(what.split())
 
 
@@ -149,42 +149,43 @@ def _walk(loader, node, path: KeyPath, locs: dict, display: str, active: set) ->
         active = active | {id(node)}
         flattened = loader.__dict__.setdefault("_fxmem_flattened", set())
         seen: dict[str, int] = {}
-        for k, _ in ([] if id(node) in flattened else node.value):
-            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                if k.value in seen:
-                    raise PolicyError(f"{display}:{k.start_mark.line + 1} {format_key_path(path + (k.value,))}: "
-                                      f"duplicate key (first at line {seen[k.value]})")
-                seen[k.value] = k.start_mark.line + 1
+        for key_node, _ in ([] if id(node) in flattened else node.value):
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise PolicyError(f"{display}:{key_node.start_mark.line + 1} "
+                                      f"{format_key_path(path + (key_node.value,))}: "
+                                      f"duplicate key (first at line {seen[key_node.value]})")
+                seen[key_node.value] = key_node.start_mark.line + 1
         flattened.add(id(node))
         try:
             loader.flatten_mapping(node)  # YAML merge keys (<<: *base)
-        except yaml.MarkedYAMLError as e:
-            raise PolicyError(f"{display}:{e.problem_mark.line + 1}: invalid YAML: {e.problem}") from None
+        except yaml.MarkedYAMLError as error:
+            raise PolicyError(f"{display}:{error.problem_mark.line + 1}: invalid YAML: {error.problem}") from None
         out: dict[str, Any] = {}
-        for k, v in node.value:
-            if not isinstance(k, yaml.ScalarNode):
-                kind = "list" if isinstance(k, yaml.SequenceNode) else "mapping"
-                raise PolicyError(f"{display}:{k.start_mark.line + 1} {format_key_path(path)}: "
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+                raise PolicyError(f"{display}:{key_node.start_mark.line + 1} {format_key_path(path)}: "
                                   f"expected a string key, got a {kind}")
-            key = k.value  # keys are names: 'on', 'yes', '1' stay strings
-            p = path + (key,)
+            key = key_node.value  # keys are names: 'on', 'yes', '1' stay strings
+            item_path = path + (key,)
             if not path:
-                loader.fxmem_top = (key, k.start_mark.line + 1)  # where a document too large to read is said
-            out[key] = _walk(loader, v, p, locs, display, active)
-            locs[p] = Loc(display, k.start_mark.line + 1, v.start_mark.line + 1)
+                loader.fxmem_top = (key, key_node.start_mark.line + 1)  # where a document too large to read is said
+            out[key] = _walk(loader, value_node, item_path, locs, display, active)
+            locs[item_path] = Loc(display, key_node.start_mark.line + 1, value_node.start_mark.line + 1)
         return out
     if isinstance(node, yaml.SequenceNode):
         active = active | {id(node)}
         items = []
-        for i, v in enumerate(node.value):
-            p = path + (i,)
-            items.append(_walk(loader, v, p, locs, display, active))
-            locs[p] = Loc(display, v.start_mark.line + 1, v.start_mark.line + 1)
+        for index, value_node in enumerate(node.value):
+            item_path = path + (index,)
+            items.append(_walk(loader, value_node, item_path, locs, display, active))
+            locs[item_path] = Loc(display, value_node.start_mark.line + 1, value_node.start_mark.line + 1)
         return items
     try:
         return loader.construct_object(node, deep=True)
-    except yaml.MarkedYAMLError as e:
-        raise PolicyError(f"{display}:{node.start_mark.line + 1} {format_key_path(path)}: {e.problem}") from None
+    except yaml.MarkedYAMLError as error:
+        raise PolicyError(f"{display}:{node.start_mark.line + 1} {format_key_path(path)}: {error.problem}") from None
 
 
 def parse_value(raw: str, where: str) -> Any:

@@ -127,7 +127,7 @@ def load_passes() -> dict[str, Registration]:
         if (where / f"{name}.py").exists() or (where / name / "__init__.py").exists():  # a module or a package
             try:
                 importlib.import_module(f"fxmem.passes.{name}")
-            except Exception as e:  # noqa: BLE001 - one broken pass must not take the others down
-                LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
+            except Exception as error:  # noqa: BLE001 - one broken pass must not take the others down
+                LOAD_ERRORS[name] = f"{type(error).__name__}: {error}"
     _loaded = True
     return REGISTRY

@@ -16,9 +16,9 @@ from .units import format_bytes as _unit_bytes
 STATUS_MARK = {"applied": "applied", "unchanged": "unchanged", "rolled_back": "ROLLED BACK", "failed": "FAILED"}
 
 
-def format_bytes(n) -> str:
+def format_bytes(num_bytes) -> str:
     """`fxmem.units.format_bytes`, with '-' for a missing value."""
-    return "-" if n is None else _unit_bytes(int(n))
+    return "-" if num_bytes is None else _unit_bytes(int(num_bytes))
 
 
 def nodes_text(nodes) -> str:

@@ -21,10 +21,11 @@ from .resultdir import STRUCTURE, WEIGHTS, write_manifest
 from .structure import describe, format_code, generated_code
 
 
-def full_code(gm: nn.Module) -> str:
+def full_code(graph_module: nn.Module) -> str:
     """The generated code of a GraphModule and of every GraphModule inside it, readable."""
-    return format_code(type(gm).__name__, [(name, mod.code) for name, mod in [("", gm)] + list(gm.named_modules())[1:]
-                                           if isinstance(mod, fx.GraphModule)])
+    modules = [("", graph_module)] + list(graph_module.named_modules())[1:]
+    return format_code(type(graph_module).__name__, [(name, mod.code) for name, mod in modules
+                                                     if isinstance(mod, fx.GraphModule)])
 
 
 def _quantized_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -49,40 +50,40 @@ def unsaveable(module: nn.Module) -> str | None:
         if getstate is not None and getstate is not nn.Module.__getstate__:
             try:
                 getstate(mod)
-            except Exception as e:  # noqa: BLE001  (the module's own refusal: say it)
-                return f"{where} cannot be saved: {e}"
+            except Exception as error:  # noqa: BLE001  (the module's own refusal: say it)
+                return f"{where} cannot be saved: {error}"
     return None
 
 
-def write_result_files(result, d: Path) -> None:
-    """The files of `result` (a TransformResult) in the directory `d`, the manifest last."""
+def write_result_files(result, directory: Path) -> None:
+    """The files of `result` (a TransformResult) in `directory`, the manifest last."""
     from safetensors.torch import save_file
-    gm = result.module
-    why = unsaveable(gm)  # (OutputDir.write comes here directly: the CLI; it removes its scratch directory)
+    graph_module = result.module
+    why = unsaveable(graph_module)  # (OutputDir.write comes here directly: the CLI; it removes its scratch directory)
     if why is not None:
         raise FxmemError(f"{why}; nothing was written")
     # quantized linears: their bitsandbytes weight and state as tensors + JSON fields; taken out of the modules
     # while the structure and its plain tensors are described
     quant_weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, dict] = {}
-    quant_mods = _quantized_modules(gm)
+    quant_mods = _quantized_modules(graph_module)
     for qual, mod in quant_mods:
         try:
             tensors, fields = mod.quantized_state()
-        except ValueError as e:
-            raise FxmemError(f"cannot save the quantized layer {qual}: {e}; nothing was written") from None
-        for k, t in tensors.items():
-            quant_weights[f"{qual}.{k}"] = t.detach().contiguous().cpu()
+        except ValueError as error:
+            raise FxmemError(f"cannot save the quantized layer {qual}: {error}; nothing was written") from None
+        for key, tensor in tensors.items():
+            quant_weights[f"{qual}.{key}"] = tensor.detach().contiguous().cpu()
         quantized[qual] = fields
     with contextlib.ExitStack() as stack:
         for _, mod in quant_mods:
             stack.enter_context(mod.without_quantized_state())
         try:
-            doc, weights = describe(gm, mode=result.policy.mode, quantized=quantized)
+            doc, weights = describe(graph_module, mode=result.policy.mode, quantized=quantized)
             code = generated_code(doc)  # what loading will generate: checks the description as loading does
-        except ValueError as e:
-            raise FxmemError(f"cannot save the result: {e}; nothing was written") from None
-    expected = full_code(gm)
+        except ValueError as error:
+            raise FxmemError(f"cannot save the result: {error}; nothing was written") from None
+    expected = full_code(graph_module)
     if code != expected:  # the description would load as another module: a bug, never written
         line = next((f"{a!r} != {b!r}" for a, b in zip(code.splitlines(), expected.splitlines()) if a != b), "")
         raise RuntimeError(f"the saved description of the module does not generate the module's code ({line})")
@@ -90,12 +91,12 @@ def write_result_files(result, d: Path) -> None:
     if clash:
         raise FxmemError(f"cannot save: {clash[0]} names both a tensor and a quantized layer's state")
     weights.update(quant_weights)
-    with writing(d / WEIGHTS):
-        save_file(weights, str(d / WEIGHTS))
-    write_text(d / STRUCTURE, json.dumps(doc, indent=1) + "\n")
-    write_text(d / "transformed.py", code)
-    write_text(d / "original.py", full_code(result.original.module))
+    with writing(directory / WEIGHTS):
+        save_file(weights, str(directory / WEIGHTS))
+    write_text(directory / STRUCTURE, json.dumps(doc, indent=1) + "\n")
+    write_text(directory / "transformed.py", code)
+    write_text(directory / "original.py", full_code(result.original.module))
     if result.report is not None:
-        result.report.save(d)
-    write_manifest(d, {"fxmem": __version__, "torch": torch.__version__, "model": result.program.model_name,
+        result.report.save(directory)
+    write_manifest(directory, {"fxmem": __version__, "torch": torch.__version__, "model": result.program.model_name,
                        "mode": result.policy.mode, "inputs": list(result.program.input_names)})

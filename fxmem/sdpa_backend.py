@@ -15,12 +15,12 @@ from .node_value import node_value
 BACKEND_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
-def dispatcher_choice(q, k, v, mask, dropout_p, is_causal, scale, gqa):
+def dispatcher_choice(query, key, value, mask, dropout_p, is_causal, scale, gqa):
     """The backend SDPA's dispatcher picks for this call (`torch._fused_sdp_choice`: on CUDA, torch orders the fused
     kernels by device and version, cuDNN first on Hopper); None where it cannot say."""
     from torch.nn.attention import SDPBackend
     try:
-        code = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
+        code = torch._fused_sdp_choice(query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa)
         return SDPBackend(code).name
     except Exception:  # noqa: BLE001 - an older torch or an unsupported call: the fixed order decides
         return None

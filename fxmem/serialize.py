@@ -28,113 +28,113 @@ _MOVED_TARGETS = {("fxmem.nn.recast", "remat"): "fxmem.nn.remat",
                   ("fxmem.nn.recast", "remat_call"): "fxmem.nn.remat"}
 
 
-def _encode_target(t) -> tuple:
-    if isinstance(t, str):
-        return ("str", t)
-    if isinstance(t, torch._ops.OpOverload):
-        return ("op", t.namespace, t._opname, t._overloadname)
-    if isinstance(t, torch._ops.HigherOrderOperator):
-        return ("hop", t.name())
-    mod = getattr(t, "__module__", None)
-    qual = getattr(t, "__qualname__", None) or getattr(t, "__name__", None)
-    if mod is None and getattr(t, "__self__", None) is not None:
-        mod = type(t.__self__).__module__
+def _encode_target(target) -> tuple:
+    if isinstance(target, str):
+        return ("str", target)
+    if isinstance(target, torch._ops.OpOverload):
+        return ("op", target.namespace, target._opname, target._overloadname)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return ("hop", target.name())
+    mod = getattr(target, "__module__", None)
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if mod is None and getattr(target, "__self__", None) is not None:
+        mod = type(target.__self__).__module__
     if mod is None or qual is None:
-        raise TypeError(f"cannot save graph target {t!r}")
+        raise TypeError(f"cannot save graph target {target!r}")
     if mod == "_operator":
         mod = "operator"
     return ("py", mod, qual)
 
 
-def _decode_target(e: tuple):
-    kind = e[0]
+def _decode_target(encoded: tuple):
+    kind = encoded[0]
     if kind == "str":
-        return e[1]
+        return encoded[1]
     if kind == "op":
-        _, ns, name, overload = e
-        packet = getattr(getattr(torch.ops, ns), name)
+        _, namespace, name, overload = encoded
+        packet = getattr(getattr(torch.ops, namespace), name)
         return getattr(packet, overload or "default")
     if kind == "hop":
-        return getattr(torch.ops.higher_order, e[1])
-    _, mod, qual = e
+        return getattr(torch.ops.higher_order, encoded[1])
+    _, mod, qual = encoded
     obj: Any = importlib.import_module(_MOVED_TARGETS.get((mod, qual), mod))
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def _encode_arg(a):
-    if isinstance(a, fx.Node):
-        return ("__node__", a.name)
-    if isinstance(a, tuple):
-        return ("__tuple__", [_encode_arg(x) for x in a])
-    if isinstance(a, list):
-        return [_encode_arg(x) for x in a]
-    if isinstance(a, dict):
-        return {"__dict__": [(k, _encode_arg(v)) for k, v in a.items()]}
-    if isinstance(a, slice):
-        return ("__slice__", _encode_arg(a.start), _encode_arg(a.stop), _encode_arg(a.step))
-    if isinstance(a, (torch._ops.OpOverload, types.FunctionType, types.BuiltinFunctionType)):
-        return ("__target__", _encode_target(a))
-    return a
+def _encode_arg(arg):
+    if isinstance(arg, fx.Node):
+        return ("__node__", arg.name)
+    if isinstance(arg, tuple):
+        return ("__tuple__", [_encode_arg(x) for x in arg])
+    if isinstance(arg, list):
+        return [_encode_arg(x) for x in arg]
+    if isinstance(arg, dict):
+        return {"__dict__": [(k, _encode_arg(v)) for k, v in arg.items()]}
+    if isinstance(arg, slice):
+        return ("__slice__", _encode_arg(arg.start), _encode_arg(arg.stop), _encode_arg(arg.step))
+    if isinstance(arg, (torch._ops.OpOverload, types.FunctionType, types.BuiltinFunctionType)):
+        return ("__target__", _encode_target(arg))
+    return arg
 
 
-def _decode_arg(a, env):
-    if isinstance(a, tuple) and a and a[0] == "__node__":
-        return env[a[1]]
-    if isinstance(a, tuple) and a and a[0] == "__tuple__":
-        return tuple(_decode_arg(x, env) for x in a[1])
-    if isinstance(a, tuple) and a and a[0] == "__slice__":
-        return slice(*(_decode_arg(x, env) for x in a[1:]))
-    if isinstance(a, tuple) and a and a[0] == "__target__":
-        return _decode_target(a[1])
-    if isinstance(a, list):
-        return [_decode_arg(x, env) for x in a]
-    if isinstance(a, dict) and "__dict__" in a:
-        return {k: _decode_arg(v, env) for k, v in a["__dict__"]}
-    return a
+def _decode_arg(arg, env):
+    if isinstance(arg, tuple) and arg and arg[0] == "__node__":
+        return env[arg[1]]
+    if isinstance(arg, tuple) and arg and arg[0] == "__tuple__":
+        return tuple(_decode_arg(x, env) for x in arg[1])
+    if isinstance(arg, tuple) and arg and arg[0] == "__slice__":
+        return slice(*(_decode_arg(x, env) for x in arg[1:]))
+    if isinstance(arg, tuple) and arg and arg[0] == "__target__":
+        return _decode_target(arg[1])
+    if isinstance(arg, list):
+        return [_decode_arg(x, env) for x in arg]
+    if isinstance(arg, dict) and "__dict__" in arg:
+        return {k: _decode_arg(v, env) for k, v in arg["__dict__"]}
+    return arg
 
 
 def graph_state(graph: fx.Graph) -> dict:
     nodes = []
-    for n in graph.nodes:
-        nodes.append({"op": n.op, "name": n.name, "target": _encode_target(n.target),
-                      "args": _encode_arg(n.args), "kwargs": _encode_arg(n.kwargs),
-                      "meta": {k: v for k, v in n.meta.items() if k in _META_KEEP and _picklable(v)}})
+    for node in graph.nodes:
+        nodes.append({"op": node.op, "name": node.name, "target": _encode_target(node.target),
+                      "args": _encode_arg(node.args), "kwargs": _encode_arg(node.kwargs),
+                      "meta": {k: v for k, v in node.meta.items() if k in _META_KEEP and _picklable(v)}})
     return {"nodes": nodes, "codegen": graph._codegen}
 
 
-def _picklable(v) -> bool:
+def _picklable(value) -> bool:
     try:
-        pickle.dumps(v)
+        pickle.dumps(value)
         return True
     except Exception:  # noqa: BLE001
         return False
 
 
 def graph_from_state(state: dict) -> fx.Graph:
-    g = fx.Graph()
+    graph = fx.Graph()
     env: dict[str, fx.Node] = {}
-    for d in state["nodes"]:
-        args = _decode_arg(d["args"], env)
-        kwargs = _decode_arg(d["kwargs"], env)
-        target = _decode_target(d["target"])
-        node = g.create_node(d["op"], target, tuple(args), dict(kwargs), name=d["name"])
-        node.meta.update(d.get("meta", {}))
-        env[d["name"]] = node
-    g._codegen = state["codegen"]
-    return g
+    for node_state in state["nodes"]:
+        args = _decode_arg(node_state["args"], env)
+        kwargs = _decode_arg(node_state["kwargs"], env)
+        target = _decode_target(node_state["target"])
+        node = graph.create_node(node_state["op"], target, tuple(args), dict(kwargs), name=node_state["name"])
+        node.meta.update(node_state.get("meta", {}))
+        env[node_state["name"]] = node
+    graph._codegen = state["codegen"]
+    return graph
 
 
-def _init_from_body(gm: fx.GraphModule, body: dict, state: dict, class_name: str) -> fx.GraphModule:
-    """Initialise `gm` (a new, uninitialised GraphModule) from a pickled `__dict__` and graph state."""
+def _init_from_body(graph_module: fx.GraphModule, body: dict, state: dict, class_name: str) -> fx.GraphModule:
+    """Initialise `graph_module` (a new, uninitialised GraphModule) from a pickled `__dict__` and graph state."""
     graph = graph_from_state(state)
     com = _CodeOnlyModule(body)
-    type(gm).__init__(gm, com, graph, class_name=class_name)
-    for k, v in body.items():
-        if not hasattr(gm, k) or k in ROOT_HOOK_ATTRS:
-            setattr(gm, k, v)
-    return gm
+    type(graph_module).__init__(graph_module, com, graph, class_name=class_name)
+    for attr_name, attr_value in body.items():
+        if not hasattr(graph_module, attr_name) or attr_name in ROOT_HOOK_ATTRS:
+            setattr(graph_module, attr_name, attr_value)
+    return graph_module
 
 
 def _new_graph_module() -> fx.GraphModule:
@@ -144,10 +144,10 @@ def _new_graph_module() -> fx.GraphModule:
     return cls.__new__(cls)
 
 
-def _fill_graph_module(gm: fx.GraphModule, state: tuple) -> None:
-    """Step two: the state, read in full (back-references to `gm` inside it are `gm` itself)."""
+def _fill_graph_module(graph_module: fx.GraphModule, state: tuple) -> None:
+    """Step two: the state, read in full (back-references to `graph_module` inside it are `graph_module` itself)."""
     body, graph_st, class_name = state
-    _init_from_body(gm, body, graph_st, class_name)
+    _init_from_body(graph_module, body, graph_st, class_name)
 
 
 def _rebuild_graph_module(body: dict, state: dict, class_name: str):

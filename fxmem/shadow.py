@@ -49,10 +49,10 @@ def float32_shadow(program: Program) -> Program:
 
 def _upcast(tree):
     """`tree` with its bf16/fp16 tensors in float32 (each a new leaf, requires_grad kept)."""
-    def up(x):
-        if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
-            return x.detach().float().requires_grad_(x.requires_grad)
-        return x
+    def up(value):
+        if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+            return value.detach().float().requires_grad_(value.requires_grad)
+        return value
     return pytree.tree_map(up, tree)
 
 
@@ -71,24 +71,24 @@ def _upcast_module_tensors(module: nn.Module, extremes: dict[float, float]) -> N
     low-precision extremes as float32's); a tensor shared by several modules (tied weights) stays shared."""
     done: dict[int, torch.Tensor] = {}
 
-    def up(t):
-        if id(t) not in done:
-            new = t.detach().float()
-            if isinstance(t, nn.Parameter):
-                done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad)
+    def up(tensor):
+        if id(tensor) not in done:
+            new = tensor.detach().float()
+            if isinstance(tensor, nn.Parameter):
+                done[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad)
             else:
                 for value, wide_value in extremes.items():
                     new = new.masked_fill(new == value, wide_value)
-                done[id(t)] = new
-        return done[id(t)]
+                done[id(tensor)] = new
+        return done[id(tensor)]
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
-            for name, t in table.items():
-                if t is not None and t.dtype in LOW_PRECISION:
-                    table[name] = up(t)
-        for name, t in list(vars(sub).items()):
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dtype in LOW_PRECISION:
-                setattr(sub, name, up(t))
+            for name, held in table.items():
+                if held is not None and held.dtype in LOW_PRECISION:
+                    table[name] = up(held)
+        for name, held in list(vars(sub).items()):
+            if isinstance(held, torch.Tensor) and not isinstance(held, nn.Parameter) and held.dtype in LOW_PRECISION:
+                setattr(sub, name, up(held))
 
 
 def _to_float32(value, extremes: dict[float, float]):

@@ -37,22 +37,22 @@ def claim_scratch(parent: Path, name: str) -> tuple[Path, int]:
     """A new scratch directory in `parent` for the output `parent/name`, claimed by this process: (its path, the
     descriptor of its locked marker file; `release_scratch` closes it). OSError when `parent` is not writable."""
     directory = Path(tempfile.mkdtemp(prefix=scratch_prefix(name), dir=parent))
-    fd = None
+    descriptor = None
     try:
-        fd = os.open(directory / MARKER, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        descriptor = os.open(directory / MARKER, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a later run's check may hold it for a moment
+            fcntl.flock(descriptor, fcntl.LOCK_EX)  # a later run's check may hold it for a moment
         # written under the lock: a check that sees no complete marker keeps the directory
-        os.write(fd, json.dumps({"kind": _KIND, "output": name, "pid": os.getpid()}).encode())
+        os.write(descriptor, json.dumps({"kind": _KIND, "output": name, "pid": os.getpid()}).encode())
     except BaseException:
-        if fd is not None:
-            os.close(fd)
+        if descriptor is not None:
+            os.close(descriptor)
         remove_path(directory)
         raise
-    return directory, fd
+    return directory, descriptor
 
 
-def release_scratch(fd: int, directory: Path | None = None) -> None:
+def release_scratch(descriptor: int, directory: Path | None = None) -> None:
     """Give up the claim. With `directory` (a scratch directory kept because it holds a previous result), its
     marker is removed first, so that no later run takes the directory for a leftover."""
     if directory is not None:
@@ -60,7 +60,7 @@ def release_scratch(fd: int, directory: Path | None = None) -> None:
             os.unlink(directory / MARKER)
         except OSError:
             pass
-    os.close(fd)
+    os.close(descriptor)
 
 
 def remove_abandoned(parent: Path, name: str) -> list[Path]:
@@ -92,28 +92,28 @@ def _abandoned(directory: Path, name: str) -> bool:
     if fcntl is None or os.path.islink(directory) or not directory.is_dir() or os.path.islink(marker):
         return False
     try:
-        fd = os.open(marker, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        descriptor = os.open(marker, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        info = json.loads(os.read(fd, 4096).decode("utf-8"))
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        info = json.loads(os.read(descriptor, 4096).decode("utf-8"))
     except (OSError, ValueError):  # held by a live run, or not (yet) a marker fxmem wrote
         return False
     finally:
-        os.close(fd)
+        os.close(descriptor)
     return isinstance(info, dict) and info.get("kind") == _KIND and info.get("output") == name
 
 
-def remove_path(p: Path) -> None:
+def remove_path(path: Path) -> None:
     """Remove a file, a link (not what it points to) or a directory tree; a leftover is said, never silent."""
     try:
-        if os.path.islink(p) or not os.path.isdir(p):
-            os.unlink(p)
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
         else:
-            shutil.rmtree(p)
+            shutil.rmtree(path)
     except FileNotFoundError:
         pass
-    except OSError as e:
-        warnings.warn(f"fxmem: could not remove the scratch directory {p}: {e.strerror or e}", RuntimeWarning,
-                      stacklevel=2)
+    except OSError as error:
+        warnings.warn(f"fxmem: could not remove the scratch directory {path}: {error.strerror or error}",
+                      RuntimeWarning, stacklevel=2)

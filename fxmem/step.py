@@ -29,8 +29,8 @@ def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
         raise ValueError("the model's output has no floating-point tensor to build a default loss from; "
                          "pass loss_fn=")
     total = terms[0]
-    for t in terms[1:]:
-        total = total + t
+    for term in terms[1:]:
+        total = total + term
     return total
 
 
@@ -131,8 +131,8 @@ def training_step(model, args, kwargs, optimizer, loss_fn=None, marks: Callable[
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     else:
-        for p in _params_of(model):
-            p.grad = None
+        for param in _params_of(model):
+            param.grad = None
     mark("end")
     del out, loss
 

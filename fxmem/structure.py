@@ -54,12 +54,12 @@ def plain_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, str, tor
     return out
 
 
-def describe(gm: fx.GraphModule, *, mode: str, quantized: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+def describe(graph_module: fx.GraphModule, *, mode: str, quantized: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """(the structure document, the tensors to store by name). Quantized linears' bitsandbytes state must be out of
     the modules (`QuantLinear.without_quantized_state`) and in `quantized`. ValueError says what cannot be saved."""
-    root = _describe_module(gm, "", {})
+    root = _describe_module(graph_module, "", {})
     specs, weights, first = [], {}, {}
-    for mod, kind, attr, qual, tensor in plain_tensors(gm):
+    for mod, kind, attr, qual, tensor in plain_tensors(graph_module):
         if type(tensor) not in (torch.Tensor, nn.Parameter):
             raise ValueError(f"{qual} is a {type(tensor).__module__}.{type(tensor).__qualname__}, which fxmem does "
                              "not know how to store (only plain tensors and fxmem's quantized linears are saved)")

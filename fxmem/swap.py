@@ -32,45 +32,45 @@ def signals_deferred():
         pending.append(signum)
 
     try:
-        for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
-            if s is None:
+        for signal_number in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+            if signal_number is None:
                 continue
-            h = signal.getsignal(s)
-            if h is None:  # installed outside Python: cannot be put back, leave it
+            handler = signal.getsignal(signal_number)
+            if handler is None:  # installed outside Python: cannot be put back, leave it
                 continue
-            old[s] = h
-            signal.signal(s, note)
+            old[signal_number] = handler
+            signal.signal(signal_number, note)
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(pending):
-            h = old[s]
-            if callable(h):
-                h(s, None)  # e.g. raises KeyboardInterrupt
-            elif h == signal.SIG_DFL:
-                signal.raise_signal(s)  # the default action (terminate), now that the section is done
+        for signal_number, handler in old.items():
+            signal.signal(signal_number, handler)
+        for signal_number in dict.fromkeys(pending):
+            handler = old[signal_number]
+            if callable(handler):
+                handler(signal_number, None)  # e.g. raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signal_number)  # the default action (terminate), now that the section is done
 
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def exchange(a: Path, b: Path) -> bool:
+def exchange(first: Path, second: Path) -> bool:
     """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE): even a crash leaves one or the other in
     place. False where the system or the file system has no such call (then two renames, with signals held back)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
+        renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), str(second))

@@ -41,14 +41,14 @@ def _table() -> dict[str, object]:
     table: dict[str, object] = {}
     for prefix, mod, names in (("operator", operator, _OPERATOR_NAMES), ("builtins", builtins, _BUILTIN_NAMES),
                                ("torch", torch, _TORCH_NAMES), ("math", math, _MATH_NAMES)):
-        for n in names:
-            fn = getattr(mod, n, None)
-            if fn is not None:
-                table[f"{prefix}.{n}"] = fn
+        for name in names:
+            function = getattr(mod, name, None)
+            if function is not None:
+                table[f"{prefix}.{name}"] = function
     runtime = (recast.cast_param, remat.remat, remat.remat_call, modes.count_batch, dropout.bool_mask_dropout,
                dropout.bool_mask_dropout_remat, attention.sdpa_dropout)
-    for fn in runtime:
-        table[f"{fn.__module__}.{fn.__qualname__}"] = fn
+    for function in runtime:
+        table[f"{function.__module__}.{function.__qualname__}"] = function
     return table
 
 
@@ -92,10 +92,10 @@ def resolve_target(name) -> object:
         if hop not in HIGHER_ORDER_OPS:
             raise TargetError(f"{name} is not a higher-order operator a saved graph may call")
         return getattr(torch.ops.higher_order, hop)
-    fn = PYTHON_TARGETS.get(MOVED_TARGETS.get(name, name))
-    if fn is None:
+    target = PYTHON_TARGETS.get(MOVED_TARGETS.get(name, name))
+    if target is None:
         raise TargetError(f"{name} is not a function a saved graph may call")
-    return fn
+    return target
 
 
 def aten_op(name) -> torch._ops.OpOverload:
@@ -122,8 +122,8 @@ def check_op_name_args(target, args: tuple, kwargs: dict) -> None:
         names.append(args[0])
         for member in kwargs.get("_fxmem_chain") or ():
             names.append(member[0] if isinstance(member, (tuple, list)) and member else member)
-    for n in names:
-        aten_op(n)
+    for op_name in names:
+        aten_op(op_name)
 
 
 def check_attribute_name(kind: str, name) -> None:

@@ -25,10 +25,10 @@ __all__ = ["Budget", "Size", "parse_size", "parse_budget", "format_bytes", "form
 
 _BINARY = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5}
 _UNITS: dict[str, int] = {"": 1, "b": 1, "byte": 1, "bytes": 1}
-for _p, _f in _BINARY.items():
-    _UNITS[_p] = _f  # K, M, G, T, P: binary shorthand
-    _UNITS[_p + "ib"] = _f  # KiB ...
-    _UNITS[_p + "b"] = 1000 ** (list(_BINARY).index(_p) + 1)  # KB ... (SI)
+for _prefix, _factor in _BINARY.items():
+    _UNITS[_prefix] = _factor  # K, M, G, T, P: binary shorthand
+    _UNITS[_prefix + "ib"] = _factor  # KiB ...
+    _UNITS[_prefix + "b"] = 1000 ** (list(_BINARY).index(_prefix) + 1)  # KB ... (SI)
 
 _UNIT_HELP = ("use B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024) "
               "or K/M/G/T (short for KiB/MiB/GiB/TiB)")
@@ -47,38 +47,38 @@ class Size(int):
         return f"Size({int(self)})"
 
 
-def parse_size(s: str | int | float) -> int:
+def parse_size(size: str | int | float) -> int:
     """'6GiB', '512 MiB', '1.5GB', '4096', '16G' (= 16 GiB) -> bytes (an int >= 0).
 
     Raises ValueError naming what was expected."""
-    if isinstance(s, bool):
-        raise ValueError(f"expected {SIZE_EXAMPLE}, got {s!r}")
-    if isinstance(s, int):
-        if s < 0:
-            raise ValueError(f"a size cannot be negative, got {s}")
-        return int(s)
-    if isinstance(s, float):
-        if not math.isfinite(s) or s < 0 or s != int(s):
-            raise ValueError(f"expected {SIZE_EXAMPLE} (a whole number of bytes), got {s!r}")
-        return int(s)
-    if not isinstance(s, str):
-        raise ValueError(f"expected {SIZE_EXAMPLE}, got {s!r}")
-    m = _SIZE_RE.match(s)
-    if not m:
-        raise ValueError(f"expected {SIZE_EXAMPLE}, got {s!r}")
-    sign, number, unit = m.groups()
+    if isinstance(size, bool):
+        raise ValueError(f"expected {SIZE_EXAMPLE}, got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"a size cannot be negative, got {size}")
+        return int(size)
+    if isinstance(size, float):
+        if not math.isfinite(size) or size < 0 or size != int(size):
+            raise ValueError(f"expected {SIZE_EXAMPLE} (a whole number of bytes), got {size!r}")
+        return int(size)
+    if not isinstance(size, str):
+        raise ValueError(f"expected {SIZE_EXAMPLE}, got {size!r}")
+    match = _SIZE_RE.match(size)
+    if not match:
+        raise ValueError(f"expected {SIZE_EXAMPLE}, got {size!r}")
+    sign, number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown unit {unit!r} in {s!r}; {_UNIT_HELP}")
+        raise ValueError(f"unknown unit {unit!r} in {size!r}; {_UNIT_HELP}")
     if sign == "-":
-        raise ValueError(f"a size cannot be negative, got {s!r}")
+        raise ValueError(f"a size cannot be negative, got {size!r}")
     if re.fullmatch(r"\d+", number):
         return int(number) * factor  # exact for big integers
     value = float(number) * factor
     if not math.isfinite(value):
-        raise ValueError(f"{s!r} is too large to be a size in bytes")
+        raise ValueError(f"{size!r} is too large to be a size in bytes")
     if factor == 1 and value != int(value):
-        raise ValueError(f"expected a whole number of bytes, got {s!r}")
+        raise ValueError(f"expected a whole number of bytes, got {size!r}")
     return int(round(value))
 
 
@@ -133,86 +133,86 @@ class Budget:
         return text
 
 
-def parse_budget(s: str | int | float | Budget) -> Budget:
+def parse_budget(budget: str | int | float | Budget) -> Budget:
     """'40%' or 0.4 -> fraction; '6GiB', '512 MiB', 4096 -> bytes. Raises ValueError."""
-    if isinstance(s, Budget):
-        return s
-    if isinstance(s, bool):
-        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {s!r}")
-    if isinstance(s, float):
-        if not (0 < s <= 1):
-            raise ValueError(f"expected a fraction in (0, 1] such as 0.4, or {BUDGET_EXAMPLE}, got {s!r}")
-        return Budget(fraction=s)
-    if isinstance(s, int):
-        if s <= 0:
-            raise ValueError(f"a budget must be more than 0 bytes, got {s}")
-        return Budget(bytes=s)
-    if not isinstance(s, str):
-        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {s!r}")
-    m = _PCT_RE.match(s)
-    if m:
-        pct = float(m.group(1))
+    if isinstance(budget, Budget):
+        return budget
+    if isinstance(budget, bool):
+        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {budget!r}")
+    if isinstance(budget, float):
+        if not (0 < budget <= 1):
+            raise ValueError(f"expected a fraction in (0, 1] such as 0.4, or {BUDGET_EXAMPLE}, got {budget!r}")
+        return Budget(fraction=budget)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"a budget must be more than 0 bytes, got {budget}")
+        return Budget(bytes=budget)
+    if not isinstance(budget, str):
+        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {budget!r}")
+    match = _PCT_RE.match(budget)
+    if match:
+        pct = float(match.group(1))
         if not (0 < pct <= 100):
-            raise ValueError(f"expected a percentage in (0%, 100%], got {s!r}")
+            raise ValueError(f"expected a percentage in (0%, 100%], got {budget!r}")
         return Budget(fraction=pct / 100)
-    m = _SIZE_RE.match(s)
-    if not m:
-        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {s!r}")
-    if not m.group(3) and not re.fullmatch(r"\s*\+?\d+\s*", s):
+    match = _SIZE_RE.match(budget)
+    if not match:
+        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {budget!r}")
+    if not match.group(3) and not re.fullmatch(r"\s*\+?\d+\s*", budget):
         # a bare non-integer number written as a string: same rule as the float form
-        value = float(s)
+        value = float(budget)
         if not (0 < value <= 1):
-            raise ValueError(f"expected a fraction in (0, 1] such as 0.4, or {BUDGET_EXAMPLE}, got {s!r}")
+            raise ValueError(f"expected a fraction in (0, 1] such as 0.4, or {BUDGET_EXAMPLE}, got {budget!r}")
         return parse_budget(value)
     try:
-        n = parse_size(s)
-    except ValueError as e:
-        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {s!r} ({e})") from None
-    if n <= 0:
-        raise ValueError(f"a budget must be more than 0 bytes, got {s!r}")
-    return Budget(bytes=n)
+        size_bytes = parse_size(budget)
+    except ValueError as error:
+        raise ValueError(f"expected {BUDGET_EXAMPLE}, got {budget!r} ({error})") from None
+    if size_bytes <= 0:
+        raise ValueError(f"a budget must be more than 0 bytes, got {budget!r}")
+    return Budget(bytes=size_bytes)
 
 
 _FMT_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def format_bytes(n: int | float) -> str:
+def format_bytes(num_bytes: int | float) -> str:
     """Human, deterministic: '12 B', '312.0 KiB', '1.50 GiB', '-3.25 MiB'.
 
     Below 1 KiB whole bytes; otherwise the largest binary unit, with 2 decimals below 10 and
     1 decimal from 10 up (so about three significant digits)."""
-    if isinstance(n, float) and not math.isfinite(n):
-        return f"{n} B"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    if n < 1024:
-        return f"{sign}{int(round(n))} B"
-    i = 0
-    value = float(n)
-    while i < len(_FMT_UNITS) - 1 and value >= 1024:
+    if isinstance(num_bytes, float) and not math.isfinite(num_bytes):
+        return f"{num_bytes} B"
+    sign = "-" if num_bytes < 0 else ""
+    num_bytes = abs(num_bytes)
+    if num_bytes < 1024:
+        return f"{sign}{int(round(num_bytes))} B"
+    unit_index = 0
+    value = float(num_bytes)
+    while unit_index < len(_FMT_UNITS) - 1 and value >= 1024:
         value /= 1024
-        i += 1
+        unit_index += 1
     decimals = 2 if value < 10 else 1
-    if round(value, decimals) >= 1024 and i < len(_FMT_UNITS) - 1:
+    if round(value, decimals) >= 1024 and unit_index < len(_FMT_UNITS) - 1:
         value /= 1024
-        i += 1
+        unit_index += 1
         decimals = 2
-    return f"{sign}{value:.{decimals}f} {_FMT_UNITS[i]}"
+    return f"{sign}{value:.{decimals}f} {_FMT_UNITS[unit_index]}"
 
 
-def format_size(n: int) -> str:
-    """Exact size string that `parse_size` reads back to `n`: '6GiB', '1.5GiB', '1500MB', '4097'."""
-    n = int(n)
-    if n <= 0:
-        return str(n)
+def format_size(num_bytes: int) -> str:
+    """Exact size string that `parse_size` reads back to `num_bytes`: '6GiB', '1.5GiB', '1500MB', '4097'."""
+    num_bytes = int(num_bytes)
+    if num_bytes <= 0:
+        return str(num_bytes)
     binary = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
     for unit, factor in binary + (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
-        if n % factor == 0:
-            return f"{n // factor}{unit}"
+        if num_bytes % factor == 0:
+            return f"{num_bytes // factor}{unit}"
     for unit, factor in binary:
-        if n >= factor:
+        if num_bytes >= factor:
             for decimals in (1, 2):
-                text = f"{n / factor:.{decimals}f}"
-                if parse_size(text + unit) == n:
+                text = f"{num_bytes / factor:.{decimals}f}"
+                if parse_size(text + unit) == num_bytes:
                     return text + unit
-    return str(n)
+    return str(num_bytes)

@@ -39,17 +39,17 @@ def model_state_kept(module: nn.Module | None, *, parameter_values: bool = False
         yield
 
 
-def keeps_model_state(fn=None, *, parameter_values: bool = False):
+def keeps_model_state(entry_point=None, *, parameter_values: bool = False):
     """Decorator for an entry point whose first argument is the user's model (an nn.Module, or a Program whose
     module is kept): the call runs inside `model_state_kept` of it."""
-    if fn is None:
+    if entry_point is None:
         return functools.partial(keeps_model_state, parameter_values=parameter_values)
 
-    @functools.wraps(fn)
+    @functools.wraps(entry_point)
     def kept(model, *args, **kwargs):
         module = model.module if isinstance(model, Program) else model
         with model_state_kept(module if isinstance(module, nn.Module) else None, parameter_values=parameter_values):
-            return fn(model, *args, **kwargs)
+            return entry_point(model, *args, **kwargs)
     return kept
 
 
@@ -86,8 +86,8 @@ def _flags_kept(module: nn.Module):
     try:
         yield
     finally:
-        for m, flag in flags:
-            m.training = flag
+        for submodule, flag in flags:
+            submodule.training = flag
 
 
 @dataclass
@@ -105,22 +105,22 @@ def _parameters_kept(module: nn.Module, copy_values: bool):
     kept = [_Kept(name, p, p.grad, p.requires_grad, p._version,
                   p.detach().to('cpu', copy=True) if copy_values and p.requires_grad else None)
             for name, p in module.named_parameters()]
-    for k in kept:
-        k.param.grad = None
+    for entry in kept:
+        entry.param.grad = None
     try:
         yield
     finally:
         changed = []
         with torch.no_grad():
-            for k in kept:
-                k.param.requires_grad_(k.requires_grad)
-                k.param.grad = k.grad
-                if k.param._version == k.version:
+            for entry in kept:
+                entry.param.requires_grad_(entry.requires_grad)
+                entry.param.grad = entry.grad
+                if entry.param._version == entry.version:
                     continue
-                if k.value is not None:
-                    k.param.copy_(k.value)
+                if entry.value is not None:
+                    entry.param.copy_(entry.value)
                 else:
-                    changed.append(k.name)
+                    changed.append(entry.name)
         if changed:
             warnings.warn(f"fxmem: running {type(module).__name__} wrote its parameter{'s' if len(changed) > 1 else ''}"
                           f" {', '.join(repr(n) for n in changed[:3])}{' and more' if len(changed) > 3 else ''} in "

@@ -32,9 +32,9 @@ class WeightLeft:
     why: str = NOT_A_SITE
 
 
-def _parameter(gm: fx.GraphModule, target: str):
+def _parameter(graph_module: fx.GraphModule, target: str):
     try:
-        value = gm.get_parameter(target)
+        value = graph_module.get_parameter(target)
     except AttributeError:
         return None
     return value
@@ -47,15 +47,15 @@ def feeds_a_linear(node: fx.Node) -> bool:
                and u.args[weight_arg[u.target]] is node for u in node.users)
 
 
-def weights_left(gm: fx.GraphModule, min_params: int, why: dict[str, str] | None = None) -> list[WeightLeft]:
-    """Parameters of `gm` with at least `min_params` elements that no linear layer uses as its weight, each with
-    its reason from `why` (parameter name -> reason, NOT_A_SITE where absent)."""
+def weights_left(graph_module: fx.GraphModule, min_params: int, why: dict[str, str] | None = None) -> list[WeightLeft]:
+    """Parameters of `graph_module` with at least `min_params` elements that no linear layer uses as its weight,
+    each with its reason from `why` (parameter name -> reason, NOT_A_SITE where absent)."""
     rows, seen = [], set()
     why = why or {}
-    for node in gm.graph.nodes:
+    for node in graph_module.graph.nodes:
         if node.op != "get_attr" or feeds_a_linear(node):
             continue
-        param = _parameter(gm, node.target)
+        param = _parameter(graph_module, node.target)
         if param is None or param.numel() < min_params or id(param) in seen:
             continue
         seen.add(id(param))
@@ -65,12 +65,13 @@ def weights_left(gm: fx.GraphModule, min_params: int, why: dict[str, str] | None
     return sorted(rows, key=lambda row: -row.nbytes)
 
 
-def describe(rows: list[WeightLeft], gm: fx.GraphModule) -> str:
-    """One line: how many large weights stay in full precision, their share of the parameter bytes of `gm` (the
-    model before quantization), the largest ones with their ops and why; "" when there are none."""
+def describe(rows: list[WeightLeft], graph_module: fx.GraphModule) -> str:
+    """One line: how many large weights stay in full precision, their share of the parameter bytes of
+    `graph_module` (the model before quantization), the largest ones with their ops and why; "" when there are
+    none."""
     if not rows:
         return ""
-    total = sum(p.numel() * p.element_size() for p in gm.parameters()) or 1
+    total = sum(p.numel() * p.element_size() for p in graph_module.parameters()) or 1
     left = sum(row.nbytes for row in rows)
     shown = "; ".join(f"{row.name} ({'/'.join(row.used_by)}): {row.why}" for row in rows[:SHOWN])
     more = f"; and {len(rows) - SHOWN} more" if len(rows) > SHOWN else ""

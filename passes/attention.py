@@ -257,13 +257,13 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> None:
 
 def _inputs(graph: fx.Graph, site: AttentionSite, opts) -> tuple:
     """q, k, v in (B, H, L, E) layout (k transposed back if needed; 3-D forms unsqueezed), enable_gqa."""
-    query, value = site.q, site.v
-    key = site.k
+    query, value = site.query, site.value
+    key = site.key
     if key is None:
-        key = graph.call_function(aten.transpose.int, (site.k_transposed, -2, -1))
+        key = graph.call_function(aten.transpose.int, (site.key_transposed, -2, -1))
     enable_gqa = site.gqa_groups > 1
     if enable_gqa and not opts.gqa:
-        key, value, enable_gqa = site.k_expanded, site.v_expanded, False
+        key, value, enable_gqa = site.key_expanded, site.value_expanded, False
     if site.batch_dims == 1:
         query, key, value = (graph.call_function(aten.unsqueeze.default, (x, 0)) for x in (query, key, value))
     return query, key, value, enable_gqa
@@ -326,7 +326,7 @@ def _with_fully_masked_rows(graph: fx.Graph, site: AttentionSite, call: SdpaCall
     mask_val = node_value(site.masks[0].node)
     if not isinstance(mask_val, torch.Tensor) or not mask_val.is_floating_point():
         return out
-    output_ndim = len(node_value(site.q).shape) + (site.batch_dims == 1)
+    output_ndim = len(node_value(site.query).shape) + (site.batch_dims == 1)
     return emit_fully_masked_rows(graph, call, out, mask_val.dtype, output_ndim)
 
 
@@ -379,11 +379,11 @@ def _hybrid_module(program: Program, site: AttentionSite, opts, key_len: int):
     params = {"top_k": top_k}
     if opts.rank_ratio is None:
         return mod, params, None
-    query_proj, key_proj = trace_projection(site.q), trace_projection(site.k) if site.k is not None else None
-    if query_proj is None or key_proj is None or query_proj.x is not key_proj.x \
+    query_proj, key_proj = trace_projection(site.query), trace_projection(site.key) if site.key is not None else None
+    if query_proj is None or key_proj is None or query_proj.input_node is not key_proj.input_node \
             or query_proj.heads != key_proj.heads or site.gqa_groups > 1:
         return None, {"why": "rank_ratio: q and k are not heads of linear layers on one input"}, None
-    input_example = _example_node(program, query_proj.x)
+    input_example = _example_node(program, query_proj.input_node)
     if input_example is None or site.batch_dims != 2:
         return None, {"why": "rank_ratio: example value of the projection input unavailable"}, None
     query_weight = _attr(program, query_proj.weight)
@@ -452,7 +452,8 @@ def _insert_approx(program: Program, site: AttentionSite, opts, mod, kind: str, 
             value = graph.call_function(aten.repeat_interleave.self_int, (value, site.gqa_groups, 1))
         mask = site.masks[0].node if mask_ex is not None else None
         lowrank = getattr(mod, "q_proj", None) is not None
-        out = graph.call_module(name, (query, key, value, mask) + ((trace_projection(site.q).x,) if lowrank else ()))
+        out = graph.call_module(name, (query, key, value, mask)
+                                + ((trace_projection(site.query).input_node,) if lowrank else ()))
         final = out if site.batch_dims != 1 else graph.call_function(aten.squeeze.dim, (out, 0))
     added = [node for node in graph.nodes if node not in before]
     for node in added:
@@ -494,14 +495,14 @@ def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
     for site in sites:
         if not site.ok:
             continue
-        key = site.k if site.k is not None else site.k_transposed
-        for which, node in (("q", site.q), ("k", key), ("v", site.v)):
+        key = site.key if site.key is not None else site.key_transposed
+        for which, node in (("q", site.query), ("k", key), ("v", site.value)):
             want.setdefault(node, []).append((site, which))
         for mask_term in site.masks:
             want.setdefault(mask_term.node, []).append((None, mask_term.node.name))
-        proj = trace_projection(site.q) if site.q is not None else None
+        proj = trace_projection(site.query) if site.query is not None else None
         if proj is not None:
-            want.setdefault(proj.x, []).append((None, proj.x.name))
+            want.setdefault(proj.input_node, []).append((None, proj.input_node.name))
     got = {}
 
     class _Grab(fx.Interpreter):
@@ -527,7 +528,7 @@ def capture_examples(program: Program, sites: list[AttentionSite]) -> None:
             if site is None:
                 program._attention_examples[which] = example
                 continue
-            if example is not None and which == "k" and site.k is None:
+            if example is not None and which == "k" and site.key is None:
                 example = example.transpose(-2, -1)
             if example is not None and site.batch_dims == 1:
                 example = example.unsqueeze(0)

@@ -61,7 +61,7 @@ def validate(options: GatingOptions) -> None:
 @dataclass
 class Branch:
     add: fx.Node
-    x: fx.Node
+    stream: fx.Node
     out: fx.Node
     nodes: list
     label: str
@@ -170,7 +170,7 @@ def _chosen(branch: Branch, targets: list[str]) -> str | None:
 def _localize_sizes(graph_module: fx.GraphModule, branch: Branch) -> None:
     """Sizes of x the branch reads from outside (sym_size nodes) are re-read from x inside the branch, so the
     branch can run on a subset of rows."""
-    stream_value = node_value(branch.x, source=EXPORT)
+    stream_value = node_value(branch.stream, source=EXPORT)
     if not isinstance(stream_value, torch.Tensor):
         return
     members = set(branch.nodes)
@@ -183,7 +183,7 @@ def _localize_sizes(graph_module: fx.GraphModule, branch: Branch) -> None:
             continue
         first = min(branch.nodes, key=lambda n: list(graph_module.graph.nodes).index(n))
         with graph_module.graph.inserting_before(first):
-            new = graph_module.graph.call_function(aten.sym_size.int, (branch.x, dims[0]))
+            new = graph_module.graph.call_function(aten.sym_size.int, (branch.stream, dims[0]))
         new.meta = dict(size_node.meta)
         size_node.replace_all_uses_with(new, delete_user_cb=lambda u: u in members)
         branch.nodes.insert(0, new)
@@ -192,11 +192,11 @@ def _localize_sizes(graph_module: fx.GraphModule, branch: Branch) -> None:
 
 def _row_safe(branch: Branch, inputs: list) -> tuple[bool, str]:
     for source in inputs:
-        if source is branch.x or source.op == "get_attr":
+        if source is branch.stream or source.op == "get_attr":
             continue
         value = node_value(source, source=EXPORT)
         if isinstance(value, torch.Tensor):
-            if value.dim() == 0 or _not_per_row(value, node_value(branch.x, source=EXPORT)):
+            if value.dim() == 0 or _not_per_row(value, node_value(branch.stream, source=EXPORT)):
                 continue
             return False, f"the branch also reads tensor {source.name} from outside (per-row coupling unknown)"
         if source.op == "call_function" and source.target is aten.sym_size.int:
@@ -249,11 +249,11 @@ class GatingPass(Pass):
             if outputs != [branch.out]:
                 notes.append(f"{branch.label}: branch values used outside it ({[x.name for x in outputs]}); not gated")
                 continue
-            if branch.x not in inputs:
+            if branch.stream not in inputs:
                 notes.append(f"{branch.label}: the branch does not read its residual stream directly; not gated")
                 continue
-            x_index = inputs.index(branch.x)
-            stream_value = node_value(branch.x, tensor_only=True)
+            x_index = inputs.index(branch.stream)
+            stream_value = node_value(branch.stream, tensor_only=True)
             fdim = 1 if stream_value.dim() == 4 else -1
             feats = int(stream_value.shape[fdim])
             safe, why_not = _row_safe(branch, inputs)

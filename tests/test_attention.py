@@ -445,7 +445,7 @@ def test_find_attention_api():
     s = sites[0]
     assert s.ok and s.causal and s.dropout_p == 0.1 and s.gqa_groups == 1
     assert s.scale_value == pytest.approx(1 / math.sqrt(8))
-    assert s.q is not None and s.k is not None and s.v is not None and s.softmax in s.nodes
+    assert s.query is not None and s.key is not None and s.value is not None and s.softmax in s.nodes
 
 
 class ShapeScale(nn.Module):

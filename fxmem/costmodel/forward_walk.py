@@ -15,9 +15,9 @@ class Peak:
     def __init__(self, live: int):
         self.bytes, self.at, self.phase, self.module = live, "start", "forward", ""
 
-    def see(self, live: int, at: str, phase: str, module: str) -> None:
+    def see(self, live: int, where: str, phase: str, module: str) -> None:
         if live > self.bytes:
-            self.bytes, self.at, self.phase, self.module = live, at, phase, module
+            self.bytes, self.at, self.phase, self.module = live, where, phase, module
 
 def timeline_add(timeline: list, phase: str, label: str, live: int, peak: int) -> None:
     """Append a point to `timeline`, or update the last one when it is the same node in the same phase."""

@@ -25,11 +25,11 @@ def step_ends(records: list) -> dict[int, int]:
     return {record.step: record.idx for record in records}
 
 
-def first_unpack(records: list, lo: int, hi: int) -> int:
-    """The record among lo..hi (a recompute region) whose backward runs the recomputation: non-reentrant checkpoint
+def first_unpack(records: list, first: int, last: int) -> int:
+    """The record among first..last (a recompute region) whose backward runs the recomputation: non-reentrant checkpoint
     recomputes at the first unpack of anything the region saved (parameters too), in the backward of its last op
-    that saves; the ops after it save nothing, their backward runs before (hi when none saves)."""
-    return max((record.idx for record in records[lo:hi + 1] if record.out_rg and record.saved), default=hi)
+    that saves; the ops after it save nothing, their backward runs before (last when none saves)."""
+    return max((record.idx for record in records[first:last + 1] if record.out_rg and record.saved), default=last)
 
 
 def recomputed(record, stop: int) -> bool:
@@ -103,8 +103,8 @@ class TraceLiveness:
             return last
         return self.step_end.get(self.records[last].step, last)
 
-    def recompute_high(self, lo: int, hi: int, keeps, saved: dict, made_again: dict) -> int:
-        """The most bytes a recompute region's recomputation (records lo..hi run again in backward) holds at once.
+    def recompute_high(self, first: int, last: int, keeps, saved: dict, made_again: dict) -> int:
+        """The most bytes a recompute region's recomputation (records first..last run again in backward) holds at once.
 
         It makes each op's new storages again, except the outputs of ops the region keeps (`keeps.keeps(func)`:
         cached or held since the forward); what no op in it saves is dropped after its last use there, what one
@@ -114,13 +114,13 @@ class TraceLiveness:
         body runs as graph code: a value is dropped as `dies_at` says, and one the body uses after the stop (the
         region's output, the residual of an add after it) stays until the stop, as the body's frame holds it."""
         records, storage_bytes = self.records, self.storage_bytes
-        stop = first_unpack(records, lo, hi)
+        stop = first_unpack(records, first, last)
         drop_at: dict[int, list[int]] = defaultdict(list)
-        made_here = {key for record in records[lo:stop + 1] for key in record.new_keys}
+        made_here = {key for record in records[first:stop + 1] for key in record.new_keys}
         # inputs made again
         live = sum(made_again.values()) + sum(storage_bytes[key] for key in saved if key not in made_here)
         high = live
-        for record in records[lo:stop + 1]:
+        for record in records[first:stop + 1]:
             if not keeps.keeps(record.func) and recomputed(record, stop):
                 for key in record.new_keys:
                     if self.base_keys.get(key) is None:
@@ -223,9 +223,9 @@ class SavePlan:
             self.group_members[group].append(key)
         spans = shared_spans(self.records, recorder.recipe_shared, recorder.nesting(), self.created_in,
                              recorder.recipe_group, self.group_members)
-        for key, (lo, hi) in spans.items():
-            self.held_from[hi] += storage_bytes[key]
-            self.held_until[lo] += storage_bytes[key]
+        for key, (first, last) in spans.items():
+            self.held_from[last] += storage_bytes[key]
+            self.held_until[first] += storage_bytes[key]
 
     def _plan_saves(self) -> None:
         """Each saved tensor: until its earliest saver's backward, recomputed by its recompute region, held by
@@ -266,13 +266,13 @@ class SavePlan:
         for name, info in self.regions.items():
             if info is None or info.kind != "recompute" or not info.keep_ops:
                 continue
-            lo, hi = self.region_first[name], self.region_last[name]
-            unpack = first_unpack(self.records, lo, hi)
-            for record in self.records[lo:hi + 1]:
+            first, last = self.region_first[name], self.region_last[name]
+            unpack = first_unpack(self.records, first, last)
+            for record in self.records[first:last + 1]:
                 if info.keeps(record.func):
                     for key in record.new_keys:
                         if self.base_keys.get(key) is None and key not in self.out_keys:
-                            cached = unpack if recomputed(record, unpack) and not info.holds(record.func) else lo
+                            cached = unpack if recomputed(record, unpack) and not info.holds(record.func) else first
                             self.saved_until[key] = min(self.saved_until.get(key, cached), cached)
 
     def _persisting_savers(self) -> dict[int, list[int]]:
@@ -294,27 +294,27 @@ class SavePlan:
         for name, info in self.regions.items():
             if info is None or info.kind != "recompute":
                 continue
-            lo, hi = self.region_first[name], self.region_last[name]
-            for record in self.records[lo:hi + 1]:
+            first, last = self.region_first[name], self.region_last[name]
+            for record in self.records[first:last + 1]:
                 for key in record.in_keys + record.list_keys:  # (every tensor of a cat's list, not only the first)
-                    if key in self.recipe_holds and self.created_in.get(key, -1) < lo and key not in self.out_keys:
-                        self._remake_recipe_input(name, key, lo, hi)
+                    if key in self.recipe_holds and self.created_in.get(key, -1) < first and key not in self.out_keys:
+                        self._remake_recipe_input(name, key, first, last)
                         continue
-                    if key is not None and self.created_in.get(key, -1) < lo and self.base_keys.get(key) is None:
-                        self.saved_until[key] = min(self.saved_until.get(key, lo), lo)
+                    if key is not None and self.created_in.get(key, -1) < first and self.base_keys.get(key) is None:
+                        self.saved_until[key] = min(self.saved_until.get(key, first), first)
                         if getattr(info, "offload_inputs", False) and key in self.created_in \
-                                and not any(not lo <= i <= hi for i in savers.get(key, ())):
+                                and not any(not first <= i <= last for i in savers.get(key, ())):
                             # an activation nobody else saves: off the device from the region's end until its
                             # backward
                             self.offloaded[name].add(key)
 
-    def _remake_recipe_input(self, name: str, key: int, lo: int, hi: int) -> None:
+    def _remake_recipe_input(self, name: str, key: int, first: int, last: int) -> None:
         """Non-reentrant checkpoint saves its inputs through the saved-tensor hooks outside it: an input that is a
         recipe's output is kept as the recipe (its arguments) and made again for the recomputation, held until the
         backward of the region's first op that saves it, or only while the recomputation runs when none does."""
         storage_bytes = self.storage_bytes
         if key not in self.recompute_keys[name] and key not in self.recompute_transient[name]:
-            inner = [record.idx for record in self.records[lo:hi + 1] if record.out_rg and key in record.saved]
+            inner = [record.idx for record in self.records[first:last + 1] if record.out_rg and key in record.saved]
             if inner:
                 self.recompute_keys[name][key] = min(inner)
                 self.recompute_bytes[name] += storage_bytes[key]
@@ -324,8 +324,8 @@ class SavePlan:
                 if member != key:  # made with it by the group's run, dropped at once
                     self.recompute_transient[name][member] = storage_bytes[member]
         for held in self.recipe_holds[key]:
-            if held != key and self.created_in.get(held, -1) < lo and self.base_keys.get(held) is None:
-                self.saved_until[held] = min(self.saved_until.get(held, lo), lo)
+            if held != key and self.created_in.get(held, -1) < first and self.base_keys.get(held) is None:
+                self.saved_until[held] = min(self.saved_until.get(held, first), first)
 
     def _recompute_overs(self) -> dict[str, int]:
         """What each recompute region's recomputation holds at its highest, above what it leaves for the

@@ -49,11 +49,11 @@ class OffloadTimes:
         for name, info in plan.regions.items():
             if info is None or info.kind != "recompute":
                 continue
-            lo, hi = plan.region_first[name], plan.region_last[name]
-            inputs = {key for record in plan.records[lo:hi + 1] for key in record.in_keys + record.list_keys
-                      if key in self.owner and plan.created_in.get(key, -1) < lo}
+            first, last = plan.region_first[name], plan.region_last[name]
+            inputs = {key for record in plan.records[first:last + 1] for key in record.in_keys + record.list_keys
+                      if key in self.owner and plan.created_in.get(key, -1) < first}
             for key in inputs:
-                yield lo, name, key
+                yield first, name, key
 
     def _see(self, record_idx: int, region: str | None, key: int) -> None:
         """One save of an offloaded storage: its owner's, another offload region's (the same entry, whose unpack
@@ -76,8 +76,8 @@ class OffloadTimes:
         reload_at: dict[int, list[int]] = defaultdict(list)
         order = sorted(plan.offloaded, key=lambda name: plan.region_first[name])
         for position, name in enumerate(order):
-            at = self.trigger[name]
+            reload_point = self.trigger[name]
             if position + 1 < len(order):
-                at = max(at, self.trigger[order[position + 1]])
-            reload_at[at].extend(plan.offloaded[name])
+                reload_point = max(reload_point, self.trigger[order[position + 1]])
+            reload_at[reload_point].extend(plan.offloaded[name])
         return reload_at

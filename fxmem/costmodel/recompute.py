@@ -26,12 +26,12 @@ class RecomputeWalk:
     """The same walk as the estimate of an emitted region (`TraceLiveness.recompute_high`), with a span of the
     trace run as a recompute region that keeps the outputs of the ops `keep_ops` names (as RegionInfo.keep_ops).
 
-    `over(lo, hi, keep_ops)` gives, for records lo..hi:
+    `over(first, last, keep_ops)` gives, for records first..last:
     - the most the recomputation holds at once above what it leaves for the backward;
     - the bytes it leaves: what the span's ops save of its own making;
     - of those, the ones a step without the region would not hold (recipe saves, region inputs made again), as
       (node of the first op saving it, bytes): each is live in backward until that node's backward.
-    `runs_in(lo, hi)` names the node in whose backward the recomputation runs.
+    `runs_in(first, last)` names the node in whose backward the recomputation runs.
 
     On a program with recipes (fxmem.nn.recast), inside an emitted region the recipe scope steps aside: what the
     span's ops save as recipes they save as tensors there, recomputed and left for the backward, and a region input
@@ -51,38 +51,39 @@ class RecomputeWalk:
         sets)."""
         return cached_per_trace(traced.recorder, "_fxmem_recompute_walk", lambda: cls(traced))
 
-    def runs_in(self, lo: int, hi: int) -> str:
-        """The node in whose backward the recomputation of records lo..hi runs: its last op that saves a tensor
+    def runs_in(self, first: int, last: int) -> str:
+        """The node in whose backward the recomputation of records first..last runs: its last op that saves a tensor
         (the ops after it save nothing; their backward runs first)."""
-        return self.records[first_unpack(self.records, lo, hi)].node
+        return self.records[first_unpack(self.records, first, last)].node
 
-    def over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int, list]:
-        key = (lo, hi, frozenset(keep_ops))
+    def over(self, first: int, last: int, keep_ops: frozenset) -> tuple[int, int, list]:
+        key = (first, last, frozenset(keep_ops))
         if key not in self._memo:
-            self._memo[key] = self._over(lo, hi, key[2])
+            self._memo[key] = self._over(first, last, key[2])
         return self._memo[key]
 
-    def _made_again(self, key: int, lo: int) -> bool:
-        """Whether `key` is a region input (records from `lo` on) that is a recipe's output."""
-        return key in self.recorder.recipe_holds and self.created_in.get(key, -1) < lo and key not in self.out_keys
+    def _made_again(self, key: int, first: int) -> bool:
+        """Whether `key` is a region input (records from `first` on) that is a recipe's output."""
+        return key in self.recorder.recipe_holds and self.created_in.get(key, -1) < first and key not in self.out_keys
 
-    def _over(self, lo: int, hi: int, keep_ops: frozenset) -> tuple[int, int, list]:
+    def _over(self, first: int, last: int, keep_ops: frozenset) -> tuple[int, int, list]:
         records, storage_bytes, base = self.records, self.recorder.storage_bytes, self.base_keys
         keeps = Keeps(keep_ops)
-        made = {key for record in records[lo:hi + 1] for key in record.new_keys}
-        kept = {key for record in records[lo:hi + 1] if keeps.keeps(record.func) for key in record.new_keys}
+        made = {key for record in records[first:last + 1] for key in record.new_keys}
+        kept = {key for record in records[first:last + 1] if keeps.keeps(record.func) for key in record.new_keys}
         saved: dict[int, int] = {}
         plain: set[int] = set()  # saved as tensors outside a region too
-        for record in records[lo:hi + 1]:
+        for record in records[first:last + 1]:
             if record.out_rg:
                 plain.update(record.saved)
                 for key in record.saved + record.recast:  # (recipe saves are plain inside a region)
-                    if base.get(key) is None and key not in kept and (key in made or self._made_again(key, lo)):
+                    if base.get(key) is None and key not in kept and (key in made or self._made_again(key, first)):
                         saved[key] = min(saved.get(key, record.idx), record.idx)
-        again = {key: storage_bytes[key] for record in records[lo:hi + 1] for key in record.in_keys + record.list_keys
-                 if key is not None and base.get(key) is None and key not in saved and self._made_again(key, lo)}
+        again = {key: storage_bytes[key] for record in records[first:last + 1]
+                 for key in record.in_keys + record.list_keys
+                 if key is not None and base.get(key) is None and key not in saved and self._made_again(key, first)}
         leaves = sum(storage_bytes[key] for key in saved)
-        high = self.liveness.recompute_high(lo, hi, keeps, saved, again)
+        high = self.liveness.recompute_high(first, last, keeps, saved, again)
         extra = [(records[i].node, storage_bytes[key]) for key, i in saved.items()
-                 if key not in plain or self._made_again(key, lo)]
+                 if key not in plain or self._made_again(key, first)]
         return max(0, high - leaves), leaves, extra

@@ -50,12 +50,12 @@ class RecordingInterpreter(CodegenInterpreter):
         recorder.node_held = []
         return out
 
-    def _as_recipe(self, key: int, recipe, n, first: int) -> None:
-        """Storage `key`, made by node `n` (its records from `first` on), saved as `recipe`."""
+    def _as_recipe(self, key: int, recipe, node, first: int) -> None:
+        """Storage `key`, made by `node` (its records from `first` on), saved as `recipe`."""
         recorder = self.recorder
         recorder.recast_keys.add(key)
         recorder.recipe_holds[key] = list(dict.fromkeys(recorder.key(t)[0] for t in recipe_tensors(recipe)))
-        recorder.recipe_at[key] = n.name
+        recorder.recipe_at[key] = node.name
         recorder.recipe_of[key] = recipe
         group = group_of(recipe)
         if recipe.share or group is not None:

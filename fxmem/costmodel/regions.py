@@ -100,15 +100,15 @@ class CandidateRegion:
 DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 
-def value_key(by_node: dict, n: fx.Node) -> int | None:
-    """The storage of the value node `n` hands on: its last op record's first output (`by_node`: node name ->
+def value_key(by_node: dict, node: fx.Node) -> int | None:
+    """The storage of the value node `node` hands on: its last op record's first output (`by_node`: node name ->
     its op records in a trace). A node whose ops return no tensor while its value is one hands on an input's (a
     dropout with p=0 returns its input as it is): its first tensor argument's."""
-    key = next((r.out_keys[0] for r in reversed(by_node.get(n.name, []))
+    key = next((r.out_keys[0] for r in reversed(by_node.get(node.name, []))
                 if r.out_keys and r.out_keys[0] is not None), None)
-    if key is None and n.op == "call_function" and isinstance(n.meta.get("fxmem_val"), torch.Tensor):
-        arg = next((a for a in n.args if isinstance(a, fx.Node) and isinstance(a.meta.get("fxmem_val"), torch.Tensor)),
-                   None)
+    if key is None and node.op == "call_function" and isinstance(node.meta.get("fxmem_val"), torch.Tensor):
+        arg = next((a for a in node.args
+                    if isinstance(a, fx.Node) and isinstance(a.meta.get("fxmem_val"), torch.Tensor)), None)
         if arg is not None:
             return value_key(by_node, arg)
     return key
@@ -166,13 +166,13 @@ class _RegionMeasurer:
             cost = self.op_costs[key] = op_cost(record, self.balance)
         return cost
 
-    def keys_of(self, n: fx.Node) -> set[int]:
+    def keys_of(self, node: fx.Node) -> set[int]:
         """Every storage its ops made (a norm's statistics too) and the one its value hands on (a view's, an
         in-place op's), not the storages its ops merely pass through (a linear's view of its input, which its mm
         saves)."""
         by_node = self.index.by_node
-        handed_on = value_key(by_node, n)
-        return {key for r in by_node.get(n.name, []) for key in r.new_keys} | (
+        handed_on = value_key(by_node, node)
+        return {key for r in by_node.get(node.name, []) for key in r.new_keys} | (
             {handed_on} if handed_on is not None else set())
 
     def measure_all(self, regions: list[CandidateRegion]) -> None:
@@ -301,8 +301,8 @@ class _RegionMeasurer:
                 recipe_at.get(j) not in names and (recast_savers.get(j) or holders.get(j))
                 for j in holders.get(key, ()))
         lost = 0
-        for key, at in recipe_at.items():
-            if at in names and self.base_keys.get(key) is None and kept_outside(key):
+        for key, registered_in in recipe_at.items():
+            if registered_in in names and self.base_keys.get(key) is None and kept_outside(key):
                 lost += self.storage_bytes[key]
         return lost
 
@@ -399,12 +399,12 @@ def build_region_model(est, regions: list[CandidateRegion], program: Program, ch
     live = [0] * (len(regions) + 1)
     floor, floor_at = 0, ""
     for point in est.timeline:
-        at = positions.of(point) if point.phase != "optimizer" else None
-        if at is None:
+        graph_position = positions.of(point) if point.phase != "optimizer" else None
+        if graph_position is None:
             if point.peak > floor:
                 floor, floor_at = point.peak, point.label
             continue
-        before = bisect.bisect_left(lasts, at)  # regions whose last node is before `at`
+        before = bisect.bisect_left(lasts, graph_position)  # regions whose last node is before `graph_position`
         live[before] = max(live[before], point.peak)
     if traced is None or not all(region.span for region in regions):
         return RegionModel(regions, live, floor, floor_at, choices)
@@ -431,14 +431,14 @@ def _spike_bases(est, regions: list[CandidateRegion], positions: _GraphPositions
     inner: list[list] = [[] for _ in range(count)]
     previous, pending = 0, count - 1
     for point in est.timeline:
-        at = positions.of(point) if point.phase == "backward" else None
-        if at is not None:
-            while pending >= 0 and at <= runs[pending]:
+        graph_position = positions.of(point) if point.phase == "backward" else None
+        if graph_position is not None:
+            while pending >= 0 and graph_position <= runs[pending]:
                 spike_base[pending] = previous
                 pending -= 1
-            owner = bisect.bisect_right(firsts, at) - 1
-            if owner >= 0 and at <= runs[owner]:
-                inner[owner].append((at, point.peak))
+            owner = bisect.bisect_right(firsts, graph_position) - 1
+            if owner >= 0 and graph_position <= runs[owner]:
+                inner[owner].append((graph_position, point.peak))
         if point.phase != "optimizer":
             previous = point.live
     for position in range(pending + 1):

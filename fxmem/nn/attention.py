@@ -22,10 +22,11 @@ LOWRANK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 # (nine parameters: aten's scaled_dot_product_attention arguments plus the mode flag; graphs call it by position)
-def sdpa_dropout(q, k, v, attn_mask, dropout_p: float, training: bool, is_causal: bool, scale, enable_gqa: bool):
+def sdpa_dropout(query, key, value, attn_mask, dropout_p: float, training: bool, is_causal: bool, scale,
+                 enable_gqa: bool):
     """SDPA with dropout on the probabilities only in training mode (`training` is the graph's ModeFlag)."""
     return torch.ops.aten.scaled_dot_product_attention.default(
-        q, k, v, attn_mask=attn_mask, dropout_p=float(dropout_p) if training else 0.0, is_causal=is_causal,
+        query, key, value, attn_mask=attn_mask, dropout_p=float(dropout_p) if training else 0.0, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa)
 
 
@@ -122,27 +123,27 @@ class HybridAttention(nn.Module):
                 f"{low_rank}")
 
     @torch.no_grad()
-    def set_low_rank(self, wq, bq, wk, bk, heads: int, rank_ratio: float) -> int:
+    def set_low_rank(self, query_weight, query_bias, key_weight, key_bias, heads: int, rank_ratio: float) -> int:
         """Low-rank q/k projections from a truncated SVD of the existing weights: per head h the bilinear form
         [x, 1] [Wq_h | bq_h]^T [Wk_h | bk_h] [x, 1]^T (rank <= head_dim) is truncated to rank
         r = ceil(rank_ratio * head_dim), split as (U_r S_r^1/2)(V_r S_r^1/2)^T into new q/k projections
         (trainable parameters of this module). Returns r."""
-        head_dim = wq.shape[0] // heads
-        in_features = wq.shape[1]
+        head_dim = query_weight.shape[0] // heads
+        in_features = query_weight.shape[1]
         rank = max(1, math.ceil(rank_ratio * head_dim))
         query_factors, key_factors = [], []
         for head in range(heads):
             rows = slice(head * head_dim, (head + 1) * head_dim)
-            query_bias = bq[rows] if bq is not None else wq.new_zeros(head_dim)
-            key_bias = bk[rows] if bk is not None else wk.new_zeros(head_dim)
-            query_form = torch.cat([wq[rows], query_bias[:, None]], 1).double()
-            key_form = torch.cat([wk[rows], key_bias[:, None]], 1).double()
+            head_query_bias = query_bias[rows] if query_bias is not None else query_weight.new_zeros(head_dim)
+            head_key_bias = key_bias[rows] if key_bias is not None else key_weight.new_zeros(head_dim)
+            query_form = torch.cat([query_weight[rows], head_query_bias[:, None]], 1).double()
+            key_form = torch.cat([key_weight[rows], head_key_bias[:, None]], 1).double()
             left, singular, right_t = torch.linalg.svd(query_form.T @ key_form)
             root = singular[:rank].sqrt()
             query_factors.append((left[:, :rank] * root).T)  # (r, d+1)
             key_factors.append((right_t[:rank].T * root).T)
-        query_factors = torch.cat(query_factors).to(wq.dtype)  # (heads*r, d+1)
-        key_factors = torch.cat(key_factors).to(wk.dtype)
+        query_factors = torch.cat(query_factors).to(query_weight.dtype)  # (heads*r, d+1)
+        key_factors = torch.cat(key_factors).to(key_weight.dtype)
         self.q_proj, self.k_proj = nn.Linear(in_features, heads * rank), nn.Linear(in_features, heads * rank)
         self.q_proj.weight.copy_(query_factors[:, :in_features])
         self.q_proj.bias.copy_(query_factors[:, in_features])
@@ -151,18 +152,18 @@ class HybridAttention(nn.Module):
         self.heads, self.rank = heads, rank
         return rank
 
-    def forward(self, q, k, v, attn_mask=None, x=None):
+    def forward(self, query, key, value, attn_mask=None, projection_input=None):
         if self.q_proj is not None:
-            if x is None:
+            if projection_input is None:
                 raise ValueError("HybridAttention with low-rank projections needs the projection input x")
-            batch, tokens = x.shape[0], x.shape[1]
-            q = self.q_proj(x).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
-            k = self.k_proj(x).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
+            batch, tokens = projection_input.shape[0], projection_input.shape[1]
+            query = self.q_proj(projection_input).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
+            key = self.k_proj(projection_input).view(batch, tokens, self.heads, self.rank).transpose(1, 2)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
         if attn_mask is not None:
             attn_mask = attn_mask.detach()
-        return _TopKAttention.apply(q, k, v, attn_mask, self.scale, self.causal, self.top_k, self.chunk_size)
+        return _TopKAttention.apply(query, key, value, attn_mask, self.scale, self.causal, self.top_k, self.chunk_size)
 
 
 # ============================================================================================ Semiseparable
@@ -221,25 +222,25 @@ class SemiseparableAttention(nn.Module):
         # log phi(x) without 1/sqrt(r): x W^T - |x|^2 / 2  (x already scaled by sqrt(scale))
         return scaled @ features.to(scaled.dtype).T - 0.5 * (scaled * scaled).sum(-1, keepdim=True)
 
-    def forward(self, q, k, v, attn_mask=None):
-        batch, heads, query_len, head_dim = q.shape
-        key_len = k.shape[-2]
+    def forward(self, query, key, value, attn_mask=None):
+        batch, heads, query_len, head_dim = query.shape
+        key_len = key.shape[-2]
         if self.causal and query_len != key_len:
             raise ValueError("SemiseparableAttention: causal attention needs Lq == Lk")
         band = self.band
         query_blocks, key_blocks = -(-query_len // band), -(-key_len // band)
         root_scale = math.sqrt(self.scale)
-        query_scaled, key_scaled = q * root_scale, k * root_scale
+        query_scaled, key_scaled = query * root_scale, key * root_scale
         mask_batch = batch if attn_mask is None else attn_mask.shape[0]
-        key_bias = torch.zeros(mask_batch, 1, key_len, dtype=q.dtype, device=q.device)
+        key_bias = torch.zeros(mask_batch, 1, key_len, dtype=query.dtype, device=query.device)
         if attn_mask is not None:
             if attn_mask.shape[-2] != 1:
                 raise ValueError("SemiseparableAttention: attn_mask must be a key-padding mask (dim -2 of size 1)")
             mask = attn_mask if attn_mask.dtype != torch.bool else torch.where(attn_mask, 0.0, float("-inf"))
-            key_bias = mask.to(q.dtype).reshape(mask.shape[0], mask.shape[1], key_len).detach()
+            key_bias = mask.to(query.dtype).reshape(mask.shape[0], mask.shape[1], key_len).detach()
         # ---- band: keys of blocks c-1, c, c+1 for query block c
         query_blocked = self._blocks(query_scaled, query_blocks, band)  # (B,H,nq,b,E)
-        key_blocked, value_blocked = self._blocks(key_scaled, key_blocks, band), self._blocks(v, key_blocks, band)
+        key_blocked, value_blocked = self._blocks(key_scaled, key_blocks, band), self._blocks(value, key_blocks, band)
         kbias = torch.nn.functional.pad(key_bias, (0, key_blocks * band - key_len), value=float("-inf")).reshape(
             key_bias.shape[0], key_bias.shape[1], key_blocks, band)
         offs = (-1, 0) if self.causal else (-1, 0, 1)
@@ -248,8 +249,8 @@ class SemiseparableAttention(nn.Module):
             kband.append(_shift(key_blocked, offset, query_blocks))
             vband.append(_shift(value_blocked, offset, query_blocks))
             bband.append(_shift(kbias.unsqueeze(-1), offset, query_blocks, fill=float("-inf")).squeeze(-1))
-            pos.append(torch.arange(query_blocks, device=q.device)[:, None] * band + offset * band
-                       + torch.arange(band, device=q.device)[None, :])
+            pos.append(torch.arange(query_blocks, device=query.device)[:, None] * band + offset * band
+                       + torch.arange(band, device=query.device)[None, :])
         kband, vband = torch.cat(kband, -2), torch.cat(vband, -2)  # (B,H,nq,nb*b,E)
         bband = torch.cat(bband, -1)  # (B?,1?,nq,nb*b)
         kpos = torch.cat(pos, -1)  # (nq, nb*b) absolute key positions
@@ -261,7 +262,7 @@ class SemiseparableAttention(nn.Module):
         rowterm = self._blocks((query_scaled * key_mean).sum(-1, keepdim=True), query_blocks, band)  # (B,H,nq,b,1)
         scores = torch.einsum("bhcie,bhcje->bhcij", query_blocked, kband) + bband.unsqueeze(-2) - rowterm
         if self.causal:
-            qpos = torch.arange(query_blocks * band, device=q.device).reshape(query_blocks, band)
+            qpos = torch.arange(query_blocks * band, device=query.device).reshape(query_blocks, band)
             scores = scores.masked_fill(kpos[:, None, :] > qpos[:, :, None], float("-inf"))
         # ---- low-rank: per-block states of phi(k) v and phi(k), outside the band
         lowrank_dtype = LOWRANK_DTYPES[self.lowrank_dtype]
@@ -285,7 +286,7 @@ class SemiseparableAttention(nn.Module):
         w_band = torch.exp(scores - row_max_blocks)
         num = torch.einsum("bhcij,bhcjd->bhcid", w_band, vband)
         den = w_band.sum(-1, keepdim=True)
-        value_low = v.to(lowrank_dtype)
+        value_low = value.to(lowrank_dtype)
         for (features, near, far), log_query, log_key, key_max in zip(levels, lq_all, lk_all, key_maxes):
             rank = features.shape[0]
             phik = torch.exp(log_key - key_max).to(lowrank_dtype)  # (B,H,S,r) <= 1
@@ -300,7 +301,7 @@ class SemiseparableAttention(nn.Module):
             num = num + (torch.einsum("bhcir,bhcrd->bhcid", query_features, st_kv) / rank).to(num.dtype)
             den = den + (torch.einsum("bhcir,bhcr->bhci", query_features, st_z).unsqueeze(-1) / rank).to(den.dtype)
         out = num / den
-        return out.reshape(batch, heads, query_blocks * band, v.shape[-1])[:, :, :query_len]
+        return out.reshape(batch, heads, query_blocks * band, value.shape[-1])[:, :, :query_len]
 
 
 def _shift(blocks, offset, count, fill=0.0):

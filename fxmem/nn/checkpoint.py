@@ -69,26 +69,26 @@ class CheckpointRegion(nn.Module):
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()):
             return self.body(*args)
-        fn = self.body
+        body = self.body
         compiling = torch.compiler.is_compiling()
         if self.restore_args and not compiling:
-            fn = _RestoringBody(self.body, self.restore_args)
+            body = _RestoringBody(self.body, self.restore_args)
         if self.keep_ops & DRAW_OPS and not compiling:
-            fn = DrawTape(fn)  # the recomputation replays the forward's dropout masks instead of drawing them
+            body = DrawTape(body)  # the recomputation replays the forward's dropout masks instead of drawing them
         if compiling:
-            return self._checkpoint(fn, args)
+            return self._checkpoint(body, args)
         if recast.observed():
-            return self._observed_checkpoint(fn, args)
+            return self._observed_checkpoint(body, args)
         with recast.aside():  # no recipes inside: the region decides what it keeps
-            return self._checkpoint(fn, args)
+            return self._checkpoint(body, args)
 
-    def _checkpoint(self, fn, args, context_fn=None):
+    def _checkpoint(self, body, args, context_fn=None):
         if not self.sac_ops:  # full recompute: the default context (passing it explicitly trips torch.compile)
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=context_fn or self._context_fn())
 
-    def _observed_checkpoint(self, fn, args):
+    def _observed_checkpoint(self, body, args):
         """`_checkpoint` for `fxmem.measure.saved_tensors`: also reports what the region keeps outside saved-tensor
         hooks (the selective policy's cached outputs, the draw tape's masks)."""
         made = []
@@ -97,13 +97,13 @@ class CheckpointRegion(nn.Module):
             made.append(self._context_fn()())
             return made[-1]
         with recast.aside():
-            out = self._checkpoint(fn, args, context_fn)
+            out = self._checkpoint(body, args, context_fn)
         for fwd_ctx, _ in made:  # the caching mode's store: op -> (call index ->) outputs (checkpoint's internals)
             for outs in getattr(fwd_ctx, "storage", {}).values():
-                for o in (outs.values() if isinstance(outs, dict) else outs):
-                    recast.observe_held(getattr(v, "val", v) for v in torch.utils._pytree.tree_leaves(o))
-        if isinstance(fn, DrawTape):
-            recast.observe_held(fn.masks)
+                for output in (outs.values() if isinstance(outs, dict) else outs):
+                    recast.observe_held(getattr(v, "val", v) for v in torch.utils._pytree.tree_leaves(output))
+        if isinstance(body, DrawTape):
+            recast.observe_held(body.masks)
         return out
 
     def extra_repr(self) -> str:
@@ -129,5 +129,5 @@ class _RestoringBody:
             return self.body(*args)
         finally:
             with _disable_current_modes(), torch.no_grad():
-                for t, s in saved:
-                    t.copy_(s)
+                for mutated, original in saved:
+                    mutated.copy_(original)

@@ -36,61 +36,64 @@ class DrawTape:
             _TAPE.reset(token)
             self.replaying, self.pos = True, 0  # the next call replays from the first draw
 
-    def draw(self, x: torch.Tensor, p: float) -> torch.Tensor:
+    def draw(self, tensor: torch.Tensor, probability: float) -> torch.Tensor:
         if self.replaying:
             keep = self.masks[self.pos]
             self.pos += 1
             return keep
-        keep = _draw(x, p)
+        keep = _draw(tensor, probability)
         self.masks.append(keep)
         return keep
 
 
-def _draw(x: torch.Tensor, p: float) -> torch.Tensor:
-    """A bool mask with x's shape and strides, drawn in x's memory order, as aten.dropout fills its float mask
-    (`empty_like(x)`): drawn contiguous over x's dims ordered as in memory, then permuted back."""
-    order = _memory_order(x)
-    dense = torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device)
-    return torch.ops.aten.bernoulli.p(dense, 1 - p).permute(sorted(range(x.dim()), key=order.__getitem__))
+def _draw(tensor: torch.Tensor, probability: float) -> torch.Tensor:
+    """A bool mask with the tensor's shape and strides, drawn in its memory order, as aten.dropout fills its float
+    mask (`empty_like(tensor)`): drawn contiguous over its dims ordered as in memory, then permuted back."""
+    order = _memory_order(tensor)
+    dense = torch.empty([tensor.shape[d] for d in order], dtype=torch.bool, device=tensor.device)
+    drawn = torch.ops.aten.bernoulli.p(dense, 1 - probability)
+    return drawn.permute(sorted(range(tensor.dim()), key=order.__getitem__))
 
 
-def _memory_order(x: torch.Tensor) -> list[int]:
-    """x's dims, outermost in memory first (a transposed tensor's swapped back)."""
-    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+def _memory_order(tensor: torch.Tensor) -> list[int]:
+    """The tensor's dims, outermost in memory first (a transposed tensor's swapped back)."""
+    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """x fills its memory without gaps or overlaps in some order of its dims (contiguous, transposed, permuted)."""
-    return x.permute(_memory_order(x)).is_contiguous()
+def _dense(tensor: torch.Tensor) -> bool:
+    """The tensor fills its memory without gaps or overlaps in some order of its dims (contiguous, transposed,
+    permuted)."""
+    return tensor.permute(_memory_order(tensor)).is_contiguous()
 
 
-def dropout_scale(x: torch.Tensor, p: float) -> torch.Tensor:
-    """1/(1-p) as `aten.dropout` rounds it (ones of x's dtype divided by 1 - p), as a 0-dim tensor of x's dtype."""
-    return torch.ones((), dtype=x.dtype, device=x.device) / (1 - p)
+def dropout_scale(tensor: torch.Tensor, probability: float) -> torch.Tensor:
+    """1/(1-p) as `aten.dropout` rounds it (ones of the tensor's dtype divided by 1 - p), as a 0-dim tensor of its
+    dtype."""
+    return torch.ones((), dtype=tensor.dtype, device=tensor.device) / (1 - probability)
 
 
-def bool_mask_dropout(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
+def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, scale: float | None = None,
                       scale_dtype: torch.dtype | None = None, remat: bool = False) -> torch.Tensor:
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
-    if not train or p == 0 or x.numel() == 0:
-        return x
-    if p == 1 or not _dense(x) or torch.compiler.is_compiling():
+    if not train or probability == 0 or tensor.numel() == 0:
+        return tensor
+    if probability == 1 or not _dense(tensor) or torch.compiler.is_compiling():
         # under torch.compile the compiler's own dropout (its RNG, fused; eager's masks are not reproduced anyway)
         # an input with gaps or overlaps: the float mask (empty_like(x)) would be contiguous, filled in another
         # order than a bool draw follows; the original dropout keeps it exact. (A transposed input is dense: its
         # mask is drawn in its memory order. Its strides can differ between a fake trace and the real run, a batch
         # norm's output, so deciding on contiguity made the cost model plan a bool mask the run did not draw.)
-        return torch.ops.aten.dropout(x, p, True)
+        return torch.ops.aten.dropout(tensor, probability, True)
     tape = _TAPE.get()
-    keep = tape.draw(x, p) if tape is not None else _draw(x, p)
-    s = scale if scale is not None and x.dtype == scale_dtype else dropout_scale(x, p)
-    out = _apply_mask(x, keep, s)
+    keep = tape.draw(tensor, probability) if tape is not None else _draw(tensor, probability)
+    applied_scale = scale if scale is not None and tensor.dtype == scale_dtype else dropout_scale(tensor, probability)
+    out = _apply_mask(tensor, keep, applied_scale)
     if remat:
-        register_recompute(out, _apply_mask, (x, keep, s))
+        register_recompute(out, _apply_mask, (tensor, keep, applied_scale))
     return out
 
 
-def _apply_mask(x: torch.Tensor, keep: torch.Tensor, s) -> torch.Tensor:
+def _apply_mask(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
     # The mask goes in as uint8, a view of the same bytes: CPU kernels convert a bool operand to x's dtype
     # element by element, which took longer than the multiply (and much longer than uint8's conversion on a fp32
     # tensor). Autograd saves the uint8 view (1 byte per element); the backward's grad * mask converts it the
@@ -98,11 +101,11 @@ def _apply_mask(x: torch.Tensor, keep: torch.Tensor, s) -> torch.Tensor:
     # masking last (the same values: a product with 0 or 1 is exact): the mask's multiply is the first op of the
     # backward, so a checkpoint region ending in a dropout recomputes there, before the scaling's gradient (a
     # tensor of x's size) is made, not while it is live.
-    return torch.mul(x, s).mul_(keep.view(torch.uint8))
+    return torch.mul(tensor, scale).mul_(keep.view(torch.uint8))
 
 
-def bool_mask_dropout_remat(x: torch.Tensor, p: float, train: bool, scale: float | None = None,
+def bool_mask_dropout_remat(tensor: torch.Tensor, probability: float, train: bool, scale: float | None = None,
                             scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`bool_mask_dropout` whose output, where a consumer saves it (e.g. attention probabilities feeding `@ v`),
     is recomputed in backward from the input and the mask (`fxmem.nn.recast`: both are saved anyway)."""
-    return bool_mask_dropout(x, p, train, scale, scale_dtype, remat=True)
+    return bool_mask_dropout(tensor, probability, train, scale, scale_dtype, remat=True)

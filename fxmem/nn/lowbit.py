@@ -312,14 +312,14 @@ class QuantLinear(nn.Module):
         return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
 
     # ---------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if isinstance(x, FakeTensor) or torch.compiler.is_exporting():
-            return self._traced(x).to(dtype)
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        dtype = inputs.dtype
+        if isinstance(inputs, FakeTensor) or torch.compiler.is_exporting():
+            return self._traced(inputs).to(dtype)
         if self.kind == "int8":
-            output = self.inner(x.to(self.compute_dtype))
+            output = self.inner(inputs.to(self.compute_dtype))
         else:
-            output = self._matmul_4bit(x.to(self.compute_dtype))
+            output = self._matmul_4bit(inputs.to(self.compute_dtype))
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output.to(dtype)
@@ -433,11 +433,12 @@ class FrozenLinear(nn.Module):
         rows, cols = (int(d) for d in weight.shape)
         self.in_features, self.out_features = (rows, cols) if transposed else (cols, rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         weight = self.weight.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        output = torch.nn.functional.linear(x.to(self.compute_dtype), weight.t() if self.transposed else weight, bias)
-        return output.to(x.dtype)
+        output = torch.nn.functional.linear(inputs.to(self.compute_dtype), weight.t() if self.transposed else weight,
+                                            bias)
+        return output.to(inputs.dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}, "
@@ -466,9 +467,9 @@ class LoRALinear(nn.Module):
         for param in self.base.parameters():
             param.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base_output = self.base(x)
-        dropped = self.dropout(x).to(self.lora_A.dtype)
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        base_output = self.base(inputs)
+        dropped = self.dropout(inputs).to(self.lora_A.dtype)
         upd = (dropped @ self.lora_A.t()) @ self.lora_B.t()
         return base_output + (upd * self.scaling).to(base_output.dtype)
 

@@ -111,9 +111,9 @@ def tensor_at(root: nn.Module, path: str) -> torch.Tensor:
     return getattr(root.get_submodule(owner) if owner else root, name)
 
 
-def mode_graph(gm: nn.Module) -> ModeGraph | None:
+def mode_graph(module: nn.Module) -> ModeGraph | None:
     """The `ModeGraph` child of a captured program's module, if it has one."""
-    return next((m for m in gm.children() if isinstance(m, ModeGraph)), None)
+    return next((m for m in module.children() if isinstance(m, ModeGraph)), None)
 
 
 class ModeDispatchCodeGen(_PyTreeCodeGen):

@@ -43,17 +43,17 @@ class QuantizedWeight(nn.Module):
     def __init__(self, weight: torch.Tensor, kind: str = "nf4", *, row_dims: int = 1, blocksize: int = BLOCKSIZE):
         super().__init__()
         self._configure(kind, tuple(int(d) for d in weight.shape), weight.dtype, row_dims, blocksize)
-        w = weight.detach().to(torch.float32)
-        fn = _functional()
+        dense = weight.detach().to(torch.float32)
+        functional = _functional()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if kind == "int8":
-                qweight, scales, _ = fn.int8_vectorwise_quant(w.reshape(self.rows(), -1).contiguous())
+                qweight, scales, _ = functional.int8_vectorwise_quant(dense.reshape(self.rows(), -1).contiguous())
                 self._put(qweight=qweight, scales=scales)
                 return
             # flat: bitsandbytes 0.50's CPU dequantize_4bit gives wrong values for some 2-D and 3-D shapes (a last
             # dim below the block size); the flat layout is the same bytes and reads right
-            packed, state = fn.quantize_4bit(w.reshape(-1), blocksize=blocksize, compress_statistics=False,
+            packed, state = functional.quantize_4bit(dense.reshape(-1), blocksize=blocksize, compress_statistics=False,
                                              quant_type=kind)
         self._put(qweight=packed, absmax=state.absmax)
 
@@ -113,15 +113,15 @@ class QuantizedWeight(nn.Module):
         return self._dequantize_4bit(shape, index, dtype or self.dtype)
 
     def _dequantize_4bit(self, shape: tuple[int, ...], index: int | None, dtype: torch.dtype) -> torch.Tensor:
-        fn = _functional()
+        functional = _functional()
         packed, absmax = self.qweight, self.absmax
         if index is not None:
             numel = math.prod(shape)
             packed = packed[index * numel // 2:(index + 1) * numel // 2]
             absmax = absmax[index * numel // self.blocksize:(index + 1) * numel // self.blocksize]
-        state = fn.QuantState(absmax=absmax, shape=torch.Size((math.prod(shape),)), blocksize=self.blocksize,
+        state = functional.QuantState(absmax=absmax, shape=torch.Size((math.prod(shape),)), blocksize=self.blocksize,
                               quant_type=self.kind, dtype=dtype)
-        return fn.dequantize_4bit(packed, state).view(shape)
+        return functional.dequantize_4bit(packed, state).view(shape)
 
     def sliceable(self) -> bool:
         """Whether one slice of dim 0 (one expert of a 3-D weight) dequantizes alone: each has rows (int8) or

@@ -109,14 +109,14 @@ def _calls() -> list:
     return calls
 
 
-def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`p.to(dtype)`; inside an active RecastScope the copy is recast in backward instead of being saved."""
-    out = p.to(dtype)
+def cast_param(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`param.to(dtype)`; inside an active RecastScope the copy is recast in backward instead of being saved."""
+    out = param.to(dtype)
     if torch.compiler.is_compiling():
         return out  # a compiled graph's partitioner decides what it saves (and recomputes casts itself)
     scope = active_scope()
-    if scope is not None and out is not p:
-        scope.register(out, p, dtype)
+    if scope is not None and out is not param:
+        scope.register(out, param, dtype)
     return out
 
 

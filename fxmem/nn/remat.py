@@ -1,7 +1,7 @@
 """Remat recipes: graph calls whose outputs backward recomputes instead of keeping (`fxmem.nn.recast` keeps them).
 
-`remat(y, 'aten.op.overload', *args)` hands on `y`, which is `op(*args)`, registered as that recipe: consumers'
-saves keep the recipe and backward runs the op again (once for all saves when `_fxmem_share`).
+`remat(output, 'aten.op.overload', *args)` hands on `output`, which is `op(*args)`, registered as that recipe:
+consumers' saves keep the recipe and backward runs the op again (once for all saves when `_fxmem_share`).
 `remat_call('aten.op', *args)` runs the op itself, for ops that save their own output (ReLU) and chains (batch
 norm -> ReLU): its own saves become the recipe too, and arguments that are recipes are held nested. A training-mode
 batch norm is recomputed without running statistics (on CPU from its batch statistics, `batch_norm_affine`, where
@@ -20,8 +20,8 @@ from .recast import active_scope, arg_tensors, map_args
 
 def op_named(op: str):
     """'aten.gelu.default' (`str` of an overload) -> torch.ops.aten.gelu.default; no cache, dynamo traces it."""
-    ns, name, overload = op.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    namespace, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
 _OPS: dict[str, object] = {}
@@ -29,42 +29,43 @@ _OPS: dict[str, object] = {}
 
 def _resolve(op: str):
     """op_named, cached (eager only)."""
-    fn = _OPS.get(op)
-    if fn is None:
-        fn = _OPS[op] = op_named(op)
-    return fn
+    resolved = _OPS.get(op)
+    if resolved is None:
+        resolved = _OPS[op] = op_named(op)
+    return resolved
 
 
-def register_recompute(out: torch.Tensor, fn, args: tuple, kwargs: dict | None = None, share: bool = False) -> None:
-    """Inside an active RecastScope, save `out` as the recipe fn(*args, **kwargs) (run again in backward; `share`:
-    once for all its saves, see `remat`)."""
+def register_recompute(out: torch.Tensor, recompute, args: tuple, kwargs: dict | None = None,
+                       share: bool = False) -> None:
+    """Inside an active RecastScope, save `out` as the recipe recompute(*args, **kwargs) (run again in backward;
+    `share`: once for all its saves, see `remat`)."""
     if torch.compiler.is_compiling():
         return
     scope = active_scope()
     if scope is not None and isinstance(out, torch.Tensor):
-        scope.register_recipe(out, fn, tuple(args), dict(kwargs or {}), share)
+        scope.register_recipe(out, recompute, tuple(args), dict(kwargs or {}), share)
 
 
-def remat(y: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
-    """`y`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
+def remat(output: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kwargs) -> torch.Tensor:
+    """`output`, which is `op(*args, **kwargs)` (an aten overload by name): saved for backward as that recipe.
 
-    `_fxmem_share` (the checkpoint pass sets it when the ops that save `y` run their backward one after another):
+    `_fxmem_share` (the checkpoint pass sets it when the ops that save `output` run their backward one after another):
     backward runs the op once for all of them, the value held from the first unpack to the last, instead of once
     per save. A save that is never unpacked (a partial backward) leaves the value held until autograd frees the
     graph.
 
     Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
     its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
-    kernels) rather than deciding alone at its own memory budget, which kept it; `y` goes dead and the compiler
+    kernels) rather than deciding alone at its own memory budget, which kept it; `output` goes dead and the compiler
     drops it."""
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
-            # (y's op already updated any running statistics: the checkpointed one must not again)
+            # (output's op already updated any running statistics: the checkpointed one must not again)
             return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
-        return y
+        return output
     if active_scope() is not None:
-        register_recompute(y, *recompute_form(op, args, kwargs), share=_fxmem_share)
-    return y
+        register_recompute(output, *recompute_form(op, args, kwargs), share=_fxmem_share)
+    return output
 
 
 torch.fx.wrap("remat")
@@ -86,16 +87,16 @@ def _stats_free(op: str, args: tuple) -> tuple:
     return args
 
 
-def batch_norm_affine(x: torch.Tensor, weight, bias, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+def batch_norm_affine(batch: torch.Tensor, weight, bias, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
     """A training-mode batch norm's output from its batch statistics, as the CPU kernel forms it: per channel
     alpha = invstd * weight and beta = bias - mean * alpha, then x * alpha + beta, each a fused multiply-add
     (addcmul; weight 1 and bias 0 when absent). One pass over x, where recomputing the norm passes over x twice
     more for the statistics (mean, then variance). Used only where `_affine_reproduces` has seen it give the
     kernel's output bit for bit."""
-    shape = (1, -1) + (1,) * (x.dim() - 2)
+    shape = (1, -1) + (1,) * (batch.dim() - 2)
     alpha = invstd if weight is None else invstd * weight
     beta = torch.addcmul(torch.zeros_like(mean) if bias is None else bias, mean, alpha, value=-1)
-    return torch.addcmul(beta.view(shape), x, alpha.view(shape))
+    return torch.addcmul(beta.view(shape), batch, alpha.view(shape))
 
 
 def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
@@ -104,30 +105,30 @@ def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
     returns those statistics; elsewhere (cuDNN) the kernels differ, so the norm is recomputed as before."""
     if op != "aten.batch_norm.default" or kwargs or len(args) != 9 or args[5] is not True:
         return False
-    x = args[0]
-    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and \
-        all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
+    batch = args[0]
+    return isinstance(batch, torch.Tensor) and batch.device.type == "cpu" and batch.dim() >= 2 and \
+        batch.numel() > 0 and all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
 
 
 # (device, dtypes, shape, strides, affine) -> whether batch_norm_affine gave the kernel's output bit for bit
 _AFFINE_EXACT: dict[tuple, bool] = {}
 
 
-def _affine_reproduces(y, x, weight, bias, mean, invstd) -> bool:
-    """Whether `batch_norm_affine` reproduces `y` exactly for tensors laid out as these: checked once per layout on
+def _affine_reproduces(output, batch, weight, bias, mean, invstd) -> bool:
+    """Whether `batch_norm_affine` reproduces `output` exactly for tensors laid out as these: checked once per layout on
     the real output (the kernel's arithmetic, fused multiply-adds or not, depends on the build and the CPU; a
     layout it does not cover, e.g. a non-contiguous input, takes another code path). Under a fake-tensor trace
     (the cost model) nothing can be compared and the recipe's memory is the same either way: taken as reproduced."""
-    if isinstance(y, FakeTensor):
+    if isinstance(output, FakeTensor):
         return True
-    if type(y) is not torch.Tensor or type(x) is not torch.Tensor:
+    if type(output) is not torch.Tensor or type(batch) is not torch.Tensor:
         return False
-    key = (x.device.type, x.dtype, mean.dtype, tuple(x.shape), tuple(x.stride()), None if weight is None else
-           weight.dtype, None if bias is None else bias.dtype)
+    key = (batch.device.type, batch.dtype, mean.dtype, tuple(batch.shape), tuple(batch.stride()),
+           None if weight is None else weight.dtype, None if bias is None else bias.dtype)
     ok = _AFFINE_EXACT.get(key)
     if ok is None:
         with torch.no_grad():
-            ok = _AFFINE_EXACT[key] = bool(torch.equal(batch_norm_affine(x, weight, bias, mean, invstd), y))
+            ok = _AFFINE_EXACT[key] = bool(torch.equal(batch_norm_affine(batch, weight, bias, mean, invstd), output))
     return ok
 
 
@@ -150,11 +151,11 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
     then recomputes; the members before it run as plain ops (their outputs go dead). One checkpoint per member
     would not do: the partitioner keeps a value passed from one checkpoint to the next."""
     if torch.compiler.is_compiling():
-        fn = op_named(op)
+        op_function = op_named(op)
         if _fxmem_chain is None or not torch.is_grad_enabled():
-            return fn(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
+            return op_function(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
         if _stats_free(op, args) is not args:
-            fn(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
+            op_function(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
         return checkpoint(_run_chain, _fxmem_chain, use_reentrant=False)
     scope = active_scope()
     if scope is None:
@@ -164,35 +165,36 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
     stats = None
     with scope.deferring() as pending:
         if _affine_recomputable(op, args, kwargs):
-            y, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
+            output, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
             stats = (mean, invstd)
         else:
-            y = _resolve(op)(*args, **kwargs)
-    if isinstance(y, torch.Tensor) and not any(
-            isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == y.untyped_storage()._cdata for a in rargs):
+            output = _resolve(op)(*args, **kwargs)
+    if isinstance(output, torch.Tensor) and not any(
+            isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == output.untyped_storage()._cdata
+            for arg in rargs):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
-        if stats is not None and _affine_reproduces(y, args[0], args[1], args[2], *stats):
-            fn, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
+        if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
+            recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
         else:
-            fn, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
+            recipe_function, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
         internal = INTERNAL_SAVES.get(op)
         own = []
         if internal is not None:
             # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
             # too, the op's full form run again for that output
-            known = {a.untyped_storage()._cdata for a in (y, *arg_tensors(args))}
+            known = {a.untyped_storage()._cdata for a in (output, *arg_tensors(args))}
             own = [t for t in (d.value for d in pending)
-                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == y.shape and
+                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == output.shape and
                    t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
         if own and _fxmem_group:
             # one run of the full op for both, shared: each output a pick of it
-            scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, y), (internal[1], own[0])))
+            scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, output), (internal[1], own[0])))
         else:
-            scope.register_recipe(y, fn, rargs, rkwargs, _fxmem_share)
-            for t in own:
-                scope.register_recipe(t, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
+            scope.register_recipe(output, recipe_function, rargs, rkwargs, _fxmem_share)
+            for own_output in own:
+                scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
-    return y
+    return output
 
 
 # ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
@@ -207,8 +209,8 @@ class _output_of:
     """Output `i` of the op named `op` (a recipe's function: the indices of max_pool2d_with_indices)."""
     __slots__ = ("op", "i", "__name__")
 
-    def __init__(self, op: str, i: int):
-        self.op, self.i, self.__name__ = op, i, f"{op}[{i}]"
+    def __init__(self, op: str, index: int):
+        self.op, self.i, self.__name__ = op, index, f"{op}[{index}]"
 
     def __call__(self, *args, **kwargs):
         return _resolve(self.op)(*args, **kwargs)[self.i]

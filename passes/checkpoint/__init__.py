@@ -100,8 +100,8 @@ class CheckpointPass(Pass):
         for run, extra in ((with_remat, remat_cost), (without, 0.0)):
             try:
                 planned_cost, miss, reachable = run(True)
-            except BudgetError as e:
-                error = error or e
+            except BudgetError as budget_error:
+                error = error or budget_error
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
             plans.append(((not reachable, planned_cost + extra if reachable else miss), run, extra))

@@ -58,8 +58,8 @@ def _emit_region(program: Program, region: CandidateRegion, choice: str, nodes: 
         call = outline(program, nodes, "ckpt_" + region.path.replace("#", "_"),
                        wrap=lambda body: CheckpointRegion(body, keep, label=label, restore_args=restore),
                        recompile=False)
-    except OutlineError as e:
-        return Change("checkpoint_skipped", label, before, [], f"not outlined: {e}", 0)
+    except OutlineError as error:
+        return Change("checkpoint_skipped", label, before, [], f"not outlined: {error}", 0)
     return Change(
         kind="checkpoint_" + choice, module=label, nodes_before=before, nodes_after=[call.name],
         reason=(("full recompute, dropout masks drawn again" if choice == "redraw" else f"{choice} recompute")

@@ -63,8 +63,8 @@ def resolve_limit(budget, key: str, baseline: int) -> int:
     if not isinstance(budget, Budget):
         try:
             budget = parse_budget(budget)
-        except ValueError as e:
-            raise PolicyError(f"passes.checkpoint.{key}: {e}") from None
+        except ValueError as error:
+            raise PolicyError(f"passes.checkpoint.{key}: {error}") from None
     return int(budget.resolve(baseline))
 
 

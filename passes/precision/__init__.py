@@ -127,8 +127,8 @@ def _whole_model(reference: Program, program: Program, ctx: PassContext, opts: P
     inputs = guard_items(ctx, reference)[0]
     try:
         metrics["output_deviation"] = output_deviation(reference.module, program.module, inputs)
-    except Exception as e:  # noqa: BLE001
-        notes.append(f"output deviation not measured: {type(e).__name__}: {e}")
+    except Exception as error:  # noqa: BLE001
+        notes.append(f"output deviation not measured: {type(error).__name__}: {error}")
     if ctx.mode == "train" and opts.loss_steps > 0:
         try:
             args, kwargs = inputs[0]
@@ -136,8 +136,8 @@ def _whole_model(reference: Program, program: Program, ctx: PassContext, opts: P
                                                       ctx.seed)
             metrics["loss_new"] = losses_after_steps(program.module, args, kwargs, ctx.loss_fn, opts.loss_steps,
                                                      ctx.seed)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"loss after {opts.loss_steps} steps not measured: {type(e).__name__}: {e}")
+        except Exception as error:  # noqa: BLE001
+            notes.append(f"loss after {opts.loss_steps} steps not measured: {type(error).__name__}: {error}")
 
 
 def _estimates(ctx: PassContext, program: Program, opts: PrecisionOptions, est_before, metrics: dict,

@@ -19,22 +19,22 @@ from .plan import ACC, BATCH_NORMS, CAST_OPS, FP32, INPLACE, LOW, OPAQUE, RETARG
 aten = torch.ops.aten
 
 
-def apply_plan(gm: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions, low: torch.dtype,
+def apply_plan(graph_module: fx.GraphModule, decisions: dict[str, Decision], opts: PrecisionOptions, low: torch.dtype,
                recast: bool = False) -> dict:
     """Insert casts on every edge whose dtype changes under the plan; returns counters.
 
     recast: casts of parameters become `fxmem.nn.recast.cast_param` and the module gets the recast hooks, so
     autograd saves the parameter (alive anyway) instead of its low-precision copy and casts again in backward."""
-    rewrite = CastRewrite(gm, decisions, opts, low, recast)
-    for node in list(gm.graph.nodes):
+    rewrite = CastRewrite(graph_module, decisions, opts, low, recast)
+    for node in list(graph_module.graph.nodes):
         rewrite.visit(node)
-    for node in list(gm.graph.nodes):
+    for node in list(graph_module.graph.nodes):
         if not node.users and rewrite.dequantizes(node):  # read in the low dtype only: its own call gives that
-            gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
+            graph_module.graph.erase_node(node)
+    graph_module.graph.lint()
+    graph_module.recompile()
     if rewrite.stats.get("params_recast"):
-        install_recast(gm)
+        install_recast(graph_module)
     return rewrite.stats
 
 
@@ -202,11 +202,11 @@ class CastRewrite:
         return torch.float32 if torch.float32 in dts else max(dts, key=lambda x: torch.finfo(x).bits)
 
 
-def simplify_casts(gm: fx.GraphModule) -> int:
+def simplify_casts(graph_module: fx.GraphModule) -> int:
     """Remove casts to the dtype a value already has and lossless round trips (x -> wider -> x's dtype).
 
     Works on `fxmem_val` metadata (call after `program.refresh()`); returns the number of casts removed."""
-    graph = gm.graph
+    graph = graph_module.graph
     removed = 0
     changed = True
     while changed:
@@ -243,7 +243,7 @@ def simplify_casts(gm: fx.GraphModule) -> int:
                     removed += 1
                     changed = True
     graph.lint()
-    gm.recompile()
+    graph_module.recompile()
     return removed
 
 

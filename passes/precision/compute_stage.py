@@ -44,7 +44,7 @@ def compute_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, lo
         return cand, (decisions, stats, changes)
     outcome = first_accepted(guard, build, exclusion_steps(by_error(errors)), "compute")
     log.record(outcome)
-    n = len(errors) + len(incapable)
+    site_count = len(errors) + len(incapable)
     excluded = set(outcome.state) if outcome.program is not None else set(errors)
     for row in log.sites:
         if row["decision"].startswith(("low:", "acc:")):
@@ -52,9 +52,9 @@ def compute_stage(program: Program, ctx: PassContext, opts: PrecisionOptions, lo
     stopped_by, change = guard_stop(outcome.asked)
     if incapable and not stopped_by:
         stopped_by, change = f"{len(incapable)} op(s) without a {DTYPE_NAMES[low]} kernel here", "nothing to change"
-    done = n - len(excluded) - len(incapable)
-    log.intents.append(Intent("passes.precision.compute", f"{opts.compute} compute at {n} site(s)",
-                              f"{opts.compute} at {done} of {n}", done == n, stopped_by, change))
+    done = site_count - len(excluded) - len(incapable)
+    log.intents.append(Intent("passes.precision.compute", f"{opts.compute} compute at {site_count} site(s)",
+                              f"{opts.compute} at {done} of {site_count}", done == site_count, stopped_by, change))
     _record_reverts(log, errors, incapable, excluded, back_off_why(outcome, DTYPE_NAMES[low]), low)
     if outcome.program is None:
         return program
@@ -73,23 +73,23 @@ def _compute_site_errors(program: Program, opts, low, guard, seed: int, log: Sta
     values = []
     if guard is not None and decisions:
         keep = set()
-        for d in decisions.values():
-            n = node_by_name(program.module, d.node)
-            keep.add(n.name)
-            keep.update(a.name for a in node_args(n))
+        for decision in decisions.values():
+            node = node_by_name(program.module, decision.node)
+            keep.add(node.name)
+            keep.update(a.name for a in node_args(node))
         values = record_values(program.module, guard.items[:SITE_ITEMS], keep)
-    for d in decisions.values():
+    for decision in decisions.values():
         rel = float("nan")
         if values:
             try:
-                rel = site_error_compute(node_by_name(program.module, d.node), values, low, seed)[1]
-            except Exception as e:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
-                incapable.add(d.node)
-                d.reason += f" (could not run in {DTYPE_NAMES[low]}: {type(e).__name__})"
-        if d.node not in incapable:
-            errors[d.node] = rel
-        log.sites.append({"site": d.node, "module": d.module, "op": d.op, "decision": f"{d.cls}:{DTYPE_NAMES[low]}",
-                          "rel": rel, "reverted": False})
+                rel = site_error_compute(node_by_name(program.module, decision.node), values, low, seed)[1]
+            except Exception as error:  # noqa: BLE001 - an op that cannot run in the low dtype stays fp32
+                incapable.add(decision.node)
+                decision.reason += f" (could not run in {DTYPE_NAMES[low]}: {type(error).__name__})"
+        if decision.node not in incapable:
+            errors[decision.node] = rel
+        log.sites.append({"site": decision.node, "module": decision.module, "op": decision.op,
+                          "decision": f"{decision.cls}:{DTYPE_NAMES[low]}", "rel": rel, "reverted": False})
     return errors, incapable
 
 
@@ -106,22 +106,22 @@ def _record_reverts(log: StageLog, errors: dict, incapable: set, excluded: set, 
 def _record_compute(log: StageLog, metrics: dict, decisions: dict, low) -> None:
     """Per-module Changes of the applied plan and its counters."""
     by_cls: dict[str, int] = {}
-    for d in decisions.values():
-        by_cls[d.cls] = by_cls.get(d.cls, 0) + 1
+    for decision in decisions.values():
+        by_cls[decision.cls] = by_cls.get(decision.cls, 0) + 1
     metrics["decisions"] = by_cls
     metrics["fp32_islands"] = sorted(d.node for d in decisions.values() if d.cls == FP32)
     groups: dict[str, list[Decision]] = {}
-    for d in decisions.values():
-        if d.cls in (LOW, ACC, FP32):
-            groups.setdefault(d.module, []).append(d)
-    for mod_path, ds in groups.items():
-        lowd = [d.node for d in ds if d.cls == LOW]
-        accd = [d.node for d in ds if d.cls == ACC]
-        f32 = [d.node for d in ds if d.cls == FP32]
+    for decision in decisions.values():
+        if decision.cls in (LOW, ACC, FP32):
+            groups.setdefault(decision.module, []).append(decision)
+    for mod_path, members in groups.items():
+        lowd = [d.node for d in members if d.cls == LOW]
+        accd = [d.node for d in members if d.cls == ACC]
+        f32 = [d.node for d in members if d.cls == FP32]
         reason = "; ".join(x for x in (
             f"{len(lowd)} matmul-class op(s) in {DTYPE_NAMES[low]}" if lowd else "",
             f"{len(accd)} op(s) in {DTYPE_NAMES[low]} with fp32 accumulation in the kernel" if accd else "",
-            "fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in ds
+            "fp32 island(s): " + ", ".join(sorted({d.op + ' (' + d.reason + ')' for d in members
                                                    if d.cls == FP32})) if f32 else "") if x)
-        log.changes.append(Change("precision.compute", mod_path, [d.node for d in ds], [d.node for d in ds],
+        log.changes.append(Change("precision.compute", mod_path, [d.node for d in members], [d.node for d in members],
                                   reason, None, {"low": lowd, "acc": accd, "fp32": f32}))

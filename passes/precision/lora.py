@@ -21,27 +21,27 @@ def lora_module(base: nn.Module, qlora: QLoRAOptions, device, seed: int) -> nn.M
                       dropout=qlora.dropout, device=device, seed=seed)
 
 
-def add_dense_lora(gm: fx.GraphModule, site: LinearSite, opts: PrecisionOptions, compute: torch.dtype,
+def add_dense_lora(graph_module: fx.GraphModule, site: LinearSite, opts: PrecisionOptions, compute: torch.dtype,
                    seed: int) -> Change:
     """A LoRA adapter on a targeted linear whose 4-bit weights the guard reverted: its own weight, frozen (stored
     in bf16 with `params: bf16`, else not copied), computing in `compute` as the 4-bit base would have, is the base
     (`fxmem.nn.lowbit.FrozenLinear`), so the adapters still train where QLoRA was asked."""
     qlora = opts.qlora
     stored = torch.bfloat16 if opts.params == "bf16" else None
-    w = attr_of(gm, site.weight)
-    b = attr_of(gm, site.bias) if site.bias else None
-    w_base, b_base = (t if t is None or stored is None else t.detach().to(stored) for t in (w, b))
+    weight = attr_of(graph_module, site.weight)
+    bias = attr_of(graph_module, site.bias) if site.bias else None
+    w_base, b_base = (t if t is None or stored is None else t.detach().to(stored) for t in (weight, bias))
     base = FrozenLinear(w_base, b_base, transposed=site.transposed, compute_dtype=compute)
-    mod = lora_module(base, qlora, w.device, seed)
+    mod = lora_module(base, qlora, weight.device, seed)
     name_before = site.node.name
-    target = swap_linear(gm, site, mod)
+    target = swap_linear(graph_module, site, mod)
     return Change("precision.lora", site.path, [name_before], [target],
                   f"LoRA rank {qlora.rank} on the original-precision weights (the guard reverted the 4-bit ones); "
                   f"weights frozen; state_dict: {site.weight} -> {target}.base.weight", 0,
                   {"base": "dense", "rank": qlora.rank})
 
 
-def freeze_for_lora(gm: fx.GraphModule, changes: list[Change], sites: list[LinearSite], skipped: list[dict],
+def freeze_for_lora(graph_module: fx.GraphModule, changes: list[Change], sites: list[LinearSite], skipped: list[dict],
                     qlora: QLoRAOptions) -> Change:
     """Freeze every base parameter for QLoRA; a PolicyError when no adapter was added (nothing would train)."""
     adapted = [c for c in changes if c.kind in ("precision.quantize+lora", "precision.lora")]
@@ -54,8 +54,8 @@ def freeze_for_lora(gm: fx.GraphModule, changes: list[Change], sites: list[Linea
             why = f"found no linear that can take one ({', '.join(kept) or 'the model has no linear'})"
         raise PolicyError(f"passes.precision.qlora.targets {qlora.targets} {why}: no LoRA adapter, so nothing "
                           f"would train")
-    frozen = replace_params(gm, lambda p: nn.Parameter(p.detach(), requires_grad=False))
-    n_lora = sum(p.numel() for n, p in gm.named_parameters() if "lora_" in n and p.requires_grad)
+    frozen = replace_params(graph_module, lambda p: nn.Parameter(p.detach(), requires_grad=False))
+    n_lora = sum(p.numel() for n, p in graph_module.named_parameters() if "lora_" in n and p.requires_grad)
     n_dense = sum(1 for c in adapted if c.kind == "precision.lora")
     return Change("precision.freeze", "", [], [], f"QLoRA: {len(frozen)} base parameter(s) frozen; {n_lora} adapter "
                   f"weights train on {len(adapted)} linear(s)" + (f", {n_dense} of them on original-precision "

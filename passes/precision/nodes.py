@@ -12,38 +12,38 @@ from fxmem.depgroups import attr_of
 from fxmem.node_value import node_value
 
 
-def orig_float_dtype(n: fx.Node) -> torch.dtype | None:
+def orig_float_dtype(node: fx.Node) -> torch.dtype | None:
     """The float dtype of a node's (first float) output in the graph as it is now, or None."""
-    for t in pytree.tree_leaves(node_value(n)):
-        if isinstance(t, torch.Tensor):
-            return t.dtype if t.is_floating_point() else None
+    for value in pytree.tree_leaves(node_value(node)):
+        if isinstance(value, torch.Tensor):
+            return value.dtype if value.is_floating_point() else None
     return None
 
 
 def matching_pattern(path: str, patterns) -> str | None:
-    for p in patterns:
-        if path == p or fnmatch.fnmatchcase(path, p) or path.startswith(p + "."):
-            return p
+    for pattern in patterns:
+        if path == pattern or fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern + "."):
+            return pattern
     return None
 
 
-def node_args(n: fx.Node) -> list[fx.Node]:
+def node_args(node: fx.Node) -> list[fx.Node]:
     out = []
-    fx.node.map_arg((n.args, n.kwargs), lambda a: out.append(a))
+    fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a))
     return out
 
 
-def is_param_attr(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op != "get_attr":
+def is_param_attr(graph_module: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op != "get_attr":
         return False
     try:
-        return isinstance(attr_of(gm, n.target), nn.Parameter)
+        return isinstance(attr_of(graph_module, node.target), nn.Parameter)
     except AttributeError:
         return False
 
 
-def node_by_name(gm, name):
-    for n in gm.graph.nodes:
-        if n.name == name:
-            return n
+def node_by_name(graph_module, name):
+    for node in graph_module.graph.nodes:
+        if node.name == name:
+            return node
     raise KeyError(name)

@@ -67,17 +67,17 @@ class PrecisionOptions:
 def keep_ops(keep: list[str], where: str = "passes.precision.keep_fp32") -> tuple[frozenset, frozenset]:
     """(aten packet names, fxmem.ops categories) the keep_fp32 list names; unknown entries raise PolicyError."""
     names, cats = set(), set()
-    for k in keep:
-        if k in KEEP_GROUPS:
-            names.update(KEEP_GROUPS[k])
-            if k == "loss":
+    for entry in keep:
+        if entry in KEEP_GROUPS:
+            names.update(KEEP_GROUPS[entry])
+            if entry == "loss":
                 cats.add(optable.LOSS)
-        elif k in CATEGORY_NAMES:
-            cats.add(k)
-        elif k.startswith("aten."):
-            names.add(k.split(".")[1])
+        elif entry in CATEGORY_NAMES:
+            cats.add(entry)
+        elif entry.startswith("aten."):
+            names.add(entry.split(".")[1])
         else:
-            raise PolicyError(f"{where}: unknown entry {k!r}; use one of {sorted(KEEP_GROUPS)}, an fxmem.ops "
+            raise PolicyError(f"{where}: unknown entry {entry!r}; use one of {sorted(KEEP_GROUPS)}, an fxmem.ops "
                               f"category ({', '.join(CATEGORY_NAMES)}) or an op name like 'aten.gelu'")
     return frozenset(names), frozenset(cats)
 

@@ -8,32 +8,32 @@ from fxmem.copy_on_write import private_owner
 from fxmem.depgroups import attr_of
 
 
-def _owner(gm: nn.Module, target: str):
+def _owner(graph_module: nn.Module, target: str):
     prefix, _, name = target.rpartition(".")
-    return private_owner(gm, prefix), name
+    return private_owner(graph_module, prefix), name
 
 
-def replace_params(gm: fx.GraphModule, fn, only=None) -> list[str]:
-    """Replace the get_attr'd parameters with new Parameters `fn(p)` (tied parameters stay tied).
+def replace_params(graph_module: fx.GraphModule, convert, only=None) -> list[str]:
+    """Replace the get_attr'd parameters with new Parameters `convert(param)` (tied parameters stay tied).
 
     New Parameter objects on the snapshot's own containers: the rollback copy keeps the old ones."""
     done: dict[int, nn.Parameter] = {}
     names = []
-    for n in gm.graph.nodes:
-        if n.op != "get_attr" or (only is not None and n.target not in only):
+    for node in graph_module.graph.nodes:
+        if node.op != "get_attr" or (only is not None and node.target not in only):
             continue
         try:
-            p = attr_of(gm, n.target)
+            param = attr_of(graph_module, node.target)
         except AttributeError:
             continue
-        if not isinstance(p, nn.Parameter):
+        if not isinstance(param, nn.Parameter):
             continue
-        new = done.get(id(p))
+        new = done.get(id(param))
         if new is None:
-            new = fn(p)
-            done[id(p)] = new
-        owner, name = _owner(gm, n.target)
+            new = convert(param)
+            done[id(param)] = new
+        owner, name = _owner(graph_module, node.target)
         if getattr(owner, name) is not new:
             owner._parameters[name] = new
-            names.append(n.target)
+            names.append(node.target)
     return names

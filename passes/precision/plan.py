@@ -43,73 +43,74 @@ class Decision:
     reason: str
 
 
-def classify(gm: fx.GraphModule, n: fx.Node, opts: PrecisionOptions, keep_names, keep_cats, low: torch.dtype,
-             reverted: set) -> Decision:
+def classify(graph_module: fx.GraphModule, node: fx.Node, opts: PrecisionOptions, keep_names, keep_cats,
+             low: torch.dtype, reverted: set) -> Decision:
     """The class of one call node (see the module docstring)."""
-    path = module_path(n)
-    if n.op == "call_module":
-        mod = gm.get_submodule(n.target)
+    path = module_path(node)
+    if node.op == "call_module":
+        mod = graph_module.get_submodule(node.target)
         if getattr(mod, "fxmem_dtype_follow", False):
-            return Decision(n.name, path, str(n.target), FOLLOW, "module follows its input dtype")
-        return Decision(n.name, path, str(n.target), OPAQUE, f"opaque module {type(mod).__name__}: inputs in "
+            return Decision(node.name, path, str(node.target), FOLLOW, "module follows its input dtype")
+        return Decision(node.name, path, str(node.target), OPAQUE, f"opaque module {type(mod).__name__}: inputs in "
                                                            f"their original dtype")
-    t = n.target
-    if t is operator.getitem:
-        return Decision(n.name, path, "getitem", FOLLOW, "")
-    if not isinstance(t, torch._ops.OpOverload):
-        return Decision(n.name, path, str(getattr(t, "__name__", t)), OPAQUE, "not an aten op: original dtypes")
-    name = optable.packet(t)
+    target = node.target
+    if target is operator.getitem:
+        return Decision(node.name, path, "getitem", FOLLOW, "")
+    if not isinstance(target, torch._ops.OpOverload):
+        return Decision(node.name, path, str(getattr(target, "__name__", target)), OPAQUE,
+                        "not an aten op: original dtypes")
+    name = optable.packet(target)
     opname = f"aten.{name}"
-    if t._schema.is_mutable:
-        if name.endswith("_") and n.args and isinstance(n.args[0], fx.Node):
-            return Decision(n.name, path, opname, INPLACE, "in-place op: runs in the dtype of the tensor it mutates")
-        return Decision(n.name, path, opname, OPAQUE, "mutates an input: original dtypes")
-    if t in CAST_OPS and _is_float_noop_cast(n):
-        return Decision(n.name, path, opname, RETARGET, "float-to-float cast that is a no-op in the fp32 graph "
+    if target._schema.is_mutable:
+        if name.endswith("_") and node.args and isinstance(node.args[0], fx.Node):
+            return Decision(node.name, path, opname, INPLACE, "in-place op: runs in the dtype of the tensor it mutates")
+        return Decision(node.name, path, opname, OPAQUE, "mutates an input: original dtypes")
+    if target in CAST_OPS and _is_float_noop_cast(node):
+        return Decision(node.name, path, opname, RETARGET, "float-to-float cast that is a no-op in the fp32 graph "
                                                         "follows the plan")
     pat = matching_pattern(path, opts.keep_fp32_modules) if path else None
     if pat is not None:
-        return Decision(n.name, path, opname, FP32, f"module matches keep_fp32_modules {pat!r}")
-    cat = optable.category(t)
-    if n.name in reverted:
-        return Decision(n.name, path, opname, FP32, "reverted by the accuracy guard")
+        return Decision(node.name, path, opname, FP32, f"module matches keep_fp32_modules {pat!r}")
+    cat = optable.category(target)
+    if node.name in reverted:
+        return Decision(node.name, path, opname, FP32, "reverted by the accuracy guard")
     if cat in (optable.MATMUL, optable.ATTENTION):
-        return Decision(n.name, path, opname, LOW, f"{cat} op runs in {DTYPE_NAMES[low]}")
+        return Decision(node.name, path, opname, LOW, f"{cat} op runs in {DTYPE_NAMES[low]}")
     if name in keep_names or cat in keep_cats:
         acc = ACC_BF16 if low == torch.bfloat16 else ACC_FP16
         if opts.islands == "compact" and name in acc:
-            return Decision(n.name, path, opname, ACC, f"keep_fp32 op; its kernel accumulates in fp32 for "
+            return Decision(node.name, path, opname, ACC, f"keep_fp32 op; its kernel accumulates in fp32 for "
                                                        f"{DTYPE_NAMES[low]} inputs (compact island)")
-        return Decision(n.name, path, opname, FP32, "keep_fp32 op: fp32 island")
-    return Decision(n.name, path, opname, FOLLOW, "")
+        return Decision(node.name, path, opname, FP32, "keep_fp32 op: fp32 island")
+    return Decision(node.name, path, opname, FOLLOW, "")
 
 
-def _is_float_noop_cast(n: fx.Node) -> bool:
-    src = n.args[0] if n.args else None
+def _is_float_noop_cast(node: fx.Node) -> bool:
+    src = node.args[0] if node.args else None
     if not isinstance(src, fx.Node):
         return False
-    a, b = orig_float_dtype(src), orig_float_dtype(n)
-    if a is None or b is None or a != b:
+    source_dtype, cast_dtype = orig_float_dtype(src), orig_float_dtype(node)
+    if source_dtype is None or cast_dtype is None or source_dtype != cast_dtype:
         return False
-    kw = dict(n.kwargs)
-    kw.pop("dtype", None)
-    kw.pop("layout", None)
-    if kw.get("device") not in (None,) and node_value(src) is not None \
-            and torch.device(kw["device"]) != node_value(src).device:
+    kwargs = dict(node.kwargs)
+    kwargs.pop("dtype", None)
+    kwargs.pop("layout", None)
+    if kwargs.get("device") not in (None,) and node_value(src) is not None \
+            and torch.device(kwargs["device"]) != node_value(src).device:
         return False
-    kw.pop("device", None)
-    kw.pop("copy", None)
-    kw.pop("non_blocking", None)
-    return not kw.get("memory_format")
+    kwargs.pop("device", None)
+    kwargs.pop("copy", None)
+    kwargs.pop("non_blocking", None)
+    return not kwargs.get("memory_format")
 
 
-def plan(gm: fx.GraphModule, opts: PrecisionOptions, low: torch.dtype, reverted: set = frozenset()) \
+def plan(graph_module: fx.GraphModule, opts: PrecisionOptions, low: torch.dtype, reverted: set = frozenset()) \
         -> dict[str, Decision]:
     keep_names, keep_cats = keep_ops(opts.keep_fp32)
     out = {}
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_module"):
-            if orig_float_dtype(n) is None and not any(orig_float_dtype(a) is not None for a in node_args(n)):
+    for node in graph_module.graph.nodes:
+        if node.op in ("call_function", "call_module"):
+            if orig_float_dtype(node) is None and not any(orig_float_dtype(a) is not None for a in node_args(node)):
                 continue  # no float tensor in or out (shapes, masks, indices)
-            out[n.name] = classify(gm, n, opts, keep_names, keep_cats, low, reverted)
+            out[node.name] = classify(graph_module, node, opts, keep_names, keep_cats, low, reverted)
     return out

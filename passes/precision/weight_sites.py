@@ -56,9 +56,9 @@ def _role(nodes: list[fx.Node], param: torch.Tensor) -> str | None:
     return None
 
 
-def _why_left(gm: fx.GraphModule, target: str, nodes: list[fx.Node], opts: PrecisionOptions) -> str | None:
+def _why_left(graph_module: fx.GraphModule, target: str, nodes: list[fx.Node], opts: PrecisionOptions) -> str | None:
     """Why this parameter cannot be a site (None: it can)."""
-    param = attr_of(gm, target)
+    param = attr_of(graph_module, target)
     path = target.rpartition(".")[0]
     ops = "/".join(sorted({op_name(u) for n in nodes for u in n.users}))
     if any(feeds_a_linear(n) for n in nodes):
@@ -76,52 +76,52 @@ def _why_left(gm: fx.GraphModule, target: str, nodes: list[fx.Node], opts: Preci
     return None
 
 
-def weight_sites(gm: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[WeightSite], dict[str, str]]:
+def weight_sites(graph_module: fx.GraphModule, opts: PrecisionOptions) -> tuple[list[WeightSite], dict[str, str]]:
     """The parameters of at least `opts.min_params` elements that no linear uses as its weight: those stored
     quantized (sites), and the others with why (name -> reason)."""
     readers: dict[int, tuple[str, list[fx.Node]]] = {}
-    for n in gm.graph.nodes:
-        if n.op != "get_attr" or not n.users:
+    for node in graph_module.graph.nodes:
+        if node.op != "get_attr" or not node.users:
             continue
         try:
-            param = gm.get_parameter(n.target)
+            param = graph_module.get_parameter(node.target)
         except AttributeError:
             continue
         if param.numel() >= opts.min_params:
-            readers.setdefault(id(param), (n.target, []))[1].append(n)
+            readers.setdefault(id(param), (node.target, []))[1].append(node)
     sites, left = [], {}
     for target, nodes in readers.values():
         if all(feeds_a_linear(n) for n in nodes):
             continue  # a linear's weight: the linear sites' business
-        why = _why_left(gm, target, nodes, opts)
+        why = _why_left(graph_module, target, nodes, opts)
         if why is None:
-            sites.append(WeightSite(target, nodes, _role(nodes, attr_of(gm, target))))
+            sites.append(WeightSite(target, nodes, _role(nodes, attr_of(graph_module, target))))
         else:
             left[target] = why
     return sites, left
 
 
-def build_weight(gm: fx.GraphModule, site: WeightSite, kind: str) -> QuantizedWeight:
-    return QuantizedWeight(attr_of(gm, site.target), kind, row_dims=2 if site.role == "expert weights" else 1)
+def build_weight(graph_module: fx.GraphModule, site: WeightSite, kind: str) -> QuantizedWeight:
+    return QuantizedWeight(attr_of(graph_module, site.target), kind, row_dims=2 if site.role == "expert weights" else 1)
 
 
-def swap_weight(gm: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:
+def swap_weight(graph_module: fx.GraphModule, site: WeightSite, module: nn.Module) -> str:
     """Put `module` where the parameter was (same path: its state_dict keys become `<path>.qweight`, ...) and make
     every read of the parameter a call of it, placed just before the read; a read of one expert
     (`select(W, 0, i)`) dequantizes that expert only. Returns the module's target."""
     prefix, _, name = site.target.rpartition(".")
-    owner = private_owner(gm, prefix)
+    owner = private_owner(graph_module, prefix)
     del owner._parameters[name]
     owner._modules[name] = module
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = {n: i for i, n in enumerate(graph_module.graph.nodes)}
     for node in site.nodes:
         for select in [u for u in node.users if _one_slice(u, node, module)]:
-            _call_before(gm, site.target, select, (select.args[2] % module.shape[0],), select)
+            _call_before(graph_module, site.target, select, (select.args[2] % module.shape[0],), select)
         if node.users:
             # just before its first reader (export puts every get_attr at the top: dequantized there, every weight's
             # full-precision copy would live from the start of forward to its use)
-            _call_before(gm, site.target, min(node.users, key=order.__getitem__), (), node)
-        gm.graph.erase_node(node)
+            _call_before(graph_module, site.target, min(node.users, key=order.__getitem__), (), node)
+        graph_module.graph.erase_node(node)
     return site.target
 
 
@@ -131,12 +131,12 @@ def _one_slice(user: fx.Node, node: fx.Node, module: nn.Module) -> bool:
             and isinstance(user.args[2], int) and module.sliceable())
 
 
-def _call_before(gm: fx.GraphModule, target: str, where: fx.Node, args: tuple, replaced: fx.Node) -> None:
+def _call_before(graph_module: fx.GraphModule, target: str, where: fx.Node, args: tuple, replaced: fx.Node) -> None:
     """A call of the module `target` with `args`, before `where`, in place of `replaced` (its uses and value)."""
-    with gm.graph.inserting_before(where):
-        call = gm.graph.call_module(target, args)
+    with graph_module.graph.inserting_before(where):
+        call = graph_module.graph.call_module(target, args)
     call.meta.update({k: v for k, v in replaced.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
     call.meta["fxmem_precision"] = "quant"
     replaced.replace_all_uses_with(call)
     if replaced is where:  # a select of one expert: the call is it
-        gm.graph.erase_node(replaced)
+        graph_module.graph.erase_node(replaced)

@@ -111,72 +111,74 @@ def swap_sites(cand: Program, opts: PrecisionOptions, kind: str, quant: dict, ex
                compute: torch.dtype, seed: int) -> list[Change]:
     """Swap every site of `cand` not in `excluded` for its quantized layer (LoRA-wrapped for QLoRA targets); an
     excluded QLoRA target gets an adapter on its original weights. Returns the Changes."""
-    gm = cand.module
+    graph_module = cand.module
     targets = opts.qlora.targets if opts.qlora is not None else []
     changes = []
-    for s in linear_sites(gm, opts)[0]:
-        lora = opts.qlora is not None and matching_pattern(s.path, targets) is not None
-        if s.node.name in excluded:
-            changes.append(Change("precision.reverted", s.path, [s.node.name], [s.node.name], "", 0,
+    for site in linear_sites(graph_module, opts)[0]:
+        lora = opts.qlora is not None and matching_pattern(site.path, targets) is not None
+        if site.node.name in excluded:
+            changes.append(Change("precision.reverted", site.path, [site.node.name], [site.node.name], "", 0,
                                   {"decision": kind}))
             if lora:
-                changes.append(add_dense_lora(gm, s, opts, compute, seed))
+                changes.append(add_dense_lora(graph_module, site, opts, compute, seed))
             continue
-        changes.append(_swap_one(gm, s, opts, kind, quant[s.node.name], lora, seed))
+        changes.append(_swap_one(graph_module, site, opts, kind, quant[site.node.name], lora, seed))
     return changes
 
 
 def _stored_weight_errors(program: Program, others: list, quant: dict) -> dict[str, float]:
     """Each stored weight's own relative error (dequantized vs the weight; orders the back-off only)."""
     out = {}
-    for w in others:
-        weight = attr_of(program.module, w.target)
+    for site in others:
+        weight = attr_of(program.module, site.target)
         with torch.no_grad():
-            out[w.name] = deviation(weight, quant[w.name].dequantize()).rel
+            out[site.name] = deviation(weight, quant[site.name].dequantize()).rel
     return out
 
 
 def swap_weight_sites(cand: Program, opts: PrecisionOptions, kind: str, quant: dict, excluded: set) -> list[Change]:
     """Store every weight site of `cand` not in `excluded` quantized (its reads become calls of the module holding
     it); the recast hooks make backward dequantize again rather than keep the copy. Returns the Changes."""
-    gm = cand.module
+    graph_module = cand.module
     changes = []
-    for w in weight_sites(gm, opts)[0]:
-        if w.name in excluded:
-            changes.append(_reverted_weight(w, kind))
+    for site in weight_sites(graph_module, opts)[0]:
+        if site.name in excluded:
+            changes.append(_reverted_weight(site, kind))
             continue
-        module = quant[w.name]
-        dense = attr_of(gm, w.target)
-        nodes_before = [n.name for n in w.nodes]
-        target = swap_weight(gm, w, module)
+        module = quant[site.name]
+        dense = attr_of(graph_module, site.target)
+        nodes_before = [n.name for n in site.nodes]
+        target = swap_weight(graph_module, site, module)
         dense_bytes, quant_bytes = dense.numel() * dense.element_size(), module.quantized_bytes()
         names = ", ".join(f"{target}.{name}" for name, _ in module.named_buffers())
-        changes.append(Change("precision.quantize", w.target, nodes_before, [target],
-                              f"{w.role} -> bitsandbytes {kind} storage, dequantized where the graph reads it; "
-                              f"weight frozen; state_dict: {w.target} -> {names}", dense_bytes - quant_bytes,
-                              {"dense_bytes": dense_bytes, "quant_bytes": quant_bytes, "role": w.role}))
+        changes.append(Change("precision.quantize", site.target, nodes_before, [target],
+                              f"{site.role} -> bitsandbytes {kind} storage, dequantized where the graph reads it; "
+                              f"weight frozen; state_dict: {site.target} -> {names}", dense_bytes - quant_bytes,
+                              {"dense_bytes": dense_bytes, "quant_bytes": quant_bytes, "role": site.role}))
     if any(c.kind == "precision.quantize" for c in changes):
-        install_recast(gm)
+        install_recast(graph_module)
     return changes
 
 
-def _reverted_weight(w, kind: str) -> Change:
-    return Change("precision.reverted", w.target, [w.name], [w.name], "", 0, {"decision": kind, "role": w.role})
+def _reverted_weight(site, kind: str) -> Change:
+    return Change("precision.reverted", site.target, [site.name], [site.name], "", 0,
+                  {"decision": kind, "role": site.role})
 
 
-def _swap_one(gm, s: LinearSite, opts: PrecisionOptions, kind: str, mod: nn.Module, lora: bool, seed: int) -> Change:
-    w = attr_of(gm, s.weight)
-    b = attr_of(gm, s.bias) if s.bias else None
-    dense = w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+def _swap_one(graph_module, site: LinearSite, opts: PrecisionOptions, kind: str, mod: nn.Module, lora: bool,
+              seed: int) -> Change:
+    weight = attr_of(graph_module, site.weight)
+    bias = attr_of(graph_module, site.bias) if site.bias else None
+    dense = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
     if lora:
-        mod = lora_module(mod, opts.qlora, w.device, seed)
-    name_before = s.node.name
-    target = swap_linear(gm, s, mod)
+        mod = lora_module(mod, opts.qlora, weight.device, seed)
+    name_before = site.node.name
+    target = swap_linear(graph_module, site, mod)
     qbytes = (mod.base if lora else mod).weight_bytes()
     inner = f"{target}.{'base.' if lora else ''}"
-    return Change("precision.quantize" + ("+lora" if lora else ""), s.path, [name_before], [target],
+    return Change("precision.quantize" + ("+lora" if lora else ""), site.path, [name_before], [target],
                   f"aten.linear -> bitsandbytes {kind} linear" + (f" + LoRA rank {opts.qlora.rank}" if lora else "")
-                  + f"; weights frozen; state_dict: {s.weight} -> {inner}inner.weight (+ bitsandbytes state keys); "
+                  + f"; weights frozen; state_dict: {site.weight} -> {inner}inner.weight (+ bitsandbytes state keys); "
                     f"bias -> {inner}bias", dense - qbytes, {"dense_bytes": dense, "quant_bytes": qbytes})
 
 
@@ -184,12 +186,12 @@ def _explain_reverts(changes: list[Change], outcome, errors: dict) -> list[Chang
     """Fill in why each backed-off site kept its precision (the guard's verdict on the whole model) and each kept
     site's own error."""
     why = back_off_why(outcome, "it")
-    for c in changes:
-        rel = errors.get(c.nodes_before[0] if c.nodes_before else "", float("nan"))
-        c.details["rel"] = rel
-        if c.kind == "precision.reverted":
-            what = c.details.get("decision", "")
-            c.reason = f"{what}: kept in its original precision: {why} (its own relative error {rel:.3g})"
-        elif c.kind.startswith("precision.quantize"):
-            c.reason += f" (site relative error {rel:.3g})"
+    for change in changes:
+        rel = errors.get(change.nodes_before[0] if change.nodes_before else "", float("nan"))
+        change.details["rel"] = rel
+        if change.kind == "precision.reverted":
+            what = change.details.get("decision", "")
+            change.reason = f"{what}: kept in its original precision: {why} (its own relative error {rel:.3g})"
+        elif change.kind.startswith("precision.quantize"):
+            change.reason += f" (site relative error {rel:.3g})"
     return changes

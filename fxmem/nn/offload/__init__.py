@@ -65,18 +65,18 @@ class OffloadRegion(nn.Module):
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling() or _is_fake(args):
             return self.body(*args)
-        rt = self.runtime
-        store = rt.begin(self.index == 0)
-        scope = RegionScope(store, store.new_slot(), self._kept_storages(args), rt.min_bytes)
+        runtime = self.runtime
+        store = runtime.begin(self.index == 0)
+        scope = RegionScope(store, store.new_slot(), self._kept_storages(args), runtime.min_bytes)
         try:
             with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack), recast.aside():
                 out = self.body(*args)
             scope.flush()
         except BaseException:
-            rt.abort()  # the step is abandoned: remove its scratch file now
+            runtime.abort()  # the step is abandoned: remove its scratch file now
             raise
         if self.last:
-            rt.end()
+            runtime.end()
         return out
 
     def _kept_storages(self, args) -> set:
@@ -87,10 +87,10 @@ class OffloadRegion(nn.Module):
         tensors = [a for i in kept for a in pytree.tree_leaves(args[i])]
         tensors += [*self.body.parameters(), *self.body.buffers()]
         ptrs = set()
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
                 try:
-                    ptrs.add(t.untyped_storage().data_ptr())
+                    ptrs.add(tensor.untyped_storage().data_ptr())
                 except (RuntimeError, NotImplementedError):
                     pass
         return ptrs

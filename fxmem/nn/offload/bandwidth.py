@@ -16,30 +16,30 @@ def probe_bandwidth(tier: str, nbytes: int = 32 << 20, scratch_root: str | None 
     if tier == "disk":
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        d = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_root)
-        path = os.path.join(d, "probe.bin")
+        probe_dir = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_root)
+        path = os.path.join(probe_dir, "probe.bin")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except BaseException:
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(probe_dir, ignore_errors=True)
             raise
         try:
-            t0 = time.perf_counter()
-            pwrite_all(fd, memoryview(src.numpy()), 0)
-            pread_all(fd, memoryview(dst.numpy()), 0)
-            dt = time.perf_counter() - t0
+            start = time.perf_counter()
+            pwrite_all(descriptor, memoryview(src.numpy()), 0)
+            pread_all(descriptor, memoryview(dst.numpy()), 0)
+            elapsed = time.perf_counter() - start
         finally:
-            cleanup_files([fd], path, d)
-        return 2 * nbytes / max(dt, 1e-9)
+            cleanup_files([descriptor], path, probe_dir)
+        return 2 * nbytes / max(elapsed, 1e-9)
     if tier == "cpu":
         if not torch.cuda.is_available():
             raise ValueError("the 'cpu' offload tier moves CUDA tensors to host memory; this host has no CUDA")
-        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        host_buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        h.copy_(a, non_blocking=True)
-        a.copy_(h, non_blocking=True)
+        start = time.perf_counter()
+        host_buffer.copy_(device_buffer, non_blocking=True)
+        device_buffer.copy_(host_buffer, non_blocking=True)
         torch.cuda.synchronize()
-        return 2 * nbytes / max(time.perf_counter() - t0, 1e-9)
+        return 2 * nbytes / max(time.perf_counter() - start, 1e-9)
     raise ValueError(f"offload tier must be one of {TIERS}, got {tier!r}")

@@ -31,63 +31,63 @@ class OffloadedOptimizer:
         pin = torch.cuda.is_available()
         self.host = torch.device(host)
         self.master = []
-        for p in self.params:
-            m = p.detach().to(self.host, copy=True)
-            if pin and m.device.type == "cpu":
-                m = m.pin_memory()
-            self.master.append(nn.Parameter(m, requires_grad=True))
+        for param in self.params:
+            master_copy = param.detach().to(self.host, copy=True)
+            if pin and master_copy.device.type == "cpu":
+                master_copy = master_copy.pin_memory()
+            self.master.append(nn.Parameter(master_copy, requires_grad=True))
         self.optimizer = make_optimizer(self.master)
         self.memory_fn = memory_fn or self._default_memory
         self.moved = 0  # gradients moved early (in backward) in the last step
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _default_memory(self) -> int:
-        dev = self.params[0].device
-        if dev.type == "cuda":
-            return int(torch.cuda.memory_allocated(dev))
+        device = self.params[0].device
+        if device.type == "cuda":
+            return int(torch.cuda.memory_allocated(device))
         return sum(p.numel() * p.element_size() + (p.grad.numel() * p.grad.element_size() if p.grad is not None
                                                    else 0) for p in self.params)
 
-    def _make_hook(self, i: int):
-        def hook(p: torch.Tensor) -> None:
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
             if self.threshold is not None and self.memory_fn() <= self.threshold:
                 return
-            self._move(i)
+            self._move(index)
             self.moved += 1
         return hook
 
-    def _move(self, i: int) -> None:
-        p, m = self.params[i], self.master[i]
-        if p.grad is None:
+    def _move(self, index: int) -> None:
+        param, master_param = self.params[index], self.master[index]
+        if param.grad is None:
             return
         # a copy to the host that returns before it is done (non_blocking) is safe only where nothing reads it before
         # step() synchronizes; a gradient accumulated into one already moved is added on the host at once, so that
         # copy blocks (and, on the same stream, waits for the earlier one too)
-        g = p.grad.detach().to(self.host, non_blocking=p.grad.is_cuda and m.grad is None)
-        m.grad = g if m.grad is None else m.grad.add_(g)
-        p.grad = None  # the device gradient is freed now
+        host_grad = param.grad.detach().to(self.host, non_blocking=param.grad.is_cuda and master_param.grad is None)
+        master_param.grad = host_grad if master_param.grad is None else master_param.grad.add_(host_grad)
+        param.grad = None  # the device gradient is freed now
 
     def step(self) -> None:
-        for i in range(len(self.params)):
-            self._move(i)  # anything kept on the device (below the threshold)
+        for index in range(len(self.params)):
+            self._move(index)  # anything kept on the device (below the threshold)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m, non_blocking=p.is_cuda)
+            for param, master_param in zip(self.params, self.master):
+                param.copy_(master_param, non_blocking=param.is_cuda)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.moved = 0
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
+        for param in self.params:
+            param.grad = None
 
     @property
     def state(self):
         return self.optimizer.state
 
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for handle in self._handles:
+            handle.remove()
         self._handles.clear()

@@ -17,42 +17,42 @@ class RegionScope:
         self.store, self.slot, self.skip, self.min_bytes = store, slot, skip, min_bytes
         self.entries: dict[tuple, OffloadEntry] = {}
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, tensor: torch.Tensor):
         # parameters, and subclasses that hold no bytes of their own to write (the cost model's fake tensors, when
         # a region's only inputs are parameters and nothing tells it apart as fake), are kept as they are
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta":
-            return t
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.device.type == "meta":
+            return tensor
         try:
-            st = t.untyped_storage()
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return t
-        n = int(st.nbytes())
-        key = (st.data_ptr(), n)
-        earlier = self.store.written_entry(t)
+            return tensor
+        nbytes = int(storage.nbytes())
+        key = (storage.data_ptr(), nbytes)
+        earlier = self.store.written_entry(tensor)
         if earlier is not None:
-            return PackedTensor(earlier, t)  # an earlier region of this step wrote it (this region's input, say)
-        if n == 0 or n < self.min_bytes or key[0] in self.skip:
-            return t
-        if self.store.tier == "cpu" and t.device.type != "cuda":
-            return t  # the host tier only moves device tensors
-        e = self.entries.get(key)
-        if e is None:
-            e = OffloadEntry(self.store, self.slot, n, t.device)
-            e.start_write(u8_view(t))
-            self.entries[key] = e
-            self.store.remember(t, e)
-            self.store.slots[self.slot].append(weakref.ref(e))
-            self.store.bytes_offloaded += n
+            return PackedTensor(earlier, tensor)  # an earlier region of this step wrote it (this region's input, say)
+        if nbytes == 0 or nbytes < self.min_bytes or key[0] in self.skip:
+            return tensor
+        if self.store.tier == "cpu" and tensor.device.type != "cuda":
+            return tensor  # the host tier only moves device tensors
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = OffloadEntry(self.store, self.slot, nbytes, tensor.device)
+            entry.start_write(u8_view(tensor))
+            self.entries[key] = entry
+            self.store.remember(tensor, entry)
+            self.store.slots[self.slot].append(weakref.ref(entry))
+            self.store.bytes_offloaded += nbytes
             self.store.count += 1
-        return PackedTensor(e, t)
+        return PackedTensor(entry, tensor)
 
     @staticmethod
-    def unpack(p):
-        return p.unpack() if isinstance(p, PackedTensor) else p
+    def unpack(packed):
+        return packed.unpack() if isinstance(packed, PackedTensor) else packed
 
     def flush(self) -> None:
-        for e in self.entries.values():
-            e.finish_write()
+        for entry in self.entries.values():
+            entry.finish_write()
         self.entries.clear()
 
 
@@ -76,12 +76,12 @@ class OffloadRuntime:
         return OffloadRuntime(self.tier, self.prefetch, self.min_bytes, self.scratch_root, self.unlink_early)
 
     def __getstate__(self):
-        d = dict(self.__dict__)
-        d["_store"], d["_stores"] = None, None
-        return d
+        state = dict(self.__dict__)
+        state["_store"], state["_stores"] = None, None
+        return state
 
-    def __setstate__(self, d):
-        self.__dict__.update(d)
+    def __setstate__(self, state):
+        self.__dict__.update(state)
         self._stores = weakref.WeakSet()
 
     def begin(self, first: bool) -> StepStore:
@@ -105,5 +105,5 @@ class OffloadRuntime:
         """Remove every scratch file of this runtime now (saved tensors not yet used by backward become
         unusable)."""
         self._store = None
-        for s in list(self._stores):
-            s.close()
+        for store in list(self._stores):
+            store.close()

@@ -20,31 +20,31 @@ _EXEC_LOCK = threading.Lock()
 
 def executor(kind: str) -> ThreadPoolExecutor:
     with _EXEC_LOCK:
-        ex = _EXECUTORS.get(kind)
-        if ex is None:
-            ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxmem-offload-{kind}")
-            _EXECUTORS[kind] = ex
-        return ex
+        pool = _EXECUTORS.get(kind)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fxmem-offload-{kind}")
+            _EXECUTORS[kind] = pool
+        return pool
 
 
-def submit_io(kind: str, io, fd: int, buffer: torch.Tensor, offset: int) -> Future:
-    """`io(fd, memoryview of buffer, offset)` on the `kind` thread. The thread lets go of `buffer` before the future
-    completes: ThreadPoolExecutor's worker keeps a task's arguments until after it has set the result, so a caller
-    that waited and then dropped its tensor would otherwise free it only when that thread next runs."""
-    return executor(kind).submit(_io_from_box, io, fd, [buffer], offset)
+def submit_io(kind: str, io, descriptor: int, buffer: torch.Tensor, offset: int) -> Future:
+    """`io(descriptor, memoryview of buffer, offset)` on the `kind` thread. The thread lets go of `buffer` before
+    the future completes: ThreadPoolExecutor's worker keeps a task's arguments until after it has set the result, so
+    a caller that waited and then dropped its tensor would otherwise free it only when that thread next runs."""
+    return executor(kind).submit(_io_from_box, io, descriptor, [buffer], offset)
 
 
-def _io_from_box(io, fd: int, box: list, offset: int) -> None:
-    io(fd, memoryview(box.pop().numpy()), offset)
+def _io_from_box(io, descriptor: int, box: list, offset: int) -> None:
+    io(descriptor, memoryview(box.pop().numpy()), offset)
 
 
 def cleanup_files(fd_box: list, path: str | None, dir_: str | None) -> None:
     """Close the scratch file and remove it and its directory (idempotent; runs from finalizers)."""
-    fd = fd_box[0] if fd_box else None
-    if fd is not None:
+    descriptor = fd_box[0] if fd_box else None
+    if descriptor is not None:
         fd_box[0] = None
         try:
-            os.close(fd)
+            os.close(descriptor)
         except OSError:
             pass
     if path:
@@ -58,21 +58,21 @@ def cleanup_files(fd_box: list, path: str | None, dir_: str | None) -> None:
         shutil.rmtree(dir_, ignore_errors=True)
 
 
-def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    """Write all of `mv` at `offset` (os.pwritev may write less than asked)."""
-    _transfer_all(os.pwritev, fd, mv, offset, "short write to")
+def pwrite_all(descriptor: int, buffer_view: memoryview, offset: int) -> None:
+    """Write all of `buffer_view` at `offset` (os.pwritev may write less than asked)."""
+    _transfer_all(os.pwritev, descriptor, buffer_view, offset, "short write to")
 
 
-def pread_all(fd: int, mv: memoryview, offset: int) -> None:
-    """Read all of `mv` from `offset` (os.preadv may read less than asked)."""
-    _transfer_all(os.preadv, fd, mv, offset, "short read from")
+def pread_all(descriptor: int, buffer_view: memoryview, offset: int) -> None:
+    """Read all of `buffer_view` from `offset` (os.preadv may read less than asked)."""
+    _transfer_all(os.preadv, descriptor, buffer_view, offset, "short read from")
 
 
-def _transfer_all(transfer, fd: int, mv: memoryview, offset: int, shortfall: str) -> None:
-    mv = mv.cast("B")
+def _transfer_all(transfer, descriptor: int, buffer_view: memoryview, offset: int, shortfall: str) -> None:
+    buffer_view = buffer_view.cast("B")
     done = 0
-    while done < len(mv):
-        count = transfer(fd, [mv[done:]], offset + done)
+    while done < len(buffer_view):
+        count = transfer(descriptor, [buffer_view[done:]], offset + done)
         if count <= 0:
-            raise OSError(f"fxmem offload: {shortfall} scratch file ({done} of {len(mv)} bytes)")
+            raise OSError(f"fxmem offload: {shortfall} scratch file ({done} of {len(buffer_view)} bytes)")
         done += count

@@ -24,9 +24,9 @@ def live_scratch_dirs() -> list[str]:
 
 
 
-def u8_view(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage of `t` as a flat uint8 tensor (no copy, no new storage)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def u8_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage of `tensor` as a flat uint8 tensor (no copy, no new storage)."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 class OffloadEntry:
@@ -45,22 +45,22 @@ class OffloadEntry:
         self.read: Future | None = None
 
     # ------------------------------------------------------------------------------------------- forward
-    def start_write(self, u8: torch.Tensor) -> None:
-        self.src = u8
-        st = self.store
-        if st.tier == "disk":
-            src = u8 if u8.device.type == "cpu" else u8.cpu()
-            self.offset = st.alloc(self.nbytes)
-            self.write = submit_io("write", pwrite_all, st.fd, src, self.offset)
+    def start_write(self, storage_bytes: torch.Tensor) -> None:
+        self.src = storage_bytes
+        store = self.store
+        if store.tier == "disk":
+            src = storage_bytes if storage_bytes.device.type == "cpu" else storage_bytes.cpu()
+            self.offset = store.alloc(self.nbytes)
+            self.write = submit_io("write", pwrite_all, store.fd, src, self.offset)
         else:
-            side = st.side_stream(u8.device)
-            side.wait_stream(torch.cuda.current_stream(u8.device))
+            side = store.side_stream(storage_bytes.device)
+            side.wait_stream(torch.cuda.current_stream(storage_bytes.device))
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             with torch.cuda.stream(side):
-                self.host.copy_(u8, non_blocking=True)
+                self.host.copy_(storage_bytes, non_blocking=True)
             # the allocator reuses the device block only once the side stream has passed the copy, so the region's
             # end drops it without a host-side wait (which would hold back the next region's kernel launches)
-            u8.record_stream(side)
+            storage_bytes.record_stream(side)
 
     def finish_write(self) -> None:
         if self.write is not None:
@@ -73,20 +73,20 @@ class OffloadEntry:
         if self.buf is not None:
             return
         self.finish_write()
-        st = self.store
-        if st.tier == "disk":
+        store = self.store
+        if store.tier == "disk":
             buf = torch.empty(self.nbytes, dtype=torch.uint8)  # allocated here: counted as live tensor memory
-            if st.fd_box[0] is None:
+            if store.fd_box[0] is None:
                 raise RuntimeError("fxmem offload: the scratch file of this step was already closed "
                                    "(OffloadRuntime.close() ran before backward)")
-            self.read = submit_io("read", pread_all, st.fd, buf, self.offset)
+            self.read = submit_io("read", pread_all, store.fd, buf, self.offset)
             if self.device.type != "cpu":
                 self.read.result()
                 self.read = None
                 buf = buf.to(self.device)
             self.buf = buf
         else:
-            side = st.side_stream(self.device)
+            side = store.side_stream(self.device)
             with torch.cuda.stream(side):
                 buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
                 buf.copy_(self.host, non_blocking=True)
@@ -112,15 +112,15 @@ class PackedTensor:
     """What autograd holds instead of an offloaded tensor."""
     __slots__ = ("entry", "dtype", "size", "stride", "offset")
 
-    def __init__(self, entry: OffloadEntry, t: torch.Tensor):
+    def __init__(self, entry: OffloadEntry, tensor: torch.Tensor):
         self.entry = entry
-        self.dtype, self.size, self.stride, self.offset = t.dtype, tuple(t.shape), tuple(t.stride()), \
-            t.storage_offset()
+        self.dtype, self.size, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), \
+            tensor.storage_offset()
 
     def unpack(self) -> torch.Tensor:
-        e = self.entry
-        e.store.on_unpack(e.slot)
-        buf = e.get()
+        entry = self.entry
+        entry.store.on_unpack(entry.slot)
+        buf = entry.get()
         return torch.empty(0, dtype=self.dtype, device=buf.device).set_(buf.untyped_storage(), self.offset,
                                                                          self.size, self.stride)
 
@@ -171,27 +171,28 @@ class StepStore:
             self._next += (nbytes + 4095) // 4096 * 4096  # page-aligned records
             return off
 
-    def written_entry(self, t: torch.Tensor) -> "OffloadEntry | None":
-        """The entry a region of this step wrote `t`'s storage to, unchanged since (None: none, it is gone, or `t`
-        was written in place after): a later region saving the same tensor (its input, say) keeps that entry."""
-        storage = t.untyped_storage()
+    def written_entry(self, tensor: torch.Tensor) -> "OffloadEntry | None":
+        """The entry a region of this step wrote `tensor`'s storage to, unchanged since (None: none, it is gone, or
+        `tensor` was written in place after): a later region saving the same tensor (its input, say) keeps that
+        entry."""
+        storage = tensor.untyped_storage()
         found = self._written.get(storage._cdata)
-        if found is None or found[0]() is not storage or found[2] != t._version:
+        if found is None or found[0]() is not storage or found[2] != tensor._version:
             return None
         return found[1]()
 
-    def remember(self, t: torch.Tensor, entry: OffloadEntry) -> None:
-        """`t`'s storage was written to `entry` (see `written_entry`); forgotten when the storage dies."""
-        storage = t.untyped_storage()
+    def remember(self, tensor: torch.Tensor, entry: OffloadEntry) -> None:
+        """`tensor`'s storage was written to `entry` (see `written_entry`); forgotten when the storage dies."""
+        storage = tensor.untyped_storage()
         key, table = storage._cdata, self._written
         table[key] = (weakref.ref(storage, lambda _ref, key=key: table.pop(key, None)), weakref.ref(entry),
-                      t._version)
+                      tensor._version)
 
     def side_stream(self, device):
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device)
-        return s
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def new_slot(self) -> int:
         self.slots.append([])
@@ -201,14 +202,14 @@ class StepStore:
         if slot in self.triggered:
             return
         self.triggered.add(slot)  # backward reached this region: load it and the `prefetch` regions before it
-        for s in range(slot, max(-1, slot - self.prefetch - 1), -1):
-            if s in self.fetched:
+        for fetch_slot in range(slot, max(-1, slot - self.prefetch - 1), -1):
+            if fetch_slot in self.fetched:
                 continue
-            self.fetched.add(s)
-            for ref in self.slots[s]:
-                e = ref()
-                if e is not None:
-                    e.start_read()
+            self.fetched.add(fetch_slot)
+            for ref in self.slots[fetch_slot]:
+                entry = ref()
+                if entry is not None:
+                    entry.start_read()
 
     def close(self) -> None:
         self._finalizer()
@@ -217,5 +218,5 @@ class StepStore:
 
 @atexit.register
 def _close_all() -> None:
-    for s in list(_LIVE_STORES):
-        s.close()
+    for store in list(_LIVE_STORES):
+        store.close()
