@@ -167,6 +167,24 @@ def test_plan_batch_of_inputs_that_cannot_be_scaled_is_one_line_naming_the_dim(c
     assert len(err) == 1 and "plan_batch: the model rejects its inputs" in err[0], err
 
 
+
+def test_plan_batch_quotes_a_scaling_error_without_a_message(monkeypatch):
+    """An error with an empty message at a scaled batch (torch raises some bare) still gives the one-line
+    InputShapeError, not an IndexError from quoting its first line."""
+    import fxmem.costmodel.batch as batch_module
+    from fxmem.errors import InputShapeError
+    program, loss_fn = _program("mlp_digits", "train")
+    real = batch_module.estimate
+
+    def bare_error_when_scaled(program_, args=(), kwargs=None, **options):
+        if args is not program_.example_args:
+            raise RuntimeError()
+        return real(program_, args, kwargs, **options)
+
+    monkeypatch.setattr(batch_module, "estimate", bare_error_when_scaled)
+    with pytest.raises(InputShapeError, match=r"scaled to batch 1 along dim 0 .*: RuntimeError: ; inputs"):
+        fxmem.plan_batch(program, budget=2 ** 30, loss_fn=loss_fn)
+
 def test_every_example_op_is_known():
     # graph-level and dispatch-level: the static estimate lists unknown dispatch ops
     for name in EXAMPLE_NAMES:

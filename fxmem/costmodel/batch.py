@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import InputShapeError
+from ..errors import InputShapeError, first_line
 from ..program import Program
 from ..userstate import keeps_model_state
 from .estimator import estimate
@@ -44,7 +44,7 @@ def plan_batch(program: Program, args=(), kwargs=None, *, budget: int, mode: str
                 raise  # not the scaling: the example inputs fail too
             raise InputShapeError(
                 f"plan_batch: the model rejects its inputs scaled to batch {batch} along dim {batch_dim} (the inputs "
-                f"of size {example_batch} there, rows repeated): {type(error).__name__}: {str(error).splitlines()[0]}; "
+                f"of size {example_batch} there, rows repeated): {type(error).__name__}: {first_line(str(error))}; "
                 "inputs whose rows are not independent samples (a graph's node features beside its edge_index) "
                 "cannot be scaled so: estimate at the sizes you plan instead") from error
 
