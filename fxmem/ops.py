@@ -376,9 +376,13 @@ def view_grad_is_a_view(op) -> bool:
     """A view whose backward hands its input the output's gradient seen through the inverse view (a transpose, a
     permute, an unsqueeze), no new buffer: the op returns an alias of its input (not `_unsafe_view`'s fresh tensor)."""
     info = lookup(op)
+    return info is not None and info.category == VIEW and info.grad_view and returns_alias(op)
+
+
+def returns_alias(op) -> bool:
+    """Whether the op's schema returns an alias of an input (a view op, not `_unsafe_view`)."""
     schema = getattr(op, "_schema", None)
-    return info is not None and info.category == VIEW and info.grad_view and schema is not None \
-        and any(ret.alias_info is not None for ret in schema.returns)
+    return schema is not None and any(ret.alias_info is not None for ret in schema.returns)
 
 
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))

@@ -18,9 +18,6 @@ from .shared_grads import SharedGrads
 from .view_grad_walk import ViewGradWalk
 
 
-DIRECT = "direct"  # a sum into the gradient a storage's producer has apart from a join's slice (`_direct_grad`)
-
-
 class StaticBackward(ViewGradWalk):
     """The backward walk, from the last record to the first. Its live bytes continue the forward walk's.
 
@@ -46,9 +43,10 @@ class StaticBackward(ViewGradWalk):
         # ops made the storage meanwhile (the producer's first, not a sum)
         self.join_views = join_views(plan.records)
         self.pending: dict[int, int] = {}
-        self.direct_grads: dict[int, int] = {}
-        self.alias_grads: dict[int, tuple[int, int]] = {}  # transpose/reshape record -> (its input's key, bytes of
-        # the gradient held for it there: `_hold_for_alias`)
+        # gradients kept apart from their storage's until a later record adds them to it (`_hold_apart`): holder ->
+        # (storage key, bytes); holders: ("direct", key) for a producer's while a join's slice waits at a view
+        # (`_direct_grad`), ("alias", record) for a weight's at its transpose (`_hold_for_alias`)
+        self.held: dict[tuple, tuple[int, int]] = {}
         self.seed = seed
         if seed[0] is not None:
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
@@ -469,17 +467,7 @@ class StaticBackward(ViewGradWalk):
         record = op.record
         if self.pending.get(key, record.idx) >= record.idx or key in record.out_keys:
             return False
-        added = 0 if key in op.views and key not in op.fresh else nbytes
-        if key in self.direct_grads:
-            self.live_bytes += added
-            op.sums.append((position, key, added, max(nbytes, self.direct_grads[key]), DIRECT))
-            return True
-        if not added:
-            return False
-        self.live_bytes += nbytes
-        self._bump(record.node, record.module)
-        self.direct_grads[key] = nbytes
-        return True
+        return self._hold_apart(op, key, nbytes, position, ("direct", key))
 
     def _hold_for_alias(self, op: OpGrads, key: int, nbytes: int, position: int) -> bool:
         """Whether the gradient this op makes for parameter `key` goes to a transpose or reshape of it first (an
@@ -491,22 +479,28 @@ class StaticBackward(ViewGradWalk):
         alias = record.alias_inputs.get(position)
         if alias is None or key in record.out_keys or key not in self.param_keys:
             return False
+        return self._hold_apart(op, key, nbytes, position, ("alias", alias))
+
+    def _hold_apart(self, op: OpGrads, key: int, nbytes: int, position: int, holder: tuple) -> bool:
+        """Whether the gradient this op makes for `key` is kept apart under `holder` (`held`): the first a new
+        buffer, the next ones added to it out of place once the op returns (`_add_sums`); a view of the output's
+        gradient with nothing held yet is not kept apart."""
         added = 0 if key in op.views and key not in op.fresh else nbytes
-        if alias in self.alias_grads:  # a second reader of the view: added to the gradient held there
+        if holder in self.held:
             self.live_bytes += added
-            op.sums.append((position, key, added, max(nbytes, self.alias_grads[alias][1]), alias))
+            op.sums.append((position, key, added, max(nbytes, self.held[holder][1]), holder))
             return True
         if not added:
             return False
         self.live_bytes += nbytes
-        self._bump(record.node, record.module)
-        self.alias_grads[alias] = (key, nbytes)
+        self._bump(op.record.node, op.record.module)
+        self.held[holder] = (key, nbytes)
         return True
 
     def _add_alias_grad(self, record) -> int:
         """At the backward of a transpose or reshape holding a gradient for its input (`_hold_for_alias`): added to
         the one the input has, out of place; the old one and the held one go. Returns the live bytes at the sum."""
-        held = self.alias_grads.pop(record.idx, None)
+        held = self.held.pop(("alias", record.idx), None)
         if held is None:
             return self.live_bytes
         key, nbytes = held
@@ -518,15 +512,15 @@ class StaticBackward(ViewGradWalk):
 
     def _add_pending(self, record) -> int:
         """At the backward of a view a join read: the slice it hands its storage's producer is added to the gradient
-        other ops made that storage meanwhile (`direct_grads`), out of place; both go. Returns the live bytes at
+        other ops made that storage meanwhile (held apart, `_direct_grad`), out of place; both go. Returns the live bytes at
         the sum."""
         key = record.in_keys[0] if record.in_keys else None
         if key is None or self.pending.get(key) != record.idx:
             return self.live_bytes
         del self.pending[key]
-        if key not in self.direct_grads:
+        if ("direct", key) not in self.held:
             return self.live_bytes
-        direct = self.direct_grads.pop(key)
+        _, direct = self.held.pop(("direct", key))
         return self._add_held(record, key, direct, direct)
 
     def _add_held(self, record, key: int, held: int, total: int) -> int:
@@ -557,12 +551,9 @@ class StaticBackward(ViewGradWalk):
             self.live_bytes += total
             self._bump(op.record.node, op.record.module)
             node_peak = max(node_peak, self.live_bytes)
-            if into is DIRECT:  # (the gradient its producer has, apart from a join's slice waiting at a view)
-                self.live_bytes -= self.direct_grads[key]
-                self.direct_grads[key] = total
-            elif into is not None:  # (the gradient held at a transpose or reshape of it, `_hold_for_alias`)
-                self.live_bytes -= self.alias_grads[into][1]
-                self.alias_grads[into] = (key, total)
+            if into is not None:  # (a gradient kept apart from the storage's, `_hold_apart`)
+                self.live_bytes -= self.held[into][1]
+                self.held[into] = (key, total)
             else:
                 self._drop_grad(key)
                 self.grad_live[key] = total

@@ -19,6 +19,7 @@ except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int,
 from ..fake import first_sized_device
 from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker
+from ..ops import returns_alias
 
 _FORMULA_RUNS: dict = {}
 FORMULA_UNMEASURED: set = set()  # calls whose formula did not run on fake tensors
@@ -109,7 +110,7 @@ def formula_run(call, grad_mask: tuple, grad_strides: tuple | None = None) -> Fo
         run = _measure_formula(*call, grad_mask, grad_strides)
     except Exception:  # noqa: BLE001 - an op whose backward cannot run on fresh fake tensors: none counted, and
         run = FormulaRun()  # the estimate lists the op among its unknown ops
-        if not _is_view(call[0]):
+        if not returns_alias(call[0]):
             FORMULA_UNMEASURED.add(call)
     if len(_FORMULA_RUNS) > 65536:
         _FORMULA_RUNS.clear()
@@ -120,10 +121,6 @@ def formula_run(call, grad_mask: tuple, grad_strides: tuple | None = None) -> Fo
 def formula_unmeasured(call) -> bool:
     """Whether `call`'s backward formula could not be run on fake tensors (its temporaries are not counted)."""
     return call is not None and call in FORMULA_UNMEASURED
-
-
-def _is_view(func) -> bool:
-    return any(ret.alias_info is not None for ret in func._schema.returns)
 
 
 class FreshCall:

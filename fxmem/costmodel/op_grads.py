@@ -18,9 +18,9 @@ class OpGrads:
     handed_to: object = None  # the input (storage key) the output's gradient was handed on to
     handed_expanded: bool = False
     accumulated: int = 0  # bytes added into existing gradients once the formula returns
-    sums: list = field(default_factory=list)  # (position, key, bytes added, bytes of the sum, into the gradient
-    # its producer has apart from a join's slice waiting at a view): gradients this op adds to ones its inputs have
-    # (out of place)
+    sums: list = field(default_factory=list)  # (position, key, bytes added, bytes of the sum, the holder of a
+    # gradient kept apart from the storage's it is added to, or None: `StaticBackward.held`): gradients this op adds
+    # to ones its inputs have (out of place)
     # storages this op made a gradient for that holds its other views' (q, k, v of a qkv)
     covered: set = field(default_factory=set)
     renewed: list = field(default_factory=list)  # (key, bytes): an in-place op's input gradients, new buffers under
