@@ -418,6 +418,9 @@ class StaticBackward(ViewGradWalk):
             counted_whole = not made.fresh and key in op.new_buffers and layout is not None \
                 and any(stride == 0 and size > 1 for stride, size in zip(made.strides, layout.shape))
             self.grad_layouts.receive(key, layout, fresh_strides(layout) if counted_whole else made.strides)
+        for (key, _), layout, made in zip(record.list_members, record.list_layouts, run.members):
+            if made is not None:  # a join's slice of its gradient
+                self.grad_layouts.receive(key, layout, made.strides)
 
     def _replace_copied(self, op: OpGrads) -> None:
         """A view's copied gradient replaces the one it was copied from under their storage's key (a buffer this

@@ -79,9 +79,11 @@ class InputGrad:
 @dataclass(frozen=True)
 class FormulaRun:
     """What an op's backward formula does: the bytes it holds above the gradients it makes, at their highest
-    (`temps`), and per positional argument the `InputGrad` it makes (None: not a tensor needing one)."""
+    (`temps`), per positional argument the `InputGrad` it makes (None: not a tensor needing one), and the same per
+    tensor inside a positional list argument, in order (`members`: cat's and stack's slices of their gradient)."""
     temps: int = 0
     grads: tuple = ()
+    members: tuple = ()
 
 
 def formula_temps(call, grad_mask: tuple) -> int:
@@ -130,6 +132,7 @@ class FreshCall:
     def __init__(self, args, kwargs):
         self.leaves: list = []
         self.positions: list = []
+        self.members: list = []  # every tensor inside a positional list argument, in order
         # a model built on the meta device shows its parameters as meta tensors beside inputs on the sized device
         leaves = pytree.tree_leaves((args, [value for _, value in kwargs]))
         self.device = first_sized_device(leaf.device for leaf in leaves if isinstance(leaf, TensorMeta))
@@ -146,7 +149,10 @@ class FreshCall:
                 self.positions.append(position)
             return tensor
         if isinstance(arg, tuple):
-            return [self.make(item, None) for item in arg]
+            items = [self.make(item, None) for item in arg]
+            if position is not None:
+                self.members.extend(item for item in items if isinstance(item, torch.Tensor))
+            return items
         return arg
 
 
@@ -171,7 +177,8 @@ def _measure_formula(func, args, kwargs, grad_mask: tuple, grad_strides: tuple |
             made = torch.autograd.grad([o for o, _ in wanted], fresh_call.leaves, grads, allow_unused=True,
                                        retain_graph=True)
             held = tracker.peak - tracker.current  # (`made` still holds the gradients: what stays)
-            return FormulaRun(max(0, held), _input_grads(fresh_call.positions, made, grads, len(args)))
+            return FormulaRun(max(0, held), _input_grads(fresh_call.positions, made, grads, len(args)),
+                              _member_grads(fresh_call, made, grads))
     finally:
         tracker.close()
 
@@ -185,6 +192,18 @@ def _input_grads(positions: list, made, grads: list, count: int) -> tuple:
         storage = _storage_id(grad) if position is not None and grad is not None else None
         if storage is not None:
             out[position] = InputGrad(tuple(grad.stride()), storage not in given)
+    return tuple(out)
+
+
+def _member_grads(fresh_call: FreshCall, made, grads: list) -> tuple:
+    """Per tensor of the call's list arguments (`FreshCall.members`), the `InputGrad` made for it, or None."""
+    given = {_storage_id(grad) for grad in grads}
+    by_leaf = {id(leaf): grad for leaf, grad in zip(fresh_call.leaves, made)}
+    out = []
+    for member in fresh_call.members:
+        grad = by_leaf.get(id(member))
+        storage = _storage_id(grad) if grad is not None else None
+        out.append(None if storage is None else InputGrad(tuple(grad.stride()), storage not in given))
     return tuple(out)
 
 

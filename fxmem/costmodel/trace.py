@@ -81,8 +81,9 @@ class OpRecord:
     # own, whose backward hands the gradient on (and adds it to one its input has)
     alias_inputs: dict = field(default_factory=dict)
     # per tensor of a list argument (cat, stack), in order: (its storage key, the view record and output that made
-    # it when that view's backward makes a new buffer, else None)
+    # it when that view's backward makes a new buffer, else None), and where it lies in its storage
     list_members: list = field(default_factory=list)
+    list_layouts: list = field(default_factory=list)
 
 
 class DispatchRecorder(TorchDispatchMode):
@@ -333,8 +334,10 @@ class DispatchRecorder(TorchDispatchMode):
             for out in outs:
                 if isinstance(out, torch.Tensor):
                     self.view_made[out] = record.view_inputs[0]
-        record.list_members = [(self.key(tensor)[0], self.view_made.get(tensor)) for arg in args
-                               if isinstance(arg, (list, tuple)) for tensor in arg if isinstance(tensor, torch.Tensor)]
+        members = [tensor for arg in args if isinstance(arg, (list, tuple))
+                   for tensor in arg if isinstance(tensor, torch.Tensor)]
+        record.list_members = [(self.key(tensor)[0], self.view_made.get(tensor)) for tensor in members]
+        record.list_layouts = [layout_of(tensor) for tensor in members]
         record.alias_inputs = {position: self.alias_made[arg] for position, arg in enumerate(args)
                                if isinstance(arg, torch.Tensor) and arg in self.alias_made}
         if optable.view_grad_is_a_view(func) and not record.routes_grads:
