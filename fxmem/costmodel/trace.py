@@ -320,30 +320,28 @@ class DispatchRecorder(TorchDispatchMode):
             self.hold_recipe_args(record)
 
     def _record_views(self, record: OpRecord, func, args, outs) -> None:
-        """Which inputs are views whose backward makes a new buffer (`OpRecord.view_inputs`), and the outputs that
-        are such views."""
+        """Which inputs are views whose backward makes a new buffer (`OpRecord.view_inputs`), or transposes and
+        reshapes with an autograd node of their own (`OpRecord.alias_inputs`), and the outputs that are such."""
         record.view_inputs = {position: self.view_made[arg] for position, arg in enumerate(args)
                               if isinstance(arg, torch.Tensor) and arg in self.view_made}
-        if optable.view_grad_is_new(func):
-            for position, out in enumerate(outs):
-                if isinstance(out, torch.Tensor):
-                    self.view_made[out] = (record.idx, position)
-        elif optable.view_grad_is_a_view(func) and 0 in record.view_inputs:
-            # a transpose or reshape of such a view: its gradient is that view's, seen through it (one buffer)
-            record.routes_grads = True
-            for out in outs:
-                if isinstance(out, torch.Tensor):
-                    self.view_made[out] = record.view_inputs[0]
+        record.alias_inputs = {position: self.alias_made[arg] for position, arg in enumerate(args)
+                               if isinstance(arg, torch.Tensor) and arg in self.alias_made}
         members = [tensor for arg in args if isinstance(arg, (list, tuple))
                    for tensor in arg if isinstance(tensor, torch.Tensor)]
         record.list_members = [(self.key(tensor)[0], self.view_made.get(tensor)) for tensor in members]
         record.list_layouts = [layout_of(tensor) for tensor in members]
-        record.alias_inputs = {position: self.alias_made[arg] for position, arg in enumerate(args)
-                               if isinstance(arg, torch.Tensor) and arg in self.alias_made}
-        if optable.view_grad_is_a_view(func) and not record.routes_grads:
-            for out in outs:
-                if isinstance(out, torch.Tensor):
-                    self.alias_made[out] = record.idx
+        tensors = [out for out in outs if isinstance(out, torch.Tensor)]
+        if optable.view_grad_is_new(func):
+            self.view_made.update({out: (record.idx, position) for position, out in enumerate(outs)
+                                   if isinstance(out, torch.Tensor)})
+        elif not optable.view_grad_is_a_view(func):
+            return
+        elif 0 in record.view_inputs:
+            # a transpose or reshape of such a view: its gradient is that view's, seen through it (one buffer)
+            record.routes_grads = True
+            self.view_made.update(dict.fromkeys(tensors, record.view_inputs[0]))
+        else:
+            self.alias_made.update(dict.fromkeys(tensors, record.idx))
 
     @staticmethod
     def _slot_keys(record: OpRecord, slots, kw_keys: dict) -> list:
