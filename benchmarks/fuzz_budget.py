@@ -3,6 +3,7 @@
     python benchmarks/fuzz_budget.py                       # the CI set's size: 12 models from seed 0
     python benchmarks/fuzz_budget.py --long 2000 --jobs 8  # thousands of models, 8 processes
     python benchmarks/fuzz_budget.py --long 300 --start 1000 --out /tmp/fuzz
+    python benchmarks/fuzz_budget.py --long 2000 --seeds-file /tmp/fuzz/seeds.jsonl  # stop and start again
 
 Each model (`tests/fuzz_models.py`, a deterministic function of its seed) is captured and measured, run once with
 its budget as a target out of reach (the lowest peak `low` reaches), then with strict budgets between that lowest
@@ -11,12 +12,20 @@ budget), measured over the budget and over the checkpoint pass's slack, the wors
 not exact against the model, refusals (a strict budget out of reach: BudgetError) and crashes by exception type;
 the seeds of every miss, to reproduce one: `python -c "from tests.fuzz_models import fuzz_case; ..."`.
 Writes benchmarks/results/fuzz_budget.md (or `--out DIR`).
+
+A run of thousands of models takes hours on a small machine. With `--seeds-file FILE`, each model's result is
+appended to FILE (JSON lines, the first naming the commit) as it finishes, and a run started again with the same
+arguments takes the seeds FILE has and runs only the rest: the run can stop (a session's end, a kill) and go on
+later, at the same commit (a different or uncommitted checkout is refused: the counts are of one version).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import json
 import multiprocessing
+import subprocess
 import pathlib
 import sys
 import time
@@ -27,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tests.fuzz_harness import FRACTIONS, FuzzModelResult, run_model  # noqa: E402
+from tests.fuzz_harness import FRACTIONS, FuzzModelResult, FuzzRun, run_model  # noqa: E402
 from tests.fuzz_models import fuzz_case  # noqa: E402
 
 CI_MODELS = 12
@@ -38,6 +47,51 @@ def run_seed(seed: int) -> FuzzModelResult:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     return run_model(fuzz_case(seed))
+
+
+def checkout_version() -> str:
+    """The commit this checkout is at, with "+changes" when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+class SeedsFile:
+    """Each finished model's result, one JSON line per seed after a first line naming the checkout's version."""
+
+    def __init__(self, path: pathlib.Path, version: str):
+        self.path, self.version = path, version
+
+    def done(self) -> dict[int, tuple[FuzzModelResult, float]]:
+        """Seed -> (its result, the run's seconds until it came) the file has (none if it does not exist yet);
+        SystemExit when it is another version's, or this checkout has uncommitted changes."""
+        if self.version.endswith("+changes"):
+            raise SystemExit(f"{self.path}: the checkout has uncommitted changes: commit them first (a resumable "
+                             f"run's counts are of one commit)")
+        if not self.path.exists():
+            return {}
+        lines = self.path.read_text().splitlines()
+        header = json.loads(lines[0]) if lines else {}
+        if header.get("version") != self.version:
+            raise SystemExit(f"{self.path}: results of version {header.get('version')}, this checkout is "
+                             f"{self.version}: give another --seeds-file (one run's counts are of one version)")
+        results = {}
+        for line in lines[1:]:
+            if line.strip():
+                model = json.loads(line)
+                seconds = model.pop("seconds")
+                model["runs"] = [FuzzRun(**run) for run in model["runs"]]
+                results[model["seed"]] = (FuzzModelResult(**model), seconds)
+        return results
+
+    def add(self, result: FuzzModelResult, seconds: float) -> None:
+        new = not self.path.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            if new:
+                f.write(json.dumps({"version": self.version}) + "\n")
+            f.write(json.dumps({**dataclasses.asdict(result), "seconds": round(seconds, 3)}) + "\n")
 
 
 def _percent(x: float) -> str:
@@ -118,18 +172,30 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--title", default="", help="a heading for this run in the file (it is appended to)")
+    ap.add_argument("--seeds-file", default="", metavar="FILE",
+                    help="keep each model's result in FILE as it finishes, and take the seeds it has (resumable)")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    seeds_file = SeedsFile(pathlib.Path(a.seeds_file), checkout_version()) if a.seeds_file else None
+    done = seeds_file.done() if seeds_file else {}
     seeds = range(a.start, a.start + a.long)
-    t0 = time.perf_counter()
-    results = []
+    todo = [seed for seed in seeds if seed not in done]
+    results = [done[seed][0] for seed in seeds if seed in done]
+    seconds = sum(done[seed][1] for seed in seeds if seed in done)
+    last = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(a.jobs) if a.jobs > 1 else _Serial() as pool:
-        for i, res in enumerate(pool.imap(run_seed, seeds), 1):
+        for res in pool.imap(run_seed, todo):
             results.append(res)
-            bad = [r for r in res.runs if r.over_slack or r.exact_error or r.crash] or ([res] if res.crash else [])
-            print(f"[{i}/{len(seeds)}] seed {res.seed}: {len(res.runs)} runs" + (" MISS" if bad else ""), flush=True)
+            now = time.perf_counter()
+            seconds, took, last = seconds + now - last, now - last, now
+            if seeds_file:
+                seeds_file.add(res, took)
+            print(f"[{len(results)}/{len(seeds)}] seed {res.seed}: {len(res.runs)} runs{_flag(res)}", flush=True)
     command = "python benchmarks/fuzz_budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(summarize(results), command.strip(), time.perf_counter() - t0)
+    text = report(summarize(results), command.strip(), seconds)
+    if seeds_file:
+        text += (f"\nVersion {seeds_file.version}; {len(todo)} of the {len(seeds)} models run by the last process, "
+                 f"the rest by earlier ones (the minutes are the sum of all).\n")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "fuzz_budget.md"
@@ -140,6 +206,13 @@ def main(argv=None) -> int:
         f.write(head + (f"\n## {a.title}\n\n" if a.title else "\n") + text)
     print(text)
     return 0
+
+
+def _flag(res: FuzzModelResult) -> str:
+    """What the progress line says of a model: a miss beyond the slack, inexact or crashed, or over its budget."""
+    if res.crash or any(r.over_slack or r.exact_error or r.crash for r in res.runs):
+        return " MISS"
+    return " over budget (within slack)" if any(r.over_budget for r in res.runs) else ""
 
 
 class _Serial:
