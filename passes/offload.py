@@ -423,84 +423,110 @@ def emit(program: Program, chosen: list[Candidate], options: OffloadOptions, tie
 def offload_weights(program: Program, options: OffloadOptions, tier: str):
     """Frozen parameters -> WeightStreamer blocks fetched before first use (see the module docstring)."""
     graph_module = program.module
-    graph = graph_module.graph
+    frozen = _frozen_parameters(program)
+    if not frozen:
+        return [], ["weights: no frozen parameters (requires_grad=False) to stream; in training only frozen "
+                    "weights (e.g. a distillation teacher) can be offloaded"]
+    position = {node: index for index, node in enumerate(graph_module.graph.nodes)}
+    groups = _weight_blocks([node.target for node, _ in frozen],
+                            {node.target: _nbytes(param) for node, param in frozen})
+    blocks: dict[str, list] = {}
+    for node, param in frozen:
+        blocks.setdefault(groups[node.target], []).append((node, param))
+    order = sorted(blocks, key=lambda block: min(position[user] for node, _ in blocks[block] for user in node.users))
+    resident, streamed = _split_resident(order, blocks, _device_limit(graph_module, options))
+    if not streamed:
+        return [], [f"weights: all {len(order)} frozen blocks fit max_memory; nothing streamed"]
+    spec = {block: [(node.target, param.detach()) for node, param in blocks[block]] for block in streamed}
+    streamer = WeightStreamer(spec, tier=tier, prefetch=options.prefetch, scratch_root=options.scratch_dir,
+                              unlink_early=options.unlink_early)  # (detached copies: the user's flags stay)
+    name = _free_attribute(graph_module, "fxmem_weights")
+    graph_module.add_submodule(name, streamer)
+    changes = [_fetch_block(graph_module, name, block_index, block, blocks[block], position, tier)
+               for block_index, block in enumerate(streamed)]
+    for block in streamed:
+        for node, _ in blocks[block]:
+            _remove_attr(graph_module, node.target)
+    streamer.install_state_dict_hooks(graph_module, name)
+    graph_module.graph.lint()
+    graph_module.recompile()
+    notes = [f"weights: {len(streamed)} block(s) streamed from {tier} "
+             f"({format_bytes(streamer.bytes_offloaded)}), {len(resident)} resident under max_memory"]
+    return changes, notes
+
+
+def _nbytes(param: torch.Tensor) -> int:
+    return param.numel() * param.element_size()
+
+
+def _frozen_parameters(program: Program) -> list:
+    """(get_attr node, parameter) for each used parameter the streamer may take: frozen ones in training, every
+    one in inference (their requires_grad flags are the user's, shared with the model, and stay as they are)."""
+    graph_module = program.module
     inference = program.mode == "inference"
-    attrs = [n for n in graph.nodes if n.op == "get_attr"]
     frozen = []
-    for node in attrs:
+    for node in graph_module.graph.nodes:
+        if node.op != "get_attr":
+            continue
         try:
             param = graph_module.get_parameter(node.target)
         except AttributeError:
             continue
         if (inference or not param.requires_grad) and node.users:
             frozen.append((node, param))
-    if not frozen:
-        return [], ["weights: no frozen parameters (requires_grad=False) to stream; in training only frozen "
-                    "weights (e.g. a distillation teacher) can be offloaded"]
-    # (in inference every parameter is taken; their requires_grad flags are the user's, shared with the model, and
-    # stay as they are: the streamer keeps detached copies)
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    groups = _weight_blocks([n.target for n, _ in frozen], {n.target: p.numel() * p.element_size()
-                                                             for n, p in frozen})
-    blocks: dict[str, list] = {}
-    for (node, param) in frozen:
-        blocks.setdefault(groups[node.target], []).append((node, param))
-    order = sorted(blocks, key=lambda b: min(pos[u] for n, _ in blocks[b] for u in n.users))
-    limit = None
-    dev = next((p.device for p in graph_module.parameters()), torch.device("cpu")).type
-    if options.max_memory:
-        key = dev
-        if key not in options.max_memory:
-            raise PolicyError(f"passes.offload.max_memory: no entry for the device tier {dev!r} "
-                              f"(have {sorted(options.max_memory)})")
-        limit = parse_size(options.max_memory[key])
-    resident, used = [], 0
-    streamed = []
+    return frozen
+
+
+def _device_limit(graph_module, options: OffloadOptions) -> int | None:
+    """`max_memory`'s bytes for the parameters' device tier, None without a max_memory."""
+    if not options.max_memory:
+        return None
+    device = next((param.device for param in graph_module.parameters()), torch.device("cpu")).type
+    if device not in options.max_memory:
+        raise PolicyError(f"passes.offload.max_memory: no entry for the device tier {device!r} "
+                          f"(have {sorted(options.max_memory)})")
+    return parse_size(options.max_memory[device])
+
+
+def _split_resident(order: list, blocks: dict, limit: int | None) -> tuple[list, list]:
+    """(resident, streamed) blocks: in order of first use, those that still fit `limit` stay on the device."""
+    resident, streamed, used = [], [], 0
     for block in order:
-        size = sum(p.numel() * p.element_size() for _, p in blocks[block])
+        size = sum(_nbytes(param) for _, param in blocks[block])
         if limit is not None and used + size <= limit:
             resident.append(block)
             used += size
         else:
             streamed.append(block)
-    if not streamed:
-        return [], [f"weights: all {len(order)} frozen blocks fit max_memory; nothing streamed"]
-    spec = {b: [(n.target, p.detach()) for n, p in blocks[b]] for b in streamed}  # (the user's flags stay)
-    streamer = WeightStreamer(spec, tier=tier, prefetch=options.prefetch, scratch_root=options.scratch_dir,
-                              unlink_early=options.unlink_early)
-    name = "fxmem_weights"
-    suffix = 0
-    while hasattr(graph_module, name):
+    return resident, streamed
+
+
+def _free_attribute(graph_module, name: str) -> str:
+    """`name`, or `name_1`, `name_2`, ...: the first the module has no attribute of."""
+    candidate, suffix = name, 0
+    while hasattr(graph_module, candidate):
         suffix += 1
-        name = f"fxmem_weights_{suffix}"
-    graph_module.add_submodule(name, streamer)
-    changes = []
-    for block_index, block in enumerate(streamed):
-        members = blocks[block]
-        first_user = min((u for node, _ in members for u in node.users), key=lambda u: pos[u])
-        with graph.inserting_before(first_user):
-            fetch = graph.call_module(name, (block_index,))
-            fetch.meta["nn_module_stack"] = dict(first_user.meta.get("nn_module_stack") or {})
-            prev = fetch
-            for slot, (node, param) in enumerate(members):
-                element = graph.call_function(operator.getitem, (fetch, slot))
-                element.meta.update({k: v for k, v in node.meta.items() if k in ("val", "fxmem_val", "tensor_meta")})
-                node.replace_all_uses_with(element)
-                graph.erase_node(node)
-                prev = element
-            del prev
-        changes.append(Change("offload", block, [node.target for node, _ in members], [fetch.name],
-                              f"frozen weights streamed from {tier}",
-                              sum(param.numel() * param.element_size() for _, param in members), {"kind": "weights"}))
-    for block in streamed:
-        for node, _ in blocks[block]:
-            _remove_attr(graph_module, node.target)
-    streamer.install_state_dict_hooks(graph_module, name)
-    graph.lint()
-    graph_module.recompile()
-    notes = [f"weights: {len(streamed)} block(s) streamed from {tier} "
-             f"({format_bytes(streamer.bytes_offloaded)}), {len(resident)} resident under max_memory"]
-    return changes, notes
+        candidate = f"{name}_{suffix}"
+    return candidate
+
+
+def _fetch_block(graph_module, streamer_name: str, block_index: int, block: str, members: list, position: dict,
+                 tier: str) -> Change:
+    """Before the block's first use, fetch it from the streamer; its parameters' nodes become items of the fetch."""
+    graph = graph_module.graph
+    first_user = min((user for node, _ in members for user in node.users), key=lambda user: position[user])
+    with graph.inserting_before(first_user):
+        fetch = graph.call_module(streamer_name, (block_index,))
+        fetch.meta["nn_module_stack"] = dict(first_user.meta.get("nn_module_stack") or {})
+        for slot, (node, _) in enumerate(members):
+            element = graph.call_function(operator.getitem, (fetch, slot))
+            element.meta.update({key: value for key, value in node.meta.items()
+                                 if key in ("val", "fxmem_val", "tensor_meta")})
+            node.replace_all_uses_with(element)
+            graph.erase_node(node)
+    return Change("offload", block, [node.target for node, _ in members], [fetch.name],
+                  f"frozen weights streamed from {tier}", sum(_nbytes(param) for _, param in members),
+                  {"kind": "weights"})
 
 
 def _remove_attr(root: torch.nn.Module, target: str) -> None:
