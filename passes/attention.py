@@ -30,6 +30,7 @@ from fxmem.lossguard import exclusion_steps, first_accepted, guard_for
 from fxmem.nn.attention import HybridAttention, SemiseparableAttention, sdpa_dropout
 from fxmem.node_value import node_value
 from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
+from fxmem.outline import unique_name
 from fxmem.program import Program, is_impure
 from fxmem.sdpa_backend import probe_backend
 
@@ -442,7 +443,7 @@ def _approx_error(site: AttentionSite, mod, examples, mask_ex, input_example) ->
 def _insert_approx(program: Program, site: AttentionSite, opts, mod, kind: str, mask_ex):
     """Register `mod` and call it in place of the site; the call node and what changed in the graph."""
     graph = program.graph
-    name = _free_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
+    name = unique_name(program.module, "attn_" + (site.module or "root").replace(".", "_") + f"_{kind}")
     program.module.add_submodule(name, mod)
     before = set(graph.nodes)
     with graph.inserting_before(site.output):
@@ -470,14 +471,6 @@ def _attr(program: Program, node: fx.Node) -> torch.Tensor:
     for part in str(node.target).split("."):
         obj = getattr(obj, part)
     return obj.detach()
-
-
-def _free_name(module, base: str) -> str:
-    name, suffix = base, 1
-    while hasattr(module, name):
-        suffix += 1
-        name = f"{base}_{suffix}"
-    return name
 
 
 def _example(site: AttentionSite, which: str):

@@ -30,7 +30,7 @@ from fxmem.module_runs import finish_runs
 from fxmem.nn.offload import OffloadRegion, OffloadRuntime, WeightStreamer, probe_bandwidth
 from fxmem.nn.remat import op_call
 from fxmem.nn.regions import region_info
-from fxmem.outline import OutlineError, outline, region_boundary
+from fxmem.outline import OutlineError, outline, region_boundary, unique_name
 from fxmem.pass_api import Change, DeviceInfo, Pass, PassContext, PassResult, register
 from fxmem.program import Program, module_stack
 from fxmem.units import Budget, Size, format_bytes, parse_size
@@ -440,7 +440,7 @@ def offload_weights(program: Program, options: OffloadOptions, tier: str):
     spec = {block: [(node.target, param.detach()) for node, param in blocks[block]] for block in streamed}
     streamer = WeightStreamer(spec, tier=tier, prefetch=options.prefetch, scratch_root=options.scratch_dir,
                               unlink_early=options.unlink_early)  # (detached copies: the user's flags stay)
-    name = _free_attribute(graph_module, "fxmem_weights")
+    name = unique_name(graph_module, "fxmem_weights")
     graph_module.add_submodule(name, streamer)
     changes = [_fetch_block(graph_module, name, block_index, block, blocks[block], position, tier)
                for block_index, block in enumerate(streamed)]
@@ -499,15 +499,6 @@ def _split_resident(order: list, blocks: dict, limit: int | None) -> tuple[list,
         else:
             streamed.append(block)
     return resident, streamed
-
-
-def _free_attribute(graph_module, name: str) -> str:
-    """`name`, or `name_1`, `name_2`, ...: the first the module has no attribute of."""
-    candidate, suffix = name, 0
-    while hasattr(graph_module, candidate):
-        suffix += 1
-        candidate = f"{name}_{suffix}"
-    return candidate
 
 
 def _fetch_block(graph_module, streamer_name: str, block_index: int, block: str, members: list, position: dict,

@@ -10,6 +10,7 @@ from torch import fx, nn
 from fxmem.copy_on_write import private_owner
 from fxmem.depgroups import attr_of
 from fxmem.nn.lowbit import QuantLinear
+from fxmem.outline import unique_name
 from fxmem.program import module_path
 
 from .nodes import is_param_attr, matching_pattern
@@ -105,11 +106,7 @@ def install_module(graph_module: fx.GraphModule, path: str, mod: nn.Module, site
         parent = private_owner(graph_module, prefix)
         parent._modules[name] = mod
         return path
-    target = "fxmem_lowbit_" + path.replace(".", "_")
-    suffix = 1
-    while hasattr(graph_module, target):
-        target = f"fxmem_lowbit_{path.replace('.', '_')}_{suffix}"
-        suffix += 1
+    target = unique_name(graph_module, "fxmem_lowbit_" + path.replace(".", "_"))
     graph_module.add_module(target, mod)
     return target
 
