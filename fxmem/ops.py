@@ -7,8 +7,8 @@ Two levels of ops appear:
   `aten.clone` for a non-viewable reshape, `aten.bernoulli_` for CPU dropout, ...). This is what autograd saves
   tensors for, so the static cost model applies the `saves` rules here.
 
-`saves(ctx)` returns which inputs ("in", i) and outputs ("out", i) autograd keeps for this op, given which tensor
-inputs require grad. Rules follow the derivative formulas in PyTorch's derivatives.yaml. Unknown ops get a
+`saves(ctx)` returns which inputs ("in", i), outputs ("out", i) and tensors inside list arguments ("list", i)
+autograd keeps for this op, given which tensor inputs require grad. Rules follow the derivative formulas in PyTorch's derivatives.yaml. Unknown ops get a
 conservative default (all tensor inputs saved when the output needs grad) and are reported.
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ class SaveCtx:
         return index < len(self.args) and isinstance(self.args[index], torch.Tensor)
 
 
-Saved = list  # of ("in", i) / ("out", i) / ("kw", name): a positional input, an output, a keyword input
+Saved = list  # of ("in", i) / ("out", i) / ("kw", name) / ("list", i): a positional input, an output, a keyword
+# input, the tensors inside a positional list argument (index's indices)
 
 
 @dataclass(frozen=True)
@@ -332,8 +333,13 @@ _reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out",
 _reg(["sum"], OpInfo(REDUCTION, _none, _flops_reduce, grad_alias="expanded"))
 _reg(["mean", "cumsum", "any", "all", "argmax", "argmin", "histc", "bincount"], OpInfo(REDUCTION, _none, _flops_reduce))
 _reg(["amax", "amin", "logsumexp", "prod"], OpInfo(REDUCTION, _in0_out0, _flops_reduce))
-_reg(["max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "topk", "sort"],
-     OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))
+_reg(["max", "min", "var", "var_mean"], OpInfo(REDUCTION, _all_tensor_inputs, _flops_reduce))
+# (autograd keeps the result too, for its backward: std's, a norm's, a full max's)
+_reg(["max.default", "min.default", "median.default", "nanmedian.default", "std", "std_mean", "linalg_vector_norm",
+      "norm"], OpInfo(REDUCTION, _in0_out0, _flops_reduce))
+# a value chosen by index along a dim: only the indices are kept (the input's sizes suffice)
+_reg(["max.dim", "min.dim", "topk", "sort", "kthvalue", "median.dim", "nanmedian.dim", "mode"],
+     OpInfo(REDUCTION, lambda c: [("out", 1)], _flops_reduce))
 _reg(["bernoulli", "bernoulli_", "rand_like", "randn_like", "uniform_", "normal_", "rand", "randn",
       "randint", "randperm"], OpInfo(RANDOM, _none, _flops_pointwise))
 _reg(["native_dropout"], OpInfo(RANDOM, lambda c: [("out", 1)], _flops_pointwise))
@@ -344,11 +350,14 @@ _reg(["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_
 _reg(["scaled_dot_product_attention", "_scaled_dot_product_attention_math"],
      OpInfo(ATTENTION, _sdpa_math, _flops_sdpa))
 _reg(["embedding"], OpInfo(INDEXING, _index_args(1), _flops_zero))
-_reg(["index_select", "gather"], OpInfo(INDEXING, _index_args(2), _flops_zero))
-_reg(["index"], OpInfo(INDEXING, _index_args(1), _flops_zero))
-_reg(["scatter_add", "scatter_add_", "scatter", "scatter_", "scatter_reduce", "scatter_reduce_", "index_add",
-      "index_add_", "index_put", "index_put_", "index_copy"],
+_reg(["index_select"], OpInfo(INDEXING, _index_args(2), _flops_zero))
+_reg(["gather"], OpInfo(INDEXING, _index_args(0, 2), _flops_zero))
+_reg(["index"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_zero))  # the index tensors
+_reg(["scatter_add", "scatter_add_", "scatter", "scatter_", "scatter_reduce", "scatter_reduce_"],
      OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+_reg(["index_add", "index_add_", "index_copy", "index_copy_"],
+     OpInfo(INDEXING, _index_args(2, 3), _flops_pointwise))  # the index, and the source (expand_as)
+_reg(["index_put", "index_put_"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_pointwise))
 # creation ops: autograd records no backward for them, whatever their inputs (they read only shape, dtype, device)
 _reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like",
       "new_zeros", "new_ones", "new_empty", "new_full", "scalar_tensor", "eye", "linspace",

@@ -308,6 +308,8 @@ class DispatchRecorder(TorchDispatchMode):
         slots, record.known = optable.saved(func, ctx)
         kw_keys = {name: self.key(value)[0] for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
         record.saved.extend(self._slot_keys(record, slots, kw_keys))
+        record.saved.extend(self.key(tensor)[0] for kind, position in slots if kind == "list"
+                            for tensor in _list_tensors(args, position))
         if not record.known:
             self.unknown_saves.append((record, kw_keys))
         if written_positions(func):
@@ -348,6 +350,8 @@ class DispatchRecorder(TorchDispatchMode):
         """The storages the slots (`fxmem.ops.Saved`) name in this record."""
         saved = []
         for kind, position in slots:
+            if kind == "list":
+                continue  # (`_record_saves` takes the list's tensors)
             keys = kw_keys if kind == "kw" else dict(enumerate(record.in_keys if kind == "in" else record.out_keys))
             if keys.get(position) is not None:
                 saved.append(keys[position])
@@ -381,6 +385,12 @@ class DispatchRecorder(TorchDispatchMode):
             record.grad_alias = info.grad_alias if same_dtype else ""
         elif info.grad_alias:
             record.grad_alias = info.grad_alias
+
+
+def _list_tensors(args, position: int) -> list:
+    """The tensors inside positional list argument `position` (index's indices, None where a dim is whole)."""
+    arg = args[position] if position < len(args) else None
+    return [tensor for tensor in arg if isinstance(tensor, torch.Tensor)] if isinstance(arg, (list, tuple)) else []
 
 
 @dataclass(frozen=True)
