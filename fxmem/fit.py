@@ -6,9 +6,11 @@ the cost model: a guess from the plan at the example inputs (`fxmem.plan_batch` 
 and bisection (`costmodel.batch.largest_fitting`), each size probed as `fit_probes` says (the budget passes plan
 again at every size). For a batch it then takes, among the batches probed that fit, the one with the most samples
 per second by the cost model's time estimate (the roofline cost of the step, recomputation and exposed transfers
-included, per sample): a smaller batch that needs less recomputation can train faster than the largest one. Ties
-within `TIE_TOLERANCE` go to the larger batch (per-step costs such as the optimizer's are not in the estimate). A
-length fit takes the longest. The result at the chosen size is transformed again from the model, with the
+included, per sample): a smaller batch that needs less recomputation can train faster than the largest one. The
+largest batch whose step fits without the budget passes is always among the candidates. Ties within
+`TIE_TOLERANCE` go to a batch that the budget passes leave as it is when there is one (what they add in time is the
+least sure part of the estimate: recomputation's fixed cost per site and compact dropout masks are not in it),
+then to the larger batch (per-step costs such as the optimizer's are not in the estimate). A length fit takes the longest. The result at the chosen size is transformed again from the model, with the
 policy's verification as given.
 """
 from __future__ import annotations
@@ -106,13 +108,19 @@ def _fit(model, inputs: tuple, budget: Any, policy: Any, axis: Axis, transform_o
 
 
 def fastest(prober: SizeProber, largest: int) -> int:
-    """Among the sizes probed that fit (and half and three quarters of the largest), the one with the least
-    estimated cost per sample; the larger of those within TIE_TOLERANCE of it."""
+    """Among the sizes probed that fit (half and three quarters of the largest, and the largest at which the step
+    fits without the budget passes), the one with the least estimated cost per sample. Of those within
+    TIE_TOLERANCE of it: the largest that the budget passes leave as it is, else the largest."""
     for share in (0.75, 0.5):
         prober.probe(max(1, int(largest * share)))
+    unplanned = prober.largest_without_budget_passes()
+    if unplanned is not None:
+        prober.probe(min(unplanned, largest))
     fitting = [probe for probe in prober.probes.values() if probe.size <= largest and probe.peak <= prober.cap]
     cheapest = min(probe.cost_per_sample for probe in fitting)
-    return max(probe.size for probe in fitting if probe.cost_per_sample <= cheapest * (1 + TIE_TOLERANCE))
+    tied = [probe for probe in fitting if probe.cost_per_sample <= cheapest * (1 + TIE_TOLERANCE)]
+    plain = [probe for probe in tied if probe.budget_changes == 0]
+    return max(probe.size for probe in plain or tied)
 
 
 def _guess(prober: SizeProber, example: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .api import TransformResult, transform
-from .costmodel import step_cost
+from .costmodel import plan_batch, step_cost
 from .costmodel.batch import scaled_inputs
 from .errors import FxmemError
 from .policy_loader import load_policy
@@ -44,6 +44,7 @@ class Probe:
     size: int
     peak: int
     step_cost: float
+    budget_changes: int = 0  # changes the budget passes applied (recomputation, compact masks, offload)
 
     @property
     def cost_per_sample(self) -> float:
@@ -92,6 +93,15 @@ class SizeProber:
             self._staged = self._transform(self.model, self.inputs, options, disable=off)
         return self._staged
 
+    def largest_without_budget_passes(self) -> int | None:
+        """The largest size whose step, with every pass but the budget passes, fits the cap by the estimate (None
+        when that program does not re-size, or not even size 1 fits)."""
+        try:
+            return plan_batch(self.staged().program, budget=self.cap, batch_dim=self.axis.dim,
+                              loss_fn=self.options.get("loss_fn"))["batch"] or None
+        except (RuntimeError, ValueError, FxmemError):
+            return None
+
     def _run(self, size: int) -> TransformResult | None:
         scaled = scaled_inputs(*self.inputs, self.axis.dim, size)
         resize_error = None
@@ -114,7 +124,9 @@ class SizeProber:
                 self._resizes = False
                 self.resize_notes.append(f"the program does not re-size to {self.axis.word} {size} "
                                   f"({_first_line(resize_error)}); every size is transformed from the model")
-        self.probes[size] = Probe(size, result.after.peak, self._step_cost(result))
+        changes = sum(len(record.changes) for record in result.records
+                      if record.status == "applied" and record.name in BUDGET_PASSES)
+        self.probes[size] = Probe(size, result.after.peak, self._step_cost(result), changes)
         return result
 
     def _budget_passes_at(self, scaled: tuple[tuple, dict]) -> TransformResult:
