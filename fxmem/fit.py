@@ -1,17 +1,17 @@
 """The batch to train at, or the longest sequence, under a memory cap: `fxmem.fit_batch`, `fxmem.fit_length`.
 
 HF Trainer's `auto_find_batch_size` finds a batch by running out of memory and halving. fxmem answers before the
-first step. It searches for the largest size (batch, or sequence length) whose transformed step fits the cap by
-the cost model: a guess from the plan at the example inputs (`fxmem.plan_batch` on its program), then brackets
-and bisection (`costmodel.batch.largest_fitting`), each size probed as `fit_probes` says (the budget passes plan
-again at every size). For a batch it then takes, among the batches probed that fit, the one with the most samples
-per second by the cost model's time estimate (the roofline cost of the step, recomputation and exposed transfers
+first step. It searches for the largest size (batch, or sequence length) whose transformed step fits the cap by the
+cost model: a guess from the plan at the example inputs (`fxmem.plan_batch` on its program), then brackets and
+bisection (`costmodel.batch.largest_fitting`), each size probed as `fit_probes` says (the budget passes plan again
+at every size). For a batch it then takes, among the batches probed that fit, the one with the most samples per
+second by the cost model's time estimate (the roofline cost of the step, recomputation and exposed transfers
 included, per sample): a smaller batch that needs less recomputation can train faster than the largest one. The
-largest batch whose step fits without the budget passes is always among the candidates. Ties within
-`TIE_TOLERANCE` go to a batch that the budget passes leave as it is when there is one (what they add in time is the
-least sure part of the estimate: recomputation's fixed cost per site and compact dropout masks are not in it),
-then to the larger batch (per-step costs such as the optimizer's are not in the estimate). A length fit takes the longest. The result at the chosen size is transformed again from the model, with the
-policy's verification as given.
+largest batch whose step fits without the budget passes is always among the candidates. Ties within `TIE_TOLERANCE`
+go to a batch that the budget passes leave as it is when there is one (what they add in time is the least sure part
+of the estimate: recomputation's fixed cost per site and compact dropout masks are not in it), then to the larger
+batch (per-step costs such as the optimizer's are not in the estimate). A length fit takes the longest. The result
+at the chosen size is transformed again from the model, with the policy's verification as given.
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ Two levels of ops appear:
   tensors for, so the static cost model applies the `saves` rules here.
 
 `saves(ctx)` returns which inputs ("in", i), outputs ("out", i) and tensors inside list arguments ("list", i)
-autograd keeps for this op, given which tensor inputs require grad. Rules follow the derivative formulas in PyTorch's derivatives.yaml. Unknown ops get a
-conservative default (all tensor inputs saved when the output needs grad) and are reported.
+autograd keeps for this op, given which tensor inputs require grad. Rules follow the derivative formulas in
+PyTorch's derivatives.yaml (checked against autograd's saves in tests/test_op_saves.py for the reductions and
+indexing ops). Unknown ops get a conservative default (all tensor inputs saved when the output needs grad) and are
+reported.
 """
 from __future__ import annotations
 

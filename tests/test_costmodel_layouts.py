@@ -85,7 +85,8 @@ class _JoinedResidual(nn.Module):
 
     def __init__(self, length=24, width=16):
         super().__init__()
-        self.stem, self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.stem, self.fc1 = nn.Linear(width, width), nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
         self.branch, self.tokens = nn.Linear(width, width // 2), nn.Linear(length, length)
         self.head = nn.Linear(width + width // 2, 4)
 
