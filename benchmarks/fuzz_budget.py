@@ -25,8 +25,8 @@ import collections
 import dataclasses
 import json
 import multiprocessing
-import subprocess
 import pathlib
+import subprocess
 import sys
 import time
 import warnings
@@ -71,7 +71,11 @@ class SeedsFile:
                              f"run's counts are of one commit)")
         if not self.path.exists():
             return {}
-        lines = self.path.read_text().splitlines()
+        text = self.path.read_text()
+        if text and not text.endswith("\n"):  # a process killed while writing: its last model runs again
+            text = text[:text.rfind("\n") + 1]
+            self.path.write_text(text)
+        lines = text.splitlines()
         header = json.loads(lines[0]) if lines else {}
         if header.get("version") != self.version:
             raise SystemExit(f"{self.path}: results of version {header.get('version')}, this checkout is "
