@@ -184,14 +184,12 @@ def _measure_formula(func, args, kwargs, grad_mask: tuple, grad_strides: tuple |
 
 
 def _input_grads(positions: list, made, grads: list, count: int) -> tuple:
-    """Per positional argument (`count`), the `InputGrad` made for it (`made`, the leaves' at `positions`; None for
-    a gradient without strides or storage, a sparse one)."""
+    """Per positional argument (`count`), the `InputGrad` made for it (`made`, the leaves' at `positions`)."""
     given = {_storage_id(grad) for grad in grads}
     out: list = [None] * count
     for position, grad in zip(positions, made):
-        storage = _storage_id(grad) if position is not None and grad is not None else None
-        if storage is not None:
-            out[position] = InputGrad(tuple(grad.stride()), storage not in given)
+        if position is not None:
+            out[position] = _input_grad(grad, given)
     return tuple(out)
 
 
@@ -199,12 +197,14 @@ def _member_grads(fresh_call: FreshCall, made, grads: list) -> tuple:
     """Per tensor of the call's list arguments (`FreshCall.members`), the `InputGrad` made for it, or None."""
     given = {_storage_id(grad) for grad in grads}
     by_leaf = {id(leaf): grad for leaf, grad in zip(fresh_call.leaves, made)}
-    out = []
-    for member in fresh_call.members:
-        grad = by_leaf.get(id(member))
-        storage = _storage_id(grad) if grad is not None else None
-        out.append(None if storage is None else InputGrad(tuple(grad.stride()), storage not in given))
-    return tuple(out)
+    return tuple(_input_grad(by_leaf.get(id(member)), given) for member in fresh_call.members)
+
+
+def _input_grad(grad, given: set) -> InputGrad | None:
+    """The gradient's strides and whether it is a new storage (not one of the output gradients `given`); None for
+    no gradient, or one without strides or storage (a sparse one)."""
+    storage = _storage_id(grad) if grad is not None else None
+    return None if storage is None else InputGrad(tuple(grad.stride()), storage not in given)
 
 
 def _storage_id(tensor: torch.Tensor) -> int | None:

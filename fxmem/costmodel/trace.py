@@ -328,8 +328,7 @@ class DispatchRecorder(TorchDispatchMode):
                               if isinstance(arg, torch.Tensor) and arg in self.view_made}
         record.alias_inputs = {position: self.alias_made[arg] for position, arg in enumerate(args)
                                if isinstance(arg, torch.Tensor) and arg in self.alias_made}
-        members = [tensor for arg in args if isinstance(arg, (list, tuple))
-                   for tensor in arg if isinstance(tensor, torch.Tensor)]
+        members = [tensor for position in range(len(args)) for tensor in _list_tensors(args, position)]
         record.list_members = [(self.key(tensor)[0], self.view_made.get(tensor)) for tensor in members]
         record.list_layouts = [layout_of(tensor) for tensor in members]
         tensors = [out for out in outs if isinstance(out, torch.Tensor)]
@@ -388,7 +387,8 @@ class DispatchRecorder(TorchDispatchMode):
 
 
 def _list_tensors(args, position: int) -> list:
-    """The tensors inside positional list argument `position` (index's indices, None where a dim is whole)."""
+    """The tensors inside positional list argument `position` (cat's, index's; None where index takes a whole dim),
+    none when that argument is not a list."""
     arg = args[position] if position < len(args) else None
     return [tensor for tensor in arg if isinstance(tensor, torch.Tensor)] if isinstance(arg, (list, tuple)) else []
 
