@@ -78,5 +78,5 @@ def _pyg_hint(error: BaseException) -> str | None:
         return f"{said}; compute that size outside this call and pass it, or avoid the call in forward"
     call = f"call {function} with {parameter}=" if owner is not None else f"call {function}(..., {parameter}=)"
     return (f"{said}: {call} the number of graphs (groups) it reduces over, read from a tensor's shape to keep it "
-            "dynamic (e.g. ptr.numel() - 1 with PyG's Batch.ptr, or the length of a per-graph target); a python int fixes it at "
-            "capture")
+            "dynamic (e.g. ptr.numel() - 1 with PyG's Batch.ptr, or the length of a per-graph target); a python int "
+            "fixes it at capture")

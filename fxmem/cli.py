@@ -1,12 +1,12 @@
 """`fxmem optimize | estimate | diff | policies`.
 
-A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust.
-Exit codes: 0 success, 2 user error (bad policy, model file, inputs, budget, a required budget out of reach, output
-path, a result that cannot be written), 3 refused by --strict (a pass failed or was rolled back, a lossy pass did
-less than its policy asked, or the result is over its budget), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An interrupt
-or SIGTERM unwinds like an exception, so every cleanup runs: scratch files are removed and `--out` is left as it
-was, or holds the complete result. The exit status says which: once the result is complete on disk a signal no
-longer changes the outcome (exit 0), and a run that was interrupted before is never reported as a success.
+A model file is user code and runs as such, exactly like `python model.py`: only pass files you trust. Exit codes: 0
+success, 2 user error (bad policy, model file, inputs, budget, a required budget out of reach, output path, a result
+that cannot be written), 3 refused by --strict (a pass failed or was rolled back, a lossy pass did less than its policy
+asked, or the result is over its budget), 1 internal error, 130 interrupted (SIGINT), 143 terminated (SIGTERM). An
+interrupt or SIGTERM unwinds like an exception, so every cleanup runs: scratch files are removed and `--out` is left as
+it was, or holds the complete result. The exit status says which: once the result is complete on disk a signal no longer
+changes the outcome (exit 0), and a run that was interrupted before is never reported as a success.
 """
 from __future__ import annotations
 

@@ -94,9 +94,10 @@ def _fit(model, inputs: tuple, budget: Any, policy: Any, axis: Axis, transform_o
     cap = _cap_bytes(budget)
     prober = SizeProber(model, (args, kwargs), cap, policy, transform_options, axis)
     if not prober.fits(1):
-        raise BudgetError(f"fit: not even {axis.word} 1 fits the cap of {format_bytes(cap)} ("
-                          + (f"estimated peak {format_bytes(prober.probes[1].peak)} after the policy's passes); raise "
-                             "the cap or enable passes that go further" if not prober.notes else prober.notes[-1] + ")"))
+        why = (prober.notes[-1] + ")" if prober.notes else
+               f"estimated peak {format_bytes(prober.probes[1].peak)} after the policy's passes); raise the cap or "
+               "enable passes that go further")
+        raise BudgetError(f"fit: not even {axis.word} 1 fits the cap of {format_bytes(cap)} ({why}")
     largest = largest_fitting(prober.fits, _guess(prober, batch_size(args, kwargs, axis.dim)), axis.limit)
     size = fastest(prober, largest) if axis.word == "batch" else largest
     final_args, final_kwargs = scaled_inputs(args, kwargs, axis.dim, size)

@@ -5,11 +5,11 @@
 
 A node is `{"op", "name", "target", "args", "kwargs", "meta"}`. Call targets are qualified names resolved against
 `fxmem.targets` (the allow-list); arguments are JSON with tagged values (`{"$node": name}`, `{"$tuple": [...]}`,
-`{"$dtype": "float32"}`, ...); meta keeps the module stack, stack trace and mode flag. Names that fx's code
-generator writes into the module's source (node names, placeholder and attribute targets, the forward's argument
-names and keyword keys, the child a mode dispatch calls) must be plain identifiers, so the generated code is only
-ever what fx itself generates for such a graph. The input/output structure (pytree specs) is decoded here too, without `treespec_loads` (which would
-import modules named in its data): builtin containers, and output classes of the libraries in
+`{"$dtype": "float32"}`, ...); meta keeps the module stack, stack trace and mode flag. Names that fx's code generator
+writes into the module's source (node names, placeholder and attribute targets, the forward's argument names and keyword
+keys, the child a mode dispatch calls) must be plain identifiers, so the generated code is only ever what fx itself
+generates for such a graph. The input/output structure (pytree specs) is decoded here too, without `treespec_loads`
+(which would import modules named in its data): builtin containers, and output classes of the libraries in
 `PYTREE_LIBRARIES` that register themselves with torch's pytree (Hugging Face `ModelOutput`s).
 """
 from __future__ import annotations

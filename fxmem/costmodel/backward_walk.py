@@ -349,8 +349,8 @@ class StaticBackward(ViewGradWalk):
         """Each input needing a gradient gets one: the output's handed on (a view, add's shared buffer), a new
         buffer, or an addition into the one it has."""
         record, grad_live = op.record, self.grad_live
-        for key, nbytes, rg, position in op.ins:
-            if not rg or key is None:
+        for key, nbytes, needs_grad, position in op.ins:
+            if not needs_grad or key is None:
                 continue
             if key in op.same:
                 if key in op.fresh:  # a copy of the output's gradient (a reshape of a non-contiguous one)
@@ -515,8 +515,8 @@ class StaticBackward(ViewGradWalk):
 
     def _add_pending(self, record) -> int:
         """At the backward of a view a join read: the slice it hands its storage's producer is added to the gradient
-        other ops made that storage meanwhile (held apart, `_direct_grad`), out of place; both go. Returns the live bytes at
-        the sum."""
+        other ops made that storage meanwhile (held apart, `_direct_grad`), out of place; both go. Returns the live
+        bytes at the sum."""
         key = record.in_keys[0] if record.in_keys else None
         if key is None or self.pending.get(key) != record.idx:
             return self.live_bytes

@@ -61,7 +61,8 @@ class OffloadTimes:
         plan = self.plan
         info = plan.regions.get(region) if region else None
         owner = self.owner[key]
-        shares = region == owner or (info is not None and (info.kind == "offload" or getattr(info, "offload_inputs", False)))
+        offloads = info is not None and (info.kind == "offload" or getattr(info, "offload_inputs", False))
+        shares = region == owner or offloads
         if not shares:
             self.kept_until[key] = min(self.kept_until.get(key, record_idx), record_idx)
             return

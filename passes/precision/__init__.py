@@ -1,10 +1,11 @@
 """Precision pass: a dtype for every edge of the graph, chosen from the policy's intent and what the kernels can
 do, with every kind of change judged end to end by the accuracy guard and backed off where it refuses.
 
-Two stages run on copies of the program: `weights_stage` (linears swapped for bitsandbytes int8 / nf4 / fp4
-layers, QLoRA adapters; convolution, embedding and 3-D expert weights stored quantized) and `compute_stage` (bf16 / fp16 compute with fp32 islands, `plan` + `casts`); QLoRA then
-freezes every base parameter (`lora`). The pass is lossy (`exact = False`): the PassManager rolls it back when a
-verdict it returns refuses. Options: `options.PrecisionOptions`. Design: docs/design/precision.md.
+Two stages run on copies of the program: `weights_stage` (linears swapped for bitsandbytes int8 / nf4 / fp4 layers,
+QLoRA adapters; convolution, embedding and 3-D expert weights stored quantized) and `compute_stage` (bf16 / fp16 compute
+with fp32 islands, `plan` + `casts`); QLoRA then freezes every base parameter (`lora`). The pass is lossy (`exact =
+False`): the PassManager rolls it back when a verdict it returns refuses. Options: `options.PrecisionOptions`. Design:
+docs/design/precision.md.
 """
 from __future__ import annotations
 
