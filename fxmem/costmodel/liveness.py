@@ -138,7 +138,8 @@ def shared_spans(records: list, shared: set, nesting: dict, created_in: dict, gr
                  members: dict) -> dict[int, tuple[int, int]]:
     """Shared recipe output -> (lowest, highest) record index of its uses in backward, which runs from high to
     low: made at the highest, held until the lowest. A use is a save of it outside regions (an unpack), or a
-    recomputation of a recipe holding it nested through its shared value. A recipe is recomputed at each of its
+    recomputation of a recipe holding it nested through its shared value; a group's output (a pick of one shared
+    run) nested either way, since recomputing the pick makes the group's run. A recipe is recomputed at each of its
     unpacks and at each recomputation of a recipe holding it otherwise (nested, made again with it); a shared one
     once for its uses, at the first. Outputs of one shared run (`groups`) are made together and held together,
     from the first use of any to the last (`members`: group -> its outputs). A region's input saved as a recipe is
@@ -154,7 +155,7 @@ def shared_spans(records: list, shared: set, nesting: dict, created_in: dict, gr
         uses = list(unpacks.get(key, ()))
         private: list[int] = []
         for holder, through_shared in nesting.get(key, {}).items():
-            (uses if through_shared and key in shared else private).extend(made.get(holder, ()))
+            (uses if (through_shared or key in groups) and key in shared else private).extend(made.get(holder, ()))
         return uses, private
     # holders were created after what they hold: latest first, a holder's recomputations are known before
     for key in sorted(set(unpacks) | set(nesting) | set(groups), key=lambda k: -created_in.get(k, -1)):
