@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils.checkpoint import checkpoint
 
+from .compiled_recompute import recompute_compiled
 from .recast import active_scope, arg_tensors, map_args
 
 
@@ -57,11 +57,11 @@ def remat(output: torch.Tensor, op: str, *args, _fxmem_share: bool = False, **kw
     Under torch.compile (training) the op runs again inside a one-op non-reentrant checkpoint instead: that tags
     its output for recomputation, so the compiler's partitioner recomputes it in backward (fused into the backward
     kernels) rather than deciding alone at its own memory budget, which kept it; `output` goes dead and the compiler
-    drops it."""
+    drops it. The checkpoint carries the remat sites' shared region id (`compiled_recompute`)."""
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
             # (output's op already updated any running statistics: the checkpointed one must not again)
-            return checkpoint(op_named(op), *_stats_free(op, args), use_reentrant=False, **kwargs)
+            return recompute_compiled(op_named(op), *_stats_free(op, args), **kwargs)
         return output
     if active_scope() is not None:
         register_recompute(output, *recompute_form(op, args, kwargs), share=_fxmem_share)
@@ -148,15 +148,16 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
 
     Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
     arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
-    then recomputes; the members before it run as plain ops (their outputs go dead). One checkpoint per member
-    would not do: the partitioner keeps a value passed from one checkpoint to the next."""
+    then recomputes; the members before it run as plain ops (their outputs go dead). Every site's checkpoint shares
+    one region id (`compiled_recompute`), so a site that reads another site's value recomputes through it, as its
+    eager recipe nests the other's."""
     if torch.compiler.is_compiling():
         op_function = op_named(op)
         if _fxmem_chain is None or not torch.is_grad_enabled():
             return op_function(*args, **kwargs)  # a member before the chain's last, or no backward to plan for
         if _stats_free(op, args) is not args:
             op_function(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
-        return checkpoint(_run_chain, _fxmem_chain, use_reentrant=False)
+        return recompute_compiled(_run_chain, _fxmem_chain)
     scope = active_scope()
     if scope is None:
         return _resolve(op)(*args, **kwargs)
