@@ -20,7 +20,10 @@ best of the rounds, the table also gives the median):
   is marked "(min)";
 - compile@b (--compile): torch.compile with torch._functorch.config.activation_memory_budget = b;
 - fxmem@b+compile (--compile): fxmem's output module at budget b under torch.compile (its default
-  activation_memory_budget; the checkpoint regions are recompute-tagged).
+  activation_memory_budget; the checkpoint regions and remat sites are recompute-tagged);
+- fxmem@b+compile@b (--compile): the same under torch.compile at activation_memory_budget = b, both given the
+  one budget: the partitioner honours fxmem's tags and chooses what else to recompute at its budget. Its goal:
+  to dominate compile@b, no more activation bytes and no more than 2 points more step time.
 
 With --compile, the goal lines also give an eager floor per budget: the least recomputation time any eager plan
 needs to keep no more activation bytes than compile@b (see `recompute_items`), to tell where the goal is out of
@@ -208,8 +211,10 @@ class Bench:
     offset: int | None = None
 
 
-ROW_KEYS = {"fxmem": "fxmem@{}", "compile": "compile@{}", "stack": "fxmem@{}+compile", "bytes": "fxmem=c@{}"}
-NEEDS = {"stack": "fxmem", "bytes": "compile"}  # the row a method is built from, at the same budget
+ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
+            "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}"}
+# the row a method is built from, at the same budget
+NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile"}
 
 
 def row_key(kind: str, b: float) -> str:
@@ -218,17 +223,18 @@ def row_key(kind: str, b: float) -> str:
 
 def jobs(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, float]]:
     """(kind, budget) of every method after the anchors, in build order: fxmem at each budget, then torch.compile
-    at each budget and 1.0, fxmem+compile, fxmem at compile's bytes; `by_budget` (a run under a time limit, which
-    cuts the end): fxmem, compile@1.0, then compile@b and fxmem at its bytes budget by budget, fxmem+compile last."""
+    at each budget and 1.0, fxmem+compile (compile's default budget, then b), fxmem at compile's bytes; `by_budget`
+    (a run under a time limit, which cuts the end): fxmem, compile@1.0, then compile@b and fxmem at its bytes budget
+    by budget, fxmem+compile last."""
     out = [("fxmem", b) for b in budgets]
     if not do_compile:
         return out
     if not by_budget:
         compile_budgets = list(budgets) + ([1.0] if 1.0 not in budgets else [])
         return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
-            [("bytes", b) for b in budgets]
+            [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets]
     pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
-    return out + [("compile", 1.0)] + pairs + [("stack", b) for b in budgets]
+    return out + [("compile", 1.0)] + pairs + [(kind, b) for kind in ("stack", "stack_at_b") for b in budgets]
 
 
 def add_fxmem(bench: Bench, b: float) -> None:
@@ -251,17 +257,23 @@ def add_compile(bench: Bench, b: float) -> None:
         bench.mods[f"compile@{b}"] = (c, time.perf_counter() - t1, "")
 
 
-def add_stacked(bench: Bench, b: float) -> None:
-    """fxmem's output stacked with torch.compile (default budget 1.0: the checkpoint regions' recompute tags
-    decide); every GraphModule copy has its own generated forward, hence its own dynamo cache entry."""
+def add_stacked(bench: Bench, b: float, kind: str = "stack") -> None:
+    """fxmem's output stacked with torch.compile (kind "stack": compile's default budget 1.0, the recompute tags of
+    the checkpoint regions and remat sites decide; "stack_at_b": activation_memory_budget b as well); every
+    GraphModule copy has its own generated forward, hence its own dynamo cache entry."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
     fm = torch.compile(copy.deepcopy(bench.mods[f"fxmem@{b}"][0]))
+    budget = {"activation_memory_budget": b} if kind == "stack_at_b" else {}
     t1 = time.perf_counter()
-    with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
+    with fcfg.patch(enable_autograd_cache=False, **budget), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
-    bench.mods[f"fxmem@{b}+compile"] = (fm, time.perf_counter() - t1, "")
-    bench.info[f"fxmem@{b}+compile"] = bench.info[f"fxmem@{b}"]
+    bench.mods[row_key(kind, b)] = (fm, time.perf_counter() - t1, "")
+    bench.info[row_key(kind, b)] = bench.info[f"fxmem@{b}"]
+
+
+def add_stacked_at_budget(bench: Bench, b: float) -> None:
+    add_stacked(bench, b, "stack_at_b")
 
 
 def add_at_compile_bytes(bench: Bench, b: float) -> None:
@@ -281,7 +293,8 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     bench.info[f"fxmem=c@{b}"] = metrics
 
 
-BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked, "bytes": add_at_compile_bytes}
+BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked, "stack_at_b": add_stacked_at_budget,
+            "bytes": add_at_compile_bytes}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -509,7 +522,8 @@ def goal_lines(res) -> list[str]:
 
 
 def goal_line(res, key: str, r: dict, c1: dict) -> str:
-    """Budget b's line: compile@b against fxmem (eager), fxmem+compile, fxmem at compile@b's bytes, the floor."""
+    """Budget b's line: compile@b against fxmem (eager), fxmem+compile, fxmem at compile@b's bytes, fxmem+compile
+    both at b, the floor."""
     rows = res["rows"]
     b = key.split("@")[1]
     allowed = r["ratio"] / c1["ratio"] - 1 + 0.05
@@ -528,11 +542,22 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
             same = f["acts"] <= r["acts"] and own <= allowed
             part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
         parts.append(part + ")")
+    stacked = rows.get(f"fxmem@{b}+compile@{b}")
+    if stacked is not None:
+        parts.append(stacked_part(stacked, r))
     if res.get("floor_items") is not None:
         parts.append(floor_part(res, r, allowed))
     return (f"- budget {b}: torch.compile {format_bytes(r['acts'])}, {(r['ratio'] - 1) * 100:+.0f}% over eager "
             f"({(r['ratio'] / c1['ratio'] - 1) * 100:+.0f}% over compile@1.0, so at most "
             f"{allowed * 100:+.0f}% allowed); " + "; ".join(parts))
+
+
+def stacked_part(stacked: dict, r: dict) -> str:
+    """fxmem+compile with both at budget b against compile@b: dominance is no more activation bytes and no more
+    than 2 points more step time (ratios to eager)."""
+    ok = stacked["acts"] <= r["acts"] and stacked["ratio"] <= r["ratio"] + 0.02
+    return (f"fxmem+compile@b {format_bytes(stacked['acts'])}, {(stacked['ratio'] - 1) * 100:+.0f}% "
+            f"({'dominates' if ok else 'does not dominate'} compile@b: bytes <= its, at most 2 points slower)")
 
 
 def floor_part(res, r: dict, allowed: float) -> str:
