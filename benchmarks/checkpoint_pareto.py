@@ -23,7 +23,9 @@ best of the rounds, the table also gives the median):
   activation_memory_budget; the checkpoint regions and remat sites are recompute-tagged);
 - fxmem@b+compile@b (--compile): the same under torch.compile at activation_memory_budget = b, both given the
   one budget: the partitioner honours fxmem's tags and chooses what else to recompute at its budget. Its goal:
-  to dominate compile@b, no more activation bytes and no more than 2 points more step time.
+  to dominate compile@b, no more activation bytes and no more than 2 points more step time;
+- fxmem=c@b+compile (--compile): fxmem planned for the activation bytes compile@b kept (the row fxmem=c@b), under
+  torch.compile at its default budget: fxmem's plan, sized to compile's bytes, executed by the compiler.
 
 With --compile, the goal lines also give an eager floor per budget: the least recomputation time any eager plan
 needs to keep no more activation bytes than compile@b (see `recompute_items`), to tell where the goal is out of
@@ -212,9 +214,9 @@ class Bench:
 
 
 ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
-            "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}"}
+            "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}", "bytes_stack": "fxmem=c@{0}+compile"}
 # the row a method is built from, at the same budget
-NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile"}
+NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile", "bytes_stack": "bytes"}
 
 
 def row_key(kind: str, b: float) -> str:
@@ -232,9 +234,11 @@ def jobs(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, 
     if not by_budget:
         compile_budgets = list(budgets) + ([1.0] if 1.0 not in budgets else [])
         return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
-            [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets]
+            [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets] + \
+            [("bytes_stack", b) for b in budgets]
     pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
-    return out + [("compile", 1.0)] + pairs + [(kind, b) for kind in ("stack", "stack_at_b") for b in budgets]
+    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack") for b in budgets]
+    return out + [("compile", 1.0)] + pairs + stacked
 
 
 def add_fxmem(bench: Bench, b: float) -> None:
@@ -258,22 +262,28 @@ def add_compile(bench: Bench, b: float) -> None:
 
 
 def add_stacked(bench: Bench, b: float, kind: str = "stack") -> None:
-    """fxmem's output stacked with torch.compile (kind "stack": compile's default budget 1.0, the recompute tags of
-    the checkpoint regions and remat sites decide; "stack_at_b": activation_memory_budget b as well); every
-    GraphModule copy has its own generated forward, hence its own dynamo cache entry."""
+    """An fxmem row stacked with torch.compile: kind "stack", fxmem@b at compile's default budget 1.0 (the recompute
+    tags of the checkpoint regions and remat sites decide); "stack_at_b", fxmem@b at activation_memory_budget b as
+    well; "bytes_stack", fxmem=c@b (planned for compile@b's bytes) at the default budget. Every GraphModule copy has
+    its own generated forward, hence its own dynamo cache entry."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
-    fm = torch.compile(copy.deepcopy(bench.mods[f"fxmem@{b}"][0]))
+    source = row_key(NEEDS[kind], b)
+    fm = torch.compile(copy.deepcopy(bench.mods[source][0]))
     budget = {"activation_memory_budget": b} if kind == "stack_at_b" else {}
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False, **budget), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
     bench.mods[row_key(kind, b)] = (fm, time.perf_counter() - t1, "")
-    bench.info[row_key(kind, b)] = bench.info[f"fxmem@{b}"]
+    bench.info[row_key(kind, b)] = bench.info[source]
 
 
 def add_stacked_at_budget(bench: Bench, b: float) -> None:
     add_stacked(bench, b, "stack_at_b")
+
+
+def add_stacked_at_compile_bytes(bench: Bench, b: float) -> None:
+    add_stacked(bench, b, "bytes_stack")
 
 
 def add_at_compile_bytes(bench: Bench, b: float) -> None:
@@ -294,7 +304,7 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
 
 
 BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked, "stack_at_b": add_stacked_at_budget,
-            "bytes": add_at_compile_bytes}
+            "bytes": add_at_compile_bytes, "bytes_stack": add_stacked_at_compile_bytes}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -542,9 +552,10 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
             same = f["acts"] <= r["acts"] and own <= allowed
             part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
         parts.append(part + ")")
-    stacked = rows.get(f"fxmem@{b}+compile@{b}")
-    if stacked is not None:
-        parts.append(stacked_part(stacked, r))
+    for label, key in (("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
+                       ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile")):
+        if rows.get(key) is not None:
+            parts.append(stacked_part(label, rows[key], r))
     if res.get("floor_items") is not None:
         parts.append(floor_part(res, r, allowed))
     return (f"- budget {b}: torch.compile {format_bytes(r['acts'])}, {(r['ratio'] - 1) * 100:+.0f}% over eager "
@@ -552,11 +563,11 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
             f"{allowed * 100:+.0f}% allowed); " + "; ".join(parts))
 
 
-def stacked_part(stacked: dict, r: dict) -> str:
-    """fxmem+compile with both at budget b against compile@b: dominance is no more activation bytes and no more
-    than 2 points more step time (ratios to eager)."""
+def stacked_part(label: str, stacked: dict, r: dict) -> str:
+    """A stacked row against compile@b: dominance is no more activation bytes and no more than 2 points more step
+    time (ratios to eager)."""
     ok = stacked["acts"] <= r["acts"] and stacked["ratio"] <= r["ratio"] + 0.02
-    return (f"fxmem+compile@b {format_bytes(stacked['acts'])}, {(stacked['ratio'] - 1) * 100:+.0f}% "
+    return (f"{label} {format_bytes(stacked['acts'])}, {(stacked['ratio'] - 1) * 100:+.0f}% "
             f"({'dominates' if ok else 'does not dominate'} compile@b: bytes <= its, at most 2 points slower)")
 
 
