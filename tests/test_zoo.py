@@ -24,12 +24,9 @@ warnings.filterwarnings("ignore")
 # hand-written attention sites per model (the matcher must rewrite each); the other models have none: T5 and
 # nn.MultiheadAttention already call SDPA, PyG's graph attention is a scatter softmax over edges
 ATTENTION_SITES = {"mixtral": 1, "vit": 1, "qwen2_left_padded": 1, "whisper": 3}
-# medium on a subset, for the suite's time: two models with hand-written attention (encoder, left-padded decoder),
-# an LSTM + nn.MultiheadAttention and a PyG model for bf16 elsewhere (whisper, resnet, mamba: 8-18 s each)
-MEDIUM = ["vit", "qwen2_left_padded", "lstm", "pyg_gin"]
-# the inference preset (int8 weights) on a subset too: a model per kind of weight it meets (attention projections,
-# an SSM's linears, convolutions, an LSTM, a graph layer); every model goes through low above
-INFERENCE = ["qwen2_left_padded", "whisper", "mamba", "resnet", "lstm", "pyg_sage"]
+# every model through medium (which starts from a copy of low's captured program) and the inference preset too
+MEDIUM = list(BUILDERS)
+INFERENCE = list(BUILDERS)
 ESTIMATE_TOLERANCE = 0.02
 ESTIMATE_CASES = [(name, mode) for name in BUILDERS for mode in ("train", "inference")]
 
