@@ -26,8 +26,7 @@ from .trace_index import TraceIndex
 
 __all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "ForwardTrace",
            "MemoryEstimate", "NodeCost", "OpRecord", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex",
-           "as_recipes",
-           "build_region_model", "call_signature", "check_estimate_options", "default_balance", "estimate",
-           "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path", "op_cost",
-           "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",
+           "as_recipes", "build_region_model", "call_signature", "check_estimate_options", "default_balance",
+           "estimate", "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path",
+           "op_cost", "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",
            "smallest_fitting_prefix", "step_cost", "trace_forward", "value_key"]

@@ -48,4 +48,3 @@ def _pinned(context_class: type) -> type:
         pinned = _PINNED[context_class] = type(f"RematRegion{context_class.__name__}", (context_class,), {
             "ac_graph_id": property(lambda self: REMAT_REGION_ID, lambda self, value: None)})
     return pinned
-
