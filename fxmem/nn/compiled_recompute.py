@@ -33,7 +33,10 @@ def remat_region_contexts():
     forward context's graph id pinned to REMAT_REGION_ID (torch's checkpoint operator sets the id it numbered
     after this returns; the pinned class ignores that)."""
     forward_context, recompute_context = create_selective_checkpoint_contexts(_recompute_every_op)
-    forward_context.__class__ = _pinned(type(forward_context))
+    try:
+        forward_context.__class__ = _pinned(type(forward_context))
+    except TypeError:  # a torch whose context class cannot be subclassed so: its own id, correct, more bytes kept
+        pass
     return forward_context, recompute_context
 
 
