@@ -52,8 +52,9 @@ class StaticBackward(ViewGradWalk):
             self.grad_live[seed[0]] = 0  # (counted apart: the records' walk neither makes nor frees it)
             self.live_bytes += seed[1]
         # last forward reader of each storage whose backward runs (one without makes it no gradient: a detach, the
-        # device query of a norm's statistics)
-        self.read_until = {key: record.idx for record in plan.records if record.out_rg
+        # device query of a norm's statistics, an op off the loss's path such as the stack of an LSTM's final
+        # states when only its outputs are used)
+        self.read_until = {key: record.idx for record in plan.records if record.out_rg and record.idx not in off_loss
                            for key in record.in_keys + record.list_keys if key is not None}
         # keys whose gradient is a view of another's buffer, which autograd adds into out of place: a slice of a
         # cat's ("sliced"), a sum's one-element gradient expanded ("expanded")
