@@ -21,8 +21,9 @@ from .view_grad_walk import ViewGradWalk
 class StaticBackward(ViewGradWalk):
     """The backward walk, from the last record to the first. Its live bytes continue the forward walk's.
 
-    What stays referenced until the step ends: its outputs, and what ops off the loss's path saved (`off_loss`:
-    records whose backward never runs; their graph stays referenced by the outputs they make). `seed`: the loss's
+    What stays referenced until the step ends: its outputs, what ops off the loss's path saved (`off_loss`:
+    records whose backward never runs; their graph stays referenced by the outputs they make), and what custom ops
+    keep on their autograd context (`OpRecord.held`: released with the graph, not by backward). `seed`: the loss's
     storage and the bytes of the gradient backward starts from (`seed_gradient`), live from its start to its
     end."""
 
@@ -33,7 +34,8 @@ class StaticBackward(ViewGradWalk):
         self.peak, self.timeline = forward.peak, forward.timeline
         self.off_loss = off_loss
         self.kept_by_outputs = set(plan.out_keys) | {key for record in plan.records if record.idx in off_loss
-                                                     for key in record.saved}
+                                                     for key in record.saved} | \
+            {key for record in plan.records for key in record.held}
         self.param_keys = {key for key, kind in plan.base_keys.items() if kind == "param"}
         self.grad_live: dict[int, int] = {}  # storage key of a forward value -> bytes of its gradient buffer
         self.grad_layouts = GradLayouts()  # the strides of each tensor's gradient

@@ -30,7 +30,7 @@ from ..program import Program, buffers_kept
 from ..step import compute_loss
 from .formula import call_signature, formula_run
 from .grad_leaves import reached_leaves
-from .measured_saves import measured_slots
+from .measured_saves import measured_held, measured_slots
 from .grad_layouts import layout_of
 from .recording_interpreter import RecordingInterpreter
 from .storage_keys import StorageKeys
@@ -54,6 +54,7 @@ class OpRecord:
     known: bool = True
     saves_measured: bool = False  # not in the op table: what it saves was measured (`measured_saves`)
     saved: list = field(default_factory=list)  # storage keys saved for backward
+    held: list = field(default_factory=list)  # of those, kept on the op's autograd context: alive until the step ends
     list_keys: list = field(default_factory=list)  # storages of tensors passed inside list args (cat, stack) or
     # by keyword
     recast: list = field(default_factory=list)  # saved parameter casts that backward recasts (fxmem.nn.recast)
@@ -368,7 +369,9 @@ class DispatchRecorder(TorchDispatchMode):
             keys = self._slot_keys(record, slots, kw_keys)
             if not set(record.recast) <= set(keys):
                 continue
-            record.saved = [key for key in keys if key not in record.recast]
+            record.held = [key for key in self._slot_keys(record, measured_held(record.call), kw_keys)
+                           if key not in keys]
+            record.saved = [key for key in keys if key not in record.recast] + record.held
             record.known = record.saves_measured = True
         self.unknown_saves = []
 
