@@ -16,22 +16,27 @@ from fxmem.nn.compiled_recompute import REMAT_REGION_ID, remat_region_contexts
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import examples.gpt as gpt  # noqa: E402
 import examples.unet as unet  # noqa: E402
+
+
+def _remat_only(example, model, x, frac: float):
+    """`model` through the checkpoint pass at budget fraction `frac` (peak - (1 - frac) * activations)."""
+    program = fxmem.capture(model, x)
+    program.refresh()
+    base = estimate(program, mode="train", loss_fn=example.loss_fn)
+    checkpoint = pass_module("checkpoint")
+    ctx = PassContext(policy=None, options=checkpoint.CheckpointOptions(), mode="train", optimizer="adamw",
+                      budget=int(base.peak - (1 - frac) * base.activations), baseline=base, enabled=("checkpoint",),
+                      loss_fn=example.loss_fn, budget_strict=False)
+    with long_lived_frozen():
+        return checkpoint.CheckpointPass().run(program.snapshot(), ctx)
 
 
 def _remat_only_unet():
     """The U-Net example through the checkpoint pass at a budget remat meets alone (no region)."""
     model, x = unet.build_model(), unet.example_inputs()
-    program = fxmem.capture(model, x)
-    program.refresh()
-    base = estimate(program, mode="train", loss_fn=unet.loss_fn)
-    checkpoint = pass_module("checkpoint")
-    ctx = PassContext(policy=None, options=checkpoint.CheckpointOptions(), mode="train", optimizer="adamw",
-                      budget=int(base.peak - 0.5 * base.activations), baseline=base, enabled=("checkpoint",),
-                      loss_fn=unet.loss_fn, budget_strict=False)
-    with long_lived_frozen():
-        result = checkpoint.CheckpointPass().run(program.snapshot(), ctx)
-    return model, result, x
+    return model, _remat_only(unet, model, x, 0.5), x
 
 
 def _train_step(module, x):
@@ -66,3 +71,21 @@ def test_the_remat_regions_graph_id_is_pinned():
     forward_context.ac_graph_id = 7
     assert forward_context.ac_graph_id == REMAT_REGION_ID
 
+
+
+def test_compiled_remat_dropout_keeps_its_mask_not_its_output():
+    """A decoder with attention dropout, its dropout outputs remat'd: eager recomputes the dropped-out attention
+    probabilities (which `@ v` saves) from the probabilities and the bool mask. Under torch.compile the mask is
+    drawn by the compiler and the product runs in a remat checkpoint, so the partitioner recomputes it too; before,
+    it kept every dropout output (the compiled module kept more than the eager one)."""
+    torch.manual_seed(0)
+    model = gpt.build_model(n_layer=2, d_model=32, n_head=2, block_size=32, dropout=0.1)
+    x = gpt.example_inputs(batch=2, seq_len=32)
+    result = _remat_only(gpt, model, x, 0.6)  # (at this size, remat takes the dropouts with one region)
+    assert "bool_mask_dropout_remat" in result.program.module.code
+    eager = copy.deepcopy(result.program.module).train()
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(result.program.module), backend="aot_eager", fullgraph=True).train()
+    gpt.loss_fn(compiled(*x), x).backward()  # (the compiler's random numbers: values differ from eager's)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in compiled.parameters())
+    assert saved_bytes(compiled, x) <= saved_bytes(eager, x)

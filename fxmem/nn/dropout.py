@@ -14,6 +14,7 @@ import contextvars
 
 import torch
 
+from .compiled_recompute import recompute_compiled
 from .remat import register_recompute
 
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
@@ -77,6 +78,8 @@ def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, sca
     """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
     if not train or probability == 0 or tensor.numel() == 0:
         return tensor
+    if remat and probability < 1 and torch.compiler.is_compiling() and torch.is_grad_enabled():
+        return _compiled_remat(tensor, probability, scale, scale_dtype)
     if probability == 1 or not _dense(tensor) or torch.compiler.is_compiling():
         # under torch.compile the compiler's own dropout (its RNG, fused; eager's masks are not reproduced anyway)
         # an input with gaps or overlaps: the float mask (empty_like(x)) would be contiguous, filled in another
@@ -86,11 +89,29 @@ def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, sca
         return torch.ops.aten.dropout(tensor, probability, True)
     tape = _TAPE.get()
     keep = tape.draw(tensor, probability) if tape is not None else _draw(tensor, probability)
-    applied_scale = scale if scale is not None and tensor.dtype == scale_dtype else dropout_scale(tensor, probability)
+    applied_scale = _applied_scale(tensor, probability, scale, scale_dtype)
     out = _apply_mask(tensor, keep, applied_scale)
     if remat:
         register_recompute(out, _apply_mask, (tensor, keep, applied_scale))
     return out
+
+
+def _applied_scale(tensor: torch.Tensor, probability: float, scale: float | None, scale_dtype):
+    """The graph's own scale where it was computed in the tensor's dtype, else 1/(1-p) as aten.dropout rounds it."""
+    return scale if scale is not None and tensor.dtype == scale_dtype else dropout_scale(tensor, probability)
+
+
+def _compiled_remat(tensor: torch.Tensor, probability: float, scale, scale_dtype) -> torch.Tensor:
+    """Under torch.compile, a remat'd dropout: the mask is drawn as a plain random op (kept: the partitioner does
+    not recompute random ops) and the masked product runs in a remat checkpoint, so the partitioner recomputes it
+    from the input and the mask, as eager's recipe does, instead of keeping it for the consumer that saves it (the
+    attention probabilities feeding `@ v`). The compiler's random numbers, as for aten.dropout there."""
+    keep = torch.rand_like(tensor) >= probability
+    return recompute_compiled(_masked, tensor, keep, _applied_scale(tensor, probability, scale, scale_dtype))
+
+
+def _masked(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
+    return torch.mul(tensor, scale) * keep
 
 
 def _apply_mask(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
