@@ -7,6 +7,7 @@ import functools
 import importlib
 import os
 import pathlib
+import signal
 import warnings
 
 import pytest
@@ -21,6 +22,11 @@ EXAMPLE_NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "__ini
 # one intra-op thread per pytest-xdist worker (the workers share the cores), else up to two
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 warnings.filterwarnings("ignore", category=FutureWarning)
+# a suite started in the background of a non-interactive shell inherits SIGINT ignored, and the interrupt tests
+# (tests/test_cli_safety.py) would see no KeyboardInterrupt, here or in the processes they start: Python's own
+# handler, as in a terminal
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class OpCounter(TorchDispatchMode):
