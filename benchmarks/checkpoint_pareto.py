@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import statistics
 import sys
@@ -278,14 +279,6 @@ def add_stacked(bench: Bench, b: float, kind: str = "stack") -> None:
     bench.info[row_key(kind, b)] = bench.info[source]
 
 
-def add_stacked_at_budget(bench: Bench, b: float) -> None:
-    add_stacked(bench, b, "stack_at_b")
-
-
-def add_stacked_at_compile_bytes(bench: Bench, b: float) -> None:
-    add_stacked(bench, b, "bytes_stack")
-
-
 def add_at_compile_bytes(bench: Bench, b: float) -> None:
     """fxmem (eager) asked for compile@b's activation bytes, as an activation budget: fxmem's b is a peak budget (a
     share of the peak's activations), compile's a share of what its partitioner may save, so the same b asks fxmem
@@ -303,8 +296,9 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     bench.info[f"fxmem=c@{b}"] = metrics
 
 
-BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked, "stack_at_b": add_stacked_at_budget,
-            "bytes": add_at_compile_bytes, "bytes_stack": add_stacked_at_compile_bytes}
+BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked,
+            "stack_at_b": functools.partial(add_stacked, kind="stack_at_b"), "bytes": add_at_compile_bytes,
+            "bytes_stack": functools.partial(add_stacked, kind="bytes_stack")}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -532,8 +526,8 @@ def goal_lines(res) -> list[str]:
 
 
 def goal_line(res, key: str, r: dict, c1: dict) -> str:
-    """Budget b's line: compile@b against fxmem (eager), fxmem+compile, fxmem at compile@b's bytes, fxmem+compile
-    both at b, the floor."""
+    """Budget b's line: compile@b against fxmem (eager), fxmem+compile, fxmem at compile@b's bytes, whether each
+    stacked row dominates compile@b, the floor."""
     rows = res["rows"]
     b = key.split("@")[1]
     allowed = r["ratio"] / c1["ratio"] - 1 + 0.05
@@ -552,7 +546,8 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
             same = f["acts"] <= r["acts"] and own <= allowed
             part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
         parts.append(part + ")")
-    for label, key in (("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
+    for label, key in (("fxmem, then compiled at its default budget", f"fxmem@{b}+compile"),
+                       ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
                        ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile")):
         if rows.get(key) is not None:
             parts.append(stacked_part(label, rows[key], r))
