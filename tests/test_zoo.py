@@ -24,9 +24,6 @@ warnings.filterwarnings("ignore")
 # hand-written attention sites per model (the matcher must rewrite each); the other models have none: T5 and
 # nn.MultiheadAttention already call SDPA, PyG's graph attention is a scatter softmax over edges
 ATTENTION_SITES = {"mixtral": 1, "vit": 1, "qwen2_left_padded": 1, "whisper": 3}
-# every model through medium (which starts from a copy of low's captured program) and the inference preset too
-MEDIUM = list(BUILDERS)
-INFERENCE = list(BUILDERS)
 ESTIMATE_TOLERANCE = 0.02
 ESTIMATE_CASES = [(name, mode) for name in BUILDERS for mode in ("train", "inference")]
 
@@ -75,7 +72,7 @@ def test_low_result_takes_the_users_arguments_and_stays_exact(zoo, name):
     _attention_rewritten(result, name)
 
 
-@pytest.mark.parametrize("name", MEDIUM)
+@pytest.mark.parametrize("name", BUILDERS)  # (medium starts from a copy of low's captured program)
 def test_medium_keeps_sdpa_and_runs_bf16_with_its_intent_complete(zoo, name):
     model, args, kwargs, loss_fn, result = zoo[name, "medium"]
     _attention_rewritten(result, name)
@@ -89,7 +86,7 @@ def test_medium_keeps_sdpa_and_runs_bf16_with_its_intent_complete(zoo, name):
     assert all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
-@pytest.mark.parametrize("name", INFERENCE)
+@pytest.mark.parametrize("name", BUILDERS)
 def test_inference_result_takes_the_users_arguments_and_names_what_it_leaves(zoo, name):
     model, args, kwargs, _, result = zoo[name, "inference"]
     _attention_rewritten(result, name)

@@ -111,6 +111,8 @@ def _compiled_remat(tensor: torch.Tensor, probability: float, scale, scale_dtype
 
 
 def _masked(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
+    """`_apply_mask` out of place (inside a compiled checkpoint: no in-place op, no uint8 view for CPU's eager
+    kernels to convert faster; the compiler fuses the product)."""
     return torch.mul(tensor, scale) * keep
 
 
