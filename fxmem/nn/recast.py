@@ -193,13 +193,12 @@ class RecastScope:
     def register_recipe(self, out: torch.Tensor, function, args: tuple, kwargs: dict, share: bool = False) -> None:
         """`out` saved as function(*args, **kwargs). An in-place op's output (the storage of a recipe registered before,
         e.g. relu_ on a batch norm's output) replaces that entry: `args` hold the earlier recipe, nested."""
-        self._add(out, (_Recipe(function, args, kwargs, tuple(t._version for t in arg_tensors(args)), out._version,
-                                share),))
+        self._add(out, (_Recipe(function, args, kwargs, out._version, share),))
 
     def register_picks(self, function, args: tuple, kwargs: dict, outputs) -> None:
         """One shared run of function(*args, **kwargs), a multi-output op, for several of its outputs (`outputs`:
         (index, tensor) pairs): each saved as a pick of that run (a grouped max pooling's output and indices)."""
-        whole = _Recipe(function, args, kwargs, tuple(a._version for a in arg_tensors(args)), None, share=True)
+        whole = _Recipe(function, args, kwargs, None, share=True)
         for index, tensor in outputs:
             part = _Remat(whole, None, None, None)
             part.how = "shared"
@@ -212,9 +211,13 @@ class RecastScope:
 
     def pack_deferred(self, pending: list) -> None:
         """Pack the saves deferred while an op ran (`deferring`), now that its outputs are registered."""
+        entries, observer = self._entries, getattr(_state, "observer", None)
         for deferred in pending:
-            deferred.value = self._pack_now(deferred.value, count=True)
-            _observe(deferred.value)
+            tensor = deferred.value
+            if tensor.untyped_storage()._cdata in entries:  # (else saved as it is: most saves)
+                deferred.value = self._pack_now(tensor, count=True)
+            if observer is not None:
+                _observe(deferred.value)
 
     def recipe_for(self, tensor: torch.Tensor):
         """The recipe `tensor` would be saved as (None: saved as it is, or a parameter cast)."""
@@ -230,8 +233,9 @@ class RecastScope:
         """`args` with every tensor that is a registered recipe's output replaced by that recipe (nested), also
         inside list arguments (cat, stack). A nested shared recipe at a flat position in `nest` is used through its
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
-        if not self._entries:
-            return tuple(args)
+        entries = self._entries
+        if not entries or not _any_stored_in(flat_args(args), entries):
+            return tuple(args)  # no argument is a registered storage (most calls)
         positions = itertools.count()  # flat positions, in `map_args`'s order
 
         def one(arg):
@@ -245,14 +249,15 @@ class RecastScope:
         return map_args(args, one)
 
     def _pack(self, tensor: torch.Tensor):
+        pending = self._pending
+        if pending is not None:
+            deferred = _Deferred(tensor)
+            pending.append(deferred)
+            return deferred  # (observed once remat_call packs it)
         entries = self._entries
-        if self._pending is None and (not entries or tensor.untyped_storage()._cdata not in entries) and \
+        if (not entries or tensor.untyped_storage()._cdata not in entries) and \
                 getattr(_state, "observer", None) is None:
             return tensor  # most saves: nothing registered for this storage and nobody watching (the hot path)
-        if self._pending is not None:
-            deferred = _Deferred(tensor)
-            self._pending.append(deferred)
-            return deferred  # (observed once remat_call packs it)
         if active_scope() is None:
             # inside a checkpoint or offload region (`aside`): non-reentrant checkpoint saving the region's inputs.
             # A recipe there is made again by and for the region's recomputation alone, not through a shared value
@@ -279,8 +284,8 @@ class RecastScope:
                 return tensor  # changed in place since (the recipe would give the old values): saved as it is
             if count:
                 _count_use(recipe)
-            return _Remat(recipe, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-        return _Recast(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+            return _Remat(recipe, tensor.shape, tensor.stride(), tensor.storage_offset())
+        return _Recast(entry[1], entry[2], tensor.shape, tensor.stride(), tensor.storage_offset(),
                        entry[1]._version)
 
     @staticmethod
@@ -290,13 +295,10 @@ class RecastScope:
         if isinstance(packed, _Deferred):
             packed = packed.value
         if isinstance(packed, _Remat):
-            recipe = packed.recipe
-            with torch.no_grad():
-                if packed.how == "private":
-                    return _recompute(recipe, private=True).as_strided(packed.shape, packed.stride, packed.offset)
-                if not recipe.share:
-                    return _materialize(packed)
-                return _shared_value(recipe).as_strided(packed.shape, packed.stride, packed.offset)
+            if torch.is_grad_enabled():  # (a backward with create_graph=True; off in a plain backward)
+                with torch.no_grad():
+                    return _remade(packed)
+            return _remade(packed)
         if isinstance(packed, _Recast):
             if packed.param._version != packed.version:
                 raise RuntimeError(
@@ -326,6 +328,14 @@ class RecastScope:
         return False
 
 
+def _any_stored_in(args: list, entries: dict) -> bool:
+    """Whether a tensor among `args` has its storage in `entries` (a plain loop: forward's hot path)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata in entries:
+            return True
+    return False
+
+
 class _Deferral:
     """`RecastScope.deferring`: while active, the scope's saves go to `pending` (restored on exit)."""
     __slots__ = ("scope", "pending", "previous")
@@ -352,10 +362,18 @@ class _Recast:
 
 
 class _Recipe:
-    __slots__ = ("fn", "args", "kwargs", "versions", "out_version", "share", "saves", "value")
+    __slots__ = ("fn", "args", "kwargs", "tensors", "versions", "plain", "out_version", "share", "saves", "value")
 
-    def __init__(self, function, args, kwargs, versions, out_version, share=False):
-        self.fn, self.args, self.kwargs, self.versions = function, args, kwargs, versions
+    def __init__(self, function, args, kwargs, out_version, share=False):
+        self.fn, self.args, self.kwargs = function, args, kwargs
+        tensors, self.plain = [], True  # plain: no nested recipes, recomputed as fn(*args) (loops: forward's hot path)
+        for arg in flat_args(args):
+            if isinstance(arg, torch.Tensor):
+                tensors.append(arg)
+            elif isinstance(arg, _Remat):
+                self.plain = False
+        self.tensors = tuple(tensors)  # the tensor arguments, in order
+        self.versions = tuple([t._version for t in tensors])  # their versions when registered
         self.out_version = out_version  # the output's version when registered
         self.share = share  # recomputed once for all its saves (see `remat`)
         self.saves = 0  # shared: saves not unpacked yet
@@ -429,8 +447,13 @@ def _shared_value(recipe: _Recipe) -> torch.Tensor:
     return value
 
 
-def flat_args(args: tuple) -> list:
-    """Arguments with the elements of list arguments (cat, stack) in their place."""
+def flat_args(args: tuple) -> list | tuple:
+    """Arguments with the elements of list arguments (cat, stack) in their place (`args` itself when it has none)."""
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            break
+    else:
+        return args
     out: list = []
     for arg in args:
         if isinstance(arg, (list, tuple)):
@@ -449,18 +472,27 @@ def map_args(args: tuple, function) -> tuple:
     return tuple(type(a)(function(t) for t in a) if isinstance(a, (list, tuple)) else function(a) for a in args)
 
 
-def _materialize(remat: _Remat) -> torch.Tensor:
-    """Run the recipe again (nested recipes first) and view the result as the saved tensor was viewed."""
-    return _recompute(remat.recipe).as_strided(remat.shape, remat.stride, remat.offset)
+def _remade(packed: _Remat) -> torch.Tensor:
+    """A saved recipe's output for its unpack (grad mode off), viewed as the saved tensor was: run again (nested
+    recipes first), or a shared recipe's value, or made again for a region's recomputation alone."""
+    recipe = packed.recipe
+    if packed.how == "private":
+        value = _recompute(recipe, private=True)
+    elif recipe.share:
+        value = _shared_value(recipe)
+    else:
+        value = _recompute(recipe)
+    return value.as_strided(packed.shape, packed.stride, packed.offset)
 
 
 def _recompute(recipe: _Recipe, private: bool = False) -> torch.Tensor:
     """The recipe's output, computed again (nested recipes first: those used through a shared value take it, unless
     `private`, a region's recomputation, which makes every nested recipe again for itself)."""
-    if any(tensor._version != version for tensor, version in zip(arg_tensors(recipe.args), recipe.versions)):
-        raise RuntimeError(
-            f"fxmem remat: an input of {getattr(recipe.fn, '__name__', recipe.fn)}, whose output backward recomputes, "
-            "was modified in place between forward and backward")
+    for tensor, version in zip(recipe.tensors, recipe.versions):
+        if tensor._version != version:
+            _changed_in_place(recipe)
+    if recipe.plain:
+        return recipe.fn(*recipe.args, **recipe.kwargs)
 
     def arg(item):
         if not isinstance(item, _Remat):
@@ -470,6 +502,12 @@ def _recompute(recipe: _Recipe, private: bool = False) -> torch.Tensor:
         # (shape None: all outputs)
         return value if item.shape is None else value.as_strided(item.shape, item.stride, item.offset)
     return recipe.fn(*map_args(recipe.args, arg), **recipe.kwargs)
+
+
+def _changed_in_place(recipe: _Recipe):
+    raise RuntimeError(
+            f"fxmem remat: an input of {getattr(recipe.fn, '__name__', recipe.fn)}, whose output backward recomputes, "
+            "was modified in place between forward and backward")
 
 
 class _Enter:

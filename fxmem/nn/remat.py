@@ -81,7 +81,7 @@ def recompute_form(op: str, args: tuple, kwargs: dict) -> tuple:
 def _stats_free(op: str, args: tuple) -> tuple:
     """A training-mode batch norm's arguments without its running statistics (the same output); `args` itself when
     there are none to leave out (callers test identity: not `args` means the op updates statistics)."""
-    if op.split(".")[1] == "batch_norm" and len(args) > 5 and args[5] is True and \
+    if op.startswith("aten.batch_norm.") and len(args) > 5 and args[5] is True and \
             (args[3] is not None or args[4] is not None):
         return args[:3] + (None, None) + args[5:]
     return args
@@ -106,8 +106,12 @@ def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
     if op != "aten.batch_norm.default" or kwargs or len(args) != 9 or args[5] is not True:
         return False
     batch = args[0]
-    return isinstance(batch, torch.Tensor) and batch.device.type == "cpu" and batch.dim() >= 2 and \
-        batch.numel() > 0 and all(a is None or isinstance(a, torch.Tensor) for a in args[1:5])
+    if not (isinstance(batch, torch.Tensor) and batch.device.type == "cpu" and batch.dim() >= 2 and batch.numel()):
+        return False
+    for arg in args[1:5]:  # (a loop, not all() over a generator: forward's hot path)
+        if arg is not None and not isinstance(arg, torch.Tensor):
+            return False
+    return True
 
 
 # (device, dtypes, shape, strides, affine) -> whether batch_norm_affine gave the kernel's output bit for bit
@@ -123,7 +127,7 @@ def _affine_reproduces(output, batch, weight, bias, mean, invstd) -> bool:
         return True
     if type(output) is not torch.Tensor or type(batch) is not torch.Tensor:
         return False
-    key = (batch.device.type, batch.dtype, mean.dtype, tuple(batch.shape), tuple(batch.stride()),
+    key = (batch.device.type, batch.dtype, mean.dtype, batch.shape, batch.stride(),
            None if weight is None else weight.dtype, None if bias is None else bias.dtype)
     ok = _AFFINE_EXACT.get(key)
     if ok is None:
@@ -170,9 +174,7 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
             stats = (mean, invstd)
         else:
             output = _resolve(op)(*args, **kwargs)
-    if isinstance(output, torch.Tensor) and not any(
-            isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == output.untyped_storage()._cdata
-            for arg in rargs):
+    if isinstance(output, torch.Tensor) and not _writes_into(rargs, output):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
         if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
             recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
@@ -196,6 +198,15 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
                 scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
     return output
+
+
+def _writes_into(args: tuple, output: torch.Tensor) -> bool:
+    """Whether `output` is in the storage of one of the plain tensors among `args` (an op that wrote it in place)."""
+    key = output.untyped_storage()._cdata
+    for arg in args:  # (a loop, not any() over a generator: forward's hot path)
+        if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == key:
+            return True
+    return False
 
 
 # ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
