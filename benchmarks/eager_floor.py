@@ -1,0 +1,220 @@
+"""Eager floors: the least backward recomputation time any eager plan needs to keep fewer activation bytes.
+
+Issue 33 asks fxmem's checkpoint plans to run within 1.15x of the eager floor at torch.compile's bytes. Two floors
+for one captured graph, both from the same per-node forward times (the checkpoint pass's profiler) and bytes (the
+cost model's `node_costs`):
+
+- `knapsack_floor`: the cheapest ops per byte covering the bytes to drop, each op droppable on its own (a
+  fractional knapsack). A relaxation: recomputing an op in backward needs its inputs there, which it ignores, so it
+  can drop a softmax's output without keeping (or recomputing) the scores it is made from.
+- `dependency_floor`: the same least time with that requirement, a 0-1 program over the graph (`RecomputeGraph`):
+  every node whose output backward reads is kept or recomputed, every recomputed node's graph inputs are kept or
+  recomputed too, and the kept bytes stay within the target. Every eager recompute plan without offload (fxmem's
+  remat sites and regions, uniform checkpointing) is such a choice, and recomputes each node it needs at least
+  once, so its recompute time is at least this. Where the model is unsure it errs low (a floor): a node kept for
+  a recomputation is charged only the bytes some op saves of it when it has any; a dropout's output is recomputed
+  from its kept mask at the graph's cheapest time per byte; a node the profiler did not time costs nothing.
+
+    floor = EagerFloor.of(program, loss_fn)
+    floor.seconds(drop)            # dependency_floor: what the benchmark's goal lines compare against
+    floor.knapsack_seconds(drop)   # knapsack_floor
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import fx
+
+from fxmem.costmodel import node_costs
+from fxmem.pipeline import pass_module
+
+DROPOUT_TARGETS = frozenset({"aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default"})
+
+
+@dataclass
+class EagerFloor:
+    """Both floors of one captured graph, timed once."""
+    items: list
+    free: int
+    graph: "RecomputeGraph"
+
+    @classmethod
+    def of(cls, program, loss_fn) -> "EagerFloor":
+        costs, times, free = node_costs(program, "train", loss_fn), _node_times(program), _free_bytes(program)
+        return cls(recompute_items(costs, times), free, RecomputeGraph.build(program.graph, costs, times))
+
+    def seconds(self, drop: int) -> float:
+        return dependency_floor(self.graph, drop)
+
+    def knapsack_seconds(self, drop: int) -> float:
+        return knapsack_floor(self.items, self.free, drop)
+
+
+def _node_times(program) -> dict[str, float]:
+    """Forward seconds per node: the checkpoint pass's profiler (no_grad, median of 5 runs on the example inputs),
+    less the interpreter's own time per node (the least any node took: a getitem's)."""
+    times = pass_module("checkpoint").profile_nodes(program, repeats=5)
+    overhead = min(times.values())
+    return {name: max(0.0, t - overhead) for name, t in times.items()}
+
+
+def _free_bytes(program) -> int:
+    """Bytes fxmem drops at no recompute at all: dropout masks kept as bool instead of float (compact_dropout)."""
+    return sum(c.bytes_saved for c in pass_module("checkpoint").compact_dropout(program.snapshot()))
+
+
+def recompute_items(costs: dict, times: dict) -> list[tuple[float, int]]:
+    """What eager recomputation can trade, for `knapsack_floor`: per graph node (seconds it takes, bytes autograd
+    saves of the storages it creates). A floor for plans on this graph: rewrites that change what autograd saves
+    (the attention pass's SDPA) are another pass's, and offload is left out (on a CPU host it copies to disk)."""
+    return [(times[n], c.kept_bytes) for n, c in costs.items() if n in times and c.kept_bytes > 0]
+
+
+def knapsack_floor(items, free: int, drop: int) -> float:
+    """Least seconds of recomputation that drops `drop` activation bytes, each node's bytes droppable alone at its
+    forward time (see the module docstring)."""
+    need, secs = drop - free, 0.0
+    for t, b in sorted(items, key=lambda tb: tb[0] / tb[1]):
+        if need <= 0:
+            break
+        take = min(1.0, need / b)
+        secs += take * t
+        need -= take * b
+    return secs if need <= 0 else float("inf")
+
+
+@dataclass
+class RecomputeGraph:
+    """The graph as `dependency_floor` sees it. Per compute node: `seconds` to recompute it, `keep_bytes` to keep
+    it, `views` (no storage of its own: kept only through its input), `needed` (backward reads bytes it creates),
+    its compute-node `inputs`; `fixed`: bytes kept whatever the plan (the loss's own saves), `total`: the bytes the
+    unplanned graph keeps (float masks)."""
+    names: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    keep_bytes: list[int] = field(default_factory=list)
+    needed: list[bool] = field(default_factory=list)
+    views: list[bool] = field(default_factory=list)
+    inputs: list[list[int]] = field(default_factory=list)
+    fixed: int = 0
+    total: int = 0
+
+    @classmethod
+    def build(cls, graph: fx.Graph, costs: dict, times: dict) -> "RecomputeGraph":
+        """From the graph, its `node_costs` and seconds per node."""
+        model = cls(total=sum(c.kept_bytes for c in costs.values()))
+        model._add_nodes(graph, costs, times)
+        return model
+
+    def _add_nodes(self, graph: fx.Graph, costs: dict, times: dict) -> None:
+        index: dict[str, int] = {}
+        outputs = {n.name for n in graph.find_nodes(op="output")[0].all_input_nodes}
+        # the least seconds per byte any node took to make its output: a dropout output's remake, a multiply, at it
+        cheapest = min((times[n] / c.out_bytes for n, c in costs.items() if c.out_bytes and times.get(n)),
+                       default=0.0)
+        for node in graph.nodes:
+            if not _is_compute(node):
+                continue
+            cost = costs.get(node.name)
+            kept, made = (cost.kept_bytes, cost.out_bytes) if cost is not None else (0, 0)
+            seconds = times.get(node.name, 0.0)
+            inputs = [index[m.name] for m in node.all_input_nodes if m.name in index]
+            if str(node.target) in DROPOUT_TARGETS and made:
+                kept, seconds, mask = self._dropout(node, kept, made, seconds, cheapest)
+                inputs.append(mask)
+            index[node.name] = self._add(node.name, seconds, kept, 0 if node.name in outputs else (kept or made),
+                                         made == 0, inputs)
+        names = {node.name for node in graph.nodes}
+        self.fixed += sum(c.kept_bytes for name, c in costs.items() if name not in names)  # the loss's saves
+
+    def _add(self, name: str, seconds: float, kept: int, keep: int, view: bool, inputs: list[int]) -> int:
+        """One node (a view, a getitem, an in-place op has no storage of its own: its input's); its index."""
+        self.names.append(name)
+        self.seconds.append(seconds)
+        self.needed.append(kept > 0)
+        self.keep_bytes.append(keep)
+        self.views.append(view)
+        self.inputs.append(inputs)
+        return len(self.names) - 1
+
+    def _dropout(self, node: fx.Node, kept: int, made: int, seconds: float, cheapest: float):
+        """A dropout as two nodes: its mask (as many elements as the output, in the input's dtype on CPU; kept as
+        bool, fxmem's compact dropout, or drawn again at the dropout's time) and its output, remade from the mask
+        by one multiply. Returns the output's (bytes backward reads, seconds to remake it) and the mask's index."""
+        mask = made // 2
+        itemsize = node.meta["val"].dtype.itemsize
+        index = self._add(node.name + ".mask", seconds, mask, mask // itemsize, False, [])
+        return max(0, kept - mask), cheapest * (made - mask), index
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """A node whose value a plan keeps or makes again: a call producing tensors (not a placeholder, a parameter, a
+    shape, or a module call returning nothing)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def dependency_floor(graph: RecomputeGraph, drop: int, time_limit: float = 30.0) -> float:
+    """Least seconds of recomputation that keeps at most `graph.total - drop` bytes with every recomputed node's
+    inputs available (see the module docstring); inf when no plan keeps so few."""
+    target = graph.total - drop - graph.fixed
+    if target < 0:
+        return float("inf")
+    n = len(graph.names)
+    # columns: keep[i] (i < n), recompute[i] (n + i); rows: needed, inputs available, bytes
+    rows, lo, hi = [], [], []
+    for i in range(n):
+        if graph.needed[i]:
+            rows.append({i: 1.0, n + i: 1.0})
+            lo.append(1.0)
+            hi.append(math.inf)
+        for m in graph.inputs[i]:
+            rows.append({m: 1.0, n + m: 1.0, n + i: -1.0})
+            lo.append(0.0)
+            hi.append(math.inf)
+    rows.append({i: float(graph.keep_bytes[i]) for i in range(n) if graph.keep_bytes[i]})
+    lo.append(-math.inf)
+    hi.append(float(target))
+    col_hi = [0.0 if graph.views[i] else 1.0 for i in range(n)] + [1.0] * n
+    return _least_cost([0.0] * n + list(graph.seconds), rows, lo, hi, col_hi, time_limit)
+
+
+def _least_cost(cost: list[float], rows: list[dict], lo: list[float], hi: list[float], col_hi: list[float],
+                time_limit: float) -> float:
+    """min cost.x subject to lo <= rows x <= hi, x binary (upper bounds `col_hi`), by HiGHS: the optimum, or where
+    the time limit stops it first HiGHS's proven lower bound on it (a floor either way); inf when infeasible."""
+    import highspy
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), len(rows)
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.zeros(len(cost))
+    lp.col_upper_ = np.asarray(col_hi, dtype=float)
+    lp.row_lower_ = np.asarray(lo, dtype=float)
+    lp.row_upper_ = np.asarray(hi, dtype=float)
+    columns: list[list[tuple[int, float]]] = [[] for _ in cost]
+    for r, row in enumerate(rows):
+        for c, v in row.items():
+            columns[c].append((r, v))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.r_[0, np.cumsum([len(c) for c in columns])].astype(np.int32)
+    lp.a_matrix_.index_ = np.array([r for c in columns for r, _ in c], dtype=np.int32)
+    lp.a_matrix_.value_ = np.array([v for c in columns for _, v in c], dtype=float)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cost)
+    # the binding itself: the Python wrapper's constructor prints HiGHS's banner (highspy 1.16)
+    highs = getattr(highspy, "_Highs", highspy.Highs)()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", float(time_limit))
+    highs.passModel(lp)
+    highs.run()
+    status, info = highs.getModelStatus(), highs.getInfo()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return float(info.objective_function_value)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return math.inf
+    return float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0

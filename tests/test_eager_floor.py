@@ -1,0 +1,70 @@
+"""The eager floors of benchmarks/eager_floor.py (issue 33's yardstick): what they require of a plan, on graphs
+small enough to solve by hand, and their shape on a captured decoder."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import fxmem
+from benchmarks.eager_floor import EagerFloor, RecomputeGraph, dependency_floor, knapsack_floor
+
+from .conftest import example
+
+
+def _graph(nodes, fixed: int = 0) -> RecomputeGraph:
+    """nodes: (name, seconds, bytes backward reads, bytes to keep it, input indices)."""
+    graph = RecomputeGraph(fixed=fixed)
+    for name, seconds, kept, keep, inputs in nodes:
+        graph._add(name, seconds, kept, keep, keep == 0, list(inputs))
+    graph.total = sum(n[2] for n in nodes) + fixed
+    return graph
+
+
+def test_a_recomputed_node_needs_its_input_kept_or_recomputed():
+    # x -> h (dear, nobody saves it) -> y (cheap, saved): dropping y means recomputing it from h, which must then
+    # be kept (as many bytes as y: nothing gained) or recomputed too
+    graph = _graph([("x", 1.0, 10, 10, ()), ("h", 5.0, 0, 10, (0,)), ("y", 1.0, 10, 10, (1,))])
+    assert dependency_floor(graph, 10) == pytest.approx(1.0)  # x, from nothing
+    assert dependency_floor(graph, 20) == pytest.approx(7.0)  # x, h and y
+    # dropping each op alone sees only y's second
+    assert knapsack_floor([(1.0, 10), (1.0, 10)], 0, 20) == pytest.approx(2.0)
+
+
+def test_a_view_is_kept_only_through_its_base():
+    # x -> v (a view of x: no bytes of its own) -> y (saved): recomputing y reads v, so x must be there
+    graph = _graph([("x", 4.0, 0, 10, ()), ("v", 0.0, 0, 0, (0,)), ("y", 1.0, 10, 10, (1,))])
+    assert graph.views == [False, True, False]
+    assert dependency_floor(graph, 10) == pytest.approx(5.0)  # y alone would keep x's 10 bytes instead
+
+
+def test_bytes_no_plan_drops_make_the_floor_infinite():
+    graph = _graph([("x", 1.0, 10, 10, ())], fixed=5)
+    assert dependency_floor(graph, 10) == pytest.approx(1.0)
+    assert math.isinf(dependency_floor(graph, 11))  # the fixed 5 bytes stay
+    assert dependency_floor(graph, 0) == 0.0
+
+
+@pytest.fixture(scope="module")
+def gpt_floor():
+    model, args, kwargs, loss_fn = example("gpt")
+    program = fxmem.capture(model, args, kwargs)
+    program.refresh()
+    return program, EagerFloor.of(program, loss_fn)
+
+
+def test_decoder_floor_keeps_masks_apart_and_grows_with_the_bytes_dropped(gpt_floor):
+    program, floor = gpt_floor
+    graph = floor.graph
+    dropouts = [n.name for n in program.graph.nodes if str(n.target) == "aten.dropout.default"]
+    assert dropouts and {n + ".mask" for n in dropouts} <= set(graph.names)
+    masks = [graph.names.index(n + ".mask") for n in dropouts]
+    # a mask is read by its dropout's remake, kept as bool (a quarter of a float32 mask's bytes)
+    assert all(graph.needed[i] and graph.seconds[i] >= 0 for i in masks)
+    assert all(graph.names.index(n + ".mask") in graph.inputs[graph.names.index(n)] for n in dropouts)
+    steps = [int(graph.total * f) for f in (0.0, 0.2, 0.4, 0.6, 0.8)]
+    seconds = [floor.seconds(d) for d in steps]
+    assert seconds[0] == 0.0 and all(math.isfinite(s) for s in seconds)
+    assert all(a <= b + 1e-9 for a, b in zip(seconds, seconds[1:])), seconds
+    assert seconds[-1] > 0
+    assert math.isinf(floor.seconds(graph.total))  # the loss's own saves stay
