@@ -16,6 +16,7 @@ import functools
 import itertools
 import threading
 import weakref
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -504,10 +505,10 @@ def _recompute(recipe: _Recipe, private: bool = False) -> torch.Tensor:
     return recipe.fn(*map_args(recipe.args, arg), **recipe.kwargs)
 
 
-def _changed_in_place(recipe: _Recipe):
+def _changed_in_place(recipe: _Recipe) -> NoReturn:
     raise RuntimeError(
-            f"fxmem remat: an input of {getattr(recipe.fn, '__name__', recipe.fn)}, whose output backward recomputes, "
-            "was modified in place between forward and backward")
+        f"fxmem remat: an input of {getattr(recipe.fn, '__name__', recipe.fn)}, whose output backward recomputes, "
+        "was modified in place between forward and backward")
 
 
 class _Enter:
