@@ -168,53 +168,28 @@ def dependency_floor(graph: RecomputeGraph, drop: int, time_limit: float = 30.0)
         return float("inf")
     n = len(graph.names)
     # columns: keep[i] (i < n), recompute[i] (n + i); rows: needed, inputs available, bytes
-    rows, lo, hi = [], [], []
+    rows: list[np.ndarray] = []
+    lo: list[float] = []
     for i in range(n):
-        if graph.needed[i]:
-            rows.append({i: 1.0, n + i: 1.0})
-            lo.append(1.0)
-            hi.append(math.inf)
         for m in graph.inputs[i]:
-            rows.append({m: 1.0, n + m: 1.0, n + i: -1.0})
+            rows.append(_row(2 * n, {m: 1.0, n + m: 1.0, n + i: -1.0}))
             lo.append(0.0)
-            hi.append(math.inf)
-    rows.append({i: float(graph.keep_bytes[i]) for i in range(n) if graph.keep_bytes[i]})
-    lo.append(-math.inf)
-    hi.append(float(target))
-    col_hi = [0.0 if graph.views[i] else 1.0 for i in range(n)] + [1.0] * n
-    return _least_cost([0.0] * n + list(graph.seconds), rows, lo, hi, col_hi, time_limit)
+        if graph.needed[i]:
+            rows.append(_row(2 * n, {i: 1.0, n + i: 1.0}))
+            lo.append(1.0)
+    rows.append(-np.r_[np.asarray(graph.keep_bytes, dtype=float), np.zeros(n)])
+    lo.append(-float(target))
+    col_hi = [0.0 if view else 1.0 for view in graph.views] + [1.0] * n
+    cost = np.r_[np.zeros(n), np.asarray(graph.seconds, dtype=float)]
+    _, optimal, bound = pass_module("checkpoint.solvers").highs_milp(
+        cost, np.array(rows), lo, [math.inf] * len(rows), np.zeros(2 * n), col_hi, [True] * (2 * n), time_limit)
+    # the optimum, or where the time limit stops HiGHS first its proven lower bound on it (a floor either way);
+    # neither: infeasible, no plan keeps so few
+    return bound if bound is not None else math.inf
 
 
-def _least_cost(cost: list[float], rows: list[dict], lo: list[float], hi: list[float], col_hi: list[float],
-                time_limit: float) -> float:
-    """min cost.x subject to lo <= rows x <= hi, x binary (upper bounds `col_hi`), by HiGHS: the optimum, or where
-    the time limit stops it first HiGHS's proven lower bound on it (a floor either way); inf when infeasible."""
-    import highspy
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = len(cost), len(rows)
-    lp.col_cost_ = np.asarray(cost, dtype=float)
-    lp.col_lower_ = np.zeros(len(cost))
-    lp.col_upper_ = np.asarray(col_hi, dtype=float)
-    lp.row_lower_ = np.asarray(lo, dtype=float)
-    lp.row_upper_ = np.asarray(hi, dtype=float)
-    columns: list[list[tuple[int, float]]] = [[] for _ in cost]
-    for r, row in enumerate(rows):
-        for c, v in row.items():
-            columns[c].append((r, v))
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = np.r_[0, np.cumsum([len(c) for c in columns])].astype(np.int32)
-    lp.a_matrix_.index_ = np.array([r for c in columns for r, _ in c], dtype=np.int32)
-    lp.a_matrix_.value_ = np.array([v for c in columns for _, v in c], dtype=float)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cost)
-    # the binding itself: the Python wrapper's constructor prints HiGHS's banner (highspy 1.16)
-    highs = getattr(highspy, "_Highs", highspy.Highs)()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("time_limit", float(time_limit))
-    highs.passModel(lp)
-    highs.run()
-    status, info = highs.getModelStatus(), highs.getInfo()
-    if status == highspy.HighsModelStatus.kOptimal:
-        return float(info.objective_function_value)
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return math.inf
-    return float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
+def _row(width: int, entries: dict) -> np.ndarray:
+    row = np.zeros(width)
+    for column, value in entries.items():
+        row[column] = value
+    return row

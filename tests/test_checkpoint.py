@@ -489,7 +489,8 @@ def test_milp_prints_nothing():
     import sys
     code = ("from fxmem.pipeline import pass_module\n"
             "ck = pass_module('checkpoint.solvers')\n"
-            "x, optimal, bound = ck._highs([1.0, 2.0], [[1.0, 1.0]], [1.0], [2.0], [0, 0], [1, 1], [True, True], 5.0)\n"
+            "x, optimal, bound = ck.highs_milp([1.0, 2.0], [[1.0, 1.0]], [1.0], [2.0], [0, 0], [1, 1], [True, True],"
+            " 5.0)\n"
             "assert optimal and list(x) == [1.0, 0.0], (x, optimal)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -167,11 +167,12 @@ class _MilpProblem:
     integer: list
 
 
-def _highs(cost, matrix, row_lo, row_hi, col_lo, col_hi, integer, time_limit: float):
+def highs_milp(cost, matrix, row_lo, row_hi, col_lo, col_hi, integer, time_limit: float):
     """min cost.x subject to row_lo <= matrix x <= row_hi, col_lo <= x <= col_hi, x[integer] integral: HiGHS
     through highspy (imported here: it is only needed when a MILP is solved). Returns (x or None, proven optimal,
     dual bound): x is the best feasible point found, the dual bound a lower bound on the optimum (the optimum
-    itself when proven; at least the LP relaxation's bound otherwise), None when unknown."""
+    itself when proven; at least the LP relaxation's bound otherwise), None when unknown. Shared with
+    benchmarks/eager_floor.py."""
     import highspy
     # the binding itself: the Python wrapper's constructor enables callbacks, which prints HiGHS's banner to the
     # process's stdout before output_flag can be set (highspy 1.16)
@@ -242,11 +243,11 @@ def solve_milp(model: RegionModel, budget: int, time_limit: float):
                    np.zeros(len(spike_rows))]
     row_hi = np.r_[np.ones(layout.count), np.full(len(binding) + len(spike_rows), np.inf)]
     zeros, ones = np.zeros(columns), np.ones(columns)
-    values, optimal, bound = _highs(layout.cost / scale, matrix, row_lo, row_hi, zeros, ones, [True] * columns,
-                                    time_limit)
+    values, optimal, bound = highs_milp(layout.cost / scale, matrix, row_lo, row_hi, zeros, ones,
+                                        [True] * columns, time_limit)
     if bound is None:  # stopped before HiGHS had a bound: the LP relaxation's optimum is one (an LP solves fast)
-        _, lp_optimal, lp_bound = _highs(layout.cost / scale, matrix, row_lo, row_hi, zeros, ones,
-                                         [False] * columns, math.inf)
+        _, lp_optimal, lp_bound = highs_milp(layout.cost / scale, matrix, row_lo, row_hi, zeros, ones,
+                                             [False] * columns, math.inf)
         bound = lp_bound if lp_optimal else None
     bound = bound * scale if bound is not None else None
     if values is None:
@@ -281,8 +282,9 @@ def milp_lowest_peak(model: RegionModel, plan: list[str], time_limit: float) -> 
         row_hi = np.r_[row_hi, np.full(len(spike_rows), np.inf)]
     objective = np.zeros(columns + 1)
     objective[columns] = 1.0
-    values, _, _ = _highs(objective, matrix, row_lo, row_hi, np.r_[np.zeros(columns), model.floor / byte_scale],
-                          np.r_[np.ones(columns), np.inf], [True] * columns + [False], time_limit)
+    values, _, _ = highs_milp(objective, matrix, row_lo, row_hi,
+                              np.r_[np.zeros(columns), model.floor / byte_scale], np.r_[np.ones(columns), np.inf],
+                              [True] * columns + [False], time_limit)
     if values is None:
         return plan
     out = layout.plan(values)
