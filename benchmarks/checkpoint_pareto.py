@@ -521,11 +521,11 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
             same = f["acts"] <= r["acts"] and own <= allowed
             part += f"; {own * 100:+.0f}% over compile@1.0: {'met' if same else 'not met'} compiled vs compiled"
         parts.append(part + ")")
-    for label, key in (("fxmem, then compiled at its default budget", f"fxmem@{b}+compile"),
-                       ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
-                       ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile")):
-        if rows.get(key) is not None:
-            parts.append(stacked_part(label, rows[key], r))
+    for label, stacked in (("fxmem, then compiled at its default budget", f"fxmem@{b}+compile"),
+                           ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
+                           ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile")):
+        if rows.get(stacked) is not None:
+            parts.append(stacked_part(label, rows[stacked], r))
     if res.get("floor") is not None:
         parts.append(floor_part(res, r, allowed, b))
     return (f"- budget {b}: torch.compile {format_bytes(r['acts'])}, {(r['ratio'] - 1) * 100:+.0f}% over eager "

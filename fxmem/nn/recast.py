@@ -235,7 +235,7 @@ class RecastScope:
         inside list arguments (cat, stack). A nested shared recipe at a flat position in `nest` is used through its
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         entries = self._entries
-        if not entries or not _any_stored_in(flat_args(args), entries):
+        if not entries or not any_stored_in(flat_args(args), entries):
             return tuple(args)  # no argument is a registered storage (most calls)
         positions = itertools.count()  # flat positions, in `map_args`'s order
 
@@ -329,10 +329,10 @@ class RecastScope:
         return False
 
 
-def _any_stored_in(args: list, entries: dict) -> bool:
-    """Whether a tensor among `args` has its storage in `entries` (a plain loop: forward's hot path)."""
+def any_stored_in(args, keys) -> bool:
+    """Whether a tensor among `args` has its storage (`_cdata`) in `keys` (a plain loop: forward's hot path)."""
     for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata in entries:
+        if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata in keys:
             return True
     return False
 

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .compiled_recompute import recompute_compiled
-from .recast import active_scope, arg_tensors, map_args
+from .recast import active_scope, any_stored_in, arg_tensors, map_args
 
 
 def op_named(op: str):
@@ -174,7 +174,7 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
             stats = (mean, invstd)
         else:
             output = _resolve(op)(*args, **kwargs)
-    if isinstance(output, torch.Tensor) and not _writes_into(rargs, output):
+    if isinstance(output, torch.Tensor) and not any_stored_in(rargs, (output.untyped_storage()._cdata,)):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
         if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
             recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
@@ -198,15 +198,6 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
                 scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
     scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
     return output
-
-
-def _writes_into(args: tuple, output: torch.Tensor) -> bool:
-    """Whether `output` is in the storage of one of the plain tensors among `args` (an op that wrote it in place)."""
-    key = output.untyped_storage()._cdata
-    for arg in args:  # (a loop, not any() over a generator: forward's hot path)
-        if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata == key:
-            return True
-    return False
 
 
 # ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
