@@ -156,7 +156,7 @@ def force_remat_and_regions(monkeypatch) -> None:
     alone it would have found cheaper (for tests of the remat + regions program itself)."""
     from fxmem.pipeline import pass_module
     monkeypatch.setattr(pass_module("checkpoint").CheckpointPass, "_remat_or_not",
-                        staticmethod(lambda with_remat, without, remat_cost, lim: with_remat(False)))
+                        staticmethod(lambda options, lim: options[0][0](False)))  # (with_remat, its cost) first
 
 
 def planner_sets(program, loss_fn, remat: bool = False, opts=None):

@@ -425,13 +425,13 @@ def test_best_effort_emits_the_other_plan_only_when_it_may_come_out_lower():
         return go
     margin = int(ck.BEST_EFFORT_MARGIN * 1_100_000)
     # planned clearly above the first's estimate (1.1 MB): not emitted
-    res = ck.CheckpointPass._remat_or_not(run("remat", 100_000, 1_100_000), run("alone", 100_000 + margin + 1,
-                                                                                 1_000_001), 0.0, lim)
+    res = ck.CheckpointPass._remat_or_not([(run("remat", 100_000, 1_100_000), 0.0),
+                                           (run("alone", 100_000 + margin + 1, 1_000_001), 0.0)], lim)
     assert emitted == ["remat"] and res.metrics["estimated_peak"] == 1_100_000
     # within the margin: emitted, and its lower estimate wins
     emitted.clear()
-    res = ck.CheckpointPass._remat_or_not(run("remat", 100_000, 1_100_000), run("alone", 100_000 + margin - 1,
-                                                                                 1_090_000), 0.0, lim)
+    res = ck.CheckpointPass._remat_or_not([(run("remat", 100_000, 1_100_000), 0.0),
+                                           (run("alone", 100_000 + margin - 1, 1_090_000), 0.0)], lim)
     assert emitted == ["remat", "alone"] and res.metrics["estimated_peak"] == 1_090_000
     assert any("regions without remat: the lower estimate" in n for n in res.notes)
 

@@ -961,3 +961,49 @@ def test_shared_recipe_as_a_region_input_is_made_again_for_the_region_alone():
         loss.backward()
     assert c.ops.get("native_layer_norm", 0) + c.ops.get("layer_norm", 0) == 2, c.ops
     _same_step(ref, program.module, (x,), {}, None, exact=True)
+
+
+def test_matrix_product_sites_exact_and_estimated_as_measured_in_every_combination():
+    """With matrix products as sites (`remat_sites(products=True)`), a linear whose input is saved anyway (by
+    itself) is a site; under its GELU, the GELU's recipe holds the linear's recipe nested (both emitted as
+    remat_call) when both are applied. Every combination of the MLP's sites (layer norm, linear, GELU) trains
+    bit-exactly, and the planner's estimate (`as_planned`), the estimate of the rewritten program and the measured
+    peak agree. Without `products` the linear is no site."""
+    import itertools
+
+    from fxmem.costmodel import estimate_from_trace
+    ck = pass_module("checkpoint")
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(32, 64, 16)
+    ref, program, traced, plain = _captured_sites(model, (x,), {}, None)
+    assert not any(ck.product_site(s) for s in plain)
+    sites = ck.remat_sites(program, traced, None, products=True)
+    assert sorted(str(s.node.target) for s in sites) == \
+        ["aten.gelu.default", "aten.layer_norm.default", "aten.linear.default"]
+    for count in range(1, len(sites) + 1):
+        for chosen in itertools.combinations(sites, count):
+            names = {str(s.node.target).split(".")[1] for s in chosen}
+            planned = estimate_from_trace(program, ck.as_planned(traced, list(chosen)), mode="train")
+            rewritten = program.snapshot()
+            ck.apply_remat(rewritten, [s for s in ck.remat_sites(rewritten, traced, None, products=True)
+                                       if s.node.name in {c.node.name for c in chosen}])
+            est = fxmem.estimate(rewritten, mode="train")
+            meas = fxmem.measure(copy.deepcopy(rewritten.module), (x,))
+            assert abs(est.peak - meas.peak) <= 0.001 * meas.peak, (names, est.peak, meas.peak)
+            assert abs(planned.peak - est.peak) <= 0.001 * est.peak, (names, planned.peak, est.peak)
+            code = rewritten.module.code
+            assert ("remat_call('aten.gelu.default'" in code) == ({"gelu", "linear"} <= names), (names, code)
+            _same_step(copy.deepcopy(ref), rewritten.module, (x,), {}, None, exact=True)
+
+
+def test_remat_alone_with_matrix_products_taken_where_it_fits_and_is_cheaper_than_regions():
+    """At a budget the cheap sites alone miss, remat with matrix products as sites (the MLPs' first linears under
+    their GELUs) reaches it without a region, and the cost model finds it cheaper than remat + regions or regions
+    alone: the pass emits it, says so, and the step is exact and measured within the budget."""
+    ref, res, args, kwargs, loss_fn = _transform("gpt", "74%")
+    rec = next(r for r in res.report.passes if r.name == "checkpoint")
+    assert rec.status == "applied", rec.reason
+    assert "plan" not in rec.metrics and "remat_call('aten.linear.default'" in res.module.code
+    assert any("matrix products among them" in n for n in rec.notes), rec.notes
+    assert res.report.measured_after.peak <= res.report.budget
+    _same_step(ref, res.module, args, kwargs, loss_fn, exact=True)

@@ -26,7 +26,7 @@ from .compact_dropout import compact_dropout
 from .emit import emit_regions
 from .options import CheckpointOptions, Limits, resolve_activation_budget, resolve_budget
 from .reach import Reach, reach, refine_targets
-from .remat import RematSite, apply_remat, as_planned, choose_sites, remat_plan, remat_sites
+from .remat import RematSite, apply_remat, as_planned, choose_sites, product_site, remat_plan, remat_sites
 from .results import Attempt, Variant, regions_result
 from .solvers import CHOICES, Solution, lowest, solve, solve_dp, tie_break, with_need
 
@@ -83,21 +83,26 @@ class CheckpointPass(Pass):
                                    f"{limits.describe()}; no region recomputed")
         # regions for the rest, planned on the rewritten program and on the program without remat (recipes and
         # regions interact: a region input that is a recipe is recomputed too, and a region can make remat's
-        # recomputation redundant); the cheaper plan that fits wins
-        return self._remat_or_not(partial(job.regions, rematted), partial(job.regions, variant),
-                                  rematted.rewrite_cost, limits)
+        # recomputation redundant); or remat alone with matrix products as sites too, where that fits: the cheaper
+        # plan that fits wins
+        options = [(partial(job.regions, rematted), rematted.rewrite_cost), (partial(job.regions, variant), 0.0)]
+        products = job.remat(variant, products=True) if opts.cost != "profile" else None
+        if products is not None and limits.fits(products.estimate):
+            options.append((partial(_remat_alone, products, limits), products.rewrite_cost))
+        return self._remat_or_not(options, limits)
 
     @staticmethod
-    def _remat_or_not(with_remat, without, remat_cost: float, limits: Limits) -> PassResult:
-        """Regions with remat or regions alone. Both are planned (`run(True)`: (cost, planned shortfall,
-        reachable), no tracing); the cheaper reachable plan (remat's own recompute counted) is emitted and verified
-        (`run(False)`: a PassResult). The other is emitted too only if it may be cheaper after all (the refine loop
-        made the first costlier) or the first misses the limits by its estimate (and, when neither plan reaches
-        them, the other was not planned clearly higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else
-        the lower estimate. Limits neither plan reaches (one by its planner, the other by its estimate) are a
-        BudgetError."""
+    def _remat_or_not(options: list, limits: Limits) -> PassResult:
+        """Regions with remat, regions alone, or remat alone with matrix products as sites (`options`: (run, remat
+        cost) each). All are planned (`run(True)`: (cost, planned shortfall, reachable), no tracing); the cheapest
+        reachable plan (remat's own recompute counted) is emitted and verified (`run(False)`: a PassResult). The
+        next is emitted too only if it may be cheaper after all (the refine loop made the first costlier) or the
+        first misses the limits by its estimate (and, when no plan reaches them, the next was not planned clearly
+        higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. Limits no plan
+        reaches (one by its planner, another by its estimate) are a BudgetError."""
+        without = options[1][0]
         plans, error = [], None
-        for run, extra in ((with_remat, remat_cost), (without, 0.0)):
+        for run, extra in options:
             try:
                 planned_cost, miss, reachable = run(True)
             except BudgetError as budget_error:
@@ -164,6 +169,18 @@ class CheckpointPass(Pass):
     @staticmethod
     def _trace(program: Program, ctx):
         return trace_forward(program, program.example_args, program.example_kwargs, ctx.mode, ctx.loss_fn)
+
+
+def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
+    """`_remat_or_not`'s run for remat alone (`variant`, fitting the limits): nothing to plan, no regions."""
+    if plan_only:
+        return 0.0, 0, True
+    sites = variant.metrics["remat"]["sites"]
+    return variant.result(f"checkpoint: {sites} activations recomputed in backward, matrix products among them (a "
+                          f"linear's output under its activation), bring the estimate to peak "
+                          f"{format_bytes(variant.estimate.peak)}, activations "
+                          f"{format_bytes(variant.estimate.activations)}, within {limits.describe()}; no region "
+                          f"recomputed: cheaper than regions by the cost model")
 
 
 def _fits(result: PassResult, limits: Limits) -> bool:
@@ -243,16 +260,20 @@ class CheckpointRun:
             variant = replace(variant, traced=self.trace(variant.program))
         return variant
 
-    def remat(self, variant: Variant) -> Variant | None:
+    def remat(self, variant: Variant, products: bool = False) -> Variant | None:
         """`variant` with the cheapest remat sites the limits need applied (all when they need more); None when
-        there are none or they do not lower the estimate."""
+        there are none or they do not lower the estimate. `products`: matrix products with held inputs are sites
+        too (`remat_sites`), and the variant is made only where its sites fit the limits alone (else None)."""
         opts, program, traced, before = self.opts, variant.program, variant.traced, variant.estimate
         balance = opts.balance if opts.balance is not None \
             else default_balance(program) if opts.cost == "roofline" else None
-        sites = remat_sites(program, traced, balance)
-        if not sites:
+        sites = remat_sites(program, traced, balance, products)
+        if not sites or (products and not any(map(product_site, sites))):
             return None
-        chosen = choose_sites(sites, partial(self._misses, program, traced))
+        misses = partial(self._misses, program, traced)
+        chosen = choose_sites(sites, misses)
+        if products and misses(chosen) > 0:  # (taken only where it fits alone: spare the rewrite and its trace)
+            return None
         rematted = program.snapshot()
         changes = apply_remat(rematted, chosen)
         rematted.graph.lint()

@@ -40,6 +40,8 @@ REMAT_CHAIN_ONLY = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_tran
 # FLOPs alone, per byte / CPU_BALANCE): it admits a short-reduction convolution at the cost model's
 # SLOW_KERNELS_CPU rate; it is ranked by that cost, after the cheap sites
 REMAT_INPUT_MATMUL_PASSES = 20.0
+# matrix products that are sites when their inputs are held anyway, at most REMAT_INPUT_MATMUL_PASSES dear per byte
+REMAT_PRODUCTS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 # the keyword arguments apply_remat adds to a node (left out of a chain member's kwargs under torch.compile)
@@ -65,6 +67,11 @@ class RematSite:
     contiguous: bool = True  # its own saves are unpacked back to back (or there is one)
     # its output's and internal saves are unpacked back to back: one run of the full op makes both (`_fxmem_group`)
     group: bool = False
+    call_with: tuple = ()  # names of matmul sites it holds nested, when applied with it: then a call too
+
+    def is_call(self, applied: set) -> bool:
+        """Emitted as remat_call among the `applied` site names: a call, or holding an applied matmul site."""
+        return self.call or any(name in applied for name in self.call_with)
 
     @property
     def keys(self) -> set:
@@ -91,6 +98,21 @@ def input_fed_matmul(node: fx.Node) -> bool:
         all(a.op in ("placeholder", "get_attr") for a in node.all_input_nodes)
 
 
+def held_matmul(node: fx.Node) -> bool:
+    """A linear or matrix product not writing in place: a site when its inputs are held anyway (a linear saves its
+    input: the first half of an MLP, under its activation). Convolutions stay with regions (but the first,
+    `input_fed_matmul`): at a CNN's channel counts most would pass the site's cost cap, where regions weigh them."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+        optable.packet(target) in REMAT_PRODUCTS and not target._schema.is_mutable
+
+
+def product_site(site: RematSite) -> bool:
+    """A site only `remat_sites(products=True)` finds: a matrix product whose inputs are not all graph inputs or
+    parameters."""
+    return held_matmul(site.node) and not input_fed_matmul(site.node)
+
+
 def chain_op(producer: fx.Node, site: fx.Node) -> bool:
     """`producer` may be recomputed as a member of `site`'s chain: a cheap op, or a transposed convolution
     feeding a join."""
@@ -113,8 +135,9 @@ class _SiteFinder:
     """A forward trace (`traced`: what `trace_forward` returned) indexed to find remat sites: per node its op
     records outside regions, per storage its savers."""
 
-    def __init__(self, traced, balance: float | None):
+    def __init__(self, traced, balance: float | None, products: bool):
         recorder, self.base_keys, self.out_keys = traced.recorder, traced.base_keys, traced.out_keys
+        self.products = products
         self.records = [r for r in recorder.records if r.region is None]
         self.storage_bytes = recorder.storage_bytes
         self.balance = balance
@@ -130,6 +153,10 @@ class _SiteFinder:
                 self.savers.setdefault(key, []).append(record)
         self.per_unpack: dict[str, tuple] = {}  # site -> (recompute cost once, times backward recomputes it)
         self.unpacked_at: dict[str, set] = {}  # site -> positions (in records) of the records saving its outputs
+
+    def product(self, node: fx.Node) -> bool:
+        """`node` may be a matrix-product site held nested (`held_matmul`, when looking for those)."""
+        return self.products and held_matmul(node)
 
     def key_of(self, arg) -> int | None:
         return value_key(self.by_node, arg) if isinstance(arg, fx.Node) else None
@@ -177,7 +204,7 @@ class _SiteFinder:
     def site(self, node: fx.Node) -> RematSite | None:
         """`node` as a remat site, None when it is not one (see `remat_sites`)."""
         dropout = node.target is bool_mask_dropout
-        fed = not dropout and input_fed_matmul(node)
+        fed = not dropout and (input_fed_matmul(node) or self.product(node))
         if not (dropout or fed or remat_op(node)):
             return None
         value = node_value(node)
@@ -195,7 +222,7 @@ class _SiteFinder:
             return None
         in_place = not dropout and node.target._schema.is_mutable
         chain = self.chain(node, key, max(r.idx for r in records), dropout, in_place)
-        if chain is None:
+        if chain is None or (fed and chain):
             return None
         sizes = self.storage_bytes
         if fed and self.cost_of(node) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
@@ -229,19 +256,28 @@ class _SiteFinder:
             held_names = list(dict.fromkeys(
                 a.name for m in (*site.chain, site.node) for a in tensor_inputs(m)
                 if a.name in self.per_unpack and a.name not in members and a.name != site.node.name))
-            site.holds = tuple(held_names) if site.call else ()
+            # a matmul site's output (a linear's, under a GELU) is held as its recipe, nested, when both are
+            # applied: the holder is then emitted as a call (`call_with`), else as it is
+            # (a matmul site holds every site among its inputs so: its recipe would keep them as tensors)
+            matmuls = () if site.call else tuple(held_names) if self.product(site.node) else \
+                tuple(n for n in held_names if self.product(by_name[n].node))
+            site.holds, site.call_with = (tuple(held_names) if site.call else matmuls), matmuls
             # (the holder's own ops run their backward between its saves' and the inner one's)
             own = {self.position[r.idx] for m in (*site.chain, site.node) for r in self.by_node.get(m.name, [])}
             for name in held_names:
                 inner = by_name[name]
-                if site.call and inner.contiguous and \
+                if name in site.holds and inner.contiguous and \
                         self.back_to_back(self.unpacked_at[name] | self.unpacked_at[site.node.name], own):
                     inner.adjacent += (site.node.name,)
+                elif name in site.call_with and self.product(inner.node):
+                    # made again at each of the holder's unpacks too: a cost of applying the matmul site, which
+                    # the holder applied alone (recomputed from the kept product) does not pay
+                    inner.cost += self.per_unpack[site.node.name][1] * self.per_unpack[name][0]
                 else:
                     site.cost += self.per_unpack[site.node.name][1] * self.per_unpack[name][0]
 
 
-def remat_sites(program: Program, traced, balance: float | None) -> list[RematSite]:
+def remat_sites(program: Program, traced, balance: float | None, products: bool = False) -> list[RematSite]:
     """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
     that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms, bool-mask dropout, joins (cat,
     stack), pooling (max pooling's indices recomputed with it), or a convolution or linear fed only by graph inputs
@@ -249,8 +285,9 @@ def remat_sites(program: Program, traced, balance: float | None) -> list[RematSi
     input held until those saves are unpacked anyway (parameters, inputs, tensors saved by this node or an earlier
     one), or computed by one such cheap op from held tensors and kept by nobody (a chain: batch norm -> in-place
     ReLU; a join's upsampling transposed convolution). Cheapest per byte first; a site's cost counts an input that
-    is another site's output once per unpack (a nested recipe is recomputed with it)."""
-    finder = _SiteFinder(traced, balance)
+    is another site's output once per unpack (a nested recipe is recomputed with it). `products`: linears and
+    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap."""
+    finder = _SiteFinder(traced, balance, products)
     sites = [s for s in (finder.site(n) for n in program.graph.nodes if n.op == "call_function") if s is not None]
     finder.nest(sites)
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
@@ -315,7 +352,8 @@ def apply_remat(program: Program, sites: list[RematSite]) -> list[Change]:
     """Rewrite each site as `remat(op(*args), 'aten.op', *args)` (bool-mask dropout: its remat variant), or, for a
     site that is a call (its own saves, a chain, in place), its nodes as `remat_call('aten.op', *args)`."""
     rewriter = _Rewriter(program, remat_plan(sites))
-    changes = [rewriter.as_call(s) if s.call else rewriter.wrap(s) for s in sites]
+    applied = {s.node.name for s in sites}
+    changes = [rewriter.as_call(s) if s.is_call(applied) else rewriter.wrap(s) for s in sites]
     install_recast(program.module)
     program.module.recompile()
     return changes
