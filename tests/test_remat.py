@@ -999,7 +999,10 @@ def test_matrix_product_sites_exact_and_estimated_as_measured_in_every_combinati
 def test_remat_alone_with_matrix_products_taken_where_it_fits_and_is_cheaper_than_regions():
     """At a budget the cheap sites alone miss, remat with matrix products as sites (the MLPs' first linears under
     their GELUs) reaches it without a region, and the cost model finds it cheaper than remat + regions or regions
-    alone: the pass emits it, says so, and the step is exact and measured within the budget."""
+    alone: the pass emits it, says so, and the step is exact and measured within the budget. With
+    `remat_products: false` no linear is a site."""
+    _, off, *_ = _transform("gpt", "74%", remat_products=False)
+    assert "'aten.linear.default'" not in off.module.code
     ref, res, args, kwargs, loss_fn = _transform("gpt", "74%")
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason

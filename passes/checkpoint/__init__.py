@@ -86,7 +86,7 @@ class CheckpointPass(Pass):
         # recomputation redundant); or remat alone with matrix products as sites too, where that fits: the cheaper
         # plan that fits wins
         options = [(partial(job.regions, rematted), rematted.rewrite_cost), (partial(job.regions, variant), 0.0)]
-        products = job.remat(variant, products=True) if opts.cost != "profile" else None
+        products = job.remat(variant, products=True) if opts.remat_products and opts.cost != "profile" else None
         if products is not None and limits.fits(products.estimate):
             options.append((partial(_remat_alone, products, limits), products.rewrite_cost))
         return self._remat_or_not(options, limits)
