@@ -115,12 +115,13 @@ def setup(name, full):
     return ex, ex.build_model(**kw), x
 
 
-def fxmem_module(program, base, loss_fn, frac, acts=None):
+def fxmem_module(program, base, loss_fn, frac, acts=None, **options):
     """The checkpoint pass at budget fraction `frac` (peak - (1 - frac) * activations), or, with `acts`, at the
-    activation budget `acts` (bytes kept at the end of forward, no peak budget)."""
+    activation budget `acts` (bytes kept at the end of forward, no peak budget); `options`: more of its
+    CheckpointOptions."""
     ck = pass_module("checkpoint")
     budget = int(base.peak - (1 - frac) * base.activations) if acts is None else None
-    opts = ck.CheckpointOptions(activation_budget=None if acts is None else Budget(bytes=int(acts)))
+    opts = ck.CheckpointOptions(activation_budget=None if acts is None else Budget(bytes=int(acts)), **options)
     note = ""
     t0 = time.perf_counter()
     # the budget as a target (budget_strict: false, as the presets set it): out of reach, the pass goes as low as

@@ -1,0 +1,120 @@
+"""Linears as remat sites: the checkpoint pass's plans with and without them, timed side by side.
+
+Issue 33 §1: at torch.compile's bytes, fxmem's plans on the reference decoder recomputed 2-4x the eager floor at mid
+budgets, because whole-module regions rerun the ops that save what they recompute (an MLP region's second linear,
+only to re-pack its input). `passes.checkpoint.remat_products` lets remat take an MLP's first linear (under its
+GELU) instead, where remat then reaches the budget without regions. This script asks the pass for the activation
+bytes torch.compile keeps at each budget b (as `checkpoint_pareto.py`'s "fxmem=c@b" rows do), once with the option
+and once without, and times both plans against the captured graph in the same process, interleaved: per round one
+step of each, their recompute time the median over rounds of the step less the captured graph's in that round.
+
+    python benchmarks/remat_products.py            # budgets 0.3, 0.5, 0.7; 40 rounds
+    python benchmarks/remat_products.py --budgets 0.5 --rounds 20
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxmem  # noqa: E402
+from fxmem.costmodel import estimate  # noqa: E402
+from fxmem.measure import saved_bytes  # noqa: E402
+from fxmem.units import format_bytes  # noqa: E402
+
+from benchmarks.checkpoint_pareto import (Bench, add_compile, fxmem_module, paired_difference, setup,  # noqa: E402
+                                          step_fn)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def plans(budgets, bench: Bench) -> dict[str, tuple]:
+    """Per budget, the pass's module at compile@b's bytes with and without matrix-product sites: {row key:
+    (module, plan note, activation bytes in the hooks' count)}."""
+    cap = bench.mods["captured"][0]
+    offset = fxmem.measure(copy.deepcopy(cap), bench.x, loss_fn=bench.loss_fn).activations - \
+        saved_bytes(copy.deepcopy(cap), bench.x)
+    rows = {}
+    for b in budgets:
+        add_compile(bench, b)
+        acts = saved_bytes(bench.mods[f"compile@{b}"][0], bench.x) + offset
+        for products in (True, False):
+            mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts,
+                                                 remat_products=products)
+            kept = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn).activations - offset
+            rows[f"{'with' if products else 'without'} products @{b}"] = (mod, plan_note(metrics, mod), kept,
+                                                                        acts - offset)
+    return rows
+
+
+def plan_note(metrics: dict, module) -> str:
+    """Regions recomputed (module path: choice initial) and remat sites, linears among them."""
+    regions = " ".join(f"{p}:{c[0]}" for p, c in metrics.get("plan", {}).items() if c != "keep") or "no region"
+    sites = metrics.get("remat", {}).get("sites", 0)
+    linears = "'aten.linear.default'" in module.code  # (the op's name quoted: a remat recipe's)
+    return f"{regions}; {sites} remat sites" + (", linears among them" if linears else "")
+
+
+def timed(bench: Bench, modules: dict, rounds: int) -> dict[str, list[float]]:
+    """Interleaved step times, one step of each module per round, the order rotated every round."""
+    steps = {k: step_fn(copy.deepcopy(m), bench.x, bench.loss_fn) for k, m in modules.items()}
+    for step in steps.values():
+        step()  # warm-up
+    times = {k: [] for k in steps}
+    keys = list(steps)
+    for i in range(rounds):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            started = time.perf_counter()
+            steps[k]()
+            times[k].append(time.perf_counter() - started)
+    return times
+
+
+def table(rows: dict, times: dict) -> str:
+    lines = ["| plan | compile@b's bytes | kept (hooks' count) | recompute ms: median (quartiles) | plan |",
+             "|---|---|---|---|---|"]
+    for key, (_, note, kept, target) in rows.items():
+        mid, low, high = paired_difference(times[key], times["captured"])
+        lines.append(f"| {key} | {format_bytes(target)} | {format_bytes(kept)} | {mid * 1000:.1f} ({low * 1000:.1f} - "
+                     f"{high * 1000:.1f}) | {note} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="0.3,0.5,0.7")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--out", default=str(RESULTS / "remat_products.md"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    ex, model, x = setup("gpt", True)
+    torch.manual_seed(0)
+    program = fxmem.capture(model, x)
+    program.refresh()
+    bench = Bench(model, x, ex.loss_fn, program, estimate(program, mode="train", loss_fn=ex.loss_fn))
+    bench.mods["captured"] = (program.snapshot().module, 0.0, "")
+    rows = plans([float(b) for b in args.budgets.split(",")], bench)
+    times = timed(bench, {"captured": bench.mods["captured"][0], **{k: r[0] for k, r in rows.items()}},
+                  args.rounds)
+    text = (f"# Linears as remat sites (passes.checkpoint.remat_products)\n\nReproduce: `python "
+            f"benchmarks/remat_products.py --budgets {args.budgets} --rounds {args.rounds}` (torch "
+            f"{torch.__version__}, CPU, 2 threads). The 6-block reference decoder of `checkpoint_pareto.py --full`, "
+            f"the pass asked for the activation bytes torch.compile kept at budget b; captured graph's best step "
+            f"{min(times['captured']) * 1000:.1f} ms. Recompute: a plan's step less the captured graph's in the "
+            f"same round, over {args.rounds} rounds.\n\n" + table(rows, times) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
