@@ -86,8 +86,8 @@ def test_measured_activations_within_the_budget_exact_and_monotone(name, unet_pr
 def test_regions_planned_on_remat_count_a_nested_recipe_they_make_plain(unet_prog):
     # the U-Net's decoder cat recipe holds its upsampling convolution's output as a nested recipe; a region that
     # recomputes the upsampling makes that output plain, held by the cat's recipe: the memory model must count it
-    # (planned activations = the estimate's)
-    res = _run(unet_prog, "30%", refine=0)
+    # (planned activations = the estimate's). (With convolutions as sites, remat alone reaches this budget.)
+    res = _run(unet_prog, "30%", refine=0, remat_products=False)
     m = res.metrics
     assert "remat" in m and any(c != "keep" for c in m["plan"].values()), m
     assert m["planned_activations"] == pytest.approx(m["estimated_activations"], rel=0.005), m["plan"]
@@ -259,8 +259,9 @@ def test_saved_bytes_sees_what_an_fxmem_module_keeps(name, unet_prog, gpt_prog):
     cap = p.snapshot().module
     beyond = fxmem.measure(copy.deepcopy(cap), x, loss_fn=loss_fn).activations - saved_bytes(copy.deepcopy(cap), x)
     kinds = set()
-    for act in ("70%", "40%", "15%"):
-        res = _run(prog, act, strict=False)
+    # (with and without convolutions and linears as remat sites: with them, remat alone takes the U-Net's budgets)
+    for act, products in itertools.product(("70%", "40%", "15%"), (True, False)):
+        res = _run(prog, act, strict=False, remat_products=products)
         mod = res.program.module
         kinds |= set(res.metrics.get("plan", {}).values()) | ({"remat"} if res.metrics.get("remat") else set())
         torch.manual_seed(0)

@@ -177,7 +177,8 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
         return 0.0, 0, True
     sites = variant.metrics["remat"]["sites"]
     return variant.result(f"checkpoint: {sites} activations recomputed in backward, matrix products among them (a "
-                          f"linear's output under its activation), bring the estimate to peak "
+                          f"linear's or a convolution's output under its activation or norm), bring the estimate to "
+                          f"peak "
                           f"{format_bytes(variant.estimate.peak)}, activations "
                           f"{format_bytes(variant.estimate.activations)}, within {limits.describe()}; no region "
                           f"recomputed: cheaper than regions by the cost model")
@@ -285,6 +286,8 @@ class CheckpointRun:
         metrics = {**variant.metrics, "remat": {"sites": len(changes), "candidates": len(sites),
                                                 "peak_after": after.peak,
                                                 "activations_saved": before.activations - after.activations}}
+        if products:  # (how many of the sites are linears, matrix products or convolutions)
+            metrics["remat"]["products"] = sum(map(product_site, chosen))
         self.ctx.log(f"[checkpoint] {len(changes)} of {len(sites)} cheap activations recomputed in backward: "
                      f"estimated peak {format_bytes(before.peak)} -> {format_bytes(after.peak)}")
         return Variant(rematted, traced_remat, after, variant.changes + changes, list(variant.notes), metrics,

@@ -38,9 +38,10 @@ class CheckpointOptions:
     # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
     # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
     remat: bool = True
-    # where those sites alone miss the limits: linears and matrix products whose inputs autograd keeps anyway (an
-    # MLP's first linear, under its activation) as sites too, taken when remat then reaches the limits without
-    # regions and costs less than the plans with them (not with cost: profile)
+    # where those sites alone miss the limits: linears, matrix products and convolutions whose inputs autograd keeps
+    # anyway (an MLP's first linear under its activation, a convolution under its batch norm) as sites too, taken
+    # when remat then reaches the limits without regions and costs less than the plans with them (not with cost:
+    # profile)
     remat_products: bool = True
     # regions never join nodes of two repeated blocks (fxmem.blocks.block_paths: h.0, h.1, ...) or a block's
     # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares

@@ -40,8 +40,9 @@ REMAT_CHAIN_ONLY = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_tran
 # FLOPs alone, per byte / CPU_BALANCE): it admits a short-reduction convolution at the cost model's
 # SLOW_KERNELS_CPU rate; it is ranked by that cost, after the cheap sites
 REMAT_INPUT_MATMUL_PASSES = 20.0
-# matrix products that are sites when their inputs are held anyway, at most REMAT_INPUT_MATMUL_PASSES dear per byte
-REMAT_PRODUCTS = frozenset({"linear", "mm", "addmm", "bmm", "matmul"})
+# matrix products and convolutions that are sites when their inputs are held anyway (remat_sites(products=True)),
+# at most REMAT_INPUT_MATMUL_PASSES dear per byte
+REMAT_PRODUCTS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "convolution", "conv1d", "conv2d", "conv3d"})
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 # the keyword arguments apply_remat adds to a node (left out of a chain member's kwargs under torch.compile)
@@ -99,9 +100,8 @@ def input_fed_matmul(node: fx.Node) -> bool:
 
 
 def held_matmul(node: fx.Node) -> bool:
-    """A linear or matrix product not writing in place: a site when its inputs are held anyway (a linear saves its
-    input: the first half of an MLP, under its activation). Convolutions stay with regions (but the first,
-    `input_fed_matmul`): at a CNN's channel counts most would pass the site's cost cap, where regions weigh them."""
+    """A linear, matrix product or convolution not writing in place: a site when its inputs are held anyway (it
+    saves its input itself: the first half of an MLP under its activation, a convolution under its batch norm)."""
     target = node.target
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
         optable.packet(target) in REMAT_PRODUCTS and not target._schema.is_mutable
