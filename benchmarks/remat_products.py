@@ -1,15 +1,16 @@
-"""Linears as remat sites: the checkpoint pass's plans with and without them, timed side by side.
+"""Linears and convolutions as remat sites: the checkpoint pass's plans with and without them, timed side by side.
 
 Issue 33 §1: at torch.compile's bytes, fxmem's plans on the reference decoder recomputed 2-4x the eager floor at mid
 budgets, because whole-module regions rerun the ops that save what they recompute (an MLP region's second linear,
 only to re-pack its input). `passes.checkpoint.remat_products` lets remat take an MLP's first linear (under its
-GELU) instead, where remat then reaches the budget without regions. This script asks the pass for the activation
-bytes torch.compile keeps at each budget b (as `checkpoint_pareto.py`'s "fxmem=c@b" rows do), once with the option
-and once without, and times both plans against the captured graph in the same process, interleaved: per round one
-step of each, their recompute time the median over rounds of the step less the captured graph's in that round.
+GELU), or a convolution (under its batch norm), instead, where remat then reaches the budget without regions. This
+script asks the pass for the activation bytes torch.compile keeps at each budget b (as `checkpoint_pareto.py`'s
+"fxmem=c@b" rows do), once with the option and once without, and times both plans against the captured graph in
+the same process, interleaved: per round one step of each, their recompute time the median over rounds of the step
+less the captured graph's in that round. The models and sizes are checkpoint_pareto's `--full` ones.
 
-    python benchmarks/remat_products.py            # budgets 0.3, 0.5, 0.7; 40 rounds
-    python benchmarks/remat_products.py --budgets 0.5 --rounds 20
+    python benchmarks/remat_products.py            # gpt and unet, budgets 0.1-0.7; 40 rounds
+    python benchmarks/remat_products.py --models gpt --budgets 0.5 --rounds 20
 """
 from __future__ import annotations
 
@@ -49,17 +50,17 @@ def plans(budgets, bench: Bench) -> dict[str, tuple]:
             mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts,
                                                  remat_products=products)
             kept = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn).activations - offset
-            rows[f"{'with' if products else 'without'} products @{b}"] = (mod, plan_note(metrics, mod), kept,
+            rows[f"{'with' if products else 'without'} products @{b}"] = (mod, plan_note(metrics), kept,
                                                                         acts - offset)
     return rows
 
 
-def plan_note(metrics: dict, module) -> str:
-    """Regions recomputed (module path: choice initial) and remat sites, linears among them."""
+def plan_note(metrics: dict) -> str:
+    """Regions recomputed (module path: choice initial) and remat sites, how many of them products."""
     regions = " ".join(f"{p}:{c[0]}" for p, c in metrics.get("plan", {}).items() if c != "keep") or "no region"
-    sites = metrics.get("remat", {}).get("sites", 0)
-    linears = "'aten.linear.default'" in module.code  # (the op's name quoted: a remat recipe's)
-    return f"{regions}; {sites} remat sites" + (", linears among them" if linears else "")
+    remat = metrics.get("remat", {})
+    products = remat.get("products", 0)
+    return f"{regions}; {remat.get('sites', 0)} remat sites" + (f", {products} of them products" if products else "")
 
 
 def timed(bench: Bench, modules: dict, rounds: int) -> dict[str, list[float]]:
@@ -77,6 +78,20 @@ def timed(bench: Bench, modules: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def model_section(name: str, budgets, rounds: int) -> str:
+    """One model's table: its plans at compile@b's bytes per budget, with and without the option, timed."""
+    ex, model, x = setup(name, True)
+    torch.manual_seed(0)
+    program = fxmem.capture(model, x)
+    program.refresh()
+    bench = Bench(model, x, ex.loss_fn, program, estimate(program, mode="train", loss_fn=ex.loss_fn))
+    bench.mods["captured"] = (program.snapshot().module, 0.0, "")
+    rows = plans(budgets, bench)
+    times = timed(bench, {"captured": bench.mods["captured"][0], **{k: r[0] for k, r in rows.items()}}, rounds)
+    return f"### {name} (captured graph's best step {min(times['captured']) * 1000:.1f} ms)\n\n" + \
+        table(rows, times) + "\n"
+
+
 def table(rows: dict, times: dict) -> str:
     lines = ["| plan | compile@b's bytes | kept (hooks' count) | recompute ms: median (quartiles) | plan |",
              "|---|---|---|---|---|"]
@@ -89,26 +104,19 @@ def table(rows: dict, times: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="0.3,0.5,0.7")
+    ap.add_argument("--models", default="gpt,unet")
+    ap.add_argument("--budgets", default="0.1,0.2,0.3,0.5,0.7")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--out", default=str(RESULTS / "remat_products.md"))
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    ex, model, x = setup("gpt", True)
-    torch.manual_seed(0)
-    program = fxmem.capture(model, x)
-    program.refresh()
-    bench = Bench(model, x, ex.loss_fn, program, estimate(program, mode="train", loss_fn=ex.loss_fn))
-    bench.mods["captured"] = (program.snapshot().module, 0.0, "")
-    rows = plans([float(b) for b in args.budgets.split(",")], bench)
-    times = timed(bench, {"captured": bench.mods["captured"][0], **{k: r[0] for k, r in rows.items()}},
-                  args.rounds)
-    text = (f"# Linears as remat sites (passes.checkpoint.remat_products)\n\nReproduce: `python "
-            f"benchmarks/remat_products.py --budgets {args.budgets} --rounds {args.rounds}` (torch "
-            f"{torch.__version__}, CPU, 2 threads). The 6-block reference decoder of `checkpoint_pareto.py --full`, "
-            f"the pass asked for the activation bytes torch.compile kept at budget b; captured graph's best step "
-            f"{min(times['captured']) * 1000:.1f} ms. Recompute: a plan's step less the captured graph's in the "
-            f"same round, over {args.rounds} rounds.\n\n" + table(rows, times) + "\n")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    sections = [model_section(name, budgets, args.rounds) for name in args.models.split(",")]
+    text = (f"# Linears and convolutions as remat sites (passes.checkpoint.remat_products)\n\nReproduce: `python "
+            f"benchmarks/remat_products.py --models {args.models} --budgets {args.budgets} --rounds {args.rounds}` "
+            f"(torch {torch.__version__}, CPU, 2 threads). checkpoint_pareto's `--full` models, the pass asked for "
+            f"the activation bytes torch.compile kept at budget b. Recompute: a plan's step less the captured "
+            f"graph's in the same round, median (quartiles) over {args.rounds} rounds.\n\n" + "\n".join(sections))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
