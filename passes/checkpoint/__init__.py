@@ -94,12 +94,13 @@ class CheckpointPass(Pass):
     @staticmethod
     def _remat_or_not(options: list, limits: Limits) -> PassResult:
         """Regions with remat, regions alone, or remat alone with matrix products as sites (`options`: (run, remat
-        cost) each). All are planned (`run(True)`: (cost, planned shortfall, reachable), no tracing); the cheapest
-        reachable plan (remat's own recompute counted) is emitted and verified (`run(False)`: a PassResult). The
-        next is emitted too only if it may be cheaper after all (the refine loop made the first costlier) or the
-        first misses the limits by its estimate (and, when no plan reaches them, the next was not planned clearly
-        higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. Limits no plan
-        reaches (one by its planner, another by its estimate) are a BudgetError."""
+        cost) each, in that order; the second's result is noted as regions without remat). All are planned
+        (`run(True)`: (cost, planned shortfall, reachable), no tracing); the cheapest reachable plan (remat's own
+        recompute counted) is emitted and verified (`run(False)`: a PassResult). The next is emitted too only if it
+        may be cheaper after all (the refine loop made the first costlier) or the first misses the limits by its
+        estimate (and, when no plan reaches them, the next was not planned clearly higher: BEST_EFFORT_MARGIN): the
+        cheaper one that fits wins, else the lower estimate. Limits no plan reaches (one by its planner, another by
+        its estimate) are a BudgetError."""
         without = options[1][0]
         plans, error = [], None
         for run, extra in options:
@@ -176,12 +177,11 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
     if plan_only:
         return 0.0, 0, True
     sites = variant.metrics["remat"]["sites"]
+    estimate = variant.estimate
     return variant.result(f"checkpoint: {sites} activations recomputed in backward, matrix products among them (a "
                           f"linear's or a convolution's output under its activation or norm), bring the estimate to "
-                          f"peak "
-                          f"{format_bytes(variant.estimate.peak)}, activations "
-                          f"{format_bytes(variant.estimate.activations)}, within {limits.describe()}; no region "
-                          f"recomputed: cheaper than regions by the cost model")
+                          f"peak {format_bytes(estimate.peak)}, activations {format_bytes(estimate.activations)}, "
+                          f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
 
 
 def _fits(result: PassResult, limits: Limits) -> bool:
@@ -288,7 +288,7 @@ class CheckpointRun:
                                                 "activations_saved": before.activations - after.activations}}
         if products:  # (how many of the sites are linears, matrix products or convolutions)
             metrics["remat"]["products"] = sum(map(product_site, chosen))
-        self.ctx.log(f"[checkpoint] {len(changes)} of {len(sites)} cheap activations recomputed in backward: "
+        self.ctx.log(f"[checkpoint] {len(changes)} of {len(sites)} activations recomputed in backward: "
                      f"estimated peak {format_bytes(before.peak)} -> {format_bytes(after.peak)}")
         return Variant(rematted, traced_remat, after, variant.changes + changes, list(variant.notes), metrics,
                        rewrite_cost=sum(s.cost for s in chosen) if opts.cost != "profile" else 0.0)
