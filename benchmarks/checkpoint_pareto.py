@@ -260,14 +260,26 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     the goal's memory side and no more. Compiled rows count saved storages (hooks); fxmem.measure counts every
     storage live after forward, which on the captured graph is `offset` more (outputs, the loss): the target is
     compile's count plus that."""
+    mod, dt, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None,
+                                             acts=compile_bytes_target(bench, b))
+    bench.mods[f"fxmem=c@{b}"] = (mod, dt, note)
+    bench.info[f"fxmem=c@{b}"] = metrics
+
+
+def compile_bytes_target(bench: Bench, b: float) -> int:
+    """The activation budget that asks fxmem for compile@b's bytes (built already): the storages its compiled step
+    saves (hooks), plus what fxmem.measure counts beyond the hooks on the captured graph (`hooks_offset`)."""
+    acts = bench.compiled_acts[f"compile@{b}"] = saved_bytes(bench.mods[f"compile@{b}"][0], bench.x)
+    return acts + hooks_offset(bench)
+
+
+def hooks_offset(bench: Bench) -> int:
+    """What fxmem.measure counts beyond the saved-tensor hooks on the captured graph (outputs, the loss), once."""
     if bench.offset is None:
         cap = bench.mods["captured"][0]
         bench.offset = fxmem.measure(copy.deepcopy(cap), bench.x, loss_fn=bench.loss_fn).activations - \
             saved_bytes(copy.deepcopy(cap), bench.x)
-    acts = bench.compiled_acts[f"compile@{b}"] = saved_bytes(bench.mods[f"compile@{b}"][0], bench.x)
-    mod, dt, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts + bench.offset)
-    bench.mods[f"fxmem=c@{b}"] = (mod, dt, note)
-    bench.info[f"fxmem=c@{b}"] = metrics
+    return bench.offset
 
 
 BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked,
@@ -451,9 +463,7 @@ def method_lines(res) -> list[str]:
              "activation bytes after forward | step time ratio | step ms (best / median) | "
              "transform / compile s | plan |", "|---" * (7 + len(extra)) + "|"]
     for k, r in res["rows"].items():
-        plan = res["info"].get(k, {}).get("plan", {})
-        plan_s = " ".join(f"{p}:{c[0]}" for p, c in plan.items() if c != "keep") or ("-" if k.startswith("fxmem")
-                                                                                   else "")
+        plan_s = plan_string(res["info"].get(k, {}).get("plan", {})) or ("-" if k.startswith("fxmem") else "")
         acts = format_bytes(r["acts"]) + (" (hooks)" if r["acts_method"] == "hooks" else "") \
             if r["acts"] is not None else "n/a"
         cells = "".join(f"{format_bytes(r[key]) if r.get(key) is not None else 'n/a'} | " for _, key in extra)
@@ -465,6 +475,11 @@ def method_lines(res) -> list[str]:
     lines.append("plan: region:s = selective (matmul outputs kept), region:f = full recompute. "
                  "captured = fxmem.capture without passes (the graph fxmem starts from).")
     return lines
+
+
+def plan_string(plan: dict) -> str:
+    """The regions a plan recomputes, as "module path:choice initial" (region:s selective, region:f full)."""
+    return " ".join(f"{path}:{choice[0]}" for path, choice in plan.items() if choice != "keep")
 
 
 def dominance_lines(rows) -> list[str]:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,59 +25,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
-from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
-from benchmarks.checkpoint_pareto import (Bench, add_compile, fxmem_module, paired_difference, setup,  # noqa: E402
-                                          step_fn)
+from benchmarks.checkpoint_pareto import (Bench, add_compile, compile_bytes_target, fxmem_module,  # noqa: E402
+                                          hooks_offset, paired_difference, plan_string, setup, step_times)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def plans(budgets, bench: Bench) -> dict[str, tuple]:
     """Per budget, the pass's module at compile@b's bytes with and without matrix-product sites: {row key:
-    (module, plan note, activation bytes in the hooks' count)}."""
-    cap = bench.mods["captured"][0]
-    offset = fxmem.measure(copy.deepcopy(cap), bench.x, loss_fn=bench.loss_fn).activations - \
-        saved_bytes(copy.deepcopy(cap), bench.x)
+    (module, plan note, activation bytes kept and asked for, both in the hooks' count)}."""
     rows = {}
     for b in budgets:
         add_compile(bench, b)
-        acts = saved_bytes(bench.mods[f"compile@{b}"][0], bench.x) + offset
+        target = compile_bytes_target(bench, b)
         for products in (True, False):
-            mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts,
+            mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=target,
                                                  remat_products=products)
-            kept = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn).activations - offset
-            rows[f"{'with' if products else 'without'} products @{b}"] = (mod, plan_note(metrics), kept,
-                                                                        acts - offset)
+            kept = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn).activations
+            rows[f"{'with' if products else 'without'} products @{b}"] = (
+                mod, plan_note(metrics), kept - hooks_offset(bench), target - hooks_offset(bench))
     return rows
 
 
 def plan_note(metrics: dict) -> str:
-    """Regions recomputed (module path: choice initial) and remat sites, how many of them products."""
-    regions = " ".join(f"{p}:{c[0]}" for p, c in metrics.get("plan", {}).items() if c != "keep") or "no region"
+    """Regions recomputed and remat sites, how many of them products."""
     remat = metrics.get("remat", {})
     products = remat.get("products", 0)
-    return f"{regions}; {remat.get('sites', 0)} remat sites" + (f", {products} of them products" if products else "")
-
-
-def timed(bench: Bench, modules: dict, rounds: int) -> dict[str, list[float]]:
-    """Interleaved step times, one step of each module per round, the order rotated every round."""
-    steps = {k: step_fn(copy.deepcopy(m), bench.x, bench.loss_fn) for k, m in modules.items()}
-    for step in steps.values():
-        step()  # warm-up
-    times = {k: [] for k in steps}
-    keys = list(steps)
-    for i in range(rounds):
-        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            started = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - started)
-    return times
+    return f"{plan_string(metrics.get('plan', {})) or 'no region'}; {remat.get('sites', 0)} remat sites" + \
+        (f", {products} of them products" if products else "")
 
 
 def model_section(name: str, budgets, rounds: int) -> str:
-    """One model's table: its plans at compile@b's bytes per budget, with and without the option, timed."""
+    """One model's table: its plans at compile@b's bytes per budget, with and without the option, timed
+    interleaved against the captured graph (checkpoint_pareto's `step_times`)."""
     ex, model, x = setup(name, True)
     torch.manual_seed(0)
     program = fxmem.capture(model, x)
@@ -87,13 +67,15 @@ def model_section(name: str, budgets, rounds: int) -> str:
     bench = Bench(model, x, ex.loss_fn, program, estimate(program, mode="train", loss_fn=ex.loss_fn))
     bench.mods["captured"] = (program.snapshot().module, 0.0, "")
     rows = plans(budgets, bench)
-    times = timed(bench, {"captured": bench.mods["captured"][0], **{k: r[0] for k, r in rows.items()}}, rounds)
+    timing = Bench(model, x, ex.loss_fn, program, bench.base,
+                   mods={"captured": bench.mods["captured"], **{k: (r[0], 0.0, "") for k, r in rows.items()}})
+    times = step_times(timing, rounds)
     return f"### {name} (captured graph's best step {min(times['captured']) * 1000:.1f} ms)\n\n" + \
         table(rows, times) + "\n"
 
 
 def table(rows: dict, times: dict) -> str:
-    lines = ["| plan | compile@b's bytes | kept (hooks' count) | recompute ms: median (quartiles) | plan |",
+    lines = ["| method | compile@b's bytes | kept (hooks' count) | recompute ms: median (quartiles) | plan |",
              "|---|---|---|---|---|"]
     for key, (_, note, kept, target) in rows.items():
         mid, low, high = paired_difference(times[key], times["captured"])
