@@ -197,6 +197,7 @@ class DispatchRecorder(TorchDispatchMode):
         # tensors passed by keyword (SDPA's attn_mask on CPU) are read too: held to here, like list members
         list_keys.extend(self.key(value)[0] for value in kwargs.values() if isinstance(value, torch.Tensor))
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.forget_written_recipes(func, in_keys)
         if self.step_each:
             self.step += 1
         out_keys, out_bytes, new_keys, int_outs = self._outputs(outs)
@@ -223,6 +224,14 @@ class DispatchRecorder(TorchDispatchMode):
                 self.deferred.append((record, func, args, kwargs, outs))
         self.records.append(record)
         return out
+
+    def forget_written_recipes(self, func, in_keys: list) -> None:
+        """A recipe's output written in place (through any view) is saved as a tensor from then on: the recipe
+        would give the old values, and fxmem.nn.recast checks the output's version when packing. (A node that
+        registers the written storage as a recipe again, an in-place remat_call, makes it one after the op.)"""
+        for position in written_positions(func):
+            if position < len(in_keys) and in_keys[position] in self.recipe_of:
+                self.recast_keys.discard(in_keys[position])
 
     def settle_deferred(self) -> None:
         """The ops outside the table run with grad off on inputs needing grad (`deferred`), once the graph node that
