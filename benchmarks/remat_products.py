@@ -3,7 +3,8 @@
 Issue 33 §1: at torch.compile's bytes, fxmem's plans on the reference decoder recomputed 2-4x the eager floor at mid
 budgets, because whole-module regions rerun the ops that save what they recompute (an MLP region's second linear,
 only to re-pack its input). `passes.checkpoint.remat_products` lets remat take an MLP's first linear (under its
-GELU), or a convolution (under its batch norm), instead, where remat then reaches the budget without regions. This
+GELU), or a convolution (under its batch norm), instead: alone where remat then reaches the budget, else with
+regions planned over them (the attention blocks' where the MLPs' linears are sites). This
 script asks the pass for the activation bytes torch.compile keeps at each budget b (as `checkpoint_pareto.py`'s
 "fxmem=c@b" rows do), once with the option and once without, and times both plans against the captured graph in
 the same process, interleaved: per round one step of each, their recompute time the median over rounds of the step

@@ -425,13 +425,15 @@ def test_best_effort_emits_the_other_plan_only_when_it_may_come_out_lower():
         return go
     margin = int(ck.BEST_EFFORT_MARGIN * 1_100_000)
     # planned clearly above the first's estimate (1.1 MB): not emitted
-    res = ck.CheckpointPass._remat_or_not([(run("remat", 100_000, 1_100_000), 0.0),
-                                           (run("alone", 100_000 + margin + 1, 1_000_001), 0.0)], lim)
+    res = ck.CheckpointPass._remat_or_not([ck.PlanOption(run("remat", 100_000, 1_100_000), 0.0),
+                                           ck.PlanOption(run("alone", 100_000 + margin + 1, 1_000_001), 0.0,
+                                                         "regions without remat")], lim)
     assert emitted == ["remat"] and res.metrics["estimated_peak"] == 1_100_000
     # within the margin: emitted, and its lower estimate wins
     emitted.clear()
-    res = ck.CheckpointPass._remat_or_not([(run("remat", 100_000, 1_100_000), 0.0),
-                                           (run("alone", 100_000 + margin - 1, 1_090_000), 0.0)], lim)
+    res = ck.CheckpointPass._remat_or_not([ck.PlanOption(run("remat", 100_000, 1_100_000), 0.0),
+                                           ck.PlanOption(run("alone", 100_000 + margin - 1, 1_090_000), 0.0,
+                                                         "regions without remat")], lim)
     assert emitted == ["remat", "alone"] and res.metrics["estimated_peak"] == 1_090_000
     assert any("regions without remat: the lower estimate" in n for n in res.notes)
 
@@ -661,23 +663,29 @@ def _assert_compiled_step_as_eager(ref, compiled, x, loss_fn):
         torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"buffer {k}: {m}")
 
 
-@pytest.mark.parametrize("frac", [0.8, 0.45], ids=["remat-alone", "remat-inside-regions"])
-def test_remat_recomputed_under_torch_compile(frac):
+@pytest.mark.parametrize("frac,products", [(0.8, True), (0.45, False), (0.45, True)],
+                         ids=["remat-alone", "remat-inside-regions", "regions-over-products"])
+def test_remat_recomputed_under_torch_compile(frac, products):
     """Users stack torch.compile on the result: there the recast hooks step aside, and `remat` becomes a one-op
     checkpoint so the compiler's partitioner recomputes what the pass planned. The compiled module (one graph)
     saves fewer bytes than the compiled original (remat alone: by what remat frees) and trains like the original;
-    also with remat nodes inside recomputed regions (a checkpoint inside a checkpoint)."""
+    also with remat nodes inside recomputed regions (a checkpoint inside a checkpoint), and with regions planned
+    over linears as remat sites (a region's input a recipe)."""
     torch.manual_seed(0)
     m = gpt.build_model(n_layer=2, d_model=32, n_head=2, block_size=32, dropout=0.0)  # compiled RNG != eager's
     x = gpt.example_inputs(batch=2, seq_len=32)
     p = fxmem.capture(m, x)
     p.refresh()
     base = estimate(p, mode="train", loss_fn=gpt.loss_fn)
-    res, _ = _run_pass(p, gpt.loss_fn, int(base.peak - (1 - frac) * base.activations))
+    res, _ = _run_pass(p, gpt.loss_fn, int(base.peak - (1 - frac) * base.activations), remat_products=products)
     assert res.metrics["remat"]["sites"] >= 3
     if frac == 0.8:
         assert "plan" not in res.metrics  # remat alone, no region
         freed = res.metrics["remat"]["activations_saved"]
+    elif products:
+        assert res.metrics["remat"]["products"] >= 1 and "plan" in res.metrics
+        assert any("regions over remat with matrix products" in n for n in res.notes), res.notes
+        freed = 1
     else:
         bodies = [mod.body.code for mod in res.program.module.modules() if isinstance(mod, CheckpointRegion)]
         assert bodies and any("remat(" in code for code in bodies)

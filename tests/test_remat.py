@@ -1013,6 +1013,29 @@ def test_remat_alone_with_matrix_products_taken_where_it_fits_and_is_cheaper_tha
     _same_step(ref, res.module, args, kwargs, loss_fn, exact=True)
 
 
+def test_regions_over_matrix_product_sites_where_remat_alone_misses():
+    """At a budget remat alone misses even with the MLPs' first linears as sites, regions are also planned over the
+    program with every site applied, linears included (a region's input may then be a recipe). On the example
+    decoder at 65% that plan (attention regions, no MLP region) is cheaper by the cost model than remat + regions
+    or regions alone: the pass emits it and says so; the step is exact, measured within the budget and as
+    estimated, and its recompute (regions' and remat's) is below the plan without linear sites."""
+    _, off, *_ = _transform("gpt", "65%", remat_products=False)
+    ref, res, args, kwargs, loss_fn = _transform("gpt", "65%")
+    rec = next(r for r in res.report.passes if r.name == "checkpoint")
+    off_rec = next(r for r in off.report.passes if r.name == "checkpoint")
+    assert rec.status == "applied", rec.reason
+    assert rec.metrics["remat"]["products"] >= 1 and any(c != "keep" for c in rec.metrics["plan"].values())
+    assert any("regions over remat with matrix products among its sites" in n for n in rec.notes), rec.notes
+    assert "remat_call('aten.linear.default'" in res.module.code
+    assert res.report.measured_after.peak <= res.report.budget
+    assert abs(rec.metrics["estimated_peak"] - res.report.measured_after.peak) <= 0.001 * res.report.budget
+
+    def total(metrics):
+        return metrics["recompute_roofline_flops"] + (metrics.get("remat") or {}).get("recompute", 0.0)
+    assert total(rec.metrics) < total(off_rec.metrics), (rec.metrics, off_rec.metrics)
+    _same_step(ref, res.module, args, kwargs, loss_fn, exact=True)
+
+
 def test_convolutions_as_sites_reach_an_activation_budget_without_regions_exactly():
     """The U-Net asked for a fifth of its activations: remat with convolutions among its sites (each under its batch
     norm, which saves the convolution's output; the convolution's input is saved by the convolution itself) gets

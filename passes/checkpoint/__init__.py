@@ -4,7 +4,8 @@ The steps, each on a copy of the program: `compact_dropout` (CPU dropout masks d
 activations recomputed where backward needs them, as many as the limits need), then recompute regions: candidate
 sets (`candidates`), a plan per set from the memory model (`solvers`), the cheapest emitted (`emit`) and verified
 with the cost model's estimate, re-planned against tighter targets while the estimate misses (`reach`). With remat,
-regions are planned on the rewritten program and on the program without remat; the cheaper reachable plan wins.
+regions are planned on the rewritten program and on the program without remat, and remat with matrix products as
+sites is weighed too (alone where it fits, else under regions); the cheapest reachable plan wins.
 Options: `options.CheckpointOptions`. Design: docs/design/checkpoint.md.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Callable, NamedTuple
 
 from fxmem.costmodel import default_balance, estimate_from_trace, op_cost, program_key, trace_forward
 from fxmem.errors import BudgetError
@@ -32,7 +34,8 @@ from .solvers import CHOICES, Solution, lowest, solve, solve_dp, tie_break, with
 
 # what tests and benchmarks reach through the package besides the pass
 __all__ = ["BEST_EFFORT_MARGIN", "CHOICES", "CandidateSet", "CheckpointOptions", "CheckpointPass", "CheckpointRun",
-           "Limits", "RematSite", "Solution", "apply_remat", "candidate_regions", "compact_dropout", "default_balance",
+           "Limits", "PlanOption", "RematSite", "Solution", "apply_remat", "candidate_regions", "compact_dropout",
+           "default_balance",
            "glue_regions", "is_chain", "is_region_node", "lowest", "op_cost", "profile_nodes", "region_boundary",
            "remat_plan", "remat_sites", "solve", "solve_dp", "tie_break"]
 
@@ -83,59 +86,63 @@ class CheckpointPass(Pass):
                                    f"{limits.describe()}; no region recomputed")
         # regions for the rest, planned on the rewritten program and on the program without remat (recipes and
         # regions interact: a region input that is a recipe is recomputed too, and a region can make remat's
-        # recomputation redundant); or remat alone with matrix products as sites too, where that fits: the cheaper
-        # plan that fits wins
-        options = [(partial(job.regions, rematted), rematted.rewrite_cost), (partial(job.regions, variant), 0.0)]
+        # recomputation redundant); and with matrix products as sites too: remat alone where that fits, else
+        # regions over it. The cheapest plan that fits wins
+        options = [PlanOption(partial(job.regions, rematted), rematted.rewrite_cost),
+                   PlanOption(partial(job.regions, variant), 0.0, "regions without remat")]
         products = job.remat(variant, products=True) if opts.remat_products and opts.cost != "profile" else None
         if products is not None and limits.fits(products.estimate):
-            options.append((partial(_remat_alone, products, limits), products.rewrite_cost))
+            options.append(PlanOption(partial(_remat_alone, products, limits), products.rewrite_cost))
+        elif products is not None:
+            options.append(PlanOption(partial(job.regions, products), products.rewrite_cost,
+                                      "regions over remat with matrix products among its sites"))
         return self._remat_or_not(options, limits)
 
     @staticmethod
-    def _remat_or_not(options: list, limits: Limits) -> PassResult:
-        """Regions with remat, regions alone, or remat alone with matrix products as sites (`options`: (run, remat
-        cost) each, in that order; the second's result is noted as regions without remat). All are planned
-        (`run(True)`: (cost, planned shortfall, reachable), no tracing); the cheapest reachable plan (remat's own
-        recompute counted) is emitted and verified (`run(False)`: a PassResult). The next is emitted too only if it
-        may be cheaper after all (the refine loop made the first costlier) or the first misses the limits by its
-        estimate (and, when no plan reaches them, the next was not planned clearly higher: BEST_EFFORT_MARGIN): the
-        cheaper one that fits wins, else the lower estimate. Limits no plan reaches (one by its planner, another by
-        its estimate) are a BudgetError."""
-        without = options[1][0]
+    def _remat_or_not(options: list[PlanOption], limits: Limits) -> PassResult:
+        """The cheapest of `options` (regions with remat, regions alone, and remat with matrix products as sites,
+        alone or under regions). All are planned (`run(True)`: (cost, planned shortfall, reachable), no tracing);
+        the cheapest reachable plan (remat's own recompute counted) is emitted and verified (`run(False)`: a
+        PassResult). The next is emitted too only if it may be cheaper after all (the refine loop made the first
+        costlier) or the first misses the limits by its estimate (and, when no plan reaches them, the next was not
+        planned clearly higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. A
+        winner with a label says so in a note. Limits no plan reaches (one by its planner, another by its estimate)
+        are a BudgetError."""
         plans, error = [], None
-        for run, extra in options:
+        for option in options:
             try:
-                planned_cost, miss, reachable = run(True)
-            except BudgetError as budget_error:
-                error = error or budget_error
+                planned_cost, miss, reachable = option.run(True)
+            except BudgetError as budget_error:  # (of several, the one reaching lowest)
+                error = min(filter(None, (error, budget_error)), key=lambda e: getattr(e, "lowest", float("inf")))
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
-            plans.append(((not reachable, planned_cost + extra if reachable else miss), run, extra))
+            plans.append(((not reachable, planned_cost + option.extra if reachable else miss), option))
         if not plans:
             raise error
         plans.sort(key=lambda t: t[0])
-        (_, first_run, first_extra), rest = plans[0], plans[1:]
-        first = first_run(False)
-        best, best_run, why = first, first_run, "the cheaper plan"
+        (_, first_option), rest = plans[0], plans[1:]
+        first = first_option.run(False)
+        first_extra = first_option.extra
+        best, best_option, why = first, first_option, "the cheaper plan"
         if rest and _worth_emitting(first, first_extra, rest[0][0], limits):
-            (_, second_run, second_extra) = rest[0]
+            second_option = rest[0][1]
             try:
-                second = second_run(False)
+                second = second_option.run(False)
             except BudgetError:
                 second = None
             if second is not None and _fits(second, limits) and (
-                    not _fits(first, limits) or _cost(second, second_extra) < _cost(first, first_extra)):
-                best, best_run = second, second_run
+                    not _fits(first, limits) or _cost(second, second_option.extra) < _cost(first, first_extra)):
+                best, best_option = second, second_option
                 why = "the cheaper plan that fits" if _fits(first, limits) else "the plan that fits"
             elif second is not None and not _fits(first, limits) and not _fits(second, limits) and \
                     limits.miss_metrics(second.metrics) < limits.miss_metrics(first.metrics):
-                best, best_run, why = second, second_run, "the lower estimate"
+                best, best_option, why = second, second_option, "the lower estimate"
         if error is not None and not _fits(best, limits):
             # the other plan cannot reach the budget and this one misses it by its estimate: unreachable (a plan
             # returned here could peak above what a lower, best-effort budget gives: not monotone)
             raise error
-        if best_run is without:
-            best.notes.append(f"checkpoint: regions without remat: {why} (remat + regions was planned too, its "
+        if best_option.label:
+            best.notes.append(f"checkpoint: {best_option.label}: {why} ({len(options)} plans were planned, remat's "
                               f"own recompute counted)")
         return best
 
@@ -170,6 +177,15 @@ class CheckpointPass(Pass):
     @staticmethod
     def _trace(program: Program, ctx):
         return trace_forward(program, program.example_args, program.example_kwargs, ctx.mode, ctx.loss_fn)
+
+
+class PlanOption(NamedTuple):
+    """One plan `_remat_or_not` weighs: `run(True)` plans it ((cost, planned shortfall, limits reachable)),
+    `run(False)` emits it (a PassResult); `extra` is remat's recompute cost beside the regions'; `label`, when
+    given, is noted if the plan wins."""
+    run: Callable
+    extra: float
+    label: str | None = None
 
 
 def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
@@ -264,7 +280,7 @@ class CheckpointRun:
     def remat(self, variant: Variant, products: bool = False) -> Variant | None:
         """`variant` with the cheapest remat sites the limits need applied (all when they need more); None when
         there are none or they do not lower the estimate. `products`: matrix products with held inputs are sites
-        too (`remat_sites`), and the variant is made only where its sites fit the limits alone (else None)."""
+        too (`remat_sites`), and there must be some."""
         opts, program, traced, before = self.opts, variant.program, variant.traced, variant.estimate
         balance = opts.balance if opts.balance is not None \
             else default_balance(program) if opts.cost == "roofline" else None
@@ -273,8 +289,6 @@ class CheckpointRun:
             return None
         misses = partial(self._misses, program, traced)
         chosen = choose_sites(sites, misses)
-        if products and misses(chosen) > 0:  # (taken only where it fits alone: spare the rewrite and its trace)
-            return None
         rematted = program.snapshot()
         changes = apply_remat(rematted, chosen)
         rematted.graph.lint()
@@ -283,15 +297,17 @@ class CheckpointRun:
         if not (after.peak < before.peak or ((after.peak == before.peak or self.limits.peak is None)
                                               and after.activations < before.activations)):
             return None
+        cost = sum(s.cost for s in chosen) if opts.cost != "profile" else None
+        # (recompute: the sites' cost in the pass's cost unit, beside the regions' recompute_* metric)
         metrics = {**variant.metrics, "remat": {"sites": len(changes), "candidates": len(sites),
-                                                "peak_after": after.peak,
+                                                "peak_after": after.peak, "recompute": cost,
                                                 "activations_saved": before.activations - after.activations}}
         if products:  # (how many of the sites are linears, matrix products or convolutions)
             metrics["remat"]["products"] = sum(map(product_site, chosen))
         self.ctx.log(f"[checkpoint] {len(changes)} of {len(sites)} activations recomputed in backward: "
                      f"estimated peak {format_bytes(before.peak)} -> {format_bytes(after.peak)}")
         return Variant(rematted, traced_remat, after, variant.changes + changes, list(variant.notes), metrics,
-                       rewrite_cost=sum(s.cost for s in chosen) if opts.cost != "profile" else 0.0)
+                       rewrite_cost=cost or 0.0)
 
     def _misses(self, program: Program, traced, sites: list[RematSite]) -> int:
         """Bytes the estimate of `program` with `sites` applied misses the limits by."""
@@ -323,7 +339,7 @@ class CheckpointRun:
             if planned is None:
                 if best is not None:
                     break
-                raise BudgetError(found.no_plan_message(limits, estimate))
+                raise found.error(limits, estimate)
             sol, cset = planned
             if plan_only:
                 return sol.cost, limits.over(cset.model.peak(sol.plan), estimate.activations
@@ -349,7 +365,7 @@ class CheckpointRun:
             # a preset's budget is a target: go as low as checkpointing can and say so
             return found.message + " The policy's budget is a target (budget_strict: false): checkpointing goes " \
                                    "as low as it reaches."
-        raise BudgetError(found.message)
+        raise found.error(self.limits, None)
 
     def _plan(self, sets: list[CandidateSet], found: Reach, target: int, need: int):
         """(solution, its candidate set): the best-effort plan when a limit is out of reach, else the cheapest

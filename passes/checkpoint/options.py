@@ -39,9 +39,9 @@ class CheckpointOptions:
     # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
     remat: bool = True
     # where those sites alone miss the limits: linears, matrix products and convolutions whose inputs autograd keeps
-    # anyway (an MLP's first linear under its activation, a convolution under its batch norm) as sites too, taken
-    # when remat then reaches the limits without regions and costs less than the plans with them (not with cost:
-    # profile)
+    # anyway (an MLP's first linear under its activation, a convolution under its batch norm) as sites too: remat
+    # alone where that reaches the limits, else with regions planned over it, taken when that plan costs less than
+    # the others (not with cost: profile)
     remat_products: bool = True
     # regions never join nodes of two repeated blocks (fxmem.blocks.block_paths: h.0, h.1, ...) or a block's
     # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares

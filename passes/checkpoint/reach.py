@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxmem.errors import BudgetError
 from fxmem.units import format_bytes
 
 from .candidates import CandidateSet
@@ -27,6 +28,16 @@ class Reach:
     act_need: int  # the activation bytes the regions must free
     best_effort: str | None = None  # the limit out of reach, planned as low as it goes: "peak", "activations"
     message: str | None = None  # why it is out of reach
+
+    def error(self, limits: Limits, estimate) -> BudgetError:
+        """The BudgetError for limits out of reach (`message`, else why no plan meets the refined limits), carrying
+        how low the limit missed goes (`lowest`, bytes: the lowest planned peak or activations), so that of several
+        plans' errors the pass can raise the one reaching lowest."""
+        error = BudgetError(self.message or self.no_plan_message(limits, estimate))
+        peak = self.best_effort == "peak" if self.best_effort else \
+            limits.peak is not None and (limits.activations is None or self.act_need == 0)
+        error.lowest = self.min_peak if peak else self.min_acts
+        return error
 
     def no_plan_message(self, limits: Limits, estimate) -> str:
         """Why no candidate set has a plan within the (refined) limits."""
