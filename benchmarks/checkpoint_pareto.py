@@ -678,7 +678,8 @@ def main(argv=None) -> int:
         return 0
     results = [run_model(n, args.full, budgets, args.rounds, args.compile) for n in args.models.split(",")]
     cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
-        (" --compile" if args.compile else "") + (f" --rounds {args.rounds}" if args.rounds != 9 else "")
+        (" --compile" if args.compile else "") + (f" --rounds {args.rounds}" if args.rounds != 9 else "") + \
+        (" --no-transform-time" if args.no_transform_time else "")
     load = _loadavg()
     md = [f"# Checkpoint pass: memory vs step time\n\nReproduce: `{cmd}` (torch {torch.__version__}, CPU, "
           f"{torch.get_num_threads()} threads{load}). Budgets b: fxmem gets peak - (1 - b) * activations "
