@@ -15,6 +15,7 @@ import pytest
 
 import fxmem
 
+from .exactness import difference
 from .fuzz_harness import run_model
 from .fuzz_models import fuzz_case
 
@@ -52,3 +53,18 @@ def test_a_grouped_pooling_nested_in_a_join_is_held_from_the_joins_recomputation
     assert "_fxmem_group = True" in code and "'aten.cat.default', [silu, max_pool2d]" in code
     measured = fxmem.measure(copy.deepcopy(result.module), case.args, mode="train").peak
     assert result.after.peak == measured
+
+
+def test_a_regions_inputs_viewing_one_recipe_are_made_once_for_its_recomputation():
+    """Seed 9119 at its lowest peak: a checkpointed attention block takes q, k and v, three views of a linear's
+    output that remat recomputes (a matrix-product site). Made again for the region's recomputation, the linear ran
+    once per view and held three outputs where the cost model counts one: measured 256,656 B against an estimate
+    of 226,512 (the peak, inside the region's backward). Now one run serves every view while one is alive."""
+    case = fuzz_case(9119)
+    program = fxmem.capture(copy.deepcopy(case.model), case.args)
+    result = fxmem.transform(program, case.args, policy="low", overrides=("budget=1",))
+    assert "ckpt_" in result.module.code and "fxmem_nn_remat_remat(linear_3, 'aten.linear.default'" in \
+        result.module.code
+    measured = fxmem.measure(copy.deepcopy(result.module), case.args, mode="train").peak
+    assert result.after.peak == measured
+    assert difference(case.model, result.module, case.args) is None

@@ -363,7 +363,8 @@ class _Recast:
 
 
 class _Recipe:
-    __slots__ = ("fn", "args", "kwargs", "tensors", "versions", "plain", "out_version", "share", "saves", "value")
+    __slots__ = ("fn", "args", "kwargs", "tensors", "versions", "plain", "out_version", "share", "saves", "value",
+                 "private")
 
     def __init__(self, function, args, kwargs, out_version, share=False):
         self.fn, self.args, self.kwargs = function, args, kwargs
@@ -379,6 +380,9 @@ class _Recipe:
         self.share = share  # recomputed once for all its saves (see `remat`)
         self.saves = 0  # shared: saves not unpacked yet
         self.value = None  # shared: the recomputed output, between the first unpack and the last
+        # (a weak reference to the storage of the output last made for a region's recomputation, its dtype):
+        # `_private_value`
+        self.private = None
 
 
 class _Remat:
@@ -478,12 +482,28 @@ def _remade(packed: _Remat) -> torch.Tensor:
     recipes first), or a shared recipe's value, or made again for a region's recomputation alone."""
     recipe = packed.recipe
     if packed.how == "private":
-        value = _recompute(recipe, private=True)
-    elif recipe.share:
+        return _private_value(packed)
+    if recipe.share:
         value = _shared_value(recipe)
     else:
         value = _recompute(recipe)
     return value.as_strided(packed.shape, packed.stride, packed.offset)
+
+
+def _private_value(packed: _Remat) -> torch.Tensor:
+    """A recipe's output made again for a region's recomputation, viewed as `packed` was: once for all the region's
+    inputs it makes while one of them is alive (an attention region's q, k and v, three views of one linear's
+    output, are unpacked together: one linear run, one output held, not three)."""
+    recipe = packed.recipe
+    storage = recipe.private[0]() if recipe.private is not None else None
+    if storage is not None and packed.shape is not None:
+        # (autograd keeps the unpacked views as tensors of its own: the storage's Python object lives as long as
+        # the storage does, the views' do not)
+        return torch.empty(0, dtype=recipe.private[1], device=storage.device).set_(
+            storage, packed.offset, packed.shape, packed.stride)
+    view = _recompute(recipe, private=True).as_strided(packed.shape, packed.stride, packed.offset)
+    recipe.private = (weakref.ref(view.untyped_storage()), view.dtype)
+    return view
 
 
 def _recompute(recipe: _Recipe, private: bool = False) -> torch.Tensor:
