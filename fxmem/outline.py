@@ -23,7 +23,7 @@ from .errors import FxmemError
 from .fx_digraph import as_digraph
 from .program import Program
 
-__all__ = ["outline", "OutlineError", "region_boundary", "unique_name", "stable_toposort"]
+__all__ = ["outline", "OutlineError", "check_outline", "region_boundary", "unique_name", "stable_toposort"]
 
 
 class OutlineError(FxmemError):

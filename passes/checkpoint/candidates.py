@@ -22,6 +22,7 @@ from fxmem.graph_segments import with_segments
 from fxmem.module_runs import finish_runs
 from fxmem.nn.dropout import bool_mask_dropout_remat
 from fxmem.nn.remat import op_call, remat
+from fxmem.outline import OutlineError, check_outline
 from fxmem.program import Program, module_stack
 
 
@@ -123,6 +124,16 @@ def _auto_levels(nodes: list, saved_by_node: dict[str, int], total: int, finer: 
     if finer:
         out = [c for p in out for c in (children.get(p, []) if len(children.get(p, [])) >= 2 else [p])]
     return out
+
+
+def outlinable(region: CandidateRegion) -> bool:
+    """The region's nodes can become one call (`fxmem.outline.check_outline`: convex, something used outside): a
+    `sym_size` outside a region that reads a value made inside it and feeds a later member makes it not convex."""
+    try:
+        check_outline(region.nodes, region.path)
+    except OutlineError:
+        return False
+    return True
 
 
 def writes_input(region: CandidateRegion) -> bool:
@@ -293,8 +304,9 @@ class RegionMeter:
 
     def admissible(self, regions: list[CandidateRegion]) -> list[CandidateRegion]:
         """The regions a recomputation can run: none writing a value made outside it (recomputation would see the
-        written value), none across two blocks when regions stay within blocks."""
-        regions = [r for r in regions if not writes_input(r)]
+        written value), none the emitter could not outline (the plan verified would not be the plan chosen), none
+        across two blocks when regions stay within blocks."""
+        regions = [r for r in regions if not writes_input(r) and outlinable(r)]
         if self.opts.within_blocks:
             regions = [r for r in regions if len({self.block_of.get(n) for n in r.nodes}) == 1]
         return regions
