@@ -35,9 +35,8 @@ from .solvers import CHOICES, Solution, lowest, solve, solve_dp, tie_break, with
 # what tests and benchmarks reach through the package besides the pass
 __all__ = ["BEST_EFFORT_MARGIN", "CHOICES", "CandidateSet", "CheckpointOptions", "CheckpointPass", "CheckpointRun",
            "Limits", "PlanOption", "RematSite", "Solution", "apply_remat", "candidate_regions", "compact_dropout",
-           "default_balance",
-           "glue_regions", "is_chain", "is_region_node", "lowest", "op_cost", "profile_nodes", "region_boundary",
-           "remat_plan", "remat_sites", "solve", "solve_dp", "tie_break"]
+           "default_balance", "glue_regions", "is_chain", "is_region_node", "lowest", "op_cost", "profile_nodes",
+           "region_boundary", "remat_plan", "remat_sites", "solve", "solve_dp", "tie_break"]
 
 # Two best-effort plans (remat + regions, regions alone) at limits neither reaches: the one planned lowest is
 # emitted and verified; the other only if it was planned less than this fraction above the first's estimate (the
