@@ -86,6 +86,11 @@ class OpRecord:
     list_members: list = field(default_factory=list)
     list_layouts: list = field(default_factory=list)
 
+    def written_keys(self) -> list[int]:
+        """The storages the op writes in place (relu_'s input, an out= tensor), from its schema."""
+        return [self.in_keys[i] for i in written_positions(self.func)
+                if i < len(self.in_keys) and self.in_keys[i] is not None]
+
 
 class DispatchRecorder(TorchDispatchMode):
     """Records every dispatch-level op with storage identities (fake storages: no real memory)."""
@@ -171,11 +176,11 @@ class DispatchRecorder(TorchDispatchMode):
                 total += self.storage_bytes[self.key(arg)[0]] + int(arg.numel()) * arg.element_size()
         return total
 
-    def save_original_copy(self, record: OpRecord, func) -> None:
+    def save_original_copy(self, record: OpRecord) -> None:
         """An in-place op whose backward reads its input's value from before the write (clamp_, silu_, pow_) saves
         the copy autograd makes of it first (`original_self`: a clone dispatched just before it, in the same node):
         the op saves that copy, not the storage it writes, and the copy has no backward of its own."""
-        written = {record.in_keys[i] for i in written_positions(func) if i < len(record.in_keys)}
+        written = set(record.written_keys())
         for earlier in reversed(self.records):
             if earlier.step != record.step:
                 return
@@ -197,7 +202,6 @@ class DispatchRecorder(TorchDispatchMode):
         # tensors passed by keyword (SDPA's attn_mask on CPU) are read too: held to here, like list members
         list_keys.extend(self.key(value)[0] for value in kwargs.values() if isinstance(value, torch.Tensor))
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.forget_written_recipes(func, in_keys)
         if self.step_each:
             self.step += 1
         out_keys, out_bytes, new_keys, int_outs = self._outputs(outs)
@@ -209,6 +213,7 @@ class DispatchRecorder(TorchDispatchMode):
                           list_keys=list_keys, int_outs=int_outs, step=self.step,
                           in_layouts=[layout_of(arg) if isinstance(arg, torch.Tensor) else None for arg in args],
                           out_layouts=[layout_of(o) if isinstance(o, torch.Tensor) else None for o in outs])
+        self.forget_written_recipes(record)
         if out_rg:
             self._record_saves(record, func, args, kwargs)
             self._record_grad_alias(record, func, args, kwargs)
@@ -225,13 +230,13 @@ class DispatchRecorder(TorchDispatchMode):
         self.records.append(record)
         return out
 
-    def forget_written_recipes(self, func, in_keys: list) -> None:
+    def forget_written_recipes(self, record: OpRecord) -> None:
         """A recipe's output written in place (through any view) is saved as a tensor from then on: the recipe
         would give the old values, and fxmem.nn.recast checks the output's version when packing. (A node that
         registers the written storage as a recipe again, an in-place remat_call, makes it one after the op.)"""
-        for position in written_positions(func):
-            if position < len(in_keys) and in_keys[position] in self.recipe_of:
-                self.recast_keys.discard(in_keys[position])
+        for key in record.written_keys():
+            if key in self.recipe_of:
+                self.recast_keys.discard(key)
 
     def settle_deferred(self) -> None:
         """The ops outside the table run with grad off on inputs needing grad (`deferred`), once the graph node that
@@ -323,7 +328,7 @@ class DispatchRecorder(TorchDispatchMode):
         if not record.known:
             self.unknown_saves.append((record, kw_keys))
         if written_positions(func):
-            self.save_original_copy(record, func)
+            self.save_original_copy(record)
         if self.recast_enabled and self.recast_keys and self.region is None:
             # casts of parameters/inputs are saved as their source and cast again in backward; inside a
             # region the region's own hooks decide (checkpoint recomputes, offload moves them)

@@ -1,7 +1,6 @@
 """Lookups over one forward trace that planners ask again and again, built once per trace."""
 from __future__ import annotations
 
-from ..ops import written_positions
 from .liveness import creators
 from .trace import DispatchRecorder, cached_per_trace
 
@@ -31,8 +30,7 @@ class TraceIndex:
         # records that write storages in place, with those storages (few: relu_, add_, dropout's scaling)
         self.writes: list[tuple[int, list]] = []
         for record in records:
-            written = [record.in_keys[i] for i in written_positions(record.func)
-                       if i < len(record.in_keys) and record.in_keys[i] is not None]
+            written = record.written_keys()
             if written:
                 self.writes.append((record.idx, written))
 

@@ -15,12 +15,11 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import CPU_BALANCE, as_recipes, op_cost, smallest_fitting_prefix, value_key
+from fxmem.costmodel import CPU_BALANCE, TraceIndex, as_recipes, op_cost, smallest_fitting_prefix, value_key
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from fxmem.nn.recast import flat_args, install as install_recast
 from fxmem.nn.remat import INTERNAL_SAVES, op_named, remat, remat_call
 from fxmem.node_value import node_value
-from fxmem.ops import written_positions
 from fxmem.pass_api import Change
 from fxmem.program import Program
 
@@ -152,11 +151,8 @@ class _SiteFinder:
             for key in record.saved:
                 self.first_saver.setdefault(key, record.idx)
                 self.savers.setdefault(key, []).append(record)
-        self.last_write: dict[int, int] = {}  # storage key -> index of the last record writing it in place
-        for record in self.records:
-            for position in written_positions(record.func):
-                if position < len(record.in_keys) and record.in_keys[position] is not None:
-                    self.last_write[record.in_keys[position]] = record.idx
+        # storage key -> index of the last record writing it in place (the index lists writes in record order)
+        self.last_write = {key: idx for idx, keys in TraceIndex.of(recorder).writes for key in keys}
         self.per_unpack: dict[str, tuple] = {}  # site -> (recompute cost once, times backward recomputes it)
         self.unpacked_at: dict[str, set] = {}  # site -> positions (in records) of the records saving its outputs
 
@@ -220,11 +216,10 @@ class _SiteFinder:
         key = self.key_of(node)
         if key is None or key in self.out_keys or self.base_keys.get(key) is not None:
             return None
-        if any(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
-               and u.target._schema.is_mutable and u.args and u.args[0] is node for u in node.users):
-            return None  # changed in place later (batch norm -> ReLU_): the in-place op is the site, with a chain
         if self.last_write.get(key, -1) > max(r.idx for r in records):
-            return None  # written in place later through a view: saved as a tensor from then on (fxmem.nn.recast)
+            # changed in place later, directly (batch norm -> ReLU_: the in-place op is the site, with a chain) or
+            # through a view (saved as a tensor from then on: fxmem.nn.recast checks the version)
+            return None
         consumers = self.savers.get(key, [])
         if not consumers:
             return None
