@@ -33,7 +33,10 @@ class LossFnError(ModelFileError):
     step can use: the user's error, wherever in fxmem the loss was computed (cost model, measurement, a pass)."""
 
 
-class BudgetError(FxmemError): ...
+class BudgetError(FxmemError):
+    """A required budget is out of reach. `lowest`: the lowest peak (or activations) in bytes the raising step
+    reaches, when it knows it (the checkpoint pass raises the lowest of its plans' errors)."""
+    lowest: int | None = None
 
 
 class StrictError(FxmemError):

@@ -112,7 +112,7 @@ class CheckpointPass(Pass):
             try:
                 planned_cost, miss, reachable = option.run(True)
             except BudgetError as budget_error:  # (of several, the one reaching lowest)
-                error = min(filter(None, (error, budget_error)), key=lambda e: getattr(e, "lowest", float("inf")))
+                error = budget_error if error is None or _lower(budget_error, error) else error
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
             plans.append(((not reachable, planned_cost + option.extra if reachable else miss), option))
@@ -197,6 +197,11 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
                           f"linear's or a convolution's output under its activation or norm), bring the estimate to "
                           f"peak {format_bytes(estimate.peak)}, activations {format_bytes(estimate.activations)}, "
                           f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
+
+
+def _lower(error: BudgetError, other: BudgetError) -> bool:
+    """`error` names a lower reach than `other` (one without a number is never lower)."""
+    return error.lowest is not None and (other.lowest is None or error.lowest < other.lowest)
 
 
 def _fits(result: PassResult, limits: Limits) -> bool:
