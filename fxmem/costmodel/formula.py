@@ -8,18 +8,12 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
-try:  # torch >= 2.13
-    from torch.fx.experimental.symbolic_shapes import optimization_hint as _example_size
-except ImportError:  # torch 2.11-2.12 name it size_hint (earlier ones hint_int, deprecated by 2.11)
-    try:
-        from torch.fx.experimental.symbolic_shapes import size_hint as _example_size
-    except ImportError:
-        from torch.fx.experimental.symbolic_shapes import hint_int as _example_size
 
 from ..fake import first_sized_device
 from ..kernel_layouts import CpuKernelLayouts
 from ..measure import StorageTracker
 from ..ops import returns_alias
+from .example_size import example_size as _example_size
 
 _FORMULA_RUNS: dict = {}
 FORMULA_UNMEASURED: set = set()  # calls whose formula did not run on fake tensors

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 from torch._prims_common import compute_elementwise_output_strides, is_non_overlapping_and_dense_or_false, \
     make_contiguous_strides_for
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from .example_size import example_size
 
 
 class TensorLayout(NamedTuple):
@@ -28,8 +29,8 @@ def layout_of(tensor: torch.Tensor) -> TensorLayout | None:
     """The tensor's layout (symbolic sizes at their example values, without a guard), or None when a size has no
     example value (a data-dependent one)."""
     try:
-        return TensorLayout(tuple(map(optimization_hint, tensor.shape)), tuple(map(optimization_hint, tensor.stride())),
-                            optimization_hint(tensor.storage_offset()))
+        return TensorLayout(tuple(map(example_size, tensor.shape)), tuple(map(example_size, tensor.stride())),
+                            example_size(tensor.storage_offset()))
     except Exception:  # noqa: BLE001 - no example value
         return None
 
