@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .kernel_sizes import with_cpu_kernel_sizes
+from .parameter_subclasses import has_parameter_subclass, plain_parameters
 
 aten = torch.ops.aten
 
@@ -88,8 +89,12 @@ def as_cpu_kernel_lays_out(func, args: tuple, out):
 class CpuKernelLayouts(TorchDispatchMode):
     """Entered inside a FakeTensorMode (and below any mode that records storages): ops in `CPU_KERNEL_LAYOUTS`
     return their CPU outputs with the CPU kernel's strides, and outputs fake kernels leave empty get the CPU
-    kernel's size (`fxmem.kernel_sizes`)."""
+    kernel's size (`fxmem.kernel_sizes`). Real parameter subclasses among an op's inputs reach the fake mode as
+    plain aliases (`fxmem.parameter_subclasses`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if has_parameter_subclass(args, kwargs):
+            args, kwargs = plain_parameters(args, kwargs)
+        out = func(*args, **kwargs)
         return with_cpu_kernel_sizes(func, tuple(args), as_cpu_kernel_lays_out(func, tuple(args), out))
