@@ -62,15 +62,16 @@ def test_quant_linear_from_cuda_weights_runs_bitsandbytes_on_the_gpu(kind):
 
 def test_qlora_transform_of_a_cuda_model_trains_its_adapters():
     """The precision pass on the decoder on the GPU: nf4 bases with LoRA adapters, on the device, and a few AdamW
-    steps lower the loss while the 4-bit weights stay as they were."""
+    steps lower the loss while the 4-bit weights stay as they were. (The guard's top-1 limit is off: on a decoder
+    with random weights nf4 changes most next-token choices, and the guard would revert the bases.)"""
     model, args, kwargs, loss_fn = example_on("gpt", DEVICE, n_layer=2, dropout=0.0)
     precision = {"enabled": True, "compute": "fp32", "weights": "nf4", "tolerance": 0.5, "loss_steps": 0,
                  "qlora": {"rank": 8}}
     res = fxmem.transform(model, args, kwargs, loss_fn=loss_fn, policy={
-        "version": 1, "extends": "low", "verify": {"lossy_tolerance": 0.5},
+        "version": 1, "extends": "low", "verify": {"lossy_tolerance": 0.5, "top1_agreement": 0.0},
         "passes": {"attention": {"enabled": False}, "checkpoint": {"enabled": False}, "precision": precision}})
     rec = next(r for r in res.records if r.name == "precision")
-    assert rec.status == "applied", (rec.status, rec.reason)
+    assert rec.status == "applied" and rec.metrics["sites_reverted"] == 0, (rec.status, rec.reason, rec.metrics)
     gm = res.module
     adapters = [m for m in gm.modules() if isinstance(m, LoRALinear)]
     assert adapters and all(isinstance(m.base, QuantLinear) for m in adapters)
