@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +32,6 @@ QUICK_DESELECT = [f"tests/test_cuda_low.py::test_low_is_exact_on_cuda[{name}]"
                      ("test_sdpa_sites_report_and_run_a_fused_kernel", ("gpt", "gpt-dropout", "hf_gpt2")),
                      ("test_sdpa_rewrite_matches_manual_attention_in_half_precision", ("gpt", "hf_gpt2")))
                   for case in cases]
-OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
 def main(argv=None) -> int:
@@ -62,28 +60,34 @@ def main(argv=None) -> int:
 
 
 def run_tests(quick: bool, seconds: float) -> dict:
-    """`pytest -m cuda` in a subprocess for at most `seconds`: each test's outcome (from the -v lines and the junit
-    file when pytest finished), the summary line, whether it completed."""
+    """`pytest -m cuda` in a subprocess for at most `seconds`: each test's outcome as it happened
+    (`cuda_check_events`, so a run stopped at the limit keeps its failures' messages and lists the tests it did
+    not reach), the summary line, whether it completed."""
     import tempfile
+
+    from cuda_check_events import EVENTS_VAR, read_outcomes
     RESULTS.mkdir(parents=True, exist_ok=True)
     log = RESULTS / "cuda_check.log"
     with tempfile.TemporaryDirectory() as scratch:
-        junit = Path(scratch) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-p", "no:randomly", "-v", "-rfE",
-               "--continue-on-collection-errors", f"--junitxml={junit}", *per_test_limit(), *cuda_test_files()]
+        events = Path(scratch) / "events.jsonl"
+        env = {**os.environ, EVENTS_VAR: str(events),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-p", "no:randomly", "-p", "cuda_check_events",
+               "-v", "-rfE", "--continue-on-collection-errors", *per_test_limit(), *cuda_test_files()]
         if quick:
             cmd += [f"--deselect={node}" for node in QUICK_DESELECT]
         t0 = time.monotonic()
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=env)
             try:
                 code = proc.wait(timeout=max(30.0, seconds))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything it started
                 proc.wait()
                 code = None
-        text = log.read_text(errors="replace")
-        outcomes = _outcomes(text, junit if junit.exists() else None)
+        outcomes = read_outcomes(events)
+    text = log.read_text(errors="replace")
     summary = next((line.strip("= ") for line in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed)",
                                                                                         line)), "")
     return {"outcomes": outcomes, "complete": code is not None, "exit": code, "summary": summary,
@@ -111,28 +115,6 @@ def per_test_limit() -> list[str]:
     """pytest-timeout's per-test limit where the plugin is installed (a hung test fails alone)."""
     import importlib.util
     return ["--timeout=240"] if importlib.util.find_spec("pytest_timeout") else []
-
-
-def _outcomes(text: str, junit: Path | None) -> list[dict]:
-    """One dict per test: node id, outcome, seconds and (failures) the end of the message."""
-    found = {}
-    for line in text.splitlines():
-        m = OUTCOME.match(line)
-        if m:
-            found[m.group(1)] = {"test": m.group(1), "outcome": m.group(2).lower(), "seconds": None, "message": ""}
-    if junit is None:
-        return list(found.values())
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
-        entry = found.setdefault(node, {"test": node, "outcome": "passed", "seconds": None, "message": ""})
-        entry["seconds"] = float(case.get("time", 0))
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                detail = (child.get("message") or "") + "\n" + (child.text or "")
-                entry["message"] = "\n".join(detail.strip().splitlines()[-12:])
-                if child.tag != "skipped":
-                    entry["outcome"] = "failed" if child.tag == "failure" else "error"
-    return list(found.values())
 
 
 def measurements(a, deadline) -> dict:
