@@ -169,8 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--meta", action="store_true", help="build the model on the meta device: sized without "
                           "allocating its weights (a model larger than this machine), not run")
     estimate.add_argument("--budget", help="device budget like 16GiB: print the largest batch that fits")
-    estimate.add_argument("--device", default="cpu",
-                          help="device the budget is for (cuda reserves context memory)")
+    estimate.add_argument("--device", default=None,
+                          help="device the estimate and budget are for (default: the model's; cuda reserves "
+                               "context memory and names what the estimate leaves out there)")
     estimate.add_argument("--world-size", type=int, default=1)
     estimate.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     estimate.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -224,7 +225,8 @@ def cmd_estimate(args) -> int:
     budget = _estimate_budget(args)
     model_file, program = _estimate_program(args)
     estimate = costmodel.estimate(program, mode=args.mode, optimizer=args.optimizer, method=args.method,
-                                  loss_fn=model_file.loss_fn, world_size=args.world_size, zero_stage=args.zero_stage)
+                                  loss_fn=model_file.loss_fn, world_size=args.world_size, zero_stage=args.zero_stage,
+                                  device=args.device)
     measured = None
     if args.measure:
         from .measure import measure
@@ -234,7 +236,7 @@ def cmd_estimate(args) -> int:
     plan = None
     if budget is not None:
         plan = costmodel.plan_batch(program, budget=budget, mode=args.mode, optimizer=args.optimizer,
-                                    loss_fn=model_file.loss_fn, device=args.device)
+                                    loss_fn=model_file.loss_fn, device=args.device or estimate.device)
     if args.json:
         out = {"model": str(args.model), "estimate": estimate.to_dict(),
                "specialized": [str(s) for s in program.specialized], "meta": args.meta}
@@ -318,13 +320,15 @@ def _print_estimate(args, program, estimate, measured, plan) -> None:
         for module, saved in estimate.by_module[:10]:
             print(f"  {format_bytes(saved):>12s}  {module}")
     print("unknown ops: " + (", ".join(estimate.unknown_ops) if estimate.unknown_ops else "none"))
+    for note in estimate.notes:
+        print(f"note: {note}")
     if program.specialized:
         print("static dims: " + "; ".join(str(s) for s in program.specialized))
     if plan is not None:
         if plan["batch"] == 0:
             print(f"budget {args.budget}: even batch 1 does not fit (estimated peak {format_bytes(plan['peak'])})")
         else:
-            print(f"budget {args.budget} ({args.device}): largest batch that fits = {plan['batch']} "
+            print(f"budget {args.budget} ({args.device or estimate.device}): largest batch that fits = {plan['batch']} "
                   f"(estimated peak {format_bytes(plan['peak'])}, usable {format_bytes(plan['usable'])})")
 
 

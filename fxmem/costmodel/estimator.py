@@ -15,6 +15,7 @@ from .memory import MemoryEstimate, apply_sharding
 from .static import static_estimate
 from .trace import ForwardTrace, trace_forward
 from .traced import traced_estimate
+from .workspaces import workspace_notes
 
 DATA_DEPENDENT_NOTE = "data-dependent sizes (e.g. boolean indexing) were taken from the example inputs' values"
 
@@ -58,6 +59,7 @@ def estimate(program: Program, args=(), kwargs=None, *, mode: str | None = None,
             lambda static: traced_estimate(program, args, kwargs, mode, optimizer, loss_fn, static))
     est = with_data_dependent_fallback(run, on_retry=lambda retried: retried.notes.append(DATA_DEPENDENT_NOTE))
     est.device = str(device or device_of(program.module))
+    est.notes.extend(workspace_notes(program, est.device))
     if _same_objects((args, kwargs), (program.example_args, program.example_kwargs)):
         est.program_key = program_key(program)
     apply_sharding(est, world_size, zero_stage)
@@ -74,6 +76,7 @@ def estimate_from_trace(program: Program, traced: ForwardTrace, *, mode: str, op
         optimizer = "none"
     est = static_estimate(program, traced, mode, optimizer)
     est.device = str(device_of(program.module))
+    est.notes.extend(workspace_notes(program, est.device))
     est.program_key = program_key(program)
     return est
 

@@ -1,0 +1,38 @@
+"""Kernel workspaces the cost model does not count, named in the estimate rather than left out silently.
+
+On CUDA, cuDNN's convolutions take a workspace from the caching allocator while they run, forward and backward. It
+is no tensor, so neither the cost model nor `fxmem.measure` counts it, yet it adds to the allocator's peak. On an
+H200 (`benchmarks/cuda_allocator_gap.py`: the U-Net, base 64 at 128x128, batch 53) one `convolution_backward` took
+640 MiB, and the checkpointed step's allocator peak stood 0.52 GiB above its live tensors; eager's peak, at the end
+of the forward, hid it. Its size follows the algorithm cuDNN picks at run time, so it is named, not estimated.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..program import Program
+
+aten = torch.ops.aten
+CONVOLUTIONS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+                          aten._convolution.default, aten.conv_transpose1d.default, aten.conv_transpose2d.input,
+                          aten.conv_transpose3d.input, aten.conv1d.padding, aten.conv2d.padding,
+                          aten.conv3d.padding})
+MEASURED = "up to 640 MiB for one op on an H200: benchmarks/results/cuda_allocator_gap.md"
+
+
+def convolution_count(program: Program) -> int:
+    """Convolution calls in the program's graphs (nested graph modules included)."""
+    return sum(1 for module in program.module.modules() if isinstance(module, fx.GraphModule)
+               for node in module.graph.nodes if node.op == "call_function" and node.target in CONVOLUTIONS)
+
+
+def workspace_notes(program: Program, device: str) -> list[str]:
+    """The estimate's note naming what it leaves out on `device`: on CUDA, the convolutions' cuDNN workspaces."""
+    if torch.device(device).type != "cuda":
+        return []
+    count = convolution_count(program)
+    if not count:
+        return []
+    return [f"not counted on CUDA: the cuDNN workspaces of {count} convolution call(s), taken and given back while "
+            f"each runs (forward and backward); they can raise the allocator's peak above this estimate ({MEASURED})"]
