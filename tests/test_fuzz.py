@@ -100,3 +100,20 @@ def test_a_candidate_region_the_emitter_cannot_outline_is_not_planned():
     assert planned == sum(isinstance(m, CheckpointRegion) for m in lowest.module.modules()) > 0
     required = fxmem.transform(program.snapshot(), case.args, policy="low", budget=lowest.after.peak)
     assert required.after.peak <= lowest.after.peak
+
+
+def test_a_required_budget_the_planner_puts_out_of_reach_is_met_when_the_lowest_plan_is():
+    """Seed 9149: the planner's memory model puts its lowest peak at 111.7 KiB, yet that plan, emitted, is
+    estimated (and measured) at 102,784 B. A required budget between the two was refused as out of reach; the
+    lowest plan is now emitted and verified before a refusal, and meets it. Below what it reaches, still refused."""
+    case = fuzz_case(9149)
+    program = fxmem.capture(copy.deepcopy(case.model), case.args)
+    lowest = fxmem.transform(program.snapshot(), case.args, policy="low", overrides=("budget=1",))
+    reached = lowest.after.peak
+    required = fxmem.transform(program.snapshot(), case.args, policy="low", budget=reached)
+    record = next(r for r in required.records if r.name == "checkpoint")
+    assert record.metrics["best_effort"] is None and record.metrics["planned_peak"] > reached
+    assert required.after.peak <= reached
+    assert fxmem.measure(copy.deepcopy(required.module), case.args, mode="train").peak <= reached
+    with pytest.raises(fxmem.BudgetError, match="below the lowest peak checkpointing reaches"):
+        fxmem.transform(program.snapshot(), case.args, policy="low", budget=reached - 4096)

@@ -106,18 +106,21 @@ class CheckpointPass(Pass):
         costlier) or the first misses the limits by its estimate (and, when no plan reaches them, the next was not
         planned clearly higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. A
         winner with a label says so in a note. Limits no plan reaches (one by its planner, another by its estimate)
-        are a BudgetError."""
-        plans, error = [], None
+        are a BudgetError, once the plan of the one reaching lowest, emitted, misses them by its estimate too."""
+        plans, error, lowest_refused = [], None, None
         for option in options:
             try:
                 planned_cost, miss, reachable = option.run(True)
             except BudgetError as budget_error:  # (of several, the one reaching lowest)
-                error = budget_error if error is None or _lower(budget_error, error) else error
+                if error is None or _lower(budget_error, error):
+                    error, lowest_refused = budget_error, option
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
             plans.append(((not reachable, planned_cost + option.extra if reachable else miss), option))
         if not plans:
-            raise error
+            # every planner puts the limits out of reach: the lowest one's plan, emitted, is verified first (a
+            # strict budget; else this raises its BudgetError again)
+            return lowest_refused.run(False)
         plans.sort(key=lambda t: t[0])
         (_, first_option), rest = plans[0], plans[1:]
         first = first_option.run(False)
@@ -334,9 +337,12 @@ class CheckpointRun:
             return work.result("checkpoint: no candidate region saves activations; nothing to do")
         work.metrics["candidates"] = {cs.level: len(cs.regions) for cs in work.sets}
         found = reach(work.sets, limits, estimate, work.metrics.get("activations_before", estimate.activations))
-        if found.message is not None:
+        # a strict peak budget the planner's memory model puts out of reach: its lowest plan is emitted and verified
+        # before the budget is refused (the model errs both ways; the estimate decides)
+        verify_lowest = not plan_only and found.message is not None and self._verify_before_refusing(found)
+        if found.message is not None and not verify_lowest:
             work.notes.append(self._going_as_low_as_it_reaches(found))
-        work.metrics["best_effort"] = found.best_effort
+        work.metrics["best_effort"] = None if verify_lowest else found.best_effort
         best, target, need = None, found.peak_target, found.act_need
         for _ in range(1 + max(0, self.opts.refine)):
             planned = self._plan(work.sets, found, target, need)
@@ -357,7 +363,15 @@ class CheckpointRun:
             if refined is None:
                 break
             target, need = refined
+        if verify_lowest and best.rank[0] != 0:
+            raise found.error(limits, estimate)
         return regions_result(work, best, limits, self.opts, self.ctx.log, self.started)
+
+    def _verify_before_refusing(self, found: Reach) -> bool:
+        """Whether limits out of the planner's reach get their lowest plan emitted and verified before a refusal:
+        a strict peak budget (nothing takes the rest), with verification on."""
+        return self.ctx.budget_strict and not self.ctx.rest_taken and found.best_effort == "peak" \
+            and self.opts.verify
 
     def _going_as_low_as_it_reaches(self, found: Reach) -> str:
         """The note for limits out of reach that the pass goes as low as it can for; BudgetError when it may not."""
