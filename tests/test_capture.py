@@ -214,8 +214,9 @@ def test_meta_model_bigger_than_ram_estimates_without_memory():
         # few wide layers keep the capture quick
         big = mod.build_model(n_layer=8, d_model=4096, n_head=32)
     idx = torch.randint(0, 256, (2, 64))
-    p = fxmem.capture(big, (idx,), check=False)
-    est = fxmem.estimate(p, optimizer="adamw")
+    # (fxmem.estimate's own route for meta models: inputs on meta for the capture; fxmem.capture(big, check=False)
+    # with CPU inputs works on torch 2.13 only, 2.11's fake mode refusing the embedding's mixed devices)
+    est = fxmem.estimate(big, (idx,), optimizer="adamw")
     n_params = sum(q.numel() for q in big.parameters())
     assert est.params == 4 * n_params
     assert est.optimizer_state >= 8 * n_params
