@@ -117,3 +117,15 @@ def test_a_required_budget_the_planner_puts_out_of_reach_is_met_when_the_lowest_
     assert fxmem.measure(copy.deepcopy(required.module), case.args, mode="train").peak <= reached
     with pytest.raises(fxmem.BudgetError, match="below the lowest peak checkpointing reaches"):
         fxmem.transform(program.snapshot(), case.args, policy="low", budget=reached - 4096)
+
+
+def test_a_required_budget_the_cheapest_plans_miss_is_met_by_the_lowest_plan():
+    """Seed 9056: the planner reaches the budget the target run reached (58,424 B) with cheaper plans, whose
+    estimates all miss it after refinement, while the lowest plan, the target run's, meets it. Before the budget is
+    refused or missed, the lowest plan is emitted and verified too."""
+    case = fuzz_case(9056)
+    program = fxmem.capture(copy.deepcopy(case.model), case.args)
+    lowest = fxmem.transform(program.snapshot(), case.args, policy="low", overrides=("budget=1",))
+    required = fxmem.transform(program.snapshot(), case.args, policy="low", budget=lowest.after.peak)
+    assert required.after.peak <= lowest.after.peak
+    assert fxmem.measure(copy.deepcopy(required.module), case.args, mode="train").peak <= lowest.after.peak

@@ -10,6 +10,7 @@ Options: `options.CheckpointOptions`. Design: docs/design/checkpoint.md.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -107,20 +108,18 @@ class CheckpointPass(Pass):
         planned clearly higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. A
         winner with a label says so in a note. Limits no plan reaches (one by its planner, another by its estimate)
         are a BudgetError, once the plan of the one reaching lowest, emitted, misses them by its estimate too."""
-        plans, error, lowest_refused = [], None, None
+        plans, refused = [], []
         for option in options:
             try:
                 planned_cost, miss, reachable = option.run(True)
-            except BudgetError as budget_error:  # (of several, the one reaching lowest)
-                if error is None or _lower(budget_error, error):
-                    error, lowest_refused = budget_error, option
+            except BudgetError as budget_error:
+                refused.append((budget_error, option))
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
             plans.append(((not reachable, planned_cost + option.extra if reachable else miss), option))
+        error = _lowest_error(refused)  # (of several, the one reaching lowest)
         if not plans:
-            # every planner puts the limits out of reach: the lowest one's plan, emitted, is verified first (a
-            # strict budget; else this raises its BudgetError again)
-            return lowest_refused.run(False)
+            return _first_verified(refused, error)
         plans.sort(key=lambda t: t[0])
         (_, first_option), rest = plans[0], plans[1:]
         first = first_option.run(False)
@@ -140,9 +139,10 @@ class CheckpointPass(Pass):
                     limits.miss_metrics(second.metrics) < limits.miss_metrics(first.metrics):
                 best, best_option, why = second, second_option, "the lower estimate"
         if error is not None and not _fits(best, limits):
-            # the other plan cannot reach the budget and this one misses it by its estimate: unreachable (a plan
-            # returned here could peak above what a lower, best-effort budget gives: not monotone)
-            raise error
+            # the other plans' planners put the budget out of reach and this one misses it by its estimate: theirs
+            # are verified before it is refused (a plan returned over it could peak above what a lower, best-effort
+            # budget gives: not monotone)
+            return _first_verified(refused, error)
         if best_option.label:
             best.notes.append(f"checkpoint: {best_option.label}: {why} ({len(options)} plans were planned, remat's "
                               f"own recompute counted)")
@@ -200,6 +200,26 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
                           f"linear's or a convolution's output under its activation or norm), bring the estimate to "
                           f"peak {format_bytes(estimate.peak)}, activations {format_bytes(estimate.activations)}, "
                           f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
+
+
+def _lowest_error(refused: list[tuple[BudgetError, PlanOption]]) -> BudgetError | None:
+    """Of the options' BudgetErrors, the one naming the lowest reach (None without one)."""
+    error = None
+    for budget_error, _ in refused:
+        error = budget_error if error is None or _lower(budget_error, error) else error
+    return error
+
+
+def _first_verified(refused: list[tuple[BudgetError, PlanOption]], error: BudgetError) -> PassResult:
+    """Every planner put the limits out of reach: each option's lowest plan, emitted and verified (a strict peak
+    budget; other limits raise at once), lowest planned first; the first that meets the limits, else `error`."""
+    lowest_first = sorted(refused, key=lambda pair: pair[0].lowest if pair[0].lowest is not None else math.inf)
+    for _, option in lowest_first:
+        try:
+            return option.run(False)
+        except BudgetError:
+            continue
+    raise error
 
 
 def _lower(error: BudgetError, other: BudgetError) -> bool:
@@ -339,7 +359,7 @@ class CheckpointRun:
         found = reach(work.sets, limits, estimate, work.metrics.get("activations_before", estimate.activations))
         # a strict peak budget the planner's memory model puts out of reach: its lowest plan is emitted and verified
         # before the budget is refused (the model errs both ways; the estimate decides)
-        verify_lowest = not plan_only and found.message is not None and self._verify_before_refusing(found)
+        verify_lowest = not plan_only and found.best_effort == "peak" and self._verify_before_refusing()
         if found.message is not None and not verify_lowest:
             work.notes.append(self._going_as_low_as_it_reaches(found))
         work.metrics["best_effort"] = None if verify_lowest else found.best_effort
@@ -363,14 +383,18 @@ class CheckpointRun:
             if refined is None:
                 break
             target, need = refined
+        if not plan_only and not verify_lowest and best.rank[0] != 0 and self._verify_before_refusing():
+            # the cheapest plans within the strict budget all miss it by their estimates: the lowest plan may not
+            best = min(best, self._emit_and_verify(work, *self._plan(work.sets, replace(found, best_effort="peak"),
+                                                                     target, need), target), key=lambda a: a.rank)
         if verify_lowest and best.rank[0] != 0:
             raise found.error(limits, estimate)
         return regions_result(work, best, limits, self.opts, self.ctx.log, self.started)
 
-    def _verify_before_refusing(self, found: Reach) -> bool:
-        """Whether limits out of the planner's reach get their lowest plan emitted and verified before a refusal:
-        a strict peak budget (nothing takes the rest), with verification on."""
-        return self.ctx.budget_strict and not self.ctx.rest_taken and found.best_effort == "peak" \
+    def _verify_before_refusing(self) -> bool:
+        """Whether the lowest plan is emitted and verified before a peak budget is refused or missed: a strict peak
+        budget (nothing takes the rest), with verification on."""
+        return self.limits.peak is not None and self.ctx.budget_strict and not self.ctx.rest_taken \
             and self.opts.verify
 
     def _going_as_low_as_it_reaches(self, found: Reach) -> str:
