@@ -107,7 +107,7 @@ class CheckpointPass(Pass):
         costlier) or the first misses the limits by its estimate (and, when no plan reaches them, the next was not
         planned clearly higher: BEST_EFFORT_MARGIN): the cheaper one that fits wins, else the lower estimate. A
         winner with a label says so in a note. Limits no plan reaches (one by its planner, another by its estimate)
-        are a BudgetError, once the plan of the one reaching lowest, emitted, misses them by its estimate too."""
+        are a BudgetError once every refusing option's lowest plan, emitted, misses them by its estimate too."""
         plans, refused = [], []
         for option in options:
             try:
@@ -211,8 +211,9 @@ def _lowest_error(refused: list[tuple[BudgetError, PlanOption]]) -> BudgetError 
 
 
 def _first_verified(refused: list[tuple[BudgetError, PlanOption]], error: BudgetError) -> PassResult:
-    """Every planner put the limits out of reach: each option's lowest plan, emitted and verified (a strict peak
-    budget; other limits raise at once), lowest planned first; the first that meets the limits, else `error`."""
+    """Before `error` (the refusal reaching lowest) is raised: each refusing option's lowest plan, emitted and
+    verified (a strict peak budget; other limits raise at once), lowest planned first; the first that meets the
+    limits, else `error`."""
     lowest_first = sorted(refused, key=lambda pair: pair[0].lowest if pair[0].lowest is not None else math.inf)
     for _, option in lowest_first:
         try:
