@@ -73,6 +73,9 @@ class OpInfo:
     # stride is 0), "joined" (split, unbind: the outputs' gradients joined into a new one of the input's size)
     grad_alias: str = ""
     no_grad: bool = False  # the output never requires grad, whatever the inputs (x.new_zeros(...), zeros_like(x))
+    # on CUDA, cuDNN takes a workspace from the allocator while the op (forward or backward) runs: no tensor, not
+    # counted by the cost model or fxmem.measure (`fxmem.costmodel.workspaces` names it)
+    cuda_workspace: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- save rules
@@ -304,8 +307,10 @@ _reg(["addmm"], OpInfo(MATMUL, _addmm, _flops_addmm))
 _reg(["baddbmm"], OpInfo(MATMUL, _addmm, _flops_baddbmm))
 _reg(["matmul", "einsum"], OpInfo(MATMUL, _mm, _flops_matmul))
 _reg(["linear"], OpInfo(MATMUL, _mm, _flops_linear))
-_reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution"], OpInfo(MATMUL, _conv, _flops_conv))
-_reg(["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"], OpInfo(MATMUL, _conv, _flops_conv_transpose))
+_reg(["convolution", "conv2d", "conv1d", "conv3d", "_convolution"],
+     OpInfo(MATMUL, _conv, _flops_conv, cuda_workspace=True))
+_reg(["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"],
+     OpInfo(MATMUL, _conv, _flops_conv_transpose, cuda_workspace=True))
 
 _reg(["add", "add_"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthrough=True, grad_alias="shared",
                             grad_view=True))
@@ -388,6 +393,12 @@ def view_grad_is_a_view(op) -> bool:
     permute, an unsqueeze), no new buffer: the op returns an alias of its input (not `_unsafe_view`'s fresh tensor)."""
     info = lookup(op)
     return info is not None and info.category == VIEW and info.grad_view and returns_alias(op)
+
+
+def takes_cuda_workspace(op) -> bool:
+    """The op takes a cuDNN workspace while it runs on CUDA (a convolution), which no tensor count includes."""
+    info = lookup(op)
+    return info is not None and info.cuda_workspace
 
 
 def returns_alias(op) -> bool:

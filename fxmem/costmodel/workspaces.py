@@ -11,20 +11,18 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .. import ops as optable
 from ..program import Program
 
-aten = torch.ops.aten
-CONVOLUTIONS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
-                          aten._convolution.default, aten.conv_transpose1d.default, aten.conv_transpose2d.input,
-                          aten.conv_transpose3d.input, aten.conv1d.padding, aten.conv2d.padding,
-                          aten.conv3d.padding})
 MEASURED = "up to 640 MiB for one op on an H200: benchmarks/results/cuda_allocator_gap.md"
 
 
 def convolution_count(program: Program) -> int:
-    """Convolution calls in the program's graphs (nested graph modules included)."""
+    """Calls in the program's graphs (nested graph modules included) of ops taking a cuDNN workspace on CUDA: the
+    convolutions (`fxmem.ops.takes_cuda_workspace`)."""
     return sum(1 for module in program.module.modules() if isinstance(module, fx.GraphModule)
-               for node in module.graph.nodes if node.op == "call_function" and node.target in CONVOLUTIONS)
+               for node in module.graph.nodes
+               if node.op == "call_function" and optable.takes_cuda_workspace(node.target))
 
 
 def workspace_notes(program: Program, device: str) -> list[str]:
