@@ -117,9 +117,10 @@ class CheckpointPass(Pass):
                 continue
             # reachable plans first, cheapest first; best-effort plans (unreachable limits) by planned shortfall
             plans.append(((not reachable, planned_cost + option.extra if reachable else miss), option))
-        error = _lowest_error(refused)  # (of several, the one reaching lowest)
+        refused.sort(key=_reach_of)  # the refusal reaching lowest first: the one raised
+        error = refused[0][0] if refused else None
         if not plans:
-            return _first_verified(refused, error)
+            return _first_verified(refused)
         plans.sort(key=lambda t: t[0])
         (_, first_option), rest = plans[0], plans[1:]
         first = first_option.run(False)
@@ -142,7 +143,7 @@ class CheckpointPass(Pass):
             # the other plans' planners put the budget out of reach and this one misses it by its estimate: theirs
             # are verified before it is refused (a plan returned over it could peak above what a lower, best-effort
             # budget gives: not monotone)
-            return _first_verified(refused, error)
+            return _first_verified(refused)
         if best_option.label:
             best.notes.append(f"checkpoint: {best_option.label}: {why} ({len(options)} plans were planned, remat's "
                               f"own recompute counted)")
@@ -202,30 +203,22 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
                           f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
 
 
-def _lowest_error(refused: list[tuple[BudgetError, PlanOption]]) -> BudgetError | None:
-    """Of the options' BudgetErrors, the one naming the lowest reach (None without one)."""
-    error = None
-    for budget_error, _ in refused:
-        error = budget_error if error is None or _lower(budget_error, error) else error
-    return error
+def _reach_of(refusal: tuple[BudgetError, PlanOption]) -> float:
+    """How low a refused option reaches, by its BudgetError (one without a number last)."""
+    lowest = refusal[0].lowest
+    return lowest if lowest is not None else math.inf
 
 
-def _first_verified(refused: list[tuple[BudgetError, PlanOption]], error: BudgetError) -> PassResult:
-    """Before `error` (the refusal reaching lowest) is raised: each refusing option's lowest plan, emitted and
-    verified (a strict peak budget; other limits raise at once), lowest planned first; the first that meets the
-    limits, else `error`."""
-    lowest_first = sorted(refused, key=lambda pair: pair[0].lowest if pair[0].lowest is not None else math.inf)
-    for _, option in lowest_first:
+def _first_verified(refused: list[tuple[BudgetError, PlanOption]]) -> PassResult:
+    """Before the refusal reaching lowest (`refused` is in that order) is raised: each refusing option's lowest plan,
+    emitted and verified (a strict peak budget; other limits raise at once), in order; the first that meets the
+    limits, else the first refusal's BudgetError."""
+    for _, option in refused:
         try:
             return option.run(False)
         except BudgetError:
             continue
-    raise error
-
-
-def _lower(error: BudgetError, other: BudgetError) -> bool:
-    """`error` names a lower reach than `other` (one without a number is never lower)."""
-    return error.lowest is not None and (other.lowest is None or error.lowest < other.lowest)
+    raise refused[0][0]
 
 
 def _fits(result: PassResult, limits: Limits) -> bool:
