@@ -236,7 +236,7 @@ def cmd_estimate(args) -> int:
     plan = None
     if budget is not None:
         plan = costmodel.plan_batch(program, budget=budget, mode=args.mode, optimizer=args.optimizer,
-                                    loss_fn=model_file.loss_fn, device=args.device or estimate.device)
+                                    loss_fn=model_file.loss_fn, device=estimate.device)
     if args.json:
         out = {"model": str(args.model), "estimate": estimate.to_dict(),
                "specialized": [str(s) for s in program.specialized], "meta": args.meta}
@@ -328,7 +328,7 @@ def _print_estimate(args, program, estimate, measured, plan) -> None:
         if plan["batch"] == 0:
             print(f"budget {args.budget}: even batch 1 does not fit (estimated peak {format_bytes(plan['peak'])})")
         else:
-            print(f"budget {args.budget} ({args.device or estimate.device}): largest batch that fits = {plan['batch']} "
+            print(f"budget {args.budget} ({estimate.device}): largest batch that fits = {plan['batch']} "
                   f"(estimated peak {format_bytes(plan['peak'])}, usable {format_bytes(plan['usable'])})")
 
 
