@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import fxmem  # noqa: E402
 from benchmarks.checkpoint_pareto import fxmem_module, step_fn  # noqa: E402
 from benchmarks.checkpoint_pareto_cuda import SHAPES  # noqa: E402
+from benchmarks.cuda_measure import to_device  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
@@ -102,8 +103,7 @@ def methods(name: str, batch: int, device):
     model_kwargs, input_kwargs = SHAPES[name]
     torch.manual_seed(0)
     model = ex.build_model(**model_kwargs).to(device)
-    x = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-              for t in ex.example_inputs(batch=batch, **input_kwargs))
+    x = to_device(ex.example_inputs(batch=batch, **input_kwargs), device)
     program = fxmem.capture(model, x)
     program.refresh()
     base = estimate(program, mode="train", loss_fn=ex.loss_fn)
