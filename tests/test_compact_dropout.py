@@ -166,7 +166,7 @@ def small_gpt():
 def test_pass_compacts_dropout_exactly_and_keeps_draws(small_gpt):
     p, x, loss_fn = small_gpt
     base = _baseline(p, loss_fn)
-    res, _ = _run_pass(p, loss_fn, "60%")
+    res, _ = _run_pass(p, loss_fn, "60%", remat_scores=False)  # (regions: softmax sites reach 60% alone)
     kinds = [c.kind for c in res.changes]
     n_dropout = sum(1 for n in p.graph.nodes if n.target is torch.ops.aten.dropout.default)
     assert kinds.count("checkpoint_compact_dropout") == n_dropout > 0

@@ -15,6 +15,7 @@ import contextvars
 import torch
 
 from .compiled_recompute import recompute_compiled
+from .recast import active_scope
 from .remat import register_recompute
 
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
@@ -74,8 +75,11 @@ def dropout_scale(tensor: torch.Tensor, probability: float) -> torch.Tensor:
 
 
 def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, scale: float | None = None,
-                      scale_dtype: torch.dtype | None = None, remat: bool = False) -> torch.Tensor:
-    """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values)."""
+                      scale_dtype: torch.dtype | None = None, remat: bool = False,
+                      nest: tuple | None = None) -> torch.Tensor:
+    """`aten.dropout(x, p, train)` with a bool mask saved for backward (same random numbers, same values).
+    `remat`: the output saved as a recipe; `nest` (a tuple): an input that is a recipe's output is held as that
+    recipe, not as a tensor (used through its shared value when its position, 0, is in `nest`)."""
     if not train or probability == 0 or tensor.numel() == 0:
         return tensor
     if remat and probability < 1 and torch.compiler.is_compiling() and torch.is_grad_enabled():
@@ -92,7 +96,10 @@ def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, sca
     applied_scale = _applied_scale(tensor, probability, scale, scale_dtype)
     out = _apply_mask(tensor, keep, applied_scale)
     if remat:
-        register_recompute(out, _apply_mask, (tensor, keep, applied_scale))
+        scope = active_scope() if nest is not None else None
+        args = (tensor, keep, applied_scale) if scope is None else scope.as_recipe_args((tensor, keep, applied_scale),
+                                                                                       nest)
+        register_recompute(out, _apply_mask, args)
     return out
 
 
@@ -128,7 +135,9 @@ def _apply_mask(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor
 
 
 def bool_mask_dropout_remat(tensor: torch.Tensor, probability: float, train: bool, scale: float | None = None,
-                            scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            scale_dtype: torch.dtype | None = None, _fxmem_nest: tuple | None = None) -> torch.Tensor:
     """`bool_mask_dropout` whose output, where a consumer saves it (e.g. attention probabilities feeding `@ v`),
-    is recomputed in backward from the input and the mask (`fxmem.nn.recast`: both are saved anyway)."""
-    return bool_mask_dropout(tensor, probability, train, scale, scale_dtype, remat=True)
+    is recomputed in backward from the input and the mask (`fxmem.nn.recast`: both are saved anyway).
+    `_fxmem_nest` (the checkpoint pass sets it where the input is a remat site too, an attention softmax): the
+    input held as its recipe, nested (`bool_mask_dropout`'s `nest`)."""
+    return bool_mask_dropout(tensor, probability, train, scale, scale_dtype, remat=True, nest=_fxmem_nest)

@@ -19,17 +19,19 @@ from typing import Callable, NamedTuple
 from fxmem.costmodel import default_balance, estimate_from_trace, op_cost, program_key, trace_forward
 from fxmem.errors import BudgetError
 from fxmem.outline import region_boundary
-from fxmem.pass_api import Pass, PassContext, PassResult, register
+from fxmem.pass_api import Change, Pass, PassContext, PassResult, register
 from fxmem.program import Program
 from fxmem.units import format_bytes
 
 from .candidates import (CandidateSet, RegionMeter, candidate_regions, glue_regions, is_chain, is_region_node,
-                         profile_nodes)
+                         module_paths, profile_nodes)
 from .compact_dropout import compact_dropout
 from .emit import emit_regions
+from .matmul_operands import materialize_matmul_operands
 from .options import CheckpointOptions, Limits, resolve_activation_budget, resolve_budget
 from .reach import Reach, reach, refine_targets
-from .remat import RematSite, apply_remat, as_planned, choose_sites, product_site, remat_plan, remat_sites
+from .remat import (RematSite, apply_remat, as_planned, choose_sites, product_site, remat_plan, remat_sites,
+                    softmax_site)
 from .results import Attempt, Variant, regions_result
 from .solvers import CHOICES, Solution, lowest, solve, solve_dp, tie_break, with_need
 
@@ -90,12 +92,17 @@ class CheckpointPass(Pass):
         # regions over it. The cheapest plan that fits wins
         options = [PlanOption(partial(job.regions, rematted), rematted.rewrite_cost),
                    PlanOption(partial(job.regions, variant), 0.0, "regions without remat")]
-        products = job.remat(variant, products=True) if opts.remat_products and opts.cost != "profile" else None
-        if products is not None and limits.fits(products.estimate):
-            options.append(PlanOption(partial(_remat_alone, products, limits), products.rewrite_cost))
-        elif products is not None:
-            options.append(PlanOption(partial(job.regions, products), products.rewrite_cost,
-                                      "regions over remat with matrix products among its sites"))
+        # (and once more with attention softmaxes among them, recomputed with their scores: apart, since every
+        # site is applied before regions are planned, and an attention region would recompute those chains again)
+        with_products = opts.remat_products and opts.cost != "profile"
+        for scores in (False, True) if opts.remat_scores else (False,):
+            products = job.remat(variant, products=True, scores=scores) if with_products else None
+            if products is not None and limits.fits(products.estimate):
+                options.append(PlanOption(partial(_remat_alone, products, limits), products.rewrite_cost))
+            elif products is not None:
+                options.append(PlanOption(partial(job.regions, products), products.rewrite_cost,
+                                          "regions over remat with matrix products among its sites"
+                                          + " and attention scores" * scores))
         return self._remat_or_not(options, limits)
 
     @staticmethod
@@ -197,9 +204,12 @@ def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
         return 0.0, 0, True
     sites = variant.metrics["remat"]["sites"]
     estimate = variant.estimate
+    softmaxes = variant.metrics["remat"].get("softmaxes")
+    scores = f", and {softmaxes} attention softmax{'es' * (softmaxes > 1)} with their scores" if softmaxes else ""
     return variant.result(f"checkpoint: {sites} activations recomputed in backward, matrix products among them (a "
-                          f"linear's or a convolution's output under its activation or norm), bring the estimate to "
-                          f"peak {format_bytes(estimate.peak)}, activations {format_bytes(estimate.activations)}, "
+                          f"linear's or a convolution's output under its activation or norm{scores}), bring the "
+                          f"estimate to peak {format_bytes(estimate.peak)}, activations "
+                          f"{format_bytes(estimate.activations)}, "
                           f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
 
 
@@ -298,18 +308,25 @@ class CheckpointRun:
             variant = replace(variant, traced=self.trace(variant.program))
         return variant
 
-    def remat(self, variant: Variant, products: bool = False) -> Variant | None:
+    def remat(self, variant: Variant, products: bool = False, scores: bool = False) -> Variant | None:
         """`variant` with the cheapest remat sites the limits need applied (all when they need more); None when
         there are none or they do not lower the estimate. `products`: matrix products with held inputs are sites
-        too (`remat_sites`), and there must be some."""
-        opts, program, traced, before = self.opts, variant.program, variant.traced, variant.estimate
+        too (`remat_sites`), and there must be some; `scores` (with `products`): softmaxes too, recomputed with
+        their scores from matmul operand copies made nodes (`_matmul_operands_explicit`), and there must be some."""
+        opts = self.opts
+        if scores:
+            variant = self._matmul_operands_explicit(variant)
+        program, traced, before = variant.program, variant.traced, variant.estimate
         balance = opts.balance if opts.balance is not None \
             else default_balance(program) if opts.cost == "roofline" else None
-        sites = remat_sites(program, traced, balance, products)
-        if not sites or (products and not any(map(product_site, sites))):
+        sites = remat_sites(program, traced, balance, products, scores)
+        if not sites or (products and not any(map(product_site, sites))) or \
+                (scores and not any(map(softmax_site, sites))):
             return None
         misses = partial(self._misses, program, traced)
         chosen = choose_sites(sites, misses)
+        if scores and not any(map(softmax_site, chosen)):
+            return None  # (the plan with products alone)
         rematted = program.snapshot()
         changes = apply_remat(rematted, chosen)
         rematted.graph.lint()
@@ -325,10 +342,35 @@ class CheckpointRun:
                                                 "activations_saved": before.activations - after.activations}}
         if products:  # (how many of the sites are linears, matrix products or convolutions)
             metrics["remat"]["products"] = sum(map(product_site, chosen))
+        if scores:  # (how many are softmaxes recomputed with their scores)
+            metrics["remat"]["softmaxes"] = sum(map(softmax_site, chosen))
         self.ctx.log(f"[checkpoint] {len(changes)} of {len(sites)} activations recomputed in backward: "
                      f"estimated peak {format_bytes(before.peak)} -> {format_bytes(after.peak)}")
         return Variant(rematted, traced_remat, after, variant.changes + changes, list(variant.notes), metrics,
                        rewrite_cost=cost or 0.0)
+
+    def _matmul_operands_explicit(self, variant: Variant) -> Variant:
+        """`variant` with the copies batched matmuls make of strided operands as graph nodes
+        (`materialize_matmul_operands`), so remat can recompute a product (attention scores) from them; as it was
+        when there are none or the cost model sees any byte change."""
+        program = variant.program.snapshot()
+        rewritten = materialize_matmul_operands(program.graph)
+        if not rewritten:
+            return variant
+        program.graph.lint()
+        program.module.recompile()
+        traced = self.trace(program)
+        after, before = self.estimate(program, traced), variant.estimate
+        if (after.peak, after.activations) != (before.peak, before.activations):
+            return variant
+        nodes = {n.name: n for n in program.graph.nodes}
+        changes = [Change(kind="checkpoint_operand_copy", module=(module_paths(nodes[name]) or ["<root>"])[-1],
+                          nodes_before=[name], nodes_after=[name], bytes_saved=0,
+                          reason="the copies matmul makes of its strided operands written as nodes (the same bytes "
+                                 "and values), so remat can recompute its product from them")
+                   for name in rewritten]
+        return replace(variant, program=program, traced=traced, estimate=after, changes=variant.changes + changes,
+                       sets=None)
 
     def _misses(self, program: Program, traced, sites: list[RematSite]) -> int:
         """Bytes the estimate of `program` with `sites` applied misses the limits by."""

@@ -43,6 +43,11 @@ REMAT_INPUT_MATMUL_PASSES = 20.0
 # matrix products and convolutions that are sites when their inputs are held anyway (remat_sites(products=True)),
 # at most REMAT_INPUT_MATMUL_PASSES dear per byte
 REMAT_PRODUCTS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "convolution", "conv1d", "conv2d", "conv3d"})
+# normalizations over a dim that save their output, sites among product sites (an attention softmax, recomputed
+# with its scores)
+REMAT_SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"})
+# how many producers deep a chain may reach back to held tensors (softmax <- masked_fill <- scale <- q @ k^T)
+REMAT_CHAIN_DEPTH = 4
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 # the keyword arguments apply_remat adds to a node (left out of a chain member's kwargs under torch.compile)
@@ -113,6 +118,12 @@ def product_site(site: RematSite) -> bool:
     return held_matmul(site.node) and not input_fed_matmul(site.node)
 
 
+def softmax_site(site: RematSite) -> bool:
+    """A site only `remat_sites(scores=True)` finds: a softmax (recomputed with its scores)."""
+    node = site.node
+    return isinstance(node.target, torch._ops.OpOverload) and optable.packet(node.target) in REMAT_SOFTMAX
+
+
 def chain_op(producer: fx.Node, site: fx.Node) -> bool:
     """`producer` may be recomputed as a member of `site`'s chain: a cheap op, or a transposed convolution
     feeding a join."""
@@ -135,9 +146,9 @@ class _SiteFinder:
     """A forward trace (`traced`: what `trace_forward` returned) indexed to find remat sites: per node its op
     records outside regions, per storage its savers."""
 
-    def __init__(self, traced, balance: float | None, products: bool):
+    def __init__(self, traced, balance: float | None, products: bool, scores: bool = False):
         recorder, self.base_keys, self.out_keys = traced.recorder, traced.base_keys, traced.out_keys
-        self.products = products
+        self.products, self.scores = products, scores
         self.records = [r for r in recorder.records if r.region is None]
         self.storage_bytes = recorder.storage_bytes
         self.balance = balance
@@ -159,6 +170,12 @@ class _SiteFinder:
     def product(self, node: fx.Node) -> bool:
         """`node` may be a matrix-product site held nested (`held_matmul`, when looking for those)."""
         return self.products and held_matmul(node)
+
+    def softmax(self, node: fx.Node) -> bool:
+        """`node` is a softmax that may be a site (`scores`: its chain reaches back through the scores' matrix
+        product to operands held anyway)."""
+        return self.scores and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and optable.packet(node.target) in REMAT_SOFTMAX
 
     def key_of(self, arg) -> int | None:
         return value_key(self.by_node, arg) if isinstance(arg, fx.Node) else None
@@ -187,27 +204,41 @@ class _SiteFinder:
                                                                         and not records[i].new_keys)
                    for i in range(min(positions), max(positions) + 1))
 
-    def chain(self, node: fx.Node, key: int, last: int, dropout: bool, in_place: bool) -> list | None:
-        """The producers `node` recomputes with it: each tensor input not held is made by a cheap op nobody
-        keeps, from held tensors (or is the tensor an in-place op overwrites). None when some input is neither."""
+    def chain(self, node: fx.Node, key: int, last: int, dropout: bool, in_place: bool, depth: int = 1,
+              products: bool = False) -> list | None:
+        """The producers `node` recomputes with it, producers first: each tensor input not held is made by a cheap
+        op nobody keeps (with `products`, a matrix product too), from held tensors or, up to `depth` producers
+        back, from such producers themselves (an attention softmax <- masked_fill <- scale <- q @ k^T), or is the
+        tensor an in-place op overwrites. None when some input is neither."""
         members = []
         for index, arg in enumerate(tensor_inputs(node)):
             if self.held(arg, key, last) and not (in_place and index == 0):
                 continue
-            arg_key = self.key_of(arg)
-            if (dropout or not chain_op(arg, node) or arg.target._schema.is_mutable or len(arg.users) != 1
-                    or arg_key is None or arg_key in self.out_keys or self.base_keys.get(arg_key) is not None
-                    or (arg_key != key and arg_key in self.savers) or not self.by_node.get(arg.name)
-                    or not all(self.held(b, key, last) for b in tensor_inputs(arg))):
+            if dropout or depth <= 0 or not self._chainable(arg, node, key, products):
                 return None
+            if not all(self.held(b, key, last) for b in tensor_inputs(arg)):
+                inner = self.chain(arg, key, last, False, False, depth - 1, products)
+                if inner is None:
+                    return None
+                members.extend(inner)
             members.append(arg)
-        return members
+        return list(dict.fromkeys(members))
+
+    def _chainable(self, arg: fx.Node, consumer: fx.Node, key: int, products: bool) -> bool:
+        """`arg` may be recomputed as a member of a chain through `consumer`: a cheap op (or, with `products`, a
+        matrix product) not writing in place, read by `consumer` alone, traced, kept by nobody, not an output or a
+        base storage."""
+        arg_key = self.key_of(arg)
+        return (chain_op(arg, consumer) or (products and self.product(arg))) and not arg.target._schema.is_mutable \
+            and len(arg.users) == 1 and arg_key is not None and arg_key not in self.out_keys \
+            and self.base_keys.get(arg_key) is None and (arg_key == key or arg_key not in self.savers) \
+            and bool(self.by_node.get(arg.name))
 
     def site(self, node: fx.Node) -> RematSite | None:
         """`node` as a remat site, None when it is not one (see `remat_sites`)."""
         dropout = node.target is bool_mask_dropout
         fed = not dropout and (input_fed_matmul(node) or self.product(node))
-        if not (dropout or fed or remat_op(node)):
+        if not (dropout or fed or remat_op(node) or self.softmax(node)):
             return None
         value = node_value(node)
         records = self.by_node.get(node.name)
@@ -224,11 +255,16 @@ class _SiteFinder:
         if not consumers:
             return None
         in_place = not dropout and node.target._schema.is_mutable
-        chain = self.chain(node, key, max(r.idx for r in records), dropout, in_place)
+        # (chains deeper than one producer, and products among them, only for softmax sites: the static estimate
+        # was seen 15% low on other deep chains, an MLP's GELU through its linear and layer norm)
+        deep = self.softmax(node)
+        chain = self.chain(node, key, max(r.idx for r in records), dropout, in_place,
+                           REMAT_CHAIN_DEPTH if deep else 1, deep)
         if chain is None or (fed and chain):
             return None
         sizes = self.storage_bytes
-        if fed and self.cost_of(node) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
+        products = [m for m in (*chain, node) if fed and m is node or held_matmul(m)]
+        if sum(map(self.cost_of, products)) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
             return None  # dearer than a few pointwise passes: regions decide instead
         # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
         # backwards run back to back, so one recomputation can serve them all, held across no other op's backward
@@ -265,6 +301,9 @@ class _SiteFinder:
             matmuls = () if site.call else tuple(held_names) if self.product(site.node) else \
                 tuple(n for n in held_names if self.product(by_name[n].node))
             site.holds, site.call_with = (tuple(held_names) if site.call else matmuls), matmuls
+            if site.node.target is bool_mask_dropout and self.products:
+                # (its input a site too, an attention softmax: held nested, `bool_mask_dropout`'s `nest`)
+                site.holds, site.call_with = tuple(held_names), ()
             # (the holder's own ops run their backward between its saves' and the inner one's)
             own = {self.position[r.idx] for m in (*site.chain, site.node) for r in self.by_node.get(m.name, [])}
             for name in held_names:
@@ -280,7 +319,8 @@ class _SiteFinder:
                     site.cost += self.per_unpack[site.node.name][1] * self.per_unpack[name][0]
 
 
-def remat_sites(program: Program, traced, balance: float | None, products: bool = False) -> list[RematSite]:
+def remat_sites(program: Program, traced, balance: float | None, products: bool = False,
+                scores: bool = False) -> list[RematSite]:
     """Nodes whose output some op saves for backward (later consumers, or the node itself: ReLU saves its result)
     that (1) are pointwise ops (in-place ones too), layer/group/RMS/batch norms, bool-mask dropout, joins (cat,
     stack), pooling (max pooling's indices recomputed with it), or a convolution or linear fed only by graph inputs
@@ -289,8 +329,10 @@ def remat_sites(program: Program, traced, balance: float | None, products: bool 
     one), or computed by one such cheap op from held tensors and kept by nobody (a chain: batch norm -> in-place
     ReLU; a join's upsampling transposed convolution). Cheapest per byte first; a site's cost counts an input that
     is another site's output once per unpack (a nested recipe is recomputed with it). `products`: linears and
-    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap."""
-    finder = _SiteFinder(traced, balance, products)
+    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap, and chains
+    reach up to REMAT_CHAIN_DEPTH producers back, through such products; `scores` (with `products`): softmaxes are
+    sites too (an attention's, its chain back to q @ k^T)."""
+    finder = _SiteFinder(traced, balance, products, scores and products)
     sites = [s for s in (finder.site(n) for n in program.graph.nodes if n.op == "call_function") if s is not None]
     finder.nest(sites)
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
@@ -413,6 +455,10 @@ class _Rewriter:
         node = self.by_name[site.node.name]
         if node.target is bool_mask_dropout:
             node.target = bool_mask_dropout_remat
+            if site.holds:
+                # its input a site too: held nested where applied (through its shared value where the plan says so)
+                shared = self.plan.through.get(site.node.name, ())
+                node.kwargs = {**node.kwargs, "_fxmem_nest": (0,) if site.holds[0] in shared else ()}
             after, what = node.name, "dropout output (input and bool mask are saved anyway)"
         else:
             share = {"_fxmem_share": True} if site.key in self.plan.shared else {}
