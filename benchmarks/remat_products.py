@@ -1,4 +1,4 @@
-"""Linears and convolutions as remat sites: the checkpoint pass's plans with and without them, timed side by side.
+"""Linears and convolutions (or attention softmaxes) as remat sites: the pass's plans with and without, timed.
 
 Issue 33 §1: at torch.compile's bytes, fxmem's plans on the reference decoder recomputed 2-4x the eager floor at mid
 budgets, because whole-module regions rerun the ops that save what they recompute (an MLP region's second linear,
@@ -12,6 +12,10 @@ less the captured graph's in that round. The models and sizes are checkpoint_par
 
     python benchmarks/remat_products.py            # gpt and unet, budgets 0.1-0.7; 40 rounds
     python benchmarks/remat_products.py --models gpt --budgets 0.5 --rounds 20
+
+`--option remat_scores` compares the plans with and without `passes.checkpoint.remat_scores` instead (attention
+softmaxes recomputed with their scores from the copies of q and k that matmul saves anyway; results in
+results/remat_scores.md).
 """
 from __future__ import annotations
 
@@ -34,18 +38,23 @@ from benchmarks.checkpoint_pareto import (Bench, add_compile, compile_bytes_targ
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def plans(budgets, bench: Bench) -> dict[str, tuple]:
-    """Per budget, the pass's module at compile@b's bytes with and without matrix-product sites: {row key:
-    (module, plan note, activation bytes kept and asked for, both in the hooks' count)}."""
+# the options this script compares: CheckpointOptions field -> what its rows are called
+OPTIONS = {"remat_products": "products", "remat_scores": "softmax sites"}
+
+
+def plans(budgets, bench: Bench, option: str = "remat_products") -> dict[str, tuple]:
+    """Per budget, the pass's module at compile@b's bytes with and without `option` (matrix-product sites, or
+    softmax sites): {row key: (module, plan note, activation bytes kept and asked for, both in the hooks'
+    count)}."""
     rows = {}
     for b in budgets:
         add_compile(bench, b)
         target = compile_bytes_target(bench, b)
-        for products in (True, False):
+        for on in (True, False):
             mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=target,
-                                                 remat_products=products)
+                                                 **{option: on})
             kept = fxmem.measure(copy.deepcopy(mod), bench.x, loss_fn=bench.loss_fn).activations
-            rows[f"{'with' if products else 'without'} products @{b}"] = (
+            rows[f"{'with' if on else 'without'} {OPTIONS[option]} @{b}"] = (
                 mod, plan_note(metrics), kept - hooks_offset(bench), target - hooks_offset(bench))
     return rows
 
@@ -53,12 +62,13 @@ def plans(budgets, bench: Bench) -> dict[str, tuple]:
 def plan_note(metrics: dict) -> str:
     """Regions recomputed and remat sites, how many of them products."""
     remat = metrics.get("remat", {})
-    products = remat.get("products", 0)
+    products, softmaxes = remat.get("products", 0), remat.get("softmaxes", 0)
     return f"{plan_string(metrics.get('plan', {})) or 'no region'}; {remat.get('sites', 0)} remat sites" + \
-        (f", {products} of them products" if products else "")
+        (f", {products} of them products" if products else "") + \
+        (f", {softmaxes} softmaxes" if softmaxes else "")
 
 
-def model_section(name: str, budgets, rounds: int) -> str:
+def model_section(name: str, budgets, rounds: int, option: str = "remat_products") -> str:
     """One model's table: its plans at compile@b's bytes per budget, with and without the option, timed
     interleaved against the captured graph (checkpoint_pareto's `step_times`)."""
     ex, model, x = setup(name, True)
@@ -67,7 +77,7 @@ def model_section(name: str, budgets, rounds: int) -> str:
     program.refresh()
     bench = Bench(model, x, ex.loss_fn, program, estimate(program, mode="train", loss_fn=ex.loss_fn))
     bench.mods["captured"] = (program.snapshot().module, 0.0, "")
-    rows = plans(budgets, bench)
+    rows = plans(budgets, bench, option)
     timing = Bench(model, x, ex.loss_fn, program, bench.base,
                    mods={"captured": bench.mods["captured"], **{k: (r[0], 0.0, "") for k, r in rows.items()}})
     times = step_times(timing, rounds)
@@ -90,17 +100,20 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="gpt,unet")
     ap.add_argument("--budgets", default="0.1,0.2,0.3,0.5,0.7")
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--out", default=str(RESULTS / "remat_products.md"))
+    ap.add_argument("--option", choices=sorted(OPTIONS), default="remat_products")
+    ap.add_argument("--out", default=None, help="default: results/<option>.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     budgets = [float(b) for b in args.budgets.split(",")]
-    sections = [model_section(name, budgets, args.rounds) for name in args.models.split(",")]
-    text = (f"# Linears and convolutions as remat sites (passes.checkpoint.remat_products)\n\nReproduce: `python "
-            f"benchmarks/remat_products.py --models {args.models} --budgets {args.budgets} --rounds {args.rounds}` "
+    sections = [model_section(name, budgets, args.rounds, args.option) for name in args.models.split(",")]
+    title = "Linears and convolutions" if args.option == "remat_products" else "Attention softmaxes"
+    text = (f"# {title} as remat sites (passes.checkpoint.{args.option})\n\nReproduce: `python "
+            f"benchmarks/remat_products.py --option {args.option} --models {args.models} --budgets {args.budgets} "
+            f"--rounds {args.rounds}` "
             f"(torch {torch.__version__}, CPU, 2 threads). checkpoint_pareto's `--full` models, the pass asked for "
             f"the activation bytes torch.compile kept at budget b. Recompute: a plan's step less the captured "
             f"graph's in the same round, median (quartiles) over {args.rounds} rounds.\n\n" + "\n".join(sections))
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / f"{args.option}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
