@@ -118,10 +118,15 @@ def product_site(site: RematSite) -> bool:
     return held_matmul(site.node) and not input_fed_matmul(site.node)
 
 
+def softmax_op(node: fx.Node) -> bool:
+    """A softmax (or log-softmax) call."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+        optable.packet(node.target) in REMAT_SOFTMAX
+
+
 def softmax_site(site: RematSite) -> bool:
     """A site only `remat_sites(scores=True)` finds: a softmax (recomputed with its scores)."""
-    node = site.node
-    return isinstance(node.target, torch._ops.OpOverload) and optable.packet(node.target) in REMAT_SOFTMAX
+    return softmax_op(site.node)
 
 
 def chain_op(producer: fx.Node, site: fx.Node) -> bool:
@@ -174,8 +179,7 @@ class _SiteFinder:
     def softmax(self, node: fx.Node) -> bool:
         """`node` is a softmax that may be a site (`scores`: its chain reaches back through the scores' matrix
         product to operands held anyway)."""
-        return self.scores and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-            and optable.packet(node.target) in REMAT_SOFTMAX
+        return self.scores and softmax_op(node)
 
     def key_of(self, arg) -> int | None:
         return value_key(self.by_node, arg) if isinstance(arg, fx.Node) else None
@@ -263,7 +267,8 @@ class _SiteFinder:
         if chain is None or (fed and chain):
             return None
         sizes = self.storage_bytes
-        products = [m for m in (*chain, node) if fed and m is node or held_matmul(m)]
+        # (the site itself when it is a product, and the products in its chain: a softmax's q @ k^T)
+        products = ([node] if fed else []) + [m for m in chain if held_matmul(m)]
         if sum(map(self.cost_of, products)) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
             return None  # dearer than a few pointwise passes: regions decide instead
         # savers with nothing between them but ops without a backward or views (no saves, no new tensors): their
@@ -301,7 +306,7 @@ class _SiteFinder:
             matmuls = () if site.call else tuple(held_names) if self.product(site.node) else \
                 tuple(n for n in held_names if self.product(by_name[n].node))
             site.holds, site.call_with = (tuple(held_names) if site.call else matmuls), matmuls
-            if site.node.target is bool_mask_dropout and self.products:
+            if site.node.target is bool_mask_dropout and self.scores:
                 # (its input a site too, an attention softmax: held nested, `bool_mask_dropout`'s `nest`)
                 site.holds, site.call_with = tuple(held_names), ()
             # (the holder's own ops run their backward between its saves' and the inner one's)
@@ -329,9 +334,9 @@ def remat_sites(program: Program, traced, balance: float | None, products: bool 
     one), or computed by one such cheap op from held tensors and kept by nobody (a chain: batch norm -> in-place
     ReLU; a join's upsampling transposed convolution). Cheapest per byte first; a site's cost counts an input that
     is another site's output once per unpack (a nested recipe is recomputed with it). `products`: linears and
-    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap, and chains
-    reach up to REMAT_CHAIN_DEPTH producers back, through such products; `scores` (with `products`): softmaxes are
-    sites too (an attention's, its chain back to q @ k^T)."""
+    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap; `scores`
+    (with `products`): softmaxes are sites too, their chains up to REMAT_CHAIN_DEPTH producers back through such
+    products (an attention's, back to q @ k^T), and a bool-mask dropout over one holds it nested."""
     finder = _SiteFinder(traced, balance, products, scores and products)
     sites = [s for s in (finder.site(n) for n in program.graph.nodes if n.op == "call_function") if s is not None]
     finder.nest(sites)
