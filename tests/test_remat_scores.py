@@ -13,13 +13,13 @@ import fxmem
 from fxmem.costmodel import estimate, estimate_from_trace
 from fxmem.pipeline import PassContext, pass_module
 
+from fxmem.passes.checkpoint import matmul_operands
 from fxmem.passes.checkpoint.remat import held_matmul
 
 from .conftest import example, grads
 from . import zoo
 
 ck = pass_module("checkpoint")
-matmul_operands = pytest.importorskip("fxmem.passes.checkpoint.matmul_operands")
 
 
 def _captured(name: str, zoo_model: bool = False):
@@ -131,7 +131,9 @@ def test_every_site_with_softmaxes_on_zoo_models(name):
     exactly as without softmax sites."""
     model, program, args, kwargs, loss_fn = _captured(name, zoo_model=True)
     prog, softmaxes = _estimated_as_measured(program, loss_fn, args, kwargs)
-    print(name, softmaxes)
+    # (Hugging Face's eager attention adds a mask or position bias built in the graph and kept by nobody: the chain
+    # stops there, so only Whisper's unmasked attention has softmax sites yet; docs/design/checkpoint.md)
+    assert bool(softmaxes) == (name == "whisper"), softmaxes
     _same_step(program.module, prog.module, args, kwargs, loss_fn)
 
 
