@@ -5,9 +5,9 @@ each operand with a reshape, which copies a strided operand, and its `bmm` saves
 is no graph value, so nothing can be recomputed from it: an attention softmax's scores are a matrix product of two
 tensors autograd keeps anyway, but those tensors exist only inside the matmul. `materialize_matmul_operands`
 writes `aten.contiguous` after such an operand: the same bytes, saved by the same `bmm` (its reshape is then a
-view), bit-identical products; made earlier in the forward, which the caller's check weighs. Remat can then recompute the scores, and the softmax
-chain after them, from the copies (`remat_sites(products=True)`). The caller checks with the cost model that the
-rewrite changes no byte (`CheckpointRun.remat`).
+view), bit-identical products; made earlier in the forward, which the caller's check weighs. Remat can then
+recompute the scores, and the softmax chain after them, from the copies (`remat_sites(scores=True)`). The caller
+checks with the cost model that the rewrite changes no byte (`CheckpointRun.remat`).
 """
 from __future__ import annotations
 

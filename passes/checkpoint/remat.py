@@ -8,6 +8,7 @@ for bit. `remat_plan` says which recipes are recomputed once for all their saves
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -48,6 +49,9 @@ REMAT_PRODUCTS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "convoluti
 REMAT_SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"})
 # how many producers deep a chain may reach back to held tensors (softmax <- masked_fill <- scale <- q @ k^T)
 REMAT_CHAIN_DEPTH = 4
+# a softmax site's recipe may keep tensors nobody saves (a mask or position bias built in the graph, often one for
+# all layers): their bytes, each shared among the sites keeping it, at most this share of the bytes the site frees
+REMAT_KEPT_SHARE = 0.5
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 # the keyword arguments apply_remat adds to a node (left out of a chain member's kwargs under torch.compile)
@@ -74,6 +78,7 @@ class RematSite:
     # its output's and internal saves are unpacked back to back: one run of the full op makes both (`_fxmem_group`)
     group: bool = False
     call_with: tuple = ()  # names of matmul sites it holds nested, when applied with it: then a call too
+    kept: tuple = ()  # storage keys its recipe keeps that nothing saves (a softmax's mask): held until its unpack
 
     def is_call(self, applied: set) -> bool:
         """Emitted as remat_call among the `applied` site names: a call, or holding an applied matmul site."""
@@ -147,6 +152,11 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
             or node_value(a, tensor_only=True) is not None]
 
 
+def _layout(value) -> tuple | None:
+    """A tensor value's shape, strides, offset and dtype (None: no tensor)."""
+    return None if value is None else (value.shape, value.stride(), value.storage_offset(), value.dtype)
+
+
 class _SiteFinder:
     """A forward trace (`traced`: what `trace_forward` returned) indexed to find remat sites: per node its op
     records outside regions, per storage its savers."""
@@ -209,31 +219,55 @@ class _SiteFinder:
                    for i in range(min(positions), max(positions) + 1))
 
     def chain(self, node: fx.Node, key: int, last: int, dropout: bool, in_place: bool, depth: int = 1,
-              products: bool = False) -> list | None:
+              deep: bool = False) -> list | None:
         """The producers `node` recomputes with it, producers first: each tensor input not held is made by a cheap
-        op nobody keeps (with `products`, a matrix product too), from held tensors or, up to `depth` producers
+        op nobody keeps (`deep`, a softmax's chain: a matrix product too), from held tensors or, up to `depth` producers
         back, from such producers themselves (an attention softmax <- masked_fill <- scale <- q @ k^T), or is the
-        tensor an in-place op overwrites. None when some input is neither."""
+        tensor an in-place op overwrites; `deep`, an input none of that reaches may be kept by the recipe
+        (`keepable`: a mask built in the graph). None when some input is neither."""
         members = []
         for index, arg in enumerate(tensor_inputs(node)):
-            if self.held(arg, key, last) and not (in_place and index == 0):
+            overwritten = in_place and index == 0
+            if self.held(arg, key, last) and not overwritten:
                 continue
-            if dropout or depth <= 0 or not self._chainable(arg, node, key, products):
+            made = None if dropout or depth <= 0 else self._made_again(arg, node, key, last, depth, deep)
+            if made is not None:
+                members.extend(made)
+            elif not (deep and not overwritten and self.keepable(arg, key, last)):
                 return None
-            if not all(self.held(b, key, last) for b in tensor_inputs(arg)):
-                inner = self.chain(arg, key, last, False, False, depth - 1, products)
-                if inner is None:
-                    return None
-                members.extend(inner)
-            members.append(arg)
         return list(dict.fromkeys(members))
+
+    def _made_again(self, arg: fx.Node, consumer: fx.Node, key: int, last: int, depth: int,
+                    deep: bool) -> list | None:
+        """`arg` recomputed as a chain member through `consumer`, with the producers it needs (`chain`, one
+        producer less deep), producers first; None when it cannot be."""
+        if not self._chainable(arg, consumer, key, deep):
+            return None
+        if all(self.held(b, key, last) for b in tensor_inputs(arg)):
+            return [arg]
+        inner = self.chain(arg, key, last, False, False, depth - 1, deep)
+        return None if inner is None else inner + [arg]
+
+    def keepable(self, arg: fx.Node, key: int, last: int) -> bool:
+        """`arg` may be kept by a recipe: traced, saved by no op (so never a site itself), not written in place
+        after record `last` (the site's), and not the site's own storage."""
+        arg_key = self.key_of(arg)
+        return arg_key is not None and arg_key != key and arg_key not in self.savers \
+            and self.last_write.get(arg_key, -1) <= last
+
+    def kept(self, node: fx.Node, chain: list, key: int, last: int) -> list[int]:
+        """Storage keys of the inputs of `node` and its chain that are neither held anyway nor chain members:
+        what the recipe keeps alive by holding them."""
+        members = {m.name for m in chain}
+        return list(dict.fromkeys(self.key_of(a) for m in (*chain, node) for a in tensor_inputs(m)
+                                  if a.name not in members and not self.held(a, key, last)))
 
     def _chainable(self, arg: fx.Node, consumer: fx.Node, key: int, products: bool) -> bool:
         """`arg` may be recomputed as a member of a chain through `consumer`: a cheap op (or, with `products`, a
         matrix product) not writing in place, read by `consumer` alone, traced, kept by nobody, not an output or a
         base storage."""
         arg_key = self.key_of(arg)
-        return (chain_op(arg, consumer) or (products and self.product(arg))) and not arg.target._schema.is_mutable \
+        return (chain_op(arg, consumer) or (products and held_matmul(arg))) and not arg.target._schema.is_mutable \
             and len(arg.users) == 1 and arg_key is not None and arg_key not in self.out_keys \
             and self.base_keys.get(arg_key) is None and (arg_key == key or arg_key not in self.savers) \
             and bool(self.by_node.get(arg.name))
@@ -262,11 +296,12 @@ class _SiteFinder:
         # (chains deeper than one producer, and products among them, only for softmax sites: the static estimate
         # was seen 15% low on other deep chains, an MLP's GELU through its linear and layer norm)
         deep = self.softmax(node)
-        chain = self.chain(node, key, max(r.idx for r in records), dropout, in_place,
-                           REMAT_CHAIN_DEPTH if deep else 1, deep)
+        last = max(r.idx for r in records)
+        chain = self.chain(node, key, last, dropout, in_place, REMAT_CHAIN_DEPTH if deep else 1, deep)
         if chain is None or (fed and chain):
             return None
         sizes = self.storage_bytes
+        kept = self.kept(node, chain, key, last) if deep else []
         # (the site itself when it is a product, and the products in its chain: a softmax's q @ k^T)
         products = ([node] if fed else []) + [m for m in chain if held_matmul(m)]
         if sum(map(self.cost_of, products)) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
@@ -288,7 +323,35 @@ class _SiteFinder:
             or optable.packet(node.target) in REMAT_JOINS
         return RematSite(node, key, int(sizes[key] + sum(sizes[s] for s in internal)), float(once * unpacks),
                          (module_paths(node) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal),
-                         contiguous=contiguous, group=group)
+                         contiguous=contiguous, group=group, kept=tuple(kept))
+
+    def source(self, node: fx.Node) -> str:
+        """The name of the node whose tensor `node` hands on as it is: back through ops whose one tensor input has
+        their output's storage and layout (a `to` its own dtype, as Hugging Face's GPT-2 casts its attention
+        probabilities before dropout); `node`'s own name when it is no such op."""
+        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+                not node.target._schema.is_mutable:  # (an in-place op, ReLU_ on its batch norm, is a site itself)
+            inputs = tensor_inputs(node)
+            if len(inputs) != 1 or self.key_of(node) is None or self.key_of(node) != self.key_of(inputs[0]) or \
+                    _layout(node_value(node, tensor_only=True)) != _layout(node_value(inputs[0], tensor_only=True)):
+                break
+            node = inputs[0]
+        return node.name
+
+    def within_kept_share(self, sites: list[RematSite]) -> list[RematSite]:
+        """`sites` less those whose kept tensors, each one's bytes shared among the sites keeping it, come to more
+        than REMAT_KEPT_SHARE of the bytes they free (leaving one out shares its kept tensors among fewer: the
+        others stay over)."""
+        sizes = self.storage_bytes
+        while True:
+            keepers = Counter(k for s in sites for k in s.kept)
+            over = {s.node.name for s in sites
+                    if sum(sizes[k] / keepers[k] for k in s.kept) > REMAT_KEPT_SHARE * s.bytes}
+            if not over:
+                return sites
+            sites = [s for s in sites if s.node.name not in over]
+            for name in over:
+                del self.per_unpack[name], self.unpacked_at[name]
 
     def nest(self, sites: list[RematSite]) -> None:
         """An input that is another site's output is a nested recipe (remat_call holds it as a recipe): each unpack
@@ -298,8 +361,8 @@ class _SiteFinder:
         for site in sites:
             members = {c.name for c in site.chain}
             held_names = list(dict.fromkeys(
-                a.name for m in (*site.chain, site.node) for a in tensor_inputs(m)
-                if a.name in self.per_unpack and a.name not in members and a.name != site.node.name))
+                name for m in (*site.chain, site.node) for name in map(self.source, tensor_inputs(m))
+                if name in self.per_unpack and name not in members and name != site.node.name))
             # a matmul site's output (a linear's, under a GELU) is held as its recipe, nested, when both are
             # applied: the holder is then emitted as a call (`call_with`), else as it is
             # (a matmul site holds every site among its inputs so: its recipe would keep them as tensors)
@@ -334,11 +397,13 @@ def remat_sites(program: Program, traced, balance: float | None, products: bool 
     one), or computed by one such cheap op from held tensors and kept by nobody (a chain: batch norm -> in-place
     ReLU; a join's upsampling transposed convolution). Cheapest per byte first; a site's cost counts an input that
     is another site's output once per unpack (a nested recipe is recomputed with it). `products`: linears and
-    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap; `scores`
-    (with `products`): softmaxes are sites too, their chains up to REMAT_CHAIN_DEPTH producers back through such
-    products (an attention's, back to q @ k^T), and a bool-mask dropout over one holds it nested."""
-    finder = _SiteFinder(traced, balance, products, scores and products)
+    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap; `scores`:
+    softmaxes are sites too, their chains up to REMAT_CHAIN_DEPTH producers back through such products (an
+    attention's, back to q @ k^T), keeping what no op saves up to REMAT_KEPT_SHARE (a mask built in the graph), and
+    a bool-mask dropout over one (or over a no-op cast of one) holds it nested."""
+    finder = _SiteFinder(traced, balance, products, scores)
     sites = [s for s in (finder.site(n) for n in program.graph.nodes if n.op == "call_function") if s is not None]
+    sites = finder.within_kept_share(sites)
     finder.nest(sites)
     sites.sort(key=lambda s: (s.cost / max(1, s.bytes), s.node.name))
     return sites
@@ -381,7 +446,8 @@ def remat_plan(sites: list[RematSite]) -> RematPlan:
 def as_planned(traced, sites: list[RematSite]):
     """`traced` as if `sites` were applied (their outputs saved as recipes), without tracing the rewrite."""
     plan = remat_plan(sites)
-    return as_recipes(traced, set().union(*(s.keys for s in sites)), plan.shared, plan.nesting, plan.groups)
+    return as_recipes(traced, set().union(*(s.keys for s in sites)), plan.shared, plan.nesting, plan.groups,
+                      {s.key: s.kept for s in sites if s.kept})
 
 
 def choose_sites(sites: list[RematSite], misses: Callable[[list[RematSite]], int]) -> list[RematSite]:
