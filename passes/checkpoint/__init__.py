@@ -88,21 +88,24 @@ class CheckpointPass(Pass):
                                    f"{limits.describe()}; no region recomputed")
         # regions for the rest, planned on the rewritten program and on the program without remat (recipes and
         # regions interact: a region input that is a recipe is recomputed too, and a region can make remat's
-        # recomputation redundant); and with matrix products as sites too: remat alone where that fits, else
-        # regions over it. The cheapest plan that fits wins
+        # recomputation redundant); and with matrix products or softmaxes as sites too: remat alone where that fits,
+        # else regions over it. The cheapest plan that fits wins
         options = [PlanOption(partial(job.regions, rematted), rematted.rewrite_cost),
                    PlanOption(partial(job.regions, variant), 0.0, "regions without remat")]
-        # (and once more with attention softmaxes among them, recomputed with their scores: apart, since every
-        # site is applied before regions are planned, and an attention region would recompute those chains again)
-        with_products = opts.remat_products and opts.cost != "profile"
-        for scores in (False, True) if opts.remat_scores else (False,):
-            products = job.remat(variant, products=True, scores=scores) if with_products else None
-            if products is not None and limits.fits(products.estimate):
-                options.append(PlanOption(partial(_remat_alone, products, limits), products.rewrite_cost))
-            elif products is not None:
-                options.append(PlanOption(partial(job.regions, products), products.rewrite_cost,
-                                          "regions over remat with matrix products among its sites"
-                                          + " and attention scores" * scores))
+        # (and with attention softmaxes among them, recomputed with their scores, with products and without: apart,
+        # since every site is applied before regions are planned, and an attention region would recompute those
+        # chains again; without products where a model's linears are dear sites, Hugging Face GPT-2's Conv1D)
+        no_softmax_site = False
+        for products, scores in _site_variants(opts):
+            if scores and not products and no_softmax_site:
+                continue  # (no softmax site the plan with products would take: none without them either)
+            rematted_more = job.remat(variant, products=products, scores=scores)
+            no_softmax_site = scores and rematted_more is None
+            if rematted_more is not None and limits.fits(rematted_more.estimate):
+                options.append(PlanOption(partial(_remat_alone, rematted_more, limits), rematted_more.rewrite_cost))
+            elif rematted_more is not None:
+                options.append(PlanOption(partial(job.regions, rematted_more), rematted_more.rewrite_cost,
+                                          "regions over remat with " + _sites_named(products, scores)))
         return self._remat_or_not(options, limits)
 
     @staticmethod
@@ -198,16 +201,32 @@ class PlanOption(NamedTuple):
     label: str | None = None
 
 
+def _site_variants(opts: CheckpointOptions) -> list[tuple[bool, bool]]:
+    """The (products, scores) site sets remat is planned with beyond the cheap sites, as the options allow: matrix
+    products, products and attention softmaxes, softmaxes alone (none with the profiled cost: its sites are timed,
+    not these)."""
+    if opts.cost == "profile":
+        return []
+    return [(True, False)] * opts.remat_products + [(True, True)] * (opts.remat_products and opts.remat_scores) + \
+        [(False, True)] * opts.remat_scores
+
+
+def _sites_named(products: bool, scores: bool) -> str:
+    return "matrix products among its sites" + " and attention scores" * scores if products else \
+        "attention scores among its sites"
+
+
 def _remat_alone(variant: Variant, limits: Limits, plan_only: bool):
     """`_remat_or_not`'s run for remat alone (`variant`, fitting the limits): nothing to plan, no regions."""
     if plan_only:
         return 0.0, 0, True
     sites = variant.metrics["remat"]["sites"]
     estimate = variant.estimate
-    softmaxes = variant.metrics["remat"].get("softmaxes")
-    scores = f", and {softmaxes} attention softmax{'es' * (softmaxes > 1)} with their scores" if softmaxes else ""
-    return variant.result(f"checkpoint: {sites} activations recomputed in backward, matrix products among them (a "
-                          f"linear's or a convolution's output under its activation or norm{scores}), bring the "
+    products, softmaxes = variant.metrics["remat"].get("products"), variant.metrics["remat"].get("softmaxes")
+    scores = f"{softmaxes} attention softmax{'es' * (softmaxes > 1)} with their scores" if softmaxes else ""
+    among = "matrix products among them (a linear's or a convolution's output under its activation or norm" + \
+        (f", and {scores})" if scores else ")") if products else scores + " among them"
+    return variant.result(f"checkpoint: {sites} activations recomputed in backward, {among}, bring the "
                           f"estimate to peak {format_bytes(estimate.peak)}, activations "
                           f"{format_bytes(estimate.activations)}, "
                           f"within {limits.describe()}; no region recomputed: cheaper than regions by the cost model")
@@ -311,8 +330,8 @@ class CheckpointRun:
     def remat(self, variant: Variant, products: bool = False, scores: bool = False) -> Variant | None:
         """`variant` with the cheapest remat sites the limits need applied (all when they need more); None when
         there are none or they do not lower the estimate. `products`: matrix products with held inputs are sites
-        too (`remat_sites`), and there must be some; `scores` (with `products`): softmaxes too, recomputed with
-        their scores from matmul operand copies made nodes (`_matmul_operands_explicit`), and there must be some."""
+        too (`remat_sites`), and there must be some; `scores`: softmaxes too, recomputed with their scores from
+        matmul operand copies made nodes (`_matmul_operands_explicit`), and there must be some."""
         opts = self.opts
         if scores:
             variant = self._matmul_operands_explicit(variant)

@@ -43,9 +43,10 @@ class CheckpointOptions:
     # alone where that reaches the limits, else with regions planned over it, taken when that plan costs less than
     # the others (not with cost: profile)
     remat_products: bool = True
-    # among those, attention softmaxes with their scores: the copies matmul makes of strided q and k written as nodes
-    # (the same bytes), so the softmax chain (q @ k^T, scale, mask, softmax) is recomputed from them and neither
-    # the probabilities nor their dropout's output is kept (see matmul_operands)
+    # attention softmaxes with their scores as sites too, with those products and (or, remat_products: false)
+    # without them: the copies matmul makes of strided q and k written as nodes (the same bytes), so the softmax
+    # chain (q @ k^T, scale, mask, softmax) is recomputed from them, the mask the graph builds kept by the recipe,
+    # and neither the probabilities nor their dropout's output is kept (see matmul_operands)
     remat_scores: bool = True
     # regions never join nodes of two repeated blocks (fxmem.blocks.block_paths: h.0, h.1, ...) or a block's
     # with the root's: what FSDP2 needs to shard each block apart (fxmem.distribute). None: when the policy declares
