@@ -24,16 +24,20 @@ def hf_loss(output, inputs):
 
 # ============================================================================================ Hugging Face
 
-def t5():
-    """Encoder-decoder: T5ForConditionalGeneration with a padding mask and labels (teacher forcing)."""
+def t5(batch: int = BATCH, eager: bool = False):
+    """Encoder-decoder: T5ForConditionalGeneration with a padding mask and labels (teacher forcing); Hugging Face's
+    default attention (SDPA), or `eager`: scores plus a position bias made from an embedding, softmax, dropout."""
     from transformers import T5Config, T5ForConditionalGeneration
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                    decoder_start_token_id=0, dropout_rate=0.1)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
     mask[1, -3:] = 0
-    kwargs = {"input_ids": _tokens(), "attention_mask": mask, "labels": _tokens(seed=2, seq=5)}
-    return T5ForConditionalGeneration(cfg), (), kwargs, hf_loss
+    kwargs = {"input_ids": _tokens(batch=batch), "attention_mask": mask, "labels": _tokens(seed=2, batch=batch, seq=5)}
+    model = T5ForConditionalGeneration(cfg)
+    if eager:
+        model.set_attn_implementation("eager")
+    return model, (), kwargs, hf_loss
 
 
 def mixtral():
