@@ -113,11 +113,15 @@ def main(argv=None) -> int:
             f"(torch {torch.__version__}, CPU, 2 threads). checkpoint_pareto's `--full` models, the pass asked for "
             f"the activation bytes torch.compile kept at budget b. Recompute: a plan's step less the captured "
             f"graph's in the same round, median (quartiles) over {args.rounds} rounds.\n\n" + "\n".join(sections))
-    out = Path(args.out or RESULTS / f"{args.option}.md")
+    write_results(text, Path(args.out or RESULTS / f"{args.option}.md"))
+    return 0
+
+
+def write_results(text: str, out: Path) -> None:
+    """`text` to `out` (its folder made if need be), and to stdout."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":
