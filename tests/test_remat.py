@@ -130,21 +130,20 @@ def test_remat_is_cheapest_first_and_only_as_much_as_needed():
     assert "checkpoint_remat" not in kinds and kinds - {"checkpoint_compact_dropout"}
 
 
-@pytest.mark.parametrize("name,sites,force", [("unet", True, False), ("hf_llama", False, False),
-                                              ("hf_llama", True, True), ("vit", True, False)])
-def test_remat_with_regions_exact_on_examples(name, sites, force, monkeypatch):
-    """vit (GELU, layer norm, dropout) and the U-Net (batch norm -> ReLU chains, each recomputed once for the
-    ReLU's own save and the next op's) keep remat sites together with regions. On hf_llama (RMS norm, SiLU) regions
-    alone are the cheaper plan at this budget (remat's own recompute counted), so the pass emits those; `force`
-    takes remat + regions there anyway, for its exactness."""
+@pytest.mark.parametrize("name,budget,force", [("unet", "80%", False), ("hf_llama", "80%", False),
+                                               ("hf_llama", "60%", True), ("vit", "80%", False)])
+def test_remat_with_regions_exact_on_examples(name, budget, force, monkeypatch):
+    """vit (GELU, layer norm, dropout), the U-Net (batch norm -> ReLU chains, each recomputed once for the ReLU's own
+    save and the next op's) and hf_llama (RMS norm, each multiply holding the one before it nested through the cast
+    between them; SiLU) take remat sites; `force` takes remat + regions below what remat alone reaches, for the
+    exactness of regions over remat."""
     if force:
         force_remat_and_regions(monkeypatch)
-    ref, res, args, kwargs, loss_fn = _transform(name, "80%")
+    ref, res, args, kwargs, loss_fn = _transform(name, budget)
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
-    assert ("checkpoint_remat" in {c.kind for c in rec.changes}) == sites
-    if not sites:
-        assert any("regions without remat" in n for n in rec.notes), rec.notes
+    kinds = {c.kind for c in rec.changes}
+    assert "checkpoint_remat" in kinds and (not force or len(kinds) > 1), kinds
     meas = res.report.measured_after.peak
     assert meas <= res.report.budget * 1.05, (meas, res.report.budget)
     _same_step(ref, res.module, args, kwargs, loss_fn, exact=False)

@@ -70,18 +70,20 @@ class RematSite:
     call: bool = False  # emitted as remat_call: the op saves its own output, runs in place, or has a chain
     share: bool = False  # its savers run their backward back to back: recomputed once, for all of them
     internal: tuple = ()  # storage keys of what else the op saves of its own making (max pooling's indices)
-    holds: tuple = ()  # names of the sites whose outputs it holds nested (its inputs, its chain's)
+    holds: tuple = ()  # names of the sites whose outputs it holds nested, when applied (its inputs, its chain's)
     # names of the sites holding it nested that backward recomputes right next to its own saves (a max pooling of
     # this ReLU): their recomputations can take its value shared with its saves (`remat_plan`)
     adjacent: tuple = ()
     contiguous: bool = True  # its own saves are unpacked back to back (or there is one)
     # its output's and internal saves are unpacked back to back: one run of the full op makes both (`_fxmem_group`)
     group: bool = False
-    call_with: tuple = ()  # names of matmul sites it holds nested, when applied with it: then a call too
-    kept: tuple = ()  # storage keys its recipe keeps that nothing saves (a softmax's mask): held until its unpack
+    call_with: tuple = ()  # names of the sites it holds nested, when applied with it: then a call too
+    # storage keys its recipe keeps that nothing saves (a softmax's mask; a dropout's on an input without gradient)
+    kept: tuple = ()
+    via: tuple = ()  # (input name, site name) per input holding another site's output (`holds`): it, or a view of it
 
     def is_call(self, applied: set) -> bool:
-        """Emitted as remat_call among the `applied` site names: a call, or holding an applied matmul site."""
+        """Emitted as remat_call among the `applied` site names: a call, or holding an applied site nested."""
         return self.call or any(name in applied for name in self.call_with)
 
     @property
@@ -150,11 +152,6 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     inputs = node.args[:1] if node.target is bool_mask_dropout else node.all_input_nodes
     return [a for a in inputs if a.op in ("placeholder", "get_attr")
             or node_value(a, tensor_only=True) is not None]
-
-
-def _layout(value) -> tuple | None:
-    """A tensor value's shape, strides, offset and dtype (None: no tensor)."""
-    return None if value is None else (value.shape, value.stride(), value.storage_offset(), value.dtype)
 
 
 class _SiteFinder:
@@ -262,6 +259,15 @@ class _SiteFinder:
         return list(dict.fromkeys(self.key_of(a) for m in (*chain, node) for a in tensor_inputs(m)
                                   if a.name not in members and not self.held(a, key, last)))
 
+    def made_and_kept(self, node: fx.Node, key: int) -> list[int]:
+        """Storage keys of what `node`'s recipe holds that the node makes itself and no op saves: a bool-mask
+        dropout's mask (and its scale, as a tensor) when its input needs no gradient, so nothing else keeps them;
+        the inputs of the ops writing its output `key`, less its own tensor inputs."""
+        inputs = {self.key_of(a) for a in tensor_inputs(node)}
+        return list(dict.fromkeys(k for r in self.by_node[node.name] if key in r.out_keys for k in r.in_keys
+                                  if k is not None and k != key and k not in inputs and k not in self.savers
+                                  and self.base_keys.get(k) is None))
+
     def _chainable(self, arg: fx.Node, consumer: fx.Node, key: int, products: bool) -> bool:
         """`arg` may be recomputed as a member of a chain through `consumer`: a cheap op (or, with `products`, a
         matrix product) not writing in place, read by `consumer` alone, traced, kept by nobody, not an output or a
@@ -301,7 +307,7 @@ class _SiteFinder:
         if chain is None or (fed and chain):
             return None
         sizes = self.storage_bytes
-        kept = self.kept(node, chain, key, last) if deep else []
+        kept = self.kept(node, chain, key, last) if deep else self.made_and_kept(node, key) if dropout else []
         # (the site itself when it is a product, and the products in its chain: a softmax's q @ k^T)
         products = ([node] if fed else []) + [m for m in chain if held_matmul(m)]
         if sum(map(self.cost_of, products)) > REMAT_INPUT_MATMUL_PASSES * (self.balance or CPU_BALANCE) * sizes[key]:
@@ -325,19 +331,6 @@ class _SiteFinder:
                          (module_paths(node) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal),
                          contiguous=contiguous, group=group, kept=tuple(kept))
 
-    def source(self, node: fx.Node) -> str:
-        """The name of the node whose tensor `node` hands on as it is: back through ops whose one tensor input has
-        their output's storage and layout (a `to` its own dtype, as Hugging Face's GPT-2 casts its attention
-        probabilities before dropout); `node`'s own name when it is no such op."""
-        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
-                not node.target._schema.is_mutable:  # (an in-place op, ReLU_ on its batch norm, is a site itself)
-            inputs = tensor_inputs(node)
-            if len(inputs) != 1 or self.key_of(node) is None or self.key_of(node) != self.key_of(inputs[0]) or \
-                    _layout(node_value(node, tensor_only=True)) != _layout(node_value(inputs[0], tensor_only=True)):
-                break
-            node = inputs[0]
-        return node.name
-
     def within_kept_share(self, sites: list[RematSite]) -> list[RematSite]:
         """`sites` less those whose kept tensors, each one's bytes shared among the sites keeping it, come to more
         than REMAT_KEPT_SHARE of the bytes they free (leaving one out shares its kept tensors among fewer: the
@@ -353,30 +346,38 @@ class _SiteFinder:
             for name in over:
                 del self.per_unpack[name], self.unpacked_at[name]
 
+    def held_inputs(self, site: RematSite, by_key: dict) -> tuple:
+        """(input name, site name) for each tensor input of `site` and its chain that holds another site's output
+        storage (`by_key`: storage key -> site name): the output itself, a view of it, a no-op cast of it."""
+        members = {c.name for c in site.chain}
+        pairs = {}
+        for member in (*site.chain, site.node):
+            for arg in tensor_inputs(member):
+                name = by_key.get(self.key_of(arg))
+                if name is not None and name != site.node.name and arg.name not in members:
+                    pairs.setdefault(arg.name, name)
+        return tuple(pairs.items())
+
     def nest(self, sites: list[RematSite]) -> None:
-        """An input that is another site's output is a nested recipe (remat_call holds it as a recipe): each unpack
-        recomputes it too, its cost added to the holder's, unless the holder's unpacks and the input's own saves
-        are back to back: then one recomputation, shared, serves them all (the inner site's `adjacent`)."""
+        """An input that is another site's output, or a view of it (the same storage), is a nested recipe when both
+        are applied: the holder is then emitted as remat_call (`call_with`; bool-mask dropout nests it itself),
+        whose recipe holds the input as its recipe, since a recipe holding it as a tensor would keep the other
+        site's output alive. Each unpack recomputes it too, its cost added to the holder's, unless the holder's
+        unpacks and the input's own saves are back to back: then one recomputation, shared, serves them all (the
+        inner site's `adjacent`)."""
         by_name = {s.node.name: s for s in sites}
+        by_key = {key: s.node.name for s in sites for key in s.keys}
         for site in sites:
-            members = {c.name for c in site.chain}
-            held_names = list(dict.fromkeys(
-                name for m in (*site.chain, site.node) for name in map(self.source, tensor_inputs(m))
-                if name in self.per_unpack and name not in members and name != site.node.name))
-            # a matmul site's output (a linear's, under a GELU) is held as its recipe, nested, when both are
-            # applied: the holder is then emitted as a call (`call_with`), else as it is
-            # (a matmul site holds every site among its inputs so: its recipe would keep them as tensors)
-            matmuls = () if site.call else tuple(held_names) if self.product(site.node) else \
-                tuple(n for n in held_names if self.product(by_name[n].node))
-            site.holds, site.call_with = (tuple(held_names) if site.call else matmuls), matmuls
-            if site.node.target is bool_mask_dropout and self.scores:
-                # (its input a site too, an attention softmax: held nested, `bool_mask_dropout`'s `nest`)
-                site.holds, site.call_with = tuple(held_names), ()
+            site.via = self.held_inputs(site, by_key)
+            held_names = list(dict.fromkeys(name for _, name in site.via))
+            dropout = site.node.target is bool_mask_dropout
+            site.holds = tuple(held_names)
+            site.call_with = () if site.call or dropout else tuple(held_names)
             # (the holder's own ops run their backward between its saves' and the inner one's)
             own = {self.position[r.idx] for m in (*site.chain, site.node) for r in self.by_node.get(m.name, [])}
             for name in held_names:
                 inner = by_name[name]
-                if name in site.holds and inner.contiguous and \
+                if inner.contiguous and \
                         self.back_to_back(self.unpacked_at[name] | self.unpacked_at[site.node.name], own):
                     inner.adjacent += (site.node.name,)
                 elif name in site.call_with and self.product(inner.node):
@@ -396,11 +397,11 @@ def remat_sites(program: Program, traced, balance: float | None, products: bool 
     input held until those saves are unpacked anyway (parameters, inputs, tensors saved by this node or an earlier
     one), or computed by one such cheap op from held tensors and kept by nobody (a chain: batch norm -> in-place
     ReLU; a join's upsampling transposed convolution). Cheapest per byte first; a site's cost counts an input that
-    is another site's output once per unpack (a nested recipe is recomputed with it). `products`: linears and
-    matrix products whose inputs are held anyway are sites too (`held_matmul`), under the same cost cap; `scores`:
-    softmaxes are sites too, their chains up to REMAT_CHAIN_DEPTH producers back through such products (an
-    attention's, back to q @ k^T), keeping what no op saves up to REMAT_KEPT_SHARE (a mask built in the graph), and
-    a bool-mask dropout over one (or over a no-op cast of one) holds it nested."""
+    is another site's output, or a view of it, once per unpack (a nested recipe, recomputed with it: `nest`).
+    `products`: linears and matrix products whose inputs are held anyway are sites too (`held_matmul`), under the
+    same cost cap; `scores`: softmaxes are sites too, their chains up to REMAT_CHAIN_DEPTH producers back through
+    such products (an attention's, back to q @ k^T), keeping what no op saves up to REMAT_KEPT_SHARE (a mask built
+    in the graph). A dropout's recipe keeps its own mask likewise where its input needs no gradient."""
     finder = _SiteFinder(traced, balance, products, scores)
     sites = [s for s in (finder.site(n) for n in program.graph.nodes if n.op == "call_function") if s is not None]
     sites = finder.within_kept_share(sites)
@@ -513,8 +514,9 @@ class _Rewriter:
         if member.target is not remat_call:
             # (in place on a chained output nobody else reads, relu_ after a batch norm, stays in place)
             through = self.plan.through.get(site.node.name, ())
+            held = dict(site.via)  # (an input that views a site's output: that site)
             nest = tuple(i for i, a in enumerate(flat_args(member.args)) if isinstance(a, fx.Node)
-                         and self.site_of.get(a.name, a.name) in through)
+                         and self.site_of.get(a.name, held.get(a.name, a.name)) in through)
             member.args = (optable.op_name(member.target, optable.QUALIFIED),) + tuple(member.args)
             member.target = remat_call
             if nest:  # nested sites used through their shared value
