@@ -11,13 +11,14 @@ from torch.utils import _pytree as pytree
 
 import fxmem
 from fxmem.costmodel import estimate, estimate_from_trace
-from fxmem.pipeline import PassContext, pass_module
+from fxmem.pipeline import pass_module
 
 from fxmem.passes.checkpoint import matmul_operands, remat
 from fxmem.passes.checkpoint.remat import held_matmul, softmax_op
 
 from .conftest import example, grads
 from . import zoo
+from .remat_variant import pass_context, prepared
 
 ck = pass_module("checkpoint")
 
@@ -85,15 +86,7 @@ def _all_sites_applied(program, loss_fn, scores: bool = True):
     copies as nodes, remat sites with products and softmaxes; (the rewritten program, its traced estimate, per
     softmax site the matrix products in its chain). The planner's estimate of it (`as_planned`, the tensors its
     recipes keep counted too) is the traced one."""
-    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw", budget=1,
-                      baseline=None, enabled=("checkpoint",), loss_fn=loss_fn)
-    prog = program.snapshot()
-    ck.compact_dropout(prog)
-    if scores:
-        matmul_operands.materialize_matmul_operands(prog.graph)
-    prog.graph.lint()
-    prog.module.recompile()
-    traced = ck.CheckpointPass._trace(prog, ctx)
+    prog, ctx, traced = prepared(program, loss_fn, scores)
     sites = ck.remat_sites(prog, traced, ck.default_balance(prog), products=True, scores=scores)
     # (softmax sites and their chains' products, named before the rewrite retargets their nodes)
     softmaxes = {s.node.name: [m.name for m in s.chain if held_matmul(m)] for s in sites if ck.softmax_site(s)}
@@ -153,13 +146,7 @@ def _sites_with_softmaxes(name: str, products: bool = True):
     trace's storage sizes."""
     _, program, _, _, loss_fn = _captured(name)
     program.refresh()  # (a no-op cast's example value, by which its storage is found: GPT-2's before dropout)
-    ctx = PassContext(policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw", budget=1,
-                      baseline=None, enabled=("checkpoint",), loss_fn=loss_fn)
-    prog = program.snapshot()
-    ck.compact_dropout(prog)
-    matmul_operands.materialize_matmul_operands(prog.graph)
-    prog.module.recompile()
-    traced = ck.CheckpointPass._trace(prog, ctx)
+    prog, _, traced = prepared(program, loss_fn, scores=True)
     sites = ck.remat_sites(prog, traced, ck.default_balance(prog), products=products, scores=True)
     return sites, traced.recorder.storage_bytes
 
@@ -202,9 +189,7 @@ def test_a_mask_as_large_as_the_scores_is_not_kept():
         program = fxmem.capture(Attention(heads), (x, keep))
         matmul_operands.materialize_matmul_operands(program.graph)
         program.module.recompile()
-        traced = ck.CheckpointPass._trace(program, PassContext(
-            policy=None, options=ck.CheckpointOptions(), mode="train", optimizer="adamw", budget=1, baseline=None,
-            enabled=("checkpoint",), loss_fn=None))
+        traced = ck.CheckpointPass._trace(program, pass_context(None))
         sites = ck.remat_sites(program, traced, ck.default_balance(program), products=True, scores=True)
         found[heads] = [s for s in sites if ck.softmax_site(s)]
     assert found[1] == [] and len(found[4]) == 1 and found[4][0].kept, found
