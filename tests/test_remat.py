@@ -605,7 +605,7 @@ def test_remat_shares_only_savers_whose_backwards_run_back_to_back(adjacent):
     """A recipe is shared only when nothing that saves or allocates runs between its savers (else the recomputed
     value would be held across other ops' backward); the estimate of a program with shared recipes holds each from
     its first unpack to its last, and the measured step agrees (exact, bit for bit)."""
-    from fxmem.costmodel import as_recipes, estimate_from_trace, trace_forward
+    from fxmem.costmodel import RecipeLayout, as_recipes, estimate_from_trace, trace_forward
     ck = pass_module("checkpoint")
 
     torch.manual_seed(0)
@@ -619,8 +619,8 @@ def test_remat_shares_only_savers_whose_backwards_run_back_to_back(adjacent):
     ln = next(s for s in sites if s.node.target is torch.ops.aten.layer_norm.default)
     assert len({r.idx for r in traced.recorder.records if ln.key in r.saved}) == 2  # both matmuls save it
     assert ln.share == adjacent
-    planned = estimate_from_trace(program, as_recipes(traced, {ln.key}, {ln.key} if ln.share else set()),
-                                  mode="train")
+    layout = RecipeLayout(frozenset({ln.key}), frozenset({ln.key} if ln.share else ()))
+    planned = estimate_from_trace(program, as_recipes(traced, layout), mode="train")
     ck.apply_remat(program, [ln])
     line = next(t for t in program.module.code.splitlines() if "remat(" in t and "layer_norm" in t)
     assert ("_fxmem_share = True" in line) == adjacent, line
@@ -873,7 +873,7 @@ def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
     chain reading it; the chain an upsampling reads once for its own saves and the concatenation holding it. The
     skip concatenations, unpacked far from the encoder, still recompute the skip chains. The plan's estimate is the
     traced one and the measured peak, and the step is bit-exact."""
-    from fxmem.costmodel import as_recipes, estimate_from_trace, trace_forward
+    from fxmem.costmodel import RecipeLayout, as_recipes, estimate_from_trace, trace_forward
     ck = pass_module("checkpoint")
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = example("unet")
@@ -886,8 +886,8 @@ def test_unet_nested_recipes_next_to_their_saves_are_recomputed_once():
     shared, nesting, through, groups = ck.remat_plan(sites)
     assert through == {"max_pool2d": ["relu__1"], "max_pool2d_1": ["relu__3"], "relu_": ["conv2d"],
                        "cat": ["relu__5"], "cat_1": ["relu__7"]}
-    planned = estimate_from_trace(program, as_recipes(traced, set().union(*(s.keys for s in sites)), shared, nesting,
-                                                      groups), mode="train", loss_fn=loss_fn)
+    layout = RecipeLayout(frozenset().union(*(s.keys for s in sites)), frozenset(shared), nesting, groups)
+    planned = estimate_from_trace(program, as_recipes(traced, layout), mode="train", loss_fn=loss_fn)
     ck.apply_remat(program, sites)
     assert "_fxmem_nest = (0,)" in program.module.code and "_fxmem_group = True" in program.module.code
     assert groups == {k: by[p].key for p in ("max_pool2d", "max_pool2d_1") for k in by[p].keys}

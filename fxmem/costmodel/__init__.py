@@ -21,11 +21,12 @@ from .liveness import off_loss_path
 from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
 from .recompute import RecomputeWalk
 from .regions import CandidateRegion, RegionModel, build_region_model, measure_regions, value_key
-from .trace import ForwardTrace, OpRecord, as_recipes, trace_forward
+from .recipe_layout import RecipeLayout, as_recipes
+from .trace import ForwardTrace, OpRecord, trace_forward
 from .trace_index import TraceIndex
 
 __all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "ForwardTrace",
-           "MemoryEstimate", "NodeCost", "OpRecord", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex",
+           "MemoryEstimate", "NodeCost", "OpRecord", "RecipeLayout", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex",
            "as_recipes", "build_region_model", "call_signature", "check_estimate_options", "default_balance",
            "estimate", "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path",
            "op_cost", "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",

@@ -7,8 +7,6 @@ static estimate, the node costs and the checkpoint planner all read this one `Fo
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -560,33 +558,6 @@ def _trained(recorder: DispatchRecorder, params: list, storages: list, loss) -> 
     reached = {recorder.key(leaf)[0] for leaf in reached_leaves(loss)}
     return [param for param, storage in zip(params, storages) if param.requires_grad
             and recorder.storages.key(storage)[0] in reached]
-
-
-def as_recipes(traced: ForwardTrace, keys: set, shared: set = frozenset(), nesting: dict | None = None,
-               groups: dict | None = None, kept: dict | None = None) -> ForwardTrace:
-    """`traced` as if the outputs under `keys` were saved as recipes (fxmem.nn.recast), without tracing the
-    rewritten program: their savers save the recipe instead (those under `shared` recomputed once for all their
-    saves; `nesting`, as `DispatchRecorder.nesting`: which recipes hold which nested, and use them through their
-    shared value; `groups`, as `DispatchRecorder.recipe_group`, outputs of one shared run). What a recipe holds is
-    not recorded (`recipe_holds` stays as traced): this is for outputs whose recipe arguments are kept anyway (remat
-    sites), where holding them adds nothing, but for `kept` (output key -> storage keys its recipe holds that
-    nothing saves, a softmax's mask: saved by its savers too, as the traced rewrite records them); a pass that emits
-    the rewrite traces it for the real record."""
-    recorder = copy.copy(traced.recorder)
-    recorder.recipe_shared = set(recorder.recipe_shared) | (set(shared) & set(keys))
-    recorder.planned_nesting = {**recorder.planned_nesting, **(nesting or {})}
-    recorder.recipe_group = {**recorder.recipe_group, **(groups or {})}
-    records = []
-    for record in recorder.records:
-        if record.region is None and record.saved and any(key in keys for key in record.saved):
-            record = copy.copy(record)
-            record.recast = list(record.recast) + [key for key in record.saved if key in keys]
-            record.saved = [key for key in record.saved if key not in keys]
-            record.saved += [held for key in record.recast for held in (kept or {}).get(key, ())
-                             if held not in record.saved]
-        records.append(record)
-    recorder.records = records
-    return dataclasses.replace(traced, recorder=recorder)
 
 
 def cached_per_trace(recorder: DispatchRecorder, name: str, make):

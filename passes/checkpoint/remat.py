@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from fxmem import ops as optable
-from fxmem.costmodel import CPU_BALANCE, TraceIndex, as_recipes, op_cost, smallest_fitting_prefix, value_key
+from fxmem.costmodel import CPU_BALANCE, RecipeLayout, TraceIndex, as_recipes, op_cost, smallest_fitting_prefix, value_key
 from fxmem.nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from fxmem.nn.recast import flat_args, install as install_recast
 from fxmem.nn.remat import INTERNAL_SAVES, op_named, remat, remat_call
@@ -447,8 +447,8 @@ def remat_plan(sites: list[RematSite]) -> RematPlan:
 def as_planned(traced, sites: list[RematSite]):
     """`traced` as if `sites` were applied (their outputs saved as recipes), without tracing the rewrite."""
     plan = remat_plan(sites)
-    return as_recipes(traced, set().union(*(s.keys for s in sites)), plan.shared, plan.nesting, plan.groups,
-                      {s.key: s.kept for s in sites if s.kept})
+    return as_recipes(traced, RecipeLayout(frozenset().union(*(s.keys for s in sites)), frozenset(plan.shared),
+                                           plan.nesting, plan.groups, {s.key: s.kept for s in sites if s.kept}))
 
 
 def choose_sites(sites: list[RematSite], misses: Callable[[list[RematSite]], int]) -> list[RematSite]:
