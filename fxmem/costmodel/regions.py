@@ -16,6 +16,7 @@ from .. import ops as optable
 from ..nn.checkpoint import DRAW_OPS
 from ..nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from ..nn.regions import names_op
+from ..node_value import node_value
 from ..outline import region_boundary
 from ..program import Program
 from .costs import op_cost
@@ -106,9 +107,8 @@ def value_key(by_node: dict, node: fx.Node) -> int | None:
     dropout with p=0 returns its input as it is): its first tensor argument's."""
     key = next((r.out_keys[0] for r in reversed(by_node.get(node.name, []))
                 if r.out_keys and r.out_keys[0] is not None), None)
-    if key is None and node.op == "call_function" and isinstance(node.meta.get("fxmem_val"), torch.Tensor):
-        arg = next((a for a in node.args
-                    if isinstance(a, fx.Node) and isinstance(a.meta.get("fxmem_val"), torch.Tensor)), None)
+    if key is None and node.op == "call_function" and node_value(node, tensor_only=True) is not None:
+        arg = next((a for a in node.args if node_value(a, tensor_only=True) is not None), None)
         if arg is not None:
             return value_key(by_node, arg)
     return key
