@@ -50,6 +50,19 @@ class ReluThenDropout(nn.Module):
         return self.fc2(self.drop(torch.relu(self.norm(self.fc1(x)))))
 
 
+class ConvGroupNormGelu(nn.Module):
+    """Wav2Vec2's first feature layer: a convolution, a group norm (whose composite detaches its statistics after
+    making its output), a GELU (which saves the norm's output), a 1x1 convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.act = nn.Conv1d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.GELU()
+        self.head = nn.Conv1d(16, 8, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.norm(self.conv(x))))
+
+
 class InputDropout(nn.Module):
     """A dropout on the input (no gradient: no op saves its mask), then a linear."""
 
@@ -151,3 +164,14 @@ def test_every_site_applied_is_planned_as_traced_on_examples(name, products, sco
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = example(name)
     _planned_traced_measured(model, args, kwargs, loss_fn, products, scores)
+
+
+def test_a_group_norm_site_is_its_output_not_its_statistics():
+    """The group norm's site is its output (what the GELU saves), not the last tensor its node made (a detached
+    statistic): planned as traced, its output freed."""
+    torch.manual_seed(0)
+    model, x = ConvGroupNormGelu(), torch.randn(2, 16, 32)
+    _, sites, freed = _planned_traced_measured(model, (x,))
+    norm = next(s for s in sites if s.node.name == "group_norm")
+    assert norm.bytes == x.numel() * x.element_size()
+    assert freed >= norm.bytes

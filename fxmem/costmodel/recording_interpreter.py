@@ -34,6 +34,7 @@ class RecordingInterpreter(CodegenInterpreter):
         first = len(recorder.records)
         out = super().run_node(n)
         recorder.settle_deferred()
+        self._mark_value(out, recorder.records[first:])
         scope = recast_active()
         recipe = scope.recipe_for(out) if scope is not None and isinstance(out, torch.Tensor) else None
         if recipe is not None and recorder.recipe_of.get(recorder.key(out)[0]) is not recipe:
@@ -49,6 +50,15 @@ class RecordingInterpreter(CodegenInterpreter):
                         self._as_recipe(saved, other, n, first)
         recorder.node_held = []
         return out
+
+    def _mark_value(self, out, records: list) -> None:
+        """Mark the last of `records` (a node's) whose outputs include the storage of `out`, the node's value."""
+        if not isinstance(out, torch.Tensor):
+            return
+        key = self.recorder.storages.known(out.untyped_storage())
+        maker = next((r for r in reversed(records) if key is not None and key in r.out_keys), None)
+        if maker is not None:
+            maker.node_value = key
 
     def _as_recipe(self, key: int, recipe, node, first: int) -> None:
         """Storage `key`, made by `node` (its records from `first` on), saved as `recipe`."""

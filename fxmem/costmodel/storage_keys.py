@@ -44,6 +44,10 @@ class StorageKeys:
             self._finalizers.append(weakref.finalize(storage, self._release, address, key))
         return key, True
 
+    def known(self, storage) -> int | None:
+        """The key of `storage` if it was met and lives, else None (nothing recorded)."""
+        return self._live.get(storage._cdata)
+
     def alias(self, storage, key: int) -> None:
         """`storage` is the one under `key` (a real parameter, whose fake holds `key`): a composite op such as
         `aten.rnn_tanh_cell` dispatches a view of the real one before the fake mode converts it."""

@@ -60,6 +60,9 @@ class OpRecord:
     # sum keeps the input's dtype)
     int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
     step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
+    # on the last of its node's records that made the tensor the node returned (or a view of it): that storage's
+    # key (a group norm's output, not the statistics its composite detaches after it: `value_key`)
+    node_value: int | None = None
     call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
     # an in-place op on a view (relu_ on a linear's 3-D output, a view of its addmm's): autograd's CopySlices runs
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
