@@ -40,6 +40,23 @@ class Square(torch.autograd.Function):
         return 2 * x * g
 
 
+class TanhGelu(torch.autograd.Function):
+    """BLOOM's training GELU: the tanh approximation, with a backward written out by hand (the same derivative as
+    autograd's of the forward, rounded differently)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+        return ff * g
+
+
 class _Act(nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -98,6 +115,17 @@ def test_custom_function_with_autograd_backward_captures_with_note():
         assert set(g) == set(ref_g)
         for n in ref_g:
             torch.testing.assert_close(g[n], ref_g[n], msg=f"grad of {n}")
+
+
+def test_a_note_says_when_the_inlined_gradients_are_close_but_not_the_same():
+    """Within the tolerance, the capture is kept; its note says whether the gradients are bit-identical (Square's)
+    or only close, with the largest difference (a hand-written GELU backward's)."""
+    torch.manual_seed(0)
+    notes = {fn.__name__: fxmem.capture(_FnNet(fn), (torch.randn(64, 8),)).notes for fn in (Square, TanhGelu)}
+    square = next(n for n in notes["Square"] if "inlined" in n)
+    gelu = next(n for n in notes["TanhGelu"] if "inlined" in n)
+    assert "gives the same gradients" in square and "not bit-identical" not in square, square
+    assert "not bit-identical (max abs diff " in gelu, gelu
 
 
 class _HookNet(nn.Module):
