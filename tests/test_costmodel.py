@@ -232,6 +232,40 @@ def test_a_custom_op_with_an_autograd_formula_is_measured_not_unknown():
     assert abs(static.peak / measured.peak - 1) <= 0.02, (static.peak, measured.peak)
 
 
+class _FourierMix(nn.Module):
+    """FNet's token mixing (an FFT, whose ops the op table does not know and whose backward saves nothing of its
+    input) or ConvBERT's unfold (im2col), between linears."""
+
+    def __init__(self, unfold: bool):
+        super().__init__()
+        self.unfold = unfold
+        self.fc0, self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32 * (3 if unfold else 1), 8)
+
+    def forward(self, x):
+        h = self.fc1(self.fc0(x))
+        if self.unfold:
+            h = nn.functional.unfold(h.transpose(1, 2).unsqueeze(-1), [3, 1], padding=[1, 0]).transpose(1, 2)
+        else:
+            h = torch.fft.fftn(h, dim=(1, 2)).real
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("unfold", [False, True])
+def test_an_unknown_op_that_keeps_nothing_is_not_counted_as_keeping_its_input(unfold):
+    """What an unknown op saves is measured on fresh fakes; a fresh leaf needing grad was kept alive by its gradient
+    accumulator, which read as the op keeping its input on its context, to the end of the step (8 KiB too many for
+    the FFT, 4 KiB for unfold). The activations are the measured step's, to the byte, and so is unfold's peak; the
+    FFT's peak, in its backward, is still estimated 6,312 B (11%) high, a gap in the complex backward's
+    temporaries that this does not close."""
+    torch.manual_seed(0)
+    model, x = _FourierMix(unfold), torch.randn(2, 16, 32)
+    program = fxmem.capture(model, (x,))
+    static = fxmem.estimate(program)
+    measured = fxmem.measure(copy.deepcopy(program.module), (x,))
+    assert static.activations == measured.activations
+    assert static.peak == measured.peak if unfold else measured.peak < static.peak <= 1.12 * measured.peak
+
+
 def test_a_custom_op_whose_formula_cannot_run_on_fakes_is_named_unknown():
     """One whose backward reads a value (`.item()`), which fake tensors do not have: its backward stays unseen,
     and the estimate says so."""

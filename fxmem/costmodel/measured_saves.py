@@ -48,11 +48,15 @@ def _measure(func, args, kwargs) -> tuple:
     saved: list = []
     with FakeTensorMode(), CpuKernelLayouts(), torch.enable_grad():
         fresh = FreshCall(args, kwargs)
+        # (made by an op, as an activation is: a leaf needing grad is kept alive by its gradient accumulator, which
+        # `held` would mistake for the op keeping it)
+        call_args = [_made(arg) for arg in fresh.args]
+        call_kwargs = {key: _made(value) for key, value in fresh.kwargs.items()}
         with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
-            out = func(*fresh.args, **fresh.kwargs)
+            out = func(*call_args, **call_kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    inputs = [(("kw", key), value) for key, value in fresh.kwargs.items()] + \
-        [(("in", i), value) for i, value in enumerate(fresh.args)]
+    inputs = [(("kw", key), value) for key, value in call_kwargs.items()] + \
+        [(("in", i), value) for i, value in enumerate(call_args)]
     named = _by_storage([slot for slot, _ in inputs], [value for _, value in inputs])
     named.update(_by_storage([("out", j) for j in range(len(outs))], outs))
     slots = _slots_of(saved, named)
@@ -60,8 +64,19 @@ def _measure(func, args, kwargs) -> tuple:
         return None, []
     watched = [(slot, weakref.ref(value)) for slot, value in inputs
                if isinstance(value, torch.Tensor) and slot not in slots]
-    del fresh, inputs, named, saved  # (the call's own references: what stays alive is the graph's, `out` holds it)
+    # (the call's own references: what stays alive is the graph's, `out` holds it)
+    del fresh, call_args, call_kwargs, inputs, named, saved
     return slots, [slot for slot, alive in watched if alive() is not None]
+
+
+def _made(arg):
+    """`arg` (a fresh argument, or a list of them) with each leaf needing grad replaced by a view of it: the same
+    storage, made by an op."""
+    if isinstance(arg, list):
+        return [_made(item) for item in arg]
+    if isinstance(arg, torch.Tensor) and arg.requires_grad and arg.is_leaf:
+        return arg.view_as(arg)
+    return arg
 
 
 def _slots_of(saved: list, named: dict) -> list | None:
