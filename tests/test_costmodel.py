@@ -322,6 +322,35 @@ def test_static_traces_share_fakes_and_notice_changed_tensors():
     assert e4.activations < e1.activations
 
 
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_a_shared_fake_weight_broadcast_against_an_activation_traces_every_time(cast):
+    # Cohere's per-head q/k norms (and BiT's SAME padding): a 2-D weight, through a no-op cast, times a 4-D
+    # activation. The fakes kept across traces once carried a fresh symbol per size, and every second trace failed
+    # in the broadcast ("SymIntArrayRef expected to contain only concrete integers"): the checkpoint pass, which
+    # traces its program several times, then reported itself failed on those models
+    from fxmem.costmodel import trace as costmodel
+    from fxmem.costmodel.trace import trace_forward
+
+    class HeadNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.weight, self.out = nn.Linear(32, 32), nn.Parameter(torch.ones(4, 8)), nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = self.fc(x).view(x.shape[0], x.shape[1], 4, 8)
+            w = self.weight.to(torch.float32) if cast else self.weight
+            return self.out((w * h).flatten(2))
+
+    p = fxmem.capture(HeadNorm(), (torch.randn(2, 16, 32),))
+    costmodel._SHARED_FAKES.drop()
+    traces, modes = [], []
+    for _ in range(3):
+        traces.append(trace_forward(p, p.example_args, p.example_kwargs, "train", None))
+        modes.append(costmodel._SHARED_FAKES.mode)
+    assert modes[0] is modes[1] is modes[2]  # still shared
+    assert all(type(size) is int for size in costmodel._SHARED_FAKES.fakes[p.module.weight][1].shape)
+    assert len({tuple(str(r.func) for r in t.recorder.records) for t in traces}) == 1
 def test_saved_bytes_counts_activations_not_weights_and_sees_into_compiled_modules():
     # Linear -> ReLU -> Linear on x (4, 8): autograd saves x (128 B) and the ReLU output (256 B, saved by the ReLU
     # and by the second Linear: one storage); the weights are left out. A compiled copy hands autograd its saves too.

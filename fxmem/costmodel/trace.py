@@ -432,11 +432,17 @@ def trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None) -> Fo
 
 
 class _SharedFakes:
-    """One FakeTensorMode kept across static traces with the fakes it made of parameters, buffers, tensor
-    attributes and example inputs: a pass traces its program several times (snapshots share parameters), and
-    converting a tensor is a sizeable part of a trace. A tensor whose type, dtype, device, shape, strides, storage
-    or requires_grad changed since its fake was made (a pass cast or replaced it) starts a fresh mode. Not used when
-    fakes must carry real values (the data-dependent fallback)."""
+    """One FakeTensorMode kept across traces with the fakes it made of parameters, buffers and tensor attributes:
+    a pass traces its program several times (snapshots share parameters), and converting a tensor is a sizeable
+    part of a trace. A tensor whose type, dtype, device, shape, strides, storage or requires_grad changed since its
+    fake was made (a pass cast or replaced it) starts a fresh mode. Not used when fakes must carry real values (the
+    data-dependent fallback).
+
+    The fakes kept have static sizes, as the ones a trace's ops make of real tensors do (only inputs' sizes are
+    symbolic): a fake made with the mode's shape env would carry a fresh symbol per size, and the next trace's
+    broadcasts would hand such a size to kernels that take only concrete ones (a (4, 8) weight times a
+    (b, t, 4, 8) activation: "SymIntArrayRef expected to contain only concrete integers", every second trace).
+    Example inputs are not kept: each trace makes their fakes at the sizes it asks for."""
 
     def __init__(self):
         self.mode: FakeTensorMode | None = None
@@ -463,7 +469,7 @@ class _SharedFakes:
             return
         for tensor in tensors:
             if tensor not in self.fakes:
-                self.fakes[tensor] = (self.signature(tensor), mode.from_tensor(tensor))
+                self.fakes[tensor] = (self.signature(tensor), mode.from_tensor(tensor, static_shapes=True))
 
     def drop(self) -> None:
         self.mode, self.fakes = None, WeakIdKeyDictionary()
@@ -475,8 +481,8 @@ _SHARED_FAKES = _SharedFakes()
 def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None,
                    static_inputs: bool = False) -> ForwardTrace:
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    reals = list({id(t): t for t in module_tensors(program.module) + [x for x in flat if isinstance(x, torch.Tensor)]
-                  if not isinstance(t, FakeTensor)}.values())
+    state = _reals(module_tensors(program.module))
+    reals = _reals(state + [x for x in flat if isinstance(x, torch.Tensor)])
     fake_mode = _SHARED_FAKES.mode_for(reals)
     on_device = meta_as_device(fake_mode, reals, sizing_device(flat))
     try:
@@ -485,9 +491,14 @@ def _trace_forward(program: Program, args, kwargs, mode: str, loss_fn=None,
     except BaseException:
         _SHARED_FAKES.drop()  # a failed trace may leave unbacked symbols in the mode's shape env
         raise
-    _SHARED_FAKES.keep(fake_mode, reals)
+    _SHARED_FAKES.keep(fake_mode, state)
     del on_device  # (held until the trace's fakes are kept)
     return out
+
+
+def _reals(tensors: list) -> list:
+    """`tensors` that are not fakes, each once."""
+    return list({id(t): t for t in tensors if not isinstance(t, FakeTensor)}.values())
 
 
 def _trace_forward_in(fake_mode, program: Program, flat, inputs: tuple, mode: str, loss_fn=None,
