@@ -319,9 +319,9 @@ _reg(["rsub", "neg"], OpInfo(POINTWISE, _none, _flops_pointwise, grad_passthroug
 _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
-      "abs", "sqrt_"], OpInfo(POINTWISE, _in0, _flops_pointwise))
+      "abs", "sqrt_", "hardtanh", "threshold"], OpInfo(POINTWISE, _in0, _flops_pointwise))
 _reg(["pow", "pow_"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
-_reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "hardtanh", "threshold", "reciprocal"],
+_reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"],
      OpInfo(POINTWISE, _out0, _flops_pointwise))
 _reg(["masked_fill", "masked_fill_"], OpInfo(POINTWISE, _masked_fill, _flops_pointwise))
 _reg(["where"], OpInfo(POINTWISE, _where, _flops_pointwise))
@@ -360,8 +360,11 @@ _reg(["embedding"], OpInfo(INDEXING, _index_args(1), _flops_zero))
 _reg(["index_select"], OpInfo(INDEXING, _index_args(2), _flops_zero))
 _reg(["gather"], OpInfo(INDEXING, _index_args(0, 2), _flops_zero))
 _reg(["index"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_zero))  # the index tensors
-_reg(["scatter_add", "scatter_add_", "scatter", "scatter_", "scatter_reduce", "scatter_reduce_"],
-     OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+_reg(["scatter_add", "scatter_add_", "scatter", "scatter_"], OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+# a reduction into self by index (PyG's max/min/mean aggregations): the formula reads self, the index, the source and
+# the result, whatever the reduction (an in-place call saves the copy autograd makes of self, and self as the result)
+_reg(["scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"],
+     OpInfo(INDEXING, lambda c: [("in", 0), ("in", 2), ("in", 3), ("out", 0)], _flops_pointwise))
 _reg(["index_add", "index_add_", "index_copy", "index_copy_"],
      OpInfo(INDEXING, _index_args(2, 3), _flops_pointwise))  # the index, and the source (expand_as)
 _reg(["index_put", "index_put_"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_pointwise))

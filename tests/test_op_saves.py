@@ -3,7 +3,8 @@ storages its rule names (inputs, outputs, the tensors of a list argument) are th
 hooks see packed, no more, no fewer. These are the rules a mixture-of-experts router and its dispatch run on
 (topk, index, index_add): before, topk was said to keep its input where it keeps its indices, index and index_put
 kept nothing (their indices sit in a list), index_add missed its source, std and norms their result, gather its
-input (Mixtral's activations 1.3% under the measured ones)."""
+input (Mixtral's activations 1.3% under the measured ones), scatter_reduce and index_reduce their self and result
+(PyG's PNA 4% under), hardtanh (ReLU6) and threshold their input, not their result."""
 from __future__ import annotations
 
 import pytest
@@ -52,6 +53,14 @@ CALLS = {
     "gather": lambda: (aten.gather.default, (_x(), 1, torch.zeros(4, 2, dtype=torch.long))),
     "scatter": lambda: (aten.scatter.src, (_x(), 1, torch.zeros(4, 2, dtype=torch.long), torch.randn(4, 2))),
     "embedding": lambda: (aten.embedding.default, (_x(), _index())),
+    "scatter_add": lambda: (aten.scatter_add.default, (_x(), 0, _index().view(3, 1).expand(3, 6), _source())),
+    "scatter_reduce amax": lambda: (aten.scatter_reduce.two,
+                                    (_x(), 0, _index().view(3, 1).expand(3, 6), _source(), "amax")),
+    "scatter_reduce sum": lambda: (aten.scatter_reduce.two,
+                                   (_x(), 0, _index().view(3, 1).expand(3, 6), _source(), "sum")),
+    "hardtanh": lambda: (aten.hardtanh.default, (_x(),)),
+    "threshold": lambda: (aten.threshold.default, (_x(), 0.1, 0.0)),
+    "index_reduce": lambda: (aten.index_reduce.default, (_x(), 0, _index(), _source(), "mean")),
 }
 
 

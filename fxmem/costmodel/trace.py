@@ -177,17 +177,21 @@ class DispatchRecorder(TorchDispatchMode):
                 total += self.storage_bytes[self.key(arg)[0]] + int(arg.numel()) * arg.element_size()
         return total
 
-    def save_original_copy(self, record: OpRecord) -> None:
+    def save_original_copy(self, record: OpRecord, results: set) -> None:
         """An in-place op whose backward reads its input's value from before the write (clamp_, silu_, pow_) saves
         the copy autograd makes of it first (`original_self`: a clone dispatched just before it, in the same node):
-        the op saves that copy, not the storage it writes, and the copy has no backward of its own."""
+        the op saves that copy in the input's place, and the copy has no backward of its own. The storage it writes
+        stays saved only where the formula reads the result too (`results`, the keys of its output slots:
+        scatter_reduce_ saves both)."""
         written = set(record.written_keys())
         for earlier in reversed(self.records):
             if earlier.step != record.step:
                 return
             if earlier.func is torch.ops.aten.clone.default and earlier.new_keys and earlier.in_keys[0] in written:
                 earlier.out_rg, earlier.call, earlier.saved = False, None, []
-                record.saved = [key for key in record.saved if key != earlier.in_keys[0]] + [earlier.out_keys[0]]
+                original = earlier.in_keys[0]
+                record.saved = [key for key in record.saved if key != original] + \
+                    ([original] if original in results else []) + [earlier.out_keys[0]]
                 return
 
     def hold_recipe_args(self, record: OpRecord) -> None:
@@ -329,7 +333,7 @@ class DispatchRecorder(TorchDispatchMode):
         if not record.known:
             self.unknown_saves.append((record, kw_keys))
         if written_positions(func):
-            self.save_original_copy(record)
+            self.save_original_copy(record, {record.out_keys[i] for kind, i in slots if kind == "out"})
         if self.recast_enabled and self.recast_keys and self.region is None:
             # casts of parameters/inputs are saved as their source and cast again in backward; inside a
             # region the region's own hooks decide (checkpoint recomputes, offload moves them)
