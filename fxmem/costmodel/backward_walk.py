@@ -191,7 +191,10 @@ class StaticBackward(ViewGradWalk):
         op = self._op_grads(record, skip=routed)
         op.fresh = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and made.fresh}
         op.views = {record.in_keys[i] for i, made in enumerate(run.grads) if made is not None and not made.fresh}
-        op.passthrough = op.passthrough or self._hands_on(record, run)
+        if self._hands_on(record, run):
+            op.passthrough = True
+            # in place (scatter_reduce_ summing into self): the output's gradient is the written input's, as is
+            op.same = set(op.same) | {key for key in op.views if key in record.out_keys}
         self._hand_fresh_view_grads(op, routed)
         self._hand_join_slices(op)
         self._join_split_grads(record)
@@ -402,12 +405,13 @@ class StaticBackward(ViewGradWalk):
         return record.out_bytes[0] if out_key in self.grad_views else self._grad_bytes(out_key)
 
     def _hands_on(self, record, run) -> bool:
-        """Whether the formula hands every input needing a gradient the output's as it is (clone's backward), each
-        input a whole storage: that storage's gradient is the one buffer, the output's handed on."""
-        made = [(position, grad) for position, grad in enumerate(run.grads) if grad is not None]
-        return bool(made) and all(not grad.fresh and covers_storage(record.call[1][position],
-                                                                    self.storage_bytes.get(record.in_keys[position], 0))
-                                  for position, grad in made)
+        """Whether the formula hands some input the output's gradient as it is (clone's backward; self's in a
+        scatter_reduce sum that includes self, whose source gets a new one), each such input a whole storage: that
+        storage's gradient is the output's buffer, handed on."""
+        handed = [(position, grad) for position, grad in enumerate(run.grads) if grad is not None and not grad.fresh]
+        return bool(handed) and all(covers_storage(record.call[1][position],
+                                                   self.storage_bytes.get(record.in_keys[position], 0))
+                                    for position, grad in handed)
 
     def _receive_layouts(self, op: OpGrads, run) -> None:
         """Each input's gradient strides, as the formula lays it out; an expanded view of the output's gradient (a
