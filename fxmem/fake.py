@@ -7,8 +7,10 @@ from typing import Callable
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 # Fakes carry real values; where an op's fake kernel disagrees with its real one (CUDA efficient attention's dropout
@@ -19,13 +21,14 @@ _REAL_VALUE_CONFIG = {key: True for key in ("fake_tensor_propagate_real_tensors"
 
 
 def with_data_dependent_fallback(run: Callable, on_retry: Callable | None = None):
-    """Run `run` under FakeTensorMode; if a size depends on tensor values (PyG's masks, boolean indexing), run it
-    again with fake tensors that carry the example inputs' real values, so those sizes are the example's.
+    """Run `run` under FakeTensorMode; if a size depends on tensor values (PyG's masks, boolean indexing, an op
+    whose output sizes do: `run_on_real_values`), run it again with fake tensors that carry the example inputs' real
+    values, so those sizes are the example's.
     `on_retry(result)` is called with the second run's result."""
     grad_mode = torch.is_grad_enabled()
     try:
         return run()
-    except GuardOnDataDependentSymNode:
+    except (GuardOnDataDependentSymNode, DynamicOutputShapeException):
         # a failure inside a higher-order op (wrap_with_set_grad_enabled) can leave grad mode switched
         torch.set_grad_enabled(grad_mode)
         log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
@@ -39,6 +42,22 @@ def with_data_dependent_fallback(run: Callable, on_retry: Callable | None = None
         if on_retry is not None:
             on_retry(out)
         return out
+
+
+def run_on_real_values(func, args, kwargs):
+    """`func`'s outputs as fakes, from a run on the real values the fakes carry (the data-dependent fallback): for an
+    op whose output sizes depend on values and whose fake kernel says so (`DynamicOutputShapeException`: CTC loss,
+    whose alpha table is as long as the longest target). Outside the fallback the exception stands, and
+    `with_data_dependent_fallback` runs again with real values."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    fakes = [leaf for leaf in leaves if isinstance(leaf, FakeTensor)]
+    if not propagating_real_values() or not fakes or any(fake.real_tensor is None for fake in fakes):
+        raise DynamicOutputShapeException(func)
+    mode = fakes[0].fake_mode
+    real_args, real_kwargs = pytree.tree_map_only(FakeTensor, lambda fake: fake.real_tensor, (args, kwargs))
+    with _disable_current_modes(), torch.no_grad():
+        out = func(*real_args, **real_kwargs)
+    return pytree.tree_map_only(torch.Tensor, lambda real: mode.from_tensor(real, static_shapes=True), out)
 
 
 def propagating_real_values() -> bool:

@@ -423,6 +423,10 @@ _reg(["nll_loss_forward", "nll_loss", "nll_loss2d_forward"], OpInfo(LOSS, _nll, 
 _reg(["cross_entropy_loss", "cross_entropy"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
 _reg(["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits", "binary_cross_entropy",
       "kl_div", "huber_loss"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
+# CTC (wav2vec2/HuBERT fine-tuning): the log-probabilities, targets and lengths, the losses and the alpha table
+# (batch x frames x (2 x the longest target + 1): its size depends on the targets' values, see
+# fxmem.fake.run_on_real_values)
+_reg(["_ctc_loss"], OpInfo(LOSS, lambda c: _all_tensor_inputs(c) + [("out", 0), ("out", 1)], _flops_reduce))
 
 
 _LOOKED_UP: dict = {}  # op -> entry (the table is filled at import and not changed after)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .budgets import miss_line, stated_slack
-from .costmodel import MemoryEstimate
+from .costmodel import UNMEASURED_FORMULA, MemoryEstimate
 from .files import write_bytes, write_text
 from .intent import coverage_lines, shortfall_lines
 from .measure import MemoryProfile, TimelinePoint
@@ -163,9 +163,14 @@ class Report:
             what = "was ROLLED BACK" if rec.status == "rolled_back" else "FAILED and was rolled back"
             out.append(f"pass `{rec.name}` {what}: {rec.reason or 'no reason recorded'}")
         unknown = self.unknown_ops()
-        if unknown:
-            out.append(f"{len(unknown)} op(s) unknown to the cost model (estimated as outputs only, nothing saved "
-                       f"for backward): {', '.join(unknown)}")
+        unseen = [op for op in unknown if not op.endswith(UNMEASURED_FORMULA)]
+        if unseen:
+            out.append(f"{len(unseen)} op(s) unknown to the cost model (estimated as outputs only, nothing saved "
+                       f"for backward): {', '.join(unseen)}")
+        if len(unseen) < len(unknown):
+            ops = [op[:-len(UNMEASURED_FORMULA)] for op in unknown if op.endswith(UNMEASURED_FORMULA)]
+            out.append(f"{len(ops)} op(s) whose backward could not be run on fake tensors (what they save is counted, "
+                       f"the temporaries their backward makes are not): {', '.join(ops)}")
         for tag, estimate, measured in (("before", self.before, self.measured_before),
                                         ("after", self.after, self.measured_after)):
             if measured is not None and measured.peak and \

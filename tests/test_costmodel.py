@@ -297,6 +297,65 @@ def test_scatter_reduce_keeps_self_source_and_result(reduce, in_place, include_s
     assert (static.activations, static.peak) == (measured.activations, measured.peak)
 
 
+class _FramesToLabels(nn.Module):
+    """An acoustic model's head: frames -> per-frame label log-probabilities (time first, as CTC takes them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(),
+                                   nn.LayerNorm(64))
+        self.head = nn.Linear(64, 6)
+
+    def forward(self, frames):
+        return self.head(self.trunk(frames)).log_softmax(-1).transpose(0, 1)
+
+
+def _ctc_loss_fn(targets, target_lengths):
+    def loss_fn(log_probs, inputs):
+        frames = torch.full((log_probs.shape[1],), log_probs.shape[0], dtype=torch.long)
+        return nn.functional.ctc_loss(log_probs, targets, frames, target_lengths)
+    return loss_fn
+
+
+def test_a_ctc_loss_is_estimated_from_the_targets_it_is_given():
+    """CTC's alpha table is batch x frames x (2 x the longest target + 1): its size depends on the target lengths'
+    values, and its fake kernel refused (DynamicOutputShapeException), so estimate, and transform with a CTC loss
+    (wav2vec2 fine-tuning), failed with that exception. The trace runs such an op on the example's values now, and
+    the op table names what CTC keeps: the estimate is the measured step's, to the byte."""
+    torch.manual_seed(0)
+    frames = torch.randn(2, 20, 16)
+    targets, lengths = torch.randint(1, 6, (2, 7)), torch.tensor([7, 4])
+    loss_fn = _ctc_loss_fn(targets, lengths)
+    program = fxmem.capture(_FramesToLabels(), (frames,))
+    static = fxmem.estimate(program, loss_fn=loss_fn)
+    measured = fxmem.measure(copy.deepcopy(program.module), (frames,), loss_fn=loss_fn)
+    assert (static.activations, static.peak) == (measured.activations, measured.peak)
+    assert static.unknown_ops == ["aten._ctc_loss.Tensor (backward temporaries not measured)"]
+    shorter = fxmem.estimate(program, loss_fn=_ctc_loss_fn(targets, torch.tensor([3, 2])))
+    assert shorter.activations == static.activations - 2 * 20 * 8 * 4  # the alpha table: 2 x 4 + 1 wide, not 15
+    model = _FramesToLabels()
+    result = fxmem.transform(copy.deepcopy(model), (frames,), loss_fn=loss_fn, policy="low", activation_budget=0.5,
+                             measure=True)
+    report = result.report
+    assert [r.status for r in report.passes if r.name == "checkpoint"] == ["applied"]
+    assert report.after.activations == report.measured_after.activations < report.measured_before.activations
+    assert "1 op(s) whose backward could not be run on fake tensors (what they save is counted, the temporaries " \
+        "their backward makes are not): aten._ctc_loss.Tensor" in report.warning_lines()
+    for module in (model, result.module):
+        loss_fn(module(frames), (frames,)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), result.module.parameters()))
+
+
+def test_an_op_whose_output_sizes_depend_on_values_needs_the_values():
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from fxmem.fake import run_on_real_values
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.tensor([0, 2, 0]))
+    with pytest.raises(DynamicOutputShapeException):
+        run_on_real_values(torch.ops.aten.nonzero.default, (fake,), {})
+
+
 def test_a_custom_op_whose_formula_cannot_run_on_fakes_is_named_unknown():
     """One whose backward reads a value (`.item()`), which fake tensors do not have: its backward stays unseen,
     and the estimate says so."""

@@ -16,7 +16,7 @@ from .batch import plan_batch, smallest_fitting_prefix
 from .costs import (CPU_BALANCE, DRAW_COST_PER_BYTE_CPU, SLOW_KERNELS_CPU, NodeCost, default_balance, node_costs,
                     op_cost, step_cost)
 from .estimator import check_estimate_options, estimate, estimate_from_trace, program_key
-from .formula import TensorMeta, call_signature, formula_temps
+from .formula import UNMEASURED_FORMULA, TensorMeta, call_signature, formula_temps
 from .liveness import off_loss_path
 from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
 from .recompute import RecomputeWalk
@@ -27,6 +27,7 @@ from .trace_index import TraceIndex
 
 __all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "ForwardTrace",
            "MemoryEstimate", "NodeCost", "OpRecord", "RecipeLayout", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex",
+           "UNMEASURED_FORMULA",
            "as_recipes", "build_region_model", "call_signature", "check_estimate_options", "default_balance",
            "estimate", "estimate_from_trace", "formula_temps", "measure_regions", "node_costs", "off_loss_path",
            "op_cost", "optimizer_state_bytes", "optimizer_step_workspace", "plan_batch", "program_key",

@@ -17,6 +17,8 @@ from .example_size import example_size as _example_size
 
 _FORMULA_RUNS: dict = {}
 FORMULA_UNMEASURED: set = set()  # calls whose formula did not run on fake tensors
+# how an estimate's unknown ops name one whose saves are known but whose backward formula did not run on fakes
+UNMEASURED_FORMULA = " (backward temporaries not measured)"
 
 
 @dataclass(frozen=True)

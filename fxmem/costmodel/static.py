@@ -14,7 +14,7 @@ from ..measure import TimelinePoint
 from ..nn.regions import region_info
 from ..program import Program
 from .backward_walk import StaticBackward
-from .formula import formula_unmeasured
+from .formula import UNMEASURED_FORMULA, formula_unmeasured
 from .forward_walk import ForwardWalk
 from .liveness import SavePlan, off_loss_path, seed_gradient
 from .memory import MemoryEstimate, optimizer_state_bytes, optimizer_step_workspace
@@ -36,7 +36,7 @@ def static_estimate(program: Program, traced: ForwardTrace, mode: str, optimizer
         backward = StaticBackward(plan, walk, off_loss_path(records, loss_key), seed_gradient(records, loss_key))
         backward.run()
         live_bytes = backward.live_bytes
-        unmeasured = {f"{record.func} (backward temporaries not measured)" for record in records
+        unmeasured = {f"{record.func}{UNMEASURED_FORMULA}" for record in records
                       if formula_unmeasured(record.call)}
         est.unknown_ops = sorted(set(est.unknown_ops) | unmeasured)
         # optimizer step: the gradients of the parameters backward reached are live, plus the step's temporaries

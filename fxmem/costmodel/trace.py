@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops as optable
-from ..fake import (meta_as_device, module_tensors, propagating_real_values, sizing_device, static_sizes_if_needed,
-                    with_data_dependent_fallback)
+from ..fake import (meta_as_device, module_tensors, propagating_real_values, run_on_real_values, sizing_device,
+                    static_sizes_if_needed, with_data_dependent_fallback)
 from ..kernel_layouts import CpuKernelLayouts
 from ..nn.recast import installed as recast_installed, nested_recipes, scope_for as recast_scope
 from ..ops import written_positions
@@ -202,7 +202,10 @@ class DispatchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            out = run_on_real_values(func, args, kwargs)
         in_keys, in_bytes, in_rg, list_keys = self._inputs(args)
         # tensors passed by keyword (SDPA's attn_mask on CPU) are read too: held to here, like list members
         list_keys.extend(self.key(value)[0] for value in kwargs.values() if isinstance(value, torch.Tensor))
