@@ -295,7 +295,8 @@ _reg(["view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "pe
       "numpy_T", "mT", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "alias", "lift_fresh",
       "contiguous"], OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True, grad_view=True))
 _reg(["detach"], OpInfo(VIEW, _none, _flops_zero, no_grad=True))  # (a gradient never flows through it)
-_reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold"],
+_reg(["expand", "expand_as", "slice", "select", "as_strided", "narrow", "diagonal", "unfold", "view_as_real",
+      "view_as_complex"],
      OpInfo(VIEW, _none, _flops_zero, grad_passthrough=True))
 _reg(["split", "split_with_sizes", "chunk", "unbind", "tensor_split", "unsafe_split", "unsafe_split_with_sizes",
       "unsafe_chunk"],

@@ -254,16 +254,16 @@ class _FourierMix(nn.Module):
 def test_an_unknown_op_that_keeps_nothing_is_not_counted_as_keeping_its_input(unfold):
     """What an unknown op saves is measured on fresh fakes; a fresh leaf needing grad was kept alive by its gradient
     accumulator, which read as the op keeping its input on its context, to the end of the step (8 KiB too many for
-    the FFT, 4 KiB for unfold). The activations are the measured step's, to the byte, and so is unfold's peak; the
-    FFT's peak, in its backward, is still estimated 6,312 B (11%) high, a gap in the complex backward's
-    temporaries that this does not close."""
+    the FFT, 4 KiB for unfold). `.real` of the FFT's complex output (view_as_real, a view) was unknown too and
+    measured as keeping its input (16 KiB too many on FNet, the FFT's peak here 6,312 B high). Activations and
+    peaks are the measured step's, to the byte."""
     torch.manual_seed(0)
     model, x = _FourierMix(unfold), torch.randn(2, 16, 32)
     program = fxmem.capture(model, (x,))
     static = fxmem.estimate(program)
     measured = fxmem.measure(copy.deepcopy(program.module), (x,))
-    assert static.activations == measured.activations
-    assert static.peak == measured.peak if unfold else measured.peak < static.peak <= 1.12 * measured.peak
+    assert (static.activations, static.peak) == (measured.activations, measured.peak)
+    assert static.unknown_ops == []
 
 
 class _ScatterReduce(nn.Module):
