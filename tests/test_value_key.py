@@ -3,6 +3,7 @@ record's output, or for a node whose ops return no tensor (a dropout with p=0 re
 whichever run left the graph's example values ("fxmem_val" from a refresh, "val" from torch.export)."""
 from __future__ import annotations
 
+import operator
 from types import SimpleNamespace
 
 import pytest
@@ -49,3 +50,20 @@ def test_the_marked_record_wins_over_later_ones():
     records = [_record(1, 2, 3, node_value=1), _record(2), _record(3)]
     assert value_key({relu.name: records}, relu) == 1
     assert value_key({relu.name: [_record(1, 2, 3), _record(2), _record(3)]}, relu) == 3  # (unmarked: the last)
+
+
+def test_an_element_of_a_nodes_tuple_is_the_storage_marked_for_its_path():
+    """An LSTM returns (output, (h, c)): `out[0]` and `out[1][0]` are getitems, which run no op of their own; the
+    trace marks each element's storage on the record that made it (`OpRecord.node_items`)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    lstm = graph.call_function(torch.lstm, (x,))
+    output = graph.call_function(operator.getitem, (lstm, 0))
+    states = graph.call_function(operator.getitem, (lstm, 1))
+    h = graph.call_function(operator.getitem, (states, 0))
+    graph.output((output, h))
+    records = [SimpleNamespace(out_keys=[5, 6], node_value=None, node_items={(0,): 5}),
+               SimpleNamespace(out_keys=[8, 9], node_value=None, node_items={(1, 0): 8, (1, 1): 9})]
+    by_node = {lstm.name: records}
+    assert (value_key(by_node, output), value_key(by_node, h)) == (5, 8)
+    assert value_key(by_node, states) is None  # a tuple: no one storage

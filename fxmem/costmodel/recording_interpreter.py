@@ -52,13 +52,23 @@ class RecordingInterpreter(CodegenInterpreter):
         return out
 
     def _mark_value(self, out, records: list) -> None:
-        """Mark the last of `records` (a node's) whose outputs include the storage of `out`, the node's value."""
-        if not isinstance(out, torch.Tensor):
+        """Mark the last of `records` (a node's) whose outputs include the storage of `out`, the node's value; for a
+        tuple, the storage of each tensor in it, by its path (`OpRecord.node_items`)."""
+        if isinstance(out, torch.Tensor):
+            maker, key = self._maker(out, records)
+            if maker is not None:
+                maker.node_value = key
             return
-        key = self.recorder.storages.known(out.untyped_storage())
+        for path, item in _tensor_items(out, ()):
+            maker, key = self._maker(item, records)
+            if maker is not None:
+                maker.node_items[path] = key
+
+    def _maker(self, tensor: torch.Tensor, records: list) -> tuple:
+        """(the last of `records` whose outputs include `tensor`'s storage, that storage's key), or (None, None)."""
+        key = self.recorder.storages.known(tensor.untyped_storage())
         maker = next((r for r in reversed(records) if key is not None and key in r.out_keys), None)
-        if maker is not None:
-            maker.node_value = key
+        return maker, key
 
     def _as_recipe(self, key: int, recipe, node, first: int) -> None:
         """Storage `key`, made by `node` (its records from `first` on), saved as `recipe`."""
@@ -106,3 +116,12 @@ class _StepInterpreter(CodegenInterpreter):
     def run_node(self, n):
         self.recorder.step += 1
         return super().run_node(n)
+
+
+def _tensor_items(value, path: tuple):
+    """(path of indices, tensor) for each tensor inside nested tuples and lists."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            yield from _tensor_items(item, path + (index,))

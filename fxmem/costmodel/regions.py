@@ -7,6 +7,7 @@ checkpoint pass picks the candidates (module boundaries) and solves over the mod
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,9 @@ def value_key(by_node: dict, node: fx.Node) -> int | None:
     its trace marked on the record that made it (`OpRecord.node_value`), else its last op record's first output.
     A node whose ops return no tensor while its value is one hands on an input's (a dropout with p=0 returns its
     input as it is): its first tensor argument's."""
+    root, path = _item_path(node)
+    if path:  # an element of a node's tuple (an LSTM's output): the storage its trace marked for that element
+        return next((r.node_items[path] for r in reversed(by_node.get(root.name, [])) if path in r.node_items), None)
     records = by_node.get(node.name, [])
     key = next((r.node_value for r in reversed(records) if r.node_value is not None), None)
     if key is not None:
@@ -116,6 +120,16 @@ def value_key(by_node: dict, node: fx.Node) -> int | None:
         if arg is not None:
             return value_key(by_node, arg)
     return key
+
+
+def _item_path(node: fx.Node) -> tuple:
+    """(the node a chain of getitems with constant indices starts at, the indices), or (node, ()) for other nodes."""
+    path: tuple = ()
+    while node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[1], int):
+        path = (node.args[1],) + path
+        node = node.args[0]
+    return node, path
 
 
 def kept_then_written(index: TraceIndex, made: dict) -> str:
@@ -276,19 +290,23 @@ class _RegionMeasurer:
     def _held(self, position: int, ins: list) -> int:
         """Bytes of region inputs the region must hold; if autograd saves one anyway, nothing extra (unless only
         the region making it saves it: see `loose`). Its storage, whoever created it: an in-place op or a view hands
-        on a storage an earlier op made (new_keys is empty)."""
+        on a storage an earlier op made (new_keys is empty); the value's storage alone where the trace knows it,
+        not the others its node made (a dropout's mask, which the dropout saves, beside its output, which only an
+        LSTM's copy of it stood for)."""
         held_keys: set[int] = set()
         for arg in ins:
             value = arg.meta.get("fxmem_val")
             if isinstance(value, torch.Tensor) and arg.op != "get_attr" and arg.op != "placeholder":
-                keys = {key for key in self.keys_of(arg) if self.base_keys.get(key) is None}
+                handed_on = value_key(self.index.by_node, arg)
+                keys = {key for key in ({handed_on} if handed_on is not None else self.keys_of(arg))
+                        if self.base_keys.get(key) is None}
                 if keys & self.recorder.recipe_at.keys():
                     # a recipe's output: checkpoint saves it through fxmem.nn.recast's hooks, as the recipe (if
                     # another region made it and recomputes, that region counts it: see `lost`)
                     continue
                 if not (keys & self.index.savers.keys()):
                     held_keys |= keys
-                elif self.loose_in.get(handed_on := value_key(self.index.by_node, arg), position) != position:
+                elif self.loose_in.get(handed_on, position) != position:
                     held_keys.add(handed_on)  # another region's loose output
         return sum(self.storage_bytes[key] for key in held_keys)
 

@@ -63,6 +63,9 @@ class OpRecord:
     # on the last of its node's records that made the tensor the node returned (or a view of it): that storage's
     # key (a group norm's output, not the statistics its composite detaches after it: `value_key`)
     node_value: int | None = None
+    # the same for a node returning a tuple (an LSTM's output and states): path of indices -> storage key, for each
+    # tensor in it this record made (`value_key` follows getitem chains to them)
+    node_items: dict = field(default_factory=dict)
     call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
     # an in-place op on a view (relu_ on a linear's 3-D output, a view of its addmm's): autograd's CopySlices runs
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
