@@ -170,16 +170,9 @@ def check_gradients(program: Program, model: nn.Module, args, kwargs, mode: str,
 
 
 def _largest_gap(expected: list, actual: list) -> float:
-    """The largest absolute difference between paired gradients (None as zeros); 0.0 when all are equal."""
-    gap = 0.0
-    for ref, got in zip(expected, actual):
-        if ref is None and got is None:
-            continue
-        ref = torch.zeros_like(got) if ref is None else ref
-        got = torch.zeros_like(ref) if got is None else got
-        if ref.numel() and not torch.equal(ref, got):
-            gap = max(gap, float((ref.detach().double() - got.detach().double()).abs().max()))
-    return gap
+    """The largest absolute difference between paired gradients (`_as_pair`); 0.0 when all are equal."""
+    pairs = [pair for pair in map(_as_pair, expected, actual) if pair is not None and pair[0].numel()]
+    return max((float((ref - got).abs().max()) for ref, got in pairs), default=0.0)
 
 
 def _error_summary(error: BaseException) -> str:
@@ -232,12 +225,20 @@ def _gradients(module, args, kwargs, params, *, inputs: bool, cotangents=None) -
     return _Grads(grads, idx, out_idx, cotangents)
 
 
-def _grad_diff(expected: torch.Tensor | None, actual: torch.Tensor | None) -> str | None:
+def _as_pair(expected: torch.Tensor | None, actual: torch.Tensor | None) -> tuple | None:
+    """The model's and the capture's gradient as doubles, a missing one as zeros; None when both are missing."""
     if expected is None and actual is None:
         return None
     ref = torch.zeros_like(actual) if expected is None else expected
     got = torch.zeros_like(expected) if actual is None else actual
-    ref_double, got_double = ref.detach().double(), got.detach().double()
+    return ref.detach().double(), got.detach().double()
+
+
+def _grad_diff(expected: torch.Tensor | None, actual: torch.Tensor | None) -> str | None:
+    pair = _as_pair(expected, actual)
+    if pair is None:
+        return None
+    ref_double, got_double = pair
     tol = 1e-5 + 1e-4 * float(ref_double.abs().max()) if ref_double.numel() else 0.0
     if torch.allclose(ref_double, got_double, atol=tol, rtol=1e-4, equal_nan=True):
         return None

@@ -412,13 +412,12 @@ def test_static_traces_share_fakes_and_notice_changed_tensors():
     assert e4.activations < e1.activations
 
 
-
 @pytest.mark.parametrize("cast", [True, False])
 def test_a_shared_fake_weight_broadcast_against_an_activation_traces_every_time(cast):
-    # Cohere's per-head q/k norms (and BiT's SAME padding): a 2-D weight, through a no-op cast, times a 4-D
-    # activation. The fakes kept across traces once carried a fresh symbol per size, and every second trace failed
-    # in the broadcast ("SymIntArrayRef expected to contain only concrete integers"): the checkpoint pass, which
-    # traces its program several times, then reported itself failed on those models
+    """Cohere's per-head q/k norms (and BiT's SAME padding): a 2-D weight, through a no-op cast, times a 4-D
+    activation. The fakes kept across traces once carried a fresh symbol per size, and every second trace failed
+    in the broadcast ("SymIntArrayRef expected to contain only concrete integers"): the checkpoint pass, which
+    traces its program several times, then reported itself failed on those models."""
     from fxmem.costmodel import trace as costmodel
     from fxmem.costmodel.trace import trace_forward
 

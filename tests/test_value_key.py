@@ -1,4 +1,4 @@
-"""`value_key`: the storage a node hands on: the one its trace marked (`OpRecord.node_value`), else its last
+"""`value_key`: the storage a node hands on: the one its trace marked (`OpRecord.values_made`), else its last
 record's output, or for a node whose ops return no tensor (a dropout with p=0 returns its input) its input's,
 whichever run left the graph's example values ("fxmem_val" from a refresh, "val" from torch.export)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch import fx
 from fxmem.costmodel import value_key
 
 
-def _record(*out_keys, node_value=None):
-    return SimpleNamespace(out_keys=list(out_keys), node_value=node_value)
+def _record(*out_keys, values_made=None):
+    return SimpleNamespace(out_keys=list(out_keys), values_made=values_made or {})
 
 
 def _relu_then_identity(meta_key: str | None):
@@ -47,14 +47,14 @@ def test_the_marked_record_wins_over_later_ones():
     """A composite group norm: native_group_norm makes (output, mean, rstd), then detaches the statistics; the
     trace marks the output as the node's value."""
     relu, _ = _relu_then_identity("fxmem_val")
-    records = [_record(1, 2, 3, node_value=1), _record(2), _record(3)]
+    records = [_record(1, 2, 3, values_made={(): 1}), _record(2), _record(3)]
     assert value_key({relu.name: records}, relu) == 1
     assert value_key({relu.name: [_record(1, 2, 3), _record(2), _record(3)]}, relu) == 3  # (unmarked: the last)
 
 
 def test_an_element_of_a_nodes_tuple_is_the_storage_marked_for_its_path():
     """An LSTM returns (output, (h, c)): `out[0]` and `out[1][0]` are getitems, which run no op of their own; the
-    trace marks each element's storage on the record that made it (`OpRecord.node_items`)."""
+    trace marks each element's storage on the record that made it (`OpRecord.values_made`)."""
     graph = fx.Graph()
     x = graph.placeholder("x")
     lstm = graph.call_function(torch.lstm, (x,))
@@ -62,8 +62,7 @@ def test_an_element_of_a_nodes_tuple_is_the_storage_marked_for_its_path():
     states = graph.call_function(operator.getitem, (lstm, 1))
     h = graph.call_function(operator.getitem, (states, 0))
     graph.output((output, h))
-    records = [SimpleNamespace(out_keys=[5, 6], node_value=None, node_items={(0,): 5}),
-               SimpleNamespace(out_keys=[8, 9], node_value=None, node_items={(1, 0): 8, (1, 1): 9})]
+    records = [_record(5, 6, values_made={(0,): 5}), _record(8, 9, values_made={(1, 0): 8, (1, 1): 9})]
     by_node = {lstm.name: records}
     assert (value_key(by_node, output), value_key(by_node, h)) == (5, 8)
     assert value_key(by_node, states) is None  # a tuple: no one storage

@@ -52,23 +52,13 @@ class RecordingInterpreter(CodegenInterpreter):
         return out
 
     def _mark_value(self, out, records: list) -> None:
-        """Mark the last of `records` (a node's) whose outputs include the storage of `out`, the node's value; for a
-        tuple, the storage of each tensor in it, by its path (`OpRecord.node_items`)."""
-        if isinstance(out, torch.Tensor):
-            maker, key = self._maker(out, records)
+        """On the last of `records` (a node's) whose outputs include the storage of a tensor of `out`, the node's
+        value (one tensor, or tuples of them), mark that tensor's path and storage (`OpRecord.values_made`)."""
+        for path, tensor in _tensor_items(out, ()):
+            key = self.recorder.storages.known(tensor.untyped_storage())
+            maker = next((r for r in reversed(records) if key is not None and key in r.out_keys), None)
             if maker is not None:
-                maker.node_value = key
-            return
-        for path, item in _tensor_items(out, ()):
-            maker, key = self._maker(item, records)
-            if maker is not None:
-                maker.node_items[path] = key
-
-    def _maker(self, tensor: torch.Tensor, records: list) -> tuple:
-        """(the last of `records` whose outputs include `tensor`'s storage, that storage's key), or (None, None)."""
-        key = self.recorder.storages.known(tensor.untyped_storage())
-        maker = next((r for r in reversed(records) if key is not None and key in r.out_keys), None)
-        return maker, key
+                maker.values_made[path] = key
 
     def _as_recipe(self, key: int, recipe, node, first: int) -> None:
         """Storage `key`, made by `node` (its records from `first` on), saved as `recipe`."""

@@ -104,16 +104,15 @@ DROPOUT_FNS = (bool_mask_dropout, bool_mask_dropout_remat)
 
 def value_key(by_node: dict, node: fx.Node) -> int | None:
     """The storage of the value node `node` hands on (`by_node`: node name -> its op records in a trace): the one
-    its trace marked on the record that made it (`OpRecord.node_value`), else its last op record's first output.
-    A node whose ops return no tensor while its value is one hands on an input's (a dropout with p=0 returns its
-    input as it is): its first tensor argument's."""
+    its trace marked on the record that made it (`OpRecord.values_made`; for a getitem chain, an element of the
+    tuple its first node returned: an LSTM's output), else its last op record's first output. A node whose ops
+    return no tensor while its value is one hands on an input's (a dropout with p=0 returns its input as it is):
+    its first tensor argument's."""
     root, path = _item_path(node)
-    if path:  # an element of a node's tuple (an LSTM's output): the storage its trace marked for that element
-        return next((r.node_items[path] for r in reversed(by_node.get(root.name, [])) if path in r.node_items), None)
-    records = by_node.get(node.name, [])
-    key = next((r.node_value for r in reversed(records) if r.node_value is not None), None)
-    if key is not None:
+    key = next((r.values_made[path] for r in reversed(by_node.get(root.name, [])) if path in r.values_made), None)
+    if key is not None or path:
         return key
+    records = by_node.get(node.name, [])
     key = next((r.out_keys[0] for r in reversed(records) if r.out_keys and r.out_keys[0] is not None), None)
     if key is None and node.op == "call_function" and node_value(node, tensor_only=True) is not None:
         arg = next((a for a in node.args if node_value(a, tensor_only=True) is not None), None)

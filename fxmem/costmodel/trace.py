@@ -60,12 +60,10 @@ class OpRecord:
     # sum keeps the input's dtype)
     int_outs: list = field(default_factory=list)  # storages of integer/bool outputs (max pooling's indices): no grad
     step: int = 0  # the graph node (of the program, or of a region's body) whose run issued the op
-    # on the last of its node's records that made the tensor the node returned (or a view of it): that storage's
-    # key (a group norm's output, not the statistics its composite detaches after it: `value_key`)
-    node_value: int | None = None
-    # the same for a node returning a tuple (an LSTM's output and states): path of indices -> storage key, for each
-    # tensor in it this record made (`value_key` follows getitem chains to them)
-    node_items: dict = field(default_factory=dict)
+    # the tensors of the node's value this record made (it is the last of the node's records to make them): their
+    # path in the value -> their storage key; () for a node returning one tensor (a group norm's output, not the
+    # statistics its composite detaches after it), (0,), (1, 0) for an LSTM's output and h (`value_key`)
+    values_made: dict = field(default_factory=dict)
     call: Any = None  # the call as `call_signature` freezes it (ops with a backward), for `formula_temps`
     # an in-place op on a view (relu_ on a linear's 3-D output, a view of its addmm's): autograd's CopySlices runs
     # its backward, which copies the base's gradient whole and clones the view's slice of it before the op's formula
