@@ -306,6 +306,37 @@ def test_unet_batch_norm_relu_chains_alone_fit_bit_exact_and_estimate_is_measure
         assert torch.equal(nb[k], rb[k]), k
 
 
+def test_chain_members_saving_no_output_of_their_own_run_without_holding_their_saves(monkeypatch):
+    """A batch norm saves its input, weight and statistics, not its output: the pass marks it `_fxmem_defer=False`,
+    and remat_call runs it without routing those saves through the scope's Python hook (one call per save, six
+    for a batch norm). The ReLU after it saves its own result, which must become the recipe: its saves still wait.
+    The U-Net's chains are marked so; the chain's output and gradients are those of the plain ops."""
+    packs = []
+    original = RecastScope._pack
+    monkeypatch.setattr(RecastScope, "_pack", lambda scope, tensor: packs.append(tensor) or original(scope, tensor))
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 4, 5, 5, requires_grad=True), torch.rand(4, requires_grad=True), torch.randn(4)
+    stats = (torch.zeros(4), torch.ones(4))
+    args = (x, w, b, *stats, True, 0.1, 1e-5, False)
+    with RecastScope() as scope:
+        y = remat_call("aten.batch_norm.default", *args, _fxmem_defer=False)
+        assert packs == [] and scope.recipe_for(y) is not None
+        z = remat_call("aten.relu.default", y)
+        assert len(packs) == 1 and packs[0].data_ptr() == z.data_ptr() and scope.recipe_for(z) is not None
+    out = (z * torch.arange(100.0).view(z.shape[1:]).expand_as(z)).sum()
+    grads = torch.autograd.grad(out, (x, w))
+    ref_x, ref_w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.relu(torch.batch_norm(ref_x, ref_w, b, torch.zeros(4), torch.ones(4), True, 0.1, 1e-5, False))
+    ref_out = (ref * torch.arange(100.0).view(ref.shape[1:]).expand_as(ref)).sum()
+    assert torch.equal(z, ref) and all(torch.equal(g, r) for g, r in zip(grads, torch.autograd.grad(ref_out,
+                                                                                                  (ref_x, ref_w))))
+    ref_model, res, *_ = _transform("unet", "90%")
+    lines = res.module.code.splitlines()
+    norms, relus = ([ln for ln in lines if f"remat_call('aten.{op}.default'" in ln] for op in ("batch_norm", "relu_"))
+    assert norms and all("_fxmem_defer = False" in ln for ln in norms)
+    assert relus and not any("_fxmem_defer" in ln for ln in relus)
+
+
 def test_chained_recipe_frees_both_outputs_and_an_in_place_change_is_saved_as_is():
     torch.manual_seed(0)
     conv, bn, proj = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)

@@ -159,13 +159,14 @@ class RecastScope:
         self._pushed_pack = None  # our pack hook while our saved-tensor hooks are on the stack
         self._whole_forward = False  # hooks for the whole forward (nested in another scope, or observed)
         self._pending: list | None = None  # while remat_call runs its op: that op's saves, packed after it
+        self._ref = weakref.ref(self)  # (made once: each registration's storage callback holds it)
 
     def _add(self, out: torch.Tensor, entry: tuple) -> None:
         storage = out.untyped_storage()
         key = storage._cdata
         # the storage object is preserved while the storage lives; when it dies the entry goes with it, so a
         # later tensor that reuses the address is never mistaken for the cast
-        ref = weakref.ref(storage, functools.partial(_storage_died, weakref.ref(self), key))
+        ref = weakref.ref(storage, functools.partial(_storage_died, self._ref, key))
         self._entries[key] = (ref,) + entry
         self._hook_saves()
 
@@ -205,13 +206,20 @@ class RecastScope:
             part.how = "shared"
             self.register_recipe(tensor, _Pick(index), (part,), {})
 
-    def deferring(self) -> "_Deferral":
-        """A context in which saves are deferred (into the list it yields) until `pack_deferred`: remat_call runs
-        its op so, registering its output as a recipe before the op's own saves of it are packed."""
-        return _Deferral(self)
+    def defer_saves(self) -> tuple:
+        """(previous, pending): from now until `stop_deferring(previous)`, saves are deferred into `pending` until
+        `pack_deferred`: remat_call runs its op so, registering its output as a recipe before the op's own saves
+        of it are packed. (Two calls, not a context manager: forward's hot path.)"""
+        self._hook_saves()
+        previous, self._pending = self._pending, []
+        return previous, self._pending
+
+    def stop_deferring(self, previous) -> None:
+        """End the deferral that `defer_saves` began, `previous` the one it was inside (None: none)."""
+        self._pending = previous
 
     def pack_deferred(self, pending: list) -> None:
-        """Pack the saves deferred while an op ran (`deferring`), now that its outputs are registered."""
+        """Pack the saves deferred while an op ran (`defer_saves`), now that its outputs are registered."""
         entries, observer = self._entries, getattr(_state, "observer", None)
         for deferred in pending:
             tensor = deferred.value
@@ -236,7 +244,7 @@ class RecastScope:
         shared value (made once for its saves and these uses, see `remat`), counted when the holder's saves are."""
         entries = self._entries
         if not entries or not any_stored_in(flat_args(args), entries):
-            return tuple(args)  # no argument is a registered storage (most calls)
+            return args if type(args) is tuple else tuple(args)  # no argument is a registered storage (most calls)
         positions = itertools.count()  # flat positions, in `map_args`'s order
 
         def one(arg):
@@ -337,23 +345,6 @@ def any_stored_in(args, keys) -> bool:
     return False
 
 
-class _Deferral:
-    """`RecastScope.deferring`: while active, the scope's saves go to `pending` (restored on exit)."""
-    __slots__ = ("scope", "pending", "previous")
-
-    def __init__(self, scope: RecastScope):
-        self.scope, self.pending, self.previous = scope, [], None
-
-    def __enter__(self) -> list:
-        self.scope._hook_saves()
-        self.previous, self.scope._pending = self.scope._pending, self.pending
-        return self.pending
-
-    def __exit__(self, *exc):
-        self.scope._pending = self.previous
-        return False
-
-
 class _Recast:
     __slots__ = ("param", "dtype", "shape", "stride", "offset", "version")
 
@@ -368,14 +359,17 @@ class _Recipe:
 
     def __init__(self, function, args, kwargs, out_version, share=False):
         self.fn, self.args, self.kwargs = function, args, kwargs
-        tensors, self.plain = [], True  # plain: no nested recipes, recomputed as fn(*args) (loops: forward's hot path)
+        # plain: no nested recipes, recomputed as fn(*args) (one loop: forward's hot path)
+        tensors, versions, plain = [], [], True
         for arg in flat_args(args):
             if isinstance(arg, torch.Tensor):
                 tensors.append(arg)
+                versions.append(arg._version)
             elif isinstance(arg, _Remat):
-                self.plain = False
+                plain = False
+        self.plain = plain
         self.tensors = tuple(tensors)  # the tensor arguments, in order
-        self.versions = tuple([t._version for t in tensors])  # their versions when registered
+        self.versions = tuple(versions)  # their versions when registered
         self.out_version = out_version  # the output's version when registered
         self.share = share  # recomputed once for all its saves (see `remat`)
         self.saves = 0  # shared: saves not unpacked yet

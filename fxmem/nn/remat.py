@@ -24,15 +24,33 @@ def op_named(op: str):
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
-_OPS: dict[str, object] = {}
+class _OpInfo:
+    """What remat_call needs of an op, worked out once per name (eager only: forward's hot path). `overload`: the
+    OpOverload (a recipe's function, named in errors); `run`: its C++ callable, which the overload's `__call__`
+    forwards to; `batch_norm`: recomputable from its batch statistics (`_affine_recomputable`); `internal`: its
+    INTERNAL_SAVES entry."""
+    __slots__ = ("name", "overload", "run", "batch_norm", "internal")
+
+    def __init__(self, op: str):
+        self.name, self.overload = op, op_named(op)
+        self.run = getattr(self.overload, "_op", self.overload)
+        self.batch_norm = op == "aten.batch_norm.default"
+        self.internal = INTERNAL_SAVES.get(op)
+
+
+_OPS: dict[str, _OpInfo] = {}
+
+
+def _op_info(op: str) -> _OpInfo:
+    info = _OPS.get(op)
+    if info is None:
+        info = _OPS[op] = _OpInfo(op)
+    return info
 
 
 def _resolve(op: str):
     """op_named, cached (eager only)."""
-    resolved = _OPS.get(op)
-    if resolved is None:
-        resolved = _OPS[op] = op_named(op)
-    return resolved
+    return _op_info(op).overload
 
 
 def register_recompute(out: torch.Tensor, recompute, args: tuple, kwargs: dict | None = None,
@@ -99,6 +117,9 @@ def batch_norm_affine(batch: torch.Tensor, weight, bias, mean: torch.Tensor, inv
     return torch.addcmul(beta.view(shape), batch, alpha.view(shape))
 
 
+_native_batch_norm = torch.ops.aten.native_batch_norm.default._op
+
+
 def _affine_recomputable(op: str, args: tuple, kwargs: dict) -> bool:
     """A training-mode `aten.batch_norm` on plain CPU tensors: its output can be recomputed from the batch
     statistics (`batch_norm_affine`) instead of by the norm. On CPU `batch_norm` runs `native_batch_norm`, which
@@ -137,7 +158,7 @@ def _affine_reproduces(output, batch, weight, bias, mean, invstd) -> bool:
 
 
 def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _fxmem_nest: tuple = (),
-               _fxmem_group: bool = False, **kwargs) -> torch.Tensor:
+               _fxmem_group: bool = False, _fxmem_defer: bool = True, **kwargs) -> torch.Tensor:
     """`op(*args, **kwargs)` (an aten overload by name) whose output autograd keeps as a recipe, every save of it:
     the op's own (ReLU saves its result), made while it runs, and later consumers'. Tensor arguments that are
     themselves recipes are kept as recipes, not tensors, so a chain such as batch norm -> ReLU recomputes from the
@@ -149,6 +170,9 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
     the nested one's own saves, so the nested one runs once for all of them; see `RecastScope.as_recipe_args`).
     `_fxmem_group` (an op with INTERNAL_SAVES whose output's and own saves are unpacked back to back): the full op
     runs once for both, its outputs held from the first unpack to the last (`_Pick` of a shared recipe).
+    `_fxmem_defer` False (the pass sets it where the trace shows the op saving neither its output nor an
+    INTERNAL_SAVES output, e.g. a batch norm): the op's saves are not held back until its output is a recipe, which
+    costs a Python call per save (a batch norm saves six tensors).
 
     Under torch.compile the chain's last node recomputes the whole chain (`_fxmem_chain`: each member's op, its
     arguments with "@i" for member i's output, and kwargs) inside one checkpoint, whose values the partitioner
@@ -163,41 +187,56 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
             op_function(*args, **kwargs)  # a batch norm's running-statistics update, once (the output goes dead)
         return recompute_compiled(_run_chain, _fxmem_chain)
     scope = active_scope()
+    info = _OPS.get(op) or _op_info(op)
     if scope is None:
-        return _resolve(op)(*args, **kwargs)
+        return info.run(*args, **kwargs)
     # before the op: an in-place op's output reuses its input's storage
     rargs = scope.as_recipe_args(args, _fxmem_nest)
     stats = None
-    with scope.deferring() as pending:
-        if _affine_recomputable(op, args, kwargs):
-            output, mean, invstd = torch.ops.aten.native_batch_norm.default(*args[:8])  # what batch_norm runs on CPU
+    previous, pending = scope.defer_saves() if _fxmem_defer else (None, ())
+    try:
+        if info.batch_norm and _affine_recomputable(op, args, kwargs):
+            output, mean, invstd = _native_batch_norm(*args[:8])  # what batch_norm runs on CPU
             stats = (mean, invstd)
         else:
-            output = _resolve(op)(*args, **kwargs)
+            output = info.run(*args, **kwargs)
+    finally:
+        if _fxmem_defer:
+            scope.stop_deferring(previous)
     if isinstance(output, torch.Tensor) and not any_stored_in(rargs, (output.untyped_storage()._cdata,)):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
-        if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
-            recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
-        else:
-            recipe_function, rargs, rkwargs = recompute_form(op, rargs, dict(kwargs))
-        internal = INTERNAL_SAVES.get(op)
-        own = []
-        if internal is not None:
-            # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
-            # too, the op's full form run again for that output
-            known = {a.untyped_storage()._cdata for a in (output, *arg_tensors(args))}
-            own = [t for t in (d.value for d in pending)
-                   if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == output.shape and
-                   t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
-        if own and _fxmem_group:
-            # one run of the full op for both, shared: each output a pick of it
-            scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, output), (internal[1], own[0])))
-        else:
-            scope.register_recipe(output, recipe_function, rargs, rkwargs, _fxmem_share)
-            for own_output in own:
-                scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
-    scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
+        _register(scope, info, output, (args, rargs, kwargs), stats, pending, _fxmem_share, _fxmem_group)
+    if pending:
+        scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
     return output
+
+
+def _register(scope, info: _OpInfo, output: torch.Tensor, call: tuple, stats, pending: list, share: bool,
+              group: bool) -> None:
+    """Register remat_call's `output` (of `info`'s op, `call` = (args, their recipe form, kwargs)) as its recipe:
+    from the batch statistics `stats` where they reproduce it, and an INTERNAL_SAVES output the op saved among
+    `pending` as a recipe too (`group`: one shared run of the full op for both)."""
+    args, rargs, kwargs = call
+    if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
+        recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
+    else:
+        recipe_function, rargs, rkwargs = recompute_form(info.name, rargs, dict(kwargs))
+    internal = info.internal
+    own = []
+    if internal is not None:
+        # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
+        # too, the op's full form run again for that output
+        known = {a.untyped_storage()._cdata for a in (output, *arg_tensors(args))}
+        own = [t for t in (d.value for d in pending)
+               if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == output.shape and
+               t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
+    if own and group:
+        # one run of the full op for both, shared: each output a pick of it
+        scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, output), (internal[1], own[0])))
+    else:
+        scope.register_recipe(output, recipe_function, rargs, rkwargs, share)
+        for own_output in own:
+            scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
 
 
 # ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,

@@ -55,7 +55,7 @@ REMAT_KEPT_SHARE = 0.5
 # cheaper sites tried, each with one estimate, in place of the one completing the cheapest-per-byte prefix
 REMAT_LAST_SITE_TRIES = 8
 # the keyword arguments apply_remat adds to a node (left out of a chain member's kwargs under torch.compile)
-_REMAT_KWARGS = ("_fxmem_chain", "_fxmem_share", "_fxmem_nest", "_fxmem_group")
+_REMAT_KWARGS = ("_fxmem_chain", "_fxmem_share", "_fxmem_nest", "_fxmem_group", "_fxmem_defer")
 
 
 @dataclass
@@ -81,6 +81,9 @@ class RematSite:
     # storage keys its recipe keeps that nothing saves (a softmax's mask; a dropout's on an input without gradient)
     kept: tuple = ()
     via: tuple = ()  # (input name, site name) per input holding another site's output (`holds`): it, or a view of it
+    # names of its nodes (chain members, itself) whose ops save their own output or an internal one (ReLU, max
+    # pooling): as remat_calls, their saves wait until those are recipes (`_fxmem_defer`); the others' need not
+    self_saving: tuple = ()
 
     def is_call(self, applied: set) -> bool:
         """Emitted as remat_call among the `applied` site names: a call, or holding an applied site nested."""
@@ -329,7 +332,18 @@ class _SiteFinder:
             or optable.packet(node.target) in REMAT_JOINS
         return RematSite(node, key, int(sizes[key] + sum(sizes[s] for s in internal)), float(once * unpacks),
                          (module_paths(node) or ["<root>"])[-1], tuple(chain), call, share, tuple(internal),
-                         contiguous=contiguous, group=group, kept=tuple(kept))
+                         contiguous=contiguous, group=group, kept=tuple(kept),
+                         self_saving=self.self_saving((*chain, node), internal))
+
+    def self_saving(self, members: tuple, internal: list) -> tuple:
+        """Names of `members` whose ops save their own output (a ReLU its result), or, for the last (the site),
+        an internal output (`internal`: max pooling's indices)."""
+        names = []
+        for member in members:
+            own = {self.key_of(member), *(internal if member is members[-1] else ())}
+            if any(key in own for r in self.by_node.get(member.name, []) for key in r.saved):
+                names.append(member.name)
+        return tuple(names)
 
     def within_kept_share(self, sites: list[RematSite]) -> list[RematSite]:
         """`sites` less those whose kept tensors, each one's bytes shared among the sites keeping it, come to more
@@ -521,6 +535,8 @@ class _Rewriter:
             member.target = remat_call
             if nest:  # nested sites used through their shared value
                 member.kwargs = {**member.kwargs, "_fxmem_nest": nest}
+            if member.name not in site.self_saving:  # (its saves need not wait: most of a batch norm's)
+                member.kwargs = {**member.kwargs, "_fxmem_defer": False}
         return member.name
 
     def wrap(self, site: RematSite) -> Change:
