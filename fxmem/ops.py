@@ -149,7 +149,11 @@ def _layer_norm(ctx):  # input, weight, bias, mean, rstd
 
 
 def _batch_norm(ctx):  # input, weight, running stats, save_mean, save_invstd
-    return [("in", 0), ("in", 1), ("out", 1), ("out", 2)]
+    return [("in", 0), ("in", 1)] + [("in", i) for i in (3, 4) if ctx.is_tensor(i)] + [("out", 1), ("out", 2)]
+
+
+def _batch_norm_reserve(ctx):  # the same and the reserve (`_batch_norm_with_update`, `_batch_norm_no_update`)
+    return _batch_norm(ctx) + [("out", 3)]
 
 
 def _group_norm(ctx):
@@ -171,12 +175,35 @@ def _index_args(*idx):
     return rule
 
 
-def _nll(ctx):
-    return [("in", 1), ("out", 1)]
+def _nll(ctx):  # the log-probabilities, the targets, the class weights, the total weight
+    return [("in", 0), ("in", 1)] + ([("in", 2)] if ctx.is_tensor(2) else []) + [("out", 1)]
 
 
-def _pow_scalar(ctx):
-    return [("in", 0)]
+def _pow(ctx):
+    """x ** c: the base; c ** y: the exponent and the result; x ** y: all three (whichever needs a gradient)."""
+    if ctx.is_tensor(0) and ctx.is_tensor(1):
+        return [("in", 0), ("in", 1), ("out", 0)]
+    return [("in", 1), ("out", 0)] if ctx.is_tensor(1) else [("in", 0)]
+
+
+def _by_divisor(ctx):  # remainder, fmod: a tensor divisor needing a gradient reads both (- grad * floor(a / b))
+    return [("in", 0), ("in", 1)] if ctx.is_tensor(0) and ctx.is_tensor(1) and ctx.rg(1) else []
+
+
+def _scatter(ctx):  # scatter's src / value: the index, for either gradient
+    return [("in", 2)] if ctx.rg(0) or ctx.rg(3) else []
+
+
+def _scatter_add(ctx):  # self's gradient passes through; the source's gathers by the index
+    return [("in", 2)] if ctx.rg(3) else []
+
+
+def _index_add(ctx):  # self's gradient passes through; the source's selects by the index (expanded as the source)
+    return [("in", 2), ("in", 3)] if ctx.rg(3) else []
+
+
+def _index_copy(ctx):  # self's gradient fills the index; the source's reads it (and the source's sizes)
+    return ([("in", 2)] if ctx.rg(0) or ctx.rg(3) else []) + ([("in", 3)] if ctx.rg(3) else [])
 
 
 def _max_pool(ctx):
@@ -321,7 +348,7 @@ _reg(["mul", "mul_"], OpInfo(POINTWISE, _mul, _flops_pointwise))
 _reg(["div", "div_"], OpInfo(POINTWISE, _div, _flops_pointwise))
 _reg(["gelu", "silu", "elu", "leaky_relu", "hardswish", "mish", "softplus", "log", "sin", "cos", "erf",
       "abs", "sqrt_", "hardtanh", "threshold"], OpInfo(POINTWISE, _in0, _flops_pointwise))
-_reg(["pow", "pow_"], OpInfo(POINTWISE, _pow_scalar, _flops_pointwise))
+_reg(["pow", "pow_"], OpInfo(POINTWISE, _pow, _flops_pointwise))
 _reg(["relu", "relu_", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"],
      OpInfo(POINTWISE, _out0, _flops_pointwise))
 _reg(["masked_fill", "masked_fill_"], OpInfo(POINTWISE, _masked_fill, _flops_pointwise))
@@ -329,13 +356,14 @@ _reg(["where"], OpInfo(POINTWISE, _where, _flops_pointwise))
 _reg(["clamp", "clamp_min", "clamp_max", "minimum", "maximum"], OpInfo(POINTWISE, _all_tensor_inputs, _flops_pointwise))
 _reg(["eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "__and__", "__or__",
       "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign", "floor", "ceil", "round", "trunc",
-      "remainder", "fmod", "floor_divide"], OpInfo(POINTWISE, _none, _flops_pointwise))
+      "floor_divide"], OpInfo(POINTWISE, _none, _flops_pointwise))
+_reg(["remainder", "fmod"], OpInfo(POINTWISE, _by_divisor, _flops_pointwise))
 _reg(["_softmax", "softmax", "_log_softmax", "log_softmax"], OpInfo(NORM, _out0, _flops_softmax))
 _reg(["_safe_softmax"], OpInfo(NORM, _out0, _flops_softmax))  # SDPA math kernel (masked rows -> 0)
 _reg(["native_layer_norm", "layer_norm"], OpInfo(NORM, _layer_norm, _flops_norm))
-_reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-      "_batch_norm_with_update", "batch_norm", "_native_batch_norm_legit_no_training",
-      "_batch_norm_no_update"], OpInfo(NORM, _batch_norm, _flops_norm))
+_reg(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "batch_norm",
+      "_native_batch_norm_legit_no_training"], OpInfo(NORM, _batch_norm, _flops_norm))
+_reg(["_batch_norm_with_update", "_batch_norm_no_update"], OpInfo(NORM, _batch_norm_reserve, _flops_norm))
 _reg(["native_group_norm", "group_norm"], OpInfo(NORM, _group_norm, _flops_norm))
 _reg(["_fused_rms_norm", "rms_norm"], OpInfo(NORM, lambda c: [("in", 0), ("out", 1)], _flops_norm))
 _reg(["sum"], OpInfo(REDUCTION, _none, _flops_reduce, grad_alias="expanded"))
@@ -360,14 +388,19 @@ _reg(["scaled_dot_product_attention", "_scaled_dot_product_attention_math"],
 _reg(["embedding"], OpInfo(INDEXING, _index_args(1), _flops_zero))
 _reg(["index_select"], OpInfo(INDEXING, _index_args(2), _flops_zero))
 _reg(["gather"], OpInfo(INDEXING, _index_args(0, 2), _flops_zero))
-_reg(["index"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_zero))  # the index tensors
-_reg(["scatter_add", "scatter_add_", "scatter", "scatter_"], OpInfo(INDEXING, _index_args(1, 2), _flops_pointwise))
+_reg(["index", "_unsafe_index"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_zero))  # the index tensors
+_reg(["masked_select"], OpInfo(INDEXING, lambda c: [("in", 0), ("in", 1)], _flops_zero))  # the input and the mask
+_reg(["scatter", "scatter_"], OpInfo(INDEXING, _scatter, _flops_pointwise))
+# (with a reduction, neither gradient is implemented: nothing kept)
+_reg(["scatter.reduce", "scatter.value_reduce", "scatter_.reduce", "scatter_.value_reduce"],
+     OpInfo(INDEXING, _none, _flops_pointwise))
+_reg(["scatter_add", "scatter_add_"], OpInfo(INDEXING, _scatter_add, _flops_pointwise))
 # a reduction into self by index (PyG's max/min/mean aggregations): the formula reads self, the index, the source and
 # the result, whatever the reduction (an in-place call saves the copy autograd makes of self, and self as the result)
 _reg(["scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"],
      OpInfo(INDEXING, lambda c: [("in", 0), ("in", 2), ("in", 3), ("out", 0)], _flops_pointwise))
-_reg(["index_add", "index_add_", "index_copy", "index_copy_"],
-     OpInfo(INDEXING, _index_args(2, 3), _flops_pointwise))  # the index, and the source (expand_as)
+_reg(["index_add", "index_add_"], OpInfo(INDEXING, _index_add, _flops_pointwise))  # the index, the source (expand_as)
+_reg(["index_copy", "index_copy_"], OpInfo(INDEXING, _index_copy, _flops_pointwise))
 _reg(["index_put", "index_put_"], OpInfo(INDEXING, lambda c: [("list", 1)], _flops_pointwise))
 # creation ops: autograd records no backward for them, whatever their inputs (they read only shape, dtype, device)
 _reg(["arange", "zeros", "ones", "full", "empty", "empty_like", "zeros_like", "ones_like", "full_like",
@@ -413,13 +446,12 @@ def returns_alias(op) -> bool:
 
 _reg(["cat", "stack"], OpInfo(COPY, _none, _flops_zero, grad_alias="sliced"))
 _reg(["clone", "_to_copy", "to", "repeat", "copy_", "copy", "roll", "flip", "pad",
-      "constant_pad_nd", "repeat_interleave", "type_as", "_unsafe_index", "tile", "masked_select",
-      "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d"],
+      "constant_pad_nd", "repeat_interleave", "type_as", "tile", "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d"],
      OpInfo(COPY, _none, _flops_zero, grad_passthrough=False))
-_reg(["max_pool2d_with_indices", "max_pool1d_with_indices", "max_pool3d_with_indices"],
+_reg(["max_pool2d_with_indices", "max_pool1d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d"],
      OpInfo(REDUCTION, _max_pool, _flops_reduce))
 _reg(["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "avg_pool1d",
-      "adaptive_avg_pool1d", "adaptive_max_pool2d"], OpInfo(REDUCTION, _in0, _flops_reduce))
+      "adaptive_avg_pool1d"], OpInfo(REDUCTION, _in0, _flops_reduce))
 _reg(["nll_loss_forward", "nll_loss", "nll_loss2d_forward"], OpInfo(LOSS, _nll, _flops_reduce))
 _reg(["cross_entropy_loss", "cross_entropy"], OpInfo(LOSS, _all_tensor_inputs, _flops_reduce))
 _reg(["mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits", "binary_cross_entropy",
