@@ -243,9 +243,11 @@ class SavePlan:
                 inside = info is not None and created_in.get(key, -1) >= region_first[record.region]
                 if recomputing and not inside and key in self.recipe_holds:
                     continue  # a recipe's output entering the region: made again for the recomputation (below)
-                # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them
+                # selective regions keep the outputs of their keep ops (what SAC caches), whoever saves them; what
+                # an op keeps on its autograd context (`OpRecord.held`) no saved-tensor hook sees: the region's
+                # forward keeps it as the op does anywhere
                 producer = records[created_in[key]].func if key in created_in else record.func
-                if recomputing and inside and not info.keeps(producer):
+                if recomputing and inside and not info.keeps(producer) and key not in record.held:
                     recomputed = self.recompute_keys[record.region]
                     if key not in recomputed:
                         self.recompute_bytes[record.region] += self.storage_bytes[key]  # once per tensor

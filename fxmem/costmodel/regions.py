@@ -262,8 +262,8 @@ class _RegionMeasurer:
                 if not is_keep:
                     parts.flops_sel += cost
             if record.out_rg:
-                for key in record.saved:
-                    if base_keys.get(key) is None and created_in.get(key) in idxs:
+                for key in record.saved:  # (not what the op keeps on its context: checkpointing cannot free it)
+                    if base_keys.get(key) is None and created_in.get(key) in idxs and key not in record.held:
                         parts.saved.add(key)
             if is_keep:
                 parts.kept.update(key for key in record.new_keys if base_keys.get(key) is None)
