@@ -11,6 +11,8 @@ docs/design/recast.md.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -205,38 +207,53 @@ def remat_call(op: str, *args, _fxmem_chain=None, _fxmem_share: bool = False, _f
             scope.stop_deferring(previous)
     if isinstance(output, torch.Tensor) and not any_stored_in(rargs, (output.untyped_storage()._cdata,)):
         # (an op that wrote its plain input in place would be recomputed from its own output: saved as usual)
-        _register(scope, info, output, (args, rargs, kwargs), stats, pending, _fxmem_share, _fxmem_group)
+        _register(scope, info, output, _Ran(args, rargs, kwargs, stats, pending), _fxmem_share, _fxmem_group)
     if pending:
         scope.pack_deferred(pending)  # the op's own saves, packed now that its output is a recipe
     return output
 
 
-def _register(scope, info: _OpInfo, output: torch.Tensor, call: tuple, stats, pending: list, share: bool,
-              group: bool) -> None:
-    """Register remat_call's `output` (of `info`'s op, `call` = (args, their recipe form, kwargs)) as its recipe:
-    from the batch statistics `stats` where they reproduce it, and an INTERNAL_SAVES output the op saved among
-    `pending` as a recipe too (`group`: one shared run of the full op for both)."""
-    args, rargs, kwargs = call
+class _Ran(NamedTuple):
+    """One run of remat_call's op: its arguments, their recipe form (registered outputs as nested recipes), its
+    keyword arguments, a training batch norm's batch statistics (None: not recomputed from them) and the saves it
+    deferred."""
+    args: tuple
+    rargs: tuple
+    kwargs: dict
+    stats: tuple | None
+    pending: list | tuple
+
+
+def _register(scope, info: _OpInfo, output: torch.Tensor, ran: _Ran, share: bool, group: bool) -> None:
+    """Register remat_call's `output` (of `info`'s op) as its recipe: from the batch statistics where they reproduce
+    it, and an INTERNAL_SAVES output the op saved as a recipe too (`group`: one shared run of the full op for both;
+    `share`: as for `remat`)."""
+    args, rargs, kwargs, stats = ran.args, ran.rargs, ran.kwargs, ran.stats
     if stats is not None and _affine_reproduces(output, args[0], args[1], args[2], *stats):
         recipe_function, rargs, rkwargs = batch_norm_affine, (rargs[0], args[1], args[2]) + stats, {}
     else:
         recipe_function, rargs, rkwargs = recompute_form(info.name, rargs, dict(kwargs))
     internal = info.internal
-    own = []
-    if internal is not None:
-        # a composite op's own save of a tensor it made besides its output (max pooling's indices): a recipe
-        # too, the op's full form run again for that output
-        known = {a.untyped_storage()._cdata for a in (output, *arg_tensors(args))}
-        own = [t for t in (d.value for d in pending)
-               if isinstance(t, torch.Tensor) and t.dtype == internal[2] and t.shape == output.shape and
-               t.untyped_storage()._cdata not in known and scope.recipe_for(t) is None][:1]
-    if own and group:
+    own = _internal_output(scope, internal, output, ran) if internal is not None else None
+    if own is not None and group:
         # one run of the full op for both, shared: each output a pick of it
-        scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, output), (internal[1], own[0])))
-    else:
-        scope.register_recipe(output, recipe_function, rargs, rkwargs, share)
-        for own_output in own:
-            scope.register_recipe(own_output, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
+        scope.register_picks(_resolve(internal[0]), rargs, dict(kwargs), ((0, output), (internal[1], own)))
+        return
+    scope.register_recipe(output, recipe_function, rargs, rkwargs, share)
+    if own is not None:
+        scope.register_recipe(own, _output_of(internal[0], internal[1]), rargs, dict(kwargs))
+
+
+def _internal_output(scope, internal: tuple, output: torch.Tensor, ran: _Ran):
+    """A composite op's own save of a tensor it made besides its output (max pooling's indices, `internal` its
+    INTERNAL_SAVES entry) among the saves it deferred, None if none: a recipe too, the op's full form run again."""
+    known = {a.untyped_storage()._cdata for a in (output, *arg_tensors(ran.args))}
+    for deferred in ran.pending:
+        tensor = deferred.value
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == internal[2] and tensor.shape == output.shape and \
+                tensor.untyped_storage()._cdata not in known and scope.recipe_for(tensor) is None:
+            return tensor
+    return None
 
 
 # ops whose backward saves a tensor of their own making besides the output: op -> (the full op, which output,
