@@ -58,43 +58,10 @@ def _setup() -> None:
     transformers.logging.set_verbosity_error()
 
 
-def _step_difference(ref, module, args, kwargs, loss_fn) -> str | None:
-    """What differs between one training step of `ref` and of `module` (None: bit-identical)."""
-    import torch
-    from torch.utils import _pytree as pytree
-    from tests.conftest import grads
-    outs = []
-    for m in (ref, module):
-        m.train()
-        torch.manual_seed(1)
-        outs.append(grads(m, args, kwargs, loss_fn))
-    (o1, g1), (o2, g2) = outs
-    leaves = [[t for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)] for o in (o1, o2)]
-    problems = []
-    if len(leaves[0]) != len(leaves[1]):
-        problems.append(f"output leaves {len(leaves[0])} vs {len(leaves[1])}")
-    else:
-        bad = [(a, b) for a, b in zip(*leaves) if not torch.equal(a, b)]
-        if bad:
-            problems.append(f"{len(bad)} outputs differ (max abs {_largest(bad)})")
-    if set(g1) != set(g2):
-        problems.append(f"gradients of different parameters: {sorted(set(g1) ^ set(g2))[:5]}")
-    else:
-        bad = [k for k in g1 if not torch.equal(g1[k], g2[k])]
-        if bad:
-            problems.append(f"{len(bad)}/{len(g1)} gradients differ, e.g. {bad[:3]} (max abs "
-                            f"{_largest([(g1[k], g2[k]) for k in bad])})")
-    return "; ".join(problems) or None
-
-
-def _largest(pairs) -> str:
-    gaps = [float((a.double() - b.double()).abs().max()) for a, b in pairs if a.shape == b.shape]
-    return f"{max(gaps):.3g}" if gaps else "shapes differ"
-
-
 def site_set(build, products: bool, scores: bool) -> dict:
     """Every site applied: planned, traced and measured, and the step against the original's."""
     import fxmem
+    from tests.conftest import step_difference
     from tests.test_remat_planned import _every_site_applied
     model, args, kwargs, loss_fn = build()
     kwargs = kwargs or {}
@@ -110,13 +77,13 @@ def site_set(build, products: bool, scores: bool) -> dict:
                      f"{planned.peak - traced.peak:+,d} B")
     if traced.activations != measured.activations:
         fails.append(f"traced - measured: activations {traced.activations - measured.activations:+,d} B")
-    difference = _step_difference(model, program.module, args, kwargs, loss_fn)
+    difference = step_difference(model, program.module, args, kwargs, loss_fn)
     if difference:
         captured = fxmem.capture(copy.deepcopy(model), args, kwargs)
         fails.append(f"step not bit-identical: {difference} [capture against the original: "
-                     f"{_step_difference(model, captured.module, args, kwargs, loss_fn) or 'identical'}; rewrite "
+                     f"{step_difference(model, captured.module, args, kwargs, loss_fn) or 'identical'}; rewrite "
                      f"against the capture: "
-                     f"{_step_difference(captured.module, program.module, args, kwargs, loss_fn) or 'identical'}]")
+                     f"{step_difference(captured.module, program.module, args, kwargs, loss_fn) or 'identical'}]")
     row["fails"] = fails
     row["seconds"] = round(time.time() - started, 1)
     return row
@@ -125,6 +92,7 @@ def site_set(build, products: bool, scores: bool) -> dict:
 def transform_at_budget(build) -> dict:
     """`fxmem.transform` at activation_budget BUDGET, measured, its gradients against the original's."""
     import fxmem
+    from tests.conftest import step_difference
     model, args, kwargs, loss_fn = build()
     started = time.time()
     result = fxmem.transform(copy.deepcopy(model), args, kwargs, loss_fn=loss_fn, measure=True,
@@ -137,7 +105,7 @@ def transform_at_budget(build) -> dict:
             "target": int(float(BUDGET.rstrip("%")) / 100 * before) if before is not None else None,
             "estimated_after_act": result.after.activations, "status": getattr(record, "status", None),
             "reason": getattr(record, "reason", None),
-            "step": _step_difference(model, result.module, args, kwargs or {}, loss_fn),
+            "step": step_difference(model, result.module, args, kwargs or {}, loss_fn),
             "seconds": round(time.time() - started, 1)}
 
 

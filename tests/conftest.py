@@ -151,6 +151,39 @@ def grads(module, args, kwargs, loss_fn):
     return out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def step_difference(ref, module, args, kwargs, loss_fn) -> str | None:
+    """What differs between one training step of `ref` and one of `module` (both in train mode, the same seed):
+    their outputs' tensors and their parameters' gradients, bit for bit; None when nothing does."""
+    import torch
+    from torch.utils import _pytree as pytree
+    outs = []
+    for m in (ref, module):
+        m.train()
+        torch.manual_seed(1)
+        outs.append(grads(m, args, kwargs, loss_fn))
+    (o1, g1), (o2, g2) = outs
+    leaves = [[t for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)] for o in (o1, o2)]
+    problems = []
+    if len(leaves[0]) != len(leaves[1]):
+        problems.append(f"output leaves {len(leaves[0])} vs {len(leaves[1])}")
+    elif any(not torch.equal(a, b) for a, b in zip(*leaves)):
+        bad = [(a, b) for a, b in zip(*leaves) if not torch.equal(a, b)]
+        problems.append(f"{len(bad)} outputs differ (max abs {_largest_gap(bad)})")
+    if set(g1) != set(g2):
+        problems.append(f"gradients of different parameters: {sorted(set(g1) ^ set(g2))[:5]}")
+    else:
+        bad = [k for k in g1 if not torch.equal(g1[k], g2[k])]
+        if bad:
+            problems.append(f"{len(bad)}/{len(g1)} gradients differ, e.g. {bad[:3]} (max abs "
+                            f"{_largest_gap([(g1[k], g2[k]) for k in bad])})")
+    return "; ".join(problems) or None
+
+
+def _largest_gap(pairs) -> str:
+    gaps = [float((a.double() - b.double()).abs().max()) for a, b in pairs if a.shape == b.shape]
+    return f"{max(gaps):.3g}" if gaps else "shapes differ"
+
+
 def force_remat_and_regions(monkeypatch) -> None:
     """The checkpoint pass emits remat + regions below what remat alone reaches, whichever of that and regions
     alone it would have found cheaper (for tests of the remat + regions program itself)."""
