@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
+from fxmem.costmodel import compiled_saves  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
@@ -189,7 +190,8 @@ class Bench:
 
 
 ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
-            "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}", "bytes_stack": "fxmem=c@{0}+compile"}
+            "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}", "bytes_stack": "fxmem=c@{0}+compile",
+            "fit_stack": "fxmem<=c@{0}+compile"}
 # the row a method is built from, at the same budget
 NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile", "bytes_stack": "bytes"}
 
@@ -198,7 +200,16 @@ def row_key(kind: str, b: float) -> str:
     return ROW_KEYS[kind].format(b)
 
 
-def jobs(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, float]]:
+def jobs(budgets, do_compile: bool, by_budget: bool = False, kinds=None) -> list[tuple[str, float]]:
+    """`jobs_all`'s (kind, budget) pairs, only of `kinds` when given (with compile@1.0, which the goal lines need,
+    whenever compile is among them)."""
+    out = jobs_all(budgets, do_compile, by_budget)
+    if kinds is None:
+        return out
+    return [(kind, b) for kind, b in out if kind in kinds or (kind, b) == ("compile", 1.0) and "compile" in kinds]
+
+
+def jobs_all(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, float]]:
     """(kind, budget) of every method after the anchors, in build order: fxmem at each budget, then torch.compile
     at each budget and 1.0, fxmem+compile (compile's default budget, then b), fxmem at compile's bytes; `by_budget`
     (a run under a time limit, which cuts the end): fxmem, compile@1.0, then compile@b and fxmem at its bytes budget
@@ -210,9 +221,9 @@ def jobs(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[str, 
         compile_budgets = list(budgets) + ([1.0] if 1.0 not in budgets else [])
         return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
             [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets] + \
-            [("bytes_stack", b) for b in budgets]
+            [("bytes_stack", b) for b in budgets] + [("fit_stack", b) for b in budgets]
     pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
-    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack") for b in budgets]
+    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack", "fit_stack") for b in budgets]
     return out + [("compile", 1.0)] + pairs + stacked
 
 
@@ -266,6 +277,47 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     bench.info[f"fxmem=c@{b}"] = metrics
 
 
+def add_fit_stacked(bench: Bench, b: float) -> None:
+    """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does,
+    both counted by `fxmem.costmodel.compiled_saves` (the compiler's own partition, before code generation): the
+    largest activation budget whose compiled saves fit, by bisection (`fit_compiled_budget`); then compiled."""
+    import torch._functorch.config as fcfg
+    import torch._inductor.config as icfg
+    target = compiled_saves(bench.model, bench.x, activation_memory_budget=b).total
+    t0 = time.perf_counter()
+    mod, metrics = fit_compiled_budget(bench, target)
+    search_s = time.perf_counter() - t0
+    fm = torch.compile(copy.deepcopy(mod))
+    t1 = time.perf_counter()
+    with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
+        step_fn(fm, bench.x, bench.loss_fn)()
+    key = row_key("fit_stack", b)
+    bench.mods[key] = (fm, search_s + time.perf_counter() - t1, "")
+    bench.info[key] = metrics
+
+
+def fit_compiled_budget(bench: Bench, target: int, steps: int = 8):
+    """(module, its pass metrics with the search's trace): the checkpoint pass at the largest activation budget,
+    found by bisection over [0, the baseline's activations], whose compiled step saves at most `target` bytes
+    (`compiled_saves`, parameters left out, layout copies in); the lowest plan when none does."""
+    lo, hi = 0, int(bench.base.activations)
+    best, trace = None, []
+    for _ in range(steps):
+        acts = (lo + hi) // 2
+        mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts)
+        saves = compiled_saves(mod, bench.x).total
+        trace.append((acts, saves))
+        if saves <= target:
+            best, lo = (mod, metrics), acts
+        else:
+            hi = acts
+    if best is None:
+        mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=0)
+        best = (mod, metrics)
+    best[1]["compiled_fit"] = {"target": target, "trace": trace}
+    return best
+
+
 def compile_bytes_target(bench: Bench, b: float) -> int:
     """The activation budget that asks fxmem for compile@b's bytes (built already): the storages its compiled step
     saves (hooks), plus what fxmem.measure counts beyond the hooks on the captured graph (`hooks_offset`)."""
@@ -284,7 +336,7 @@ def hooks_offset(bench: Bench) -> int:
 
 BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked,
             "stack_at_b": functools.partial(add_stacked, kind="stack_at_b"), "bytes": add_at_compile_bytes,
-            "bytes_stack": functools.partial(add_stacked, kind="bytes_stack")}
+            "bytes_stack": functools.partial(add_stacked, kind="bytes_stack"), "fit_stack": add_fit_stacked}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -355,7 +407,7 @@ def step_times(bench: Bench, rounds: int, sync=lambda: None) -> dict[str, list[f
     return times
 
 
-def run_model(name, full, budgets, rounds, do_compile, device_run=None):
+def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None):
     """Every method on one model: memory, then interleaved step times. `device_run`
     (checkpoint_pareto_cuda.DeviceRun): the model at the size its estimate picks, a time limit, synchronized timing
     and the allocator's columns; None: the CPU run at `full`'s size."""
@@ -374,7 +426,8 @@ def run_model(name, full, budgets, rounds, do_compile, device_run=None):
                        "uniform": (uniform(model, name), 0.0, "")})
     if device_run is not None:
         device_run.calibrate(step_fn(copy.deepcopy(model), x, loss_fn))
-    left_out = build_methods(bench, jobs(budgets, do_compile, by_budget=device_run is not None), device_run)
+    left_out = build_methods(bench, jobs(budgets, do_compile, by_budget=device_run is not None, kinds=kinds),
+                             device_run)
     graphs_compiled = _unique_graphs()
     rows = memory_rows(bench, None if device_run is None else device_run.allocator_extra(bench, step_fn))
     times = step_times(bench, rounds, device_run.sync if device_run is not None else lambda: None)
@@ -388,7 +441,7 @@ def run_model(name, full, budgets, rounds, do_compile, device_run=None):
         rows[k]["step_median_s"] = statistics.median(times[k])
         rows[k]["rounds_s"] = times[k]  # one step per round, the rounds in the same order for every row
         rows[k]["ratio"] = rows[k]["step_s"] / eager_t
-    order = ["eager", "captured", "uniform"] + [row_key(kind, b) for kind, b in jobs(budgets, do_compile)]
+    order = ["eager", "captured", "uniform"] + [row_key(kind, b) for kind, b in jobs(budgets, do_compile, kinds=kinds)]
     return {"name": name, "rows": {k: rows[k] for k in order if k in rows}, "capture_s": capture_s, "base": base,
             "info": bench.info, "params": sum(p.numel() for p in model.parameters()), "floor": floor,
             "offset": bench.offset, "left_out": left_out, "size_note": size_note,
@@ -541,7 +594,8 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
         parts.append(part + ")")
     for label, stacked in (("fxmem, then compiled at its default budget", f"fxmem@{b}+compile"),
                            ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
-                           ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile")):
+                           ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile"),
+                           ("fxmem fitted to compile@b's compiled saves, then compiled", f"fxmem<=c@{b}+compile")):
         if rows.get(stacked) is not None:
             parts.append(stacked_part(label, rows[stacked], r))
     if res.get("floor") is not None:
@@ -641,6 +695,9 @@ def parse_args(argv):
     ap.add_argument("--budgets", default=None,
                     help=f"fractions b (default 0.1,0.2,0.3,0.5,0.7; with --device cuda {CUDA_BUDGETS})")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--kinds", default=None,
+                    help=f"only these methods after eager, captured and uniform (comma-separated, of "
+                         f"{','.join(ROW_KEYS)}; compile brings compile@1.0), e.g. compile,fit_stack")
     ap.add_argument("--no-transform-time", action="store_true", help="skip the 12-layer transform timing")
     ap.add_argument("--transform-time-only", action="store_true",
                     help="only the 12-layer transform timing, written to <out>_transform_time.md")
@@ -676,10 +733,14 @@ def main(argv=None) -> int:
         out.write_text(text)
         print(text)
         return 0
-    results = [run_model(n, args.full, budgets, args.rounds, args.compile) for n in args.models.split(",")]
+    kinds = None if args.kinds is None else set(args.kinds.split(","))
+    results = [run_model(n, args.full, budgets, args.rounds, args.compile, kinds=kinds)
+               for n in args.models.split(",")]
     cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
         (" --compile" if args.compile else "") + (f" --rounds {args.rounds}" if args.rounds != 9 else "") + \
-        (" --no-transform-time" if args.no_transform_time else "")
+        (" --no-transform-time" if args.no_transform_time else "") + \
+        (f" --kinds {args.kinds}" if args.kinds else "") + (f" --budgets {args.budgets}" if args.budgets else "") + \
+        (f" --models {args.models}" if args.models != "gpt,unet" else "")
     load = _loadavg()
     md = [f"# Checkpoint pass: memory vs step time\n\nReproduce: `{cmd}` (torch {torch.__version__}, CPU, "
           f"{torch.get_num_threads()} threads{load}). Budgets b: fxmem gets peak - (1 - b) * activations "
