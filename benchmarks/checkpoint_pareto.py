@@ -119,9 +119,9 @@ def setup(name, full):
 def fxmem_module(program, base, loss_fn, frac, acts=None, **options):
     """The checkpoint pass at budget fraction `frac` (peak - (1 - frac) * activations), or, with `acts`, at the
     activation budget `acts` (bytes kept at the end of forward, no peak budget); `options`: more of its
-    CheckpointOptions."""
+    CheckpointOptions (frac and acts None: only the limits they set, compiled_activation_budget)."""
     ck = pass_module("checkpoint")
-    budget = int(base.peak - (1 - frac) * base.activations) if acts is None else None
+    budget = int(base.peak - (1 - frac) * base.activations) if acts is None and frac is not None else None
     opts = ck.CheckpointOptions(activation_budget=None if acts is None else Budget(bytes=int(acts)), **options)
     note = ""
     t0 = time.perf_counter()
@@ -278,44 +278,21 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
 
 
 def add_fit_stacked(bench: Bench, b: float) -> None:
-    """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does,
-    both counted by `fxmem.costmodel.compiled_saves` (the compiler's own partition, before code generation): the
-    largest activation budget whose compiled saves fit, by bisection (`fit_compiled_budget`); then compiled."""
+    """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does
+    (passes.checkpoint.compiled_activation_budget, both counted by `fxmem.costmodel.compiled_saves`, the compiler's
+    own partition: compile@b's bytes taken from the model as compiled in the compile@b row); then compiled."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
     target = compiled_saves(bench.model, bench.x, activation_memory_budget=b).total
-    t0 = time.perf_counter()
-    mod, metrics = fit_compiled_budget(bench, target)
-    search_s = time.perf_counter() - t0
+    mod, search_s, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None,
+                                                   compiled_activation_budget=Budget(bytes=target))
     fm = torch.compile(copy.deepcopy(mod))
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
     key = row_key("fit_stack", b)
-    bench.mods[key] = (fm, search_s + time.perf_counter() - t1, "")
+    bench.mods[key] = (fm, search_s + time.perf_counter() - t1, note)
     bench.info[key] = metrics
-
-
-def fit_compiled_budget(bench: Bench, target: int, steps: int = 8):
-    """(module, its pass metrics with the search's trace): the checkpoint pass at the largest activation budget,
-    found by bisection over [0, the baseline's activations], whose compiled step saves at most `target` bytes
-    (`compiled_saves`, parameters left out, layout copies in); the lowest plan when none does."""
-    lo, hi = 0, int(bench.base.activations)
-    best, trace = None, []
-    for _ in range(steps):
-        acts = (lo + hi) // 2
-        mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=acts)
-        saves = compiled_saves(mod, bench.x).total
-        trace.append((acts, saves))
-        if saves <= target:
-            best, lo = (mod, metrics), acts
-        else:
-            hi = acts
-    if best is None:
-        mod, _, _, _, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None, acts=0)
-        best = (mod, metrics)
-    best[1]["compiled_fit"] = {"target": target, "trace": trace}
-    return best
 
 
 def compile_bytes_target(bench: Bench, b: float) -> int:

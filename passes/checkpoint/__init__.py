@@ -28,7 +28,8 @@ from .candidates import (CandidateSet, RegionMeter, candidate_regions, glue_regi
 from .compact_dropout import compact_dropout
 from .emit import emit_regions
 from .matmul_operands import materialize_matmul_operands
-from .options import CheckpointOptions, Limits, resolve_activation_budget, resolve_budget
+from .compiled_fit import fit_compiled, planner
+from .options import CheckpointOptions, Limits, compiled_budget, resolve_activation_budget, resolve_budget
 from .reach import Reach, reach, refine_targets
 from .remat import (RematSite, apply_remat, as_planned, choose_sites, product_site, remat_plan, remat_sites,
                     softmax_site)
@@ -61,11 +62,16 @@ class CheckpointPass(Pass):
             return PassResult(program, False, notes=["checkpoint: inference mode saves nothing for backward; "
                                                      "nothing to do"])
         base = ctx.baseline if ctx.baseline is not None else ctx.estimate(program)
+        compiled = compiled_budget(opts)
+        if compiled is not None:  # planned at the eager activation budget whose compiled step fits it
+            return fit_compiled(planner(self.run, program, replace(ctx, baseline=base)), program, base.activations,
+                                compiled, ctx.budget_strict)
         limits = Limits(resolve_budget(opts, ctx, base.peak), resolve_activation_budget(opts, base.activations))
         if limits.peak is None and limits.activations is None:
             return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget, "
-                                                     "passes.checkpoint.activation_budget or the policy's budget); "
-                                                     "nothing to do"])
+                                                     "passes.checkpoint.activation_budget, "
+                                                     "passes.checkpoint.compiled_activation_budget or the policy's "
+                                                     "budget); nothing to do"])
         if opts.within_blocks is None:
             opts = replace(opts, within_blocks=ctx.distribution == "fsdp")
         job = CheckpointRun(opts, ctx, limits, started)

@@ -18,6 +18,11 @@ class CheckpointOptions:
     # activation bytes left saved at the end of forward: '6MiB', or '30%' of the baseline's (what torch.compile's
     # activation_memory_budget bounds); None: no such bound. With a peak budget too, the plan meets both
     activation_budget: Budget | None = None
+    # for a result that will run under torch.compile (inductor): the bytes its compiled step may save for backward,
+    # '24MiB', or a fraction b (0.3, '30%'): what torch.compile alone saves at activation_memory_budget b. The pass
+    # is planned at the largest activation budget whose compiled saves fit (compiled_fit); instead of
+    # activation_budget, with the peak budget if one is set
+    compiled_activation_budget: Budget | None = None
     solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
     selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
     # recompute cost: roofline (max of FLOPs and `balance` x bytes moved: pointwise and normalization ops are
@@ -66,6 +71,20 @@ def resolve_activation_budget(options: CheckpointOptions, baseline_activations: 
     if options.activation_budget is None:
         return None
     return resolve_limit(options.activation_budget, "activation_budget", baseline_activations)
+
+
+def compiled_budget(options: CheckpointOptions) -> Budget | None:
+    """`compiled_activation_budget` as a Budget (a bad value names its key), None when the pass has none; with
+    activation_budget too, a PolicyError (two limits on one number)."""
+    if options.compiled_activation_budget is None:
+        return None
+    if options.activation_budget is not None:
+        raise PolicyError("passes.checkpoint.compiled_activation_budget and passes.checkpoint.activation_budget: "
+                          "set one (the first bounds the compiled step's saves, the second the eager step's)")
+    try:
+        return parse_budget(options.compiled_activation_budget)
+    except ValueError as error:
+        raise PolicyError(f"passes.checkpoint.compiled_activation_budget: {error}") from None
 
 
 def resolve_limit(budget, key: str, baseline: int) -> int:
