@@ -187,6 +187,7 @@ class Bench:
     info: dict = field(default_factory=dict)
     compiled_acts: dict = field(default_factory=dict)
     offset: int | None = None
+    fit_cost: str = "roofline"  # the checkpoint pass's cost option for the fitted rows (fit_stack)
 
 
 ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
@@ -280,12 +281,14 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
 def add_fit_stacked(bench: Bench, b: float) -> None:
     """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does
     (passes.checkpoint.compiled_activation_budget, both counted by `fxmem.costmodel.compiled_saves`, the compiler's
-    own partition: compile@b's bytes taken from the model as compiled in the compile@b row); then compiled."""
+    own partition: compile@b's bytes taken from the model as compiled in the compile@b row), its recomputation
+    priced by `bench.fit_cost` (--fit-cost); then compiled."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
     target = compiled_saves(bench.model, bench.x, activation_memory_budget=b).total
     mod, search_s, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None,
-                                                   compiled_activation_budget=Budget(bytes=target))
+                                                   compiled_activation_budget=Budget(bytes=target),
+                                                   cost=bench.fit_cost)
     fm = torch.compile(copy.deepcopy(mod))
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
@@ -384,7 +387,7 @@ def step_times(bench: Bench, rounds: int, sync=lambda: None) -> dict[str, list[f
     return times
 
 
-def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None):
+def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None, fit_cost="roofline"):
     """Every method on one model: memory, then interleaved step times. `device_run`
     (checkpoint_pareto_cuda.DeviceRun): the model at the size its estimate picks, a time limit, synchronized timing
     and the allocator's columns; None: the CPU run at `full`'s size."""
@@ -398,7 +401,7 @@ def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=No
     base = estimate(program, mode="train", loss_fn=loss_fn)
     # the eager floor times nodes with the pass's profiler: host time, which on CUDA is the kernels' launch only
     floor = EagerFloor.of(program, loss_fn) if do_compile and device_run is None else None
-    bench = Bench(model, x, loss_fn, program, base)
+    bench = Bench(model, x, loss_fn, program, base, fit_cost=fit_cost)
     bench.mods.update({"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
                        "uniform": (uniform(model, name), 0.0, "")})
     if device_run is not None:
@@ -675,6 +678,9 @@ def parse_args(argv):
     ap.add_argument("--kinds", default=None,
                     help=f"only these methods after eager, captured and uniform (comma-separated, of "
                          f"{','.join(ROW_KEYS)}; compile brings compile@1.0), e.g. compile,fit_stack")
+    ap.add_argument("--fit-cost", choices=("roofline", "flops"), default="roofline",
+                    help="how the fitted rows (fit_stack) price recomputation (passes.checkpoint.cost): flops leaves "
+                         "pointwise ops nearly free, as inductor's fused recomputation makes them")
     ap.add_argument("--no-transform-time", action="store_true", help="skip the 12-layer transform timing")
     ap.add_argument("--transform-time-only", action="store_true",
                     help="only the 12-layer transform timing, written to <out>_transform_time.md")
@@ -711,13 +717,14 @@ def main(argv=None) -> int:
         print(text)
         return 0
     kinds = None if args.kinds is None else set(args.kinds.split(","))
-    results = [run_model(n, args.full, budgets, args.rounds, args.compile, kinds=kinds)
+    results = [run_model(n, args.full, budgets, args.rounds, args.compile, kinds=kinds, fit_cost=args.fit_cost)
                for n in args.models.split(",")]
     cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
         (" --compile" if args.compile else "") + (f" --rounds {args.rounds}" if args.rounds != 9 else "") + \
         (" --no-transform-time" if args.no_transform_time else "") + \
         (f" --kinds {args.kinds}" if args.kinds else "") + (f" --budgets {args.budgets}" if args.budgets else "") + \
-        (f" --models {args.models}" if args.models != "gpt,unet" else "")
+        (f" --models {args.models}" if args.models != "gpt,unet" else "") + \
+        (f" --fit-cost {args.fit_cost}" if args.fit_cost != "roofline" else "")
     load = _loadavg()
     md = [f"# Checkpoint pass: memory vs step time\n\nReproduce: `{cmd}` (torch {torch.__version__}, CPU, "
           f"{torch.get_num_threads()} threads{load}). Budgets b: fxmem gets peak - (1 - b) * activations "
