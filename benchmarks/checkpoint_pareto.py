@@ -25,7 +25,14 @@ best of the rounds, the table also gives the median):
   one budget: the partitioner honours fxmem's tags and chooses what else to recompute at its budget. Its goal:
   to dominate compile@b, no more activation bytes and no more than 2 points more step time;
 - fxmem=c@b+compile (--compile): fxmem planned for the activation bytes compile@b kept (the row fxmem=c@b), under
-  torch.compile at its default budget: fxmem's plan, sized to compile's bytes, executed by the compiler.
+  torch.compile at its default budget: fxmem's plan, sized to compile's bytes, executed by the compiler;
+- fxmem<=c@b+compile (--compile): fxmem planned so that its compiled step saves no more than compile@b's
+  (passes.checkpoint.compiled_activation_budget, both read off the compiler's partition by
+  fxmem.costmodel.compiled_saves), under torch.compile at its default budget; "(flops)": the same with
+  recomputation priced by FLOPs alone (passes.checkpoint.cost: flops).
+
+--kinds runs a subset of the methods after eager, captured and uniform (compile,fit_stack,fit_stack_flops: the
+fitted rows and what they are compared with).
 
 With --compile, the goal lines also give an eager floor per budget: the least recomputation time any eager plan
 needs to keep no more activation bytes than compile@b (benchmarks/eager_floor.py: each recomputed op's inputs kept
@@ -187,12 +194,11 @@ class Bench:
     info: dict = field(default_factory=dict)
     compiled_acts: dict = field(default_factory=dict)
     offset: int | None = None
-    fit_cost: str = "roofline"  # the checkpoint pass's cost option for the fitted rows (fit_stack)
 
 
 ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
             "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}", "bytes_stack": "fxmem=c@{0}+compile",
-            "fit_stack": "fxmem<=c@{0}+compile"}
+            "fit_stack": "fxmem<=c@{0}+compile", "fit_stack_flops": "fxmem<=c@{0}+compile (flops)"}
 # the row a method is built from, at the same budget
 NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile", "bytes_stack": "bytes"}
 
@@ -222,9 +228,11 @@ def jobs_all(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[s
         compile_budgets = list(budgets) + ([1.0] if 1.0 not in budgets else [])
         return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
             [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets] + \
-            [("bytes_stack", b) for b in budgets] + [("fit_stack", b) for b in budgets]
+            [("bytes_stack", b) for b in budgets] + [("fit_stack", b) for b in budgets] + \
+            [("fit_stack_flops", b) for b in budgets]
     pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
-    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack", "fit_stack") for b in budgets]
+    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack", "fit_stack", "fit_stack_flops")
+               for b in budgets]
     return out + [("compile", 1.0)] + pairs + stacked
 
 
@@ -278,22 +286,23 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     bench.info[f"fxmem=c@{b}"] = metrics
 
 
-def add_fit_stacked(bench: Bench, b: float) -> None:
+def add_fit_stacked(bench: Bench, b: float, cost: str = "roofline") -> None:
     """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does
     (passes.checkpoint.compiled_activation_budget, both counted by `fxmem.costmodel.compiled_saves`, the compiler's
     own partition: compile@b's bytes taken from the model as compiled in the compile@b row), its recomputation
-    priced by `bench.fit_cost` (--fit-cost); then compiled."""
+    priced by `cost` (passes.checkpoint.cost: "flops" leaves pointwise ops nearly free, as inductor's fused
+    recomputation makes them: the fit_stack_flops row); then compiled."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
     target = compiled_saves(bench.model, bench.x, activation_memory_budget=b).total
     mod, search_s, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None,
                                                    compiled_activation_budget=Budget(bytes=target),
-                                                   cost=bench.fit_cost)
+                                                   cost=cost)
     fm = torch.compile(copy.deepcopy(mod))
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
-    key = row_key("fit_stack", b)
+    key = row_key("fit_stack" if cost == "roofline" else f"fit_stack_{cost}", b)
     # what compiled_saves read off the partition against the hooks' count of the real compiled step, to the byte
     predicted, measured = metrics["compiled"]["saves"], saved_bytes(fm, bench.x)
     bench.compiled_acts[key] = measured
@@ -321,7 +330,8 @@ def hooks_offset(bench: Bench) -> int:
 
 BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked,
             "stack_at_b": functools.partial(add_stacked, kind="stack_at_b"), "bytes": add_at_compile_bytes,
-            "bytes_stack": functools.partial(add_stacked, kind="bytes_stack"), "fit_stack": add_fit_stacked}
+            "bytes_stack": functools.partial(add_stacked, kind="bytes_stack"), "fit_stack": add_fit_stacked,
+            "fit_stack_flops": functools.partial(add_fit_stacked, cost="flops")}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -392,7 +402,7 @@ def step_times(bench: Bench, rounds: int, sync=lambda: None) -> dict[str, list[f
     return times
 
 
-def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None, fit_cost="roofline"):
+def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None):
     """Every method on one model: memory, then interleaved step times. `device_run`
     (checkpoint_pareto_cuda.DeviceRun): the model at the size its estimate picks, a time limit, synchronized timing
     and the allocator's columns; None: the CPU run at `full`'s size."""
@@ -406,7 +416,7 @@ def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=No
     base = estimate(program, mode="train", loss_fn=loss_fn)
     # the eager floor times nodes with the pass's profiler: host time, which on CUDA is the kernels' launch only
     floor = EagerFloor.of(program, loss_fn) if do_compile and device_run is None else None
-    bench = Bench(model, x, loss_fn, program, base, fit_cost=fit_cost)
+    bench = Bench(model, x, loss_fn, program, base)
     bench.mods.update({"eager": (copy.deepcopy(model), 0.0, ""), "captured": (program.snapshot().module, 0.0, ""),
                        "uniform": (uniform(model, name), 0.0, "")})
     if device_run is not None:
@@ -580,7 +590,8 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
     for label, stacked in (("fxmem, then compiled at its default budget", f"fxmem@{b}+compile"),
                            ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
                            ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile"),
-                           ("fxmem fitted to compile@b's compiled saves, then compiled", f"fxmem<=c@{b}+compile")):
+                           ("fxmem fitted to compile@b's compiled saves, then compiled", f"fxmem<=c@{b}+compile"),
+                           ("the same priced by FLOPs", f"fxmem<=c@{b}+compile (flops)")):
         if rows.get(stacked) is not None:
             parts.append(stacked_part(label, rows[stacked], r))
     if res.get("floor") is not None:
@@ -683,9 +694,6 @@ def parse_args(argv):
     ap.add_argument("--kinds", default=None,
                     help=f"only these methods after eager, captured and uniform (comma-separated, of "
                          f"{','.join(ROW_KEYS)}; compile brings compile@1.0), e.g. compile,fit_stack")
-    ap.add_argument("--fit-cost", choices=("roofline", "flops"), default="roofline",
-                    help="how the fitted rows (fit_stack) price recomputation (passes.checkpoint.cost): flops leaves "
-                         "pointwise ops nearly free, as inductor's fused recomputation makes them")
     ap.add_argument("--no-transform-time", action="store_true", help="skip the 12-layer transform timing")
     ap.add_argument("--transform-time-only", action="store_true",
                     help="only the 12-layer transform timing, written to <out>_transform_time.md")
@@ -722,14 +730,13 @@ def main(argv=None) -> int:
         print(text)
         return 0
     kinds = None if args.kinds is None else set(args.kinds.split(","))
-    results = [run_model(n, args.full, budgets, args.rounds, args.compile, kinds=kinds, fit_cost=args.fit_cost)
+    results = [run_model(n, args.full, budgets, args.rounds, args.compile, kinds=kinds)
                for n in args.models.split(",")]
     cmd = "python benchmarks/checkpoint_pareto.py" + (" --full" if args.full else "") + \
         (" --compile" if args.compile else "") + (f" --rounds {args.rounds}" if args.rounds != 9 else "") + \
         (" --no-transform-time" if args.no_transform_time else "") + \
         (f" --kinds {args.kinds}" if args.kinds else "") + (f" --budgets {args.budgets}" if args.budgets else "") + \
-        (f" --models {args.models}" if args.models != "gpt,unet" else "") + \
-        (f" --fit-cost {args.fit_cost}" if args.fit_cost != "roofline" else "")
+        (f" --models {args.models}" if args.models != "gpt,unet" else "")
     load = _loadavg()
     md = [f"# Checkpoint pass: memory vs step time\n\nReproduce: `{cmd}` (torch {torch.__version__}, CPU, "
           f"{torch.get_num_threads()} threads{load}). Budgets b: fxmem gets peak - (1 - b) * activations "
