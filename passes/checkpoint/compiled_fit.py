@@ -53,40 +53,53 @@ def fit_compiled(plan: Callable[[int], PassResult], program: Program, baseline_a
     target, source = compiled_target(budget, program)
     before = _saves(program)
     if before <= target:
-        return PassResult(program, False, metrics=_metrics(target, source, before, before, None, []), notes=[
+        return PassResult(program, False, metrics=_metrics(target, source, before, None, []), notes=[
             f"checkpoint: compiled, the program saves {format_bytes(before)} for backward, within "
             f"{format_bytes(target)} ({source}); nothing recomputed"])
+    tried = _bisect(plan, target, baseline_activations)
+    fitting = [t for t in tried if t.saves <= target]
+    best = max(fitting, key=lambda t: t.activation_budget) if fitting else min(tried, key=lambda t: t.saves)
+    if strict:
+        _require(best, target, source)
+    result = best.result
+    result.metrics.update(_metrics(target, source, before, best, tried))
+    if not fitting:
+        result.metrics["best_effort"] = "compiled_activations"
+    how = (f"within {format_bytes(target)} ({source}); planned at the eager activation budget "
+           f"{format_bytes(best.activation_budget)}, the largest of {len(tried)} tried whose compiled saves fit"
+           if fitting else f"the lowest of {len(tried)} plans tried, above {format_bytes(target)} ({source})")
+    result.notes.insert(0, f"checkpoint: planned for torch.compile: the result's compiled step saves "
+                           f"{format_bytes(best.saves)} for backward ({format_bytes(before)} before), {how} "
+                           f"(fxmem.costmodel.compiled_saves: the compiler's own partition)")
+    return result
+
+
+def _bisect(plan: Callable[[int], PassResult], target: int, baseline_activations: int) -> list[Tried]:
+    """The plans tried: bisection over the eager activation budget in [0, the baseline's], at most STEPS, until
+    the bracket is RESOLUTION of the baseline wide; the pass's lowest plan too when none fits."""
     tried: list[Tried] = []
     low, high = 0, baseline_activations
     while len(tried) < STEPS and high - low > RESOLUTION * baseline_activations:
         middle = (low + high) // 2
         tried.append(_try(plan, middle))
         low, high = (middle, high) if tried[-1].saves <= target else (low, middle)
-    fitting = [t for t in tried if t.saves <= target]
-    if not fitting:
+    if all(t.saves > target for t in tried):
         tried.append(_try(plan, 1))  # the lowest plan the pass reaches
-        fitting = [t for t in tried[-1:] if t.saves <= target]
-    best = max(fitting, key=lambda t: t.activation_budget) if fitting else min(tried, key=lambda t: t.saves)
-    trace = [(t.activation_budget, t.saves) for t in tried]
-    if strict and not fitting:
+    return tried
+
+
+def _require(best: Tried, target: int, source: str) -> None:
+    """A strict budget: the compiled saves out of reach, or the peak budget missed by the plan that fits, is a
+    BudgetError."""
+    if best.saves > target:
         error = BudgetError(f"passes.checkpoint.compiled_activation_budget: the lowest plan's compiled step saves "
                             f"{format_bytes(best.saves)}, above {format_bytes(target)} ({source})")
         error.lowest = best.saves
         raise error
-    result = best.result
-    if strict and result.metrics.get("best_effort") == "peak":
+    if best.result.metrics.get("best_effort") == "peak":
+        why = next((note for note in best.result.notes if note.startswith("checkpoint: budget")), "by its estimate")
         raise BudgetError(f"checkpoint: the plan whose compiled step fits {format_bytes(target)} misses the peak "
-                          f"budget: " + next((n for n in result.notes if "budget" in n), "by its estimate"))
-    result.metrics.update(_metrics(target, source, before, best.saves, best.activation_budget, trace))
-    if not fitting:
-        result.metrics["best_effort"] = "compiled_activations"
-    verdict = "within" if fitting else "the lowest the pass reaches, above"
-    result.notes.insert(0, f"checkpoint: planned for torch.compile: the result's compiled step saves "
-                           f"{format_bytes(best.saves)} for backward ({format_bytes(before)} before), {verdict} "
-                           f"{format_bytes(target)} ({source}); planned at the eager activation budget "
-                           f"{format_bytes(best.activation_budget)}, the largest of {len(tried)} tried whose compiled "
-                           f"saves fit (fxmem.costmodel.compiled_saves: the compiler's own partition)")
-    return result
+                          f"budget: {why}")
 
 
 def _saves(program: Program) -> int:
@@ -98,10 +111,11 @@ def _try(plan: Callable[[int], PassResult], activation_budget: int) -> Tried:
     return Tried(activation_budget, _saves(result.program), result)
 
 
-def _metrics(target: int, source: str, before: int, after: int, activation_budget: int | None,
-             trace: list) -> dict:
-    return {"compiled": {"target": target, "target_from": source, "saves_before": before, "saves": after,
-                         "activation_budget": activation_budget, "tried": trace}}
+def _metrics(target: int, source: str, before: int, best: Tried | None, tried: list[Tried]) -> dict:
+    return {"compiled": {"target": target, "target_from": source, "saves_before": before,
+                         "saves": before if best is None else best.saves,
+                         "activation_budget": None if best is None else best.activation_budget,
+                         "tried": [(t.activation_budget, t.saves) for t in tried]}}
 
 
 def planner(run: Callable, program: Program, ctx) -> Callable[[int], PassResult]:
