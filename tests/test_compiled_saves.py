@@ -108,3 +108,19 @@ def test_a_forward_without_a_training_graph_is_a_capture_error():
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(CaptureError, match="no training graph"):
         compiled_saves(model, (torch.randn(2, 4),))
+
+
+class _Selects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y[y > 0].exp().sum()  # the selection's size depends on the data
+
+
+def test_a_saved_value_of_data_dependent_size_is_a_capture_error():
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), \
+            pytest.raises(CaptureError, match="whose size depends on the data"):
+        compiled_saves(_Selects(), (torch.randn(8, 4),))

@@ -54,10 +54,14 @@ def _recorder_class() -> type:
 
         def __init__(self):
             self.saves: CompiledSaves | None = None
+            self.error: CaptureError | None = None  # what made the saves unknowable (raised once the compile stops)
 
         def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
             forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            self.saves = saved_by(forward, backward, set(kwargs.get("static_lifetime_input_indices") or ()))
+            try:
+                self.saves = saved_by(forward, backward, set(kwargs.get("static_lifetime_input_indices") or ()))
+            except CaptureError as error:
+                self.error = error
             raise _Partitioned
 
         def uuid(self):
@@ -84,13 +88,25 @@ def saved_by(forward: fx.GraphModule, backward: fx.GraphModule, static: set) -> 
         if node.name in static_names:
             if layout_opt and node.name in weights and value.dim() == 4 and \
                     not value.is_contiguous(memory_format=torch.channels_last):
-                copies += value.untyped_storage().nbytes()
+                copies += _concrete(value.untyped_storage().nbytes(), node)
             continue
         storage = value.untyped_storage()
         if storage._cdata not in seen:
             seen.add(storage._cdata)
-            activations += storage.nbytes()
+            activations += _concrete(storage.nbytes(), node)
     return CompiledSaves(activations, copies)
+
+
+def _concrete(nbytes, node: fx.Node) -> int:
+    """A saved value's bytes as an int: a size dynamo made symbolic at its value here; one that depends on the data
+    (an unbacked size: nonzero, a mask's selection) is not known before the step runs, a CaptureError."""
+    if not isinstance(nbytes, torch.SymInt):
+        return nbytes
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
+    if has_guarding_hint(nbytes):
+        return int(guarding_hint_or_throw(nbytes))
+    raise CaptureError(f"compiled_saves: the compiled step saves {node.name}, whose size depends on the data "
+                       f"({nbytes} bytes): not known before the step runs")
 
 
 _calls = itertools.count(1)
@@ -121,6 +137,8 @@ def compiled_saves(module: torch.nn.Module, args: tuple, kwargs: dict | None = N
                 inductor_config.patch(fx_graph_cache=False, custom_partitioner_fn=recorder), torch.enable_grad():
             compiled(*args, **(kwargs or {}))
     except torch._dynamo.exc.BackendCompilerFailed:
+        if recorder.error is not None:
+            raise recorder.error from None
         if recorder.saves is None:
             raise
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
