@@ -19,9 +19,9 @@ class CheckpointOptions:
     # activation_memory_budget bounds); None: no such bound. With a peak budget too, the plan meets both
     activation_budget: Budget | None = None
     # for a result that will run under torch.compile (inductor): the bytes its compiled step may save for backward,
-    # '24MiB', or a fraction b (0.3, '30%'): what torch.compile alone saves at activation_memory_budget b. The pass
-    # is planned at the largest activation budget whose compiled saves fit (compiled_fit); instead of
-    # activation_budget, with the peak budget if one is set
+    # '24MiB', or a fraction b (0.3, '30%'): what torch.compile alone saves at activation_memory_budget b for the
+    # program the pass is given (after the passes before it). The pass is planned at the largest activation budget
+    # whose compiled saves fit (compiled_fit); instead of activation_budget, with the peak budget if one is set
     compiled_activation_budget: Budget | None = None
     solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
     selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
