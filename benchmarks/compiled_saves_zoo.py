@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import sys
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,22 +27,17 @@ from fxmem.costmodel import compiled_saves, estimate  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
 from fxmem.units import Budget, format_bytes  # noqa: E402
+from checkpoint_pareto import own_code  # noqa: E402
 from survey_models import MODELS  # noqa: E402
 
 DEFAULT = ("mistral,gpt_neox,falcon,distilbert,bart,convnext,mobilenet_v2,swin,segformer,wav2vec2,clip,pyg_gin_bn,"
            "pyg_gat_jk")
-_copies = itertools.count(1)
 
 
 def really_compiled(module, args, kwargs) -> int:
     """saved_bytes of `module` compiled by inductor, cold, with a forward code object of its own."""
-    module = copy.deepcopy(module)
-    forward = type(module).forward
-    code = forward.__code__.replace(co_name=f"forward_zoo_{next(_copies)}")
-    module.__class__ = type(type(module).__name__, (type(module),), {"forward": types.FunctionType(
-        code, forward.__globals__, "forward", forward.__defaults__, forward.__closure__)})
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
-        return saved_bytes(torch.compile(module), args, kwargs)
+        return saved_bytes(torch.compile(own_code(copy.deepcopy(module))), args, kwargs)
 
 
 def checkpointed(model, args, kwargs, loss_fn):

@@ -5,9 +5,7 @@ pass (its recompute tags honoured); nothing runs, and what dynamo cannot capture
 from __future__ import annotations
 
 import copy
-import itertools
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -22,23 +20,16 @@ from fxmem.measure import saved_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import examples.gpt as gpt  # noqa: E402
+from benchmarks.checkpoint_pareto import own_code  # noqa: E402
 from tests.test_remat_compiled import _remat_only  # noqa: E402
-
-_copies = itertools.count(1)
 
 
 def _compiled_saved_bytes(module, args, budget=None) -> int:
     """saved_bytes of `module` really compiled by inductor (a code object of its own, cold, at `budget`)."""
-    module = copy.deepcopy(module)
-    forward = type(module).forward
-    code = forward.__code__.replace(co_name=f"forward_test_copy{next(_copies)}")
-    module.__class__ = type(type(module).__name__, (type(module),),
-                            {"forward": types.FunctionType(code, forward.__globals__, "forward", forward.__defaults__,
-                                                           forward.__closure__)})
     options = {} if budget is None else {"activation_memory_budget": budget}
     with functorch_config.patch(enable_autograd_cache=False, **options), \
             inductor_config.patch(fx_graph_cache=False):
-        compiled = torch.compile(module)
+        compiled = torch.compile(own_code(copy.deepcopy(module)))
         compiled(*args).sum().backward()
         return saved_bytes(compiled, args)
 
@@ -87,11 +78,13 @@ def test_nothing_runs():
     assert all(p.grad is None for p in model.parameters())
 
 
-class _Breaks(nn.Module):
+class _OneLinear(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
+
+class _Breaks(_OneLinear):
     def forward(self, x):
         y = self.linear(x)
         if y.sum().item() > 0:  # data-dependent control flow: dynamo breaks the graph here
@@ -110,11 +103,7 @@ def test_a_forward_without_a_training_graph_is_a_capture_error():
         compiled_saves(model, (torch.randn(2, 4),))
 
 
-class _Selects(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
+class _Selects(_OneLinear):
     def forward(self, x):
         y = self.linear(x)
         return y[y > 0].exp().sum()  # the selection's size depends on the data

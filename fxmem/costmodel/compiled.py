@@ -9,8 +9,9 @@ are read off the backward graph's inputs and the compile stops there, before cod
 nothing runs, no real memory). Inductor's one later change to what is saved is counted as the compiler decides it:
 with its layout optimisation on (on CPU whenever a graph has a convolution and mkldnn is there), each convolution
 weight saved for backward is saved as a channels-last copy (`layout_copies`), bytes like an activation's, held from
-forward to backward. Equal to `fxmem.measure.saved_bytes` of the compiled module's real step on the checkpoint
-benchmark's models (tests/test_compiled_saves.py), at about a tenth of a cold compile's time.
+forward to backward. Equal to `fxmem.measure.saved_bytes` of the compiled module's real step in
+tests/test_compiled_saves.py and on library models (benchmarks/compiled_saves_zoo.py, whose table also gives the
+time of each against a real cold compile).
 """
 from __future__ import annotations
 
