@@ -36,6 +36,8 @@ _LAZY = {
     "make_optimizer": ("optim", "make_optimizer"),
     "ShortfallError": ("intent", "ShortfallError"),
     "distribute": ("distributed", "distribute"),
+    "compile": ("compiled_budget", "compile"),
+    "compile_options": ("compiled_budget", "compile_options"),
 }
 
 __all__ = ["BudgetError", "CaptureError", "FxmemError", "InputShapeError", "ModelFileError", "PassError",

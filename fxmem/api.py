@@ -14,7 +14,8 @@ from torch import fx
 
 from . import __version__, costmodel
 from .capture import capture
-from .budgets import further_steps, require_reachable, stated_slack
+from .budgets import further_steps, planned_compiler_budget, require_reachable, stated_slack
+from .compiled_budget import set_planned_budget
 from .errors import BudgetError, StrictBudgetError
 from .intent import require_intents
 from .lossguard import make_evaluator
@@ -104,6 +105,7 @@ def transform(model, args: Any = (), kwargs: dict | None = None, *, policy: Any 
     require_reachable(pol, budget_bytes, before, after, manager.records, result_program.module)
     measured_after = _measure(result_program, pol, loss_fn) if measure else None
     result_program.module.train(pol.mode == "train")
+    set_planned_budget(result_program.module, planned_compiler_budget(manager.records))
     report = Report(
         model_name=program.model_name, policy=pol.to_dict(), mode=pol.mode, optimizer=pol.optimizer,
         before=before, after=after, measured_before=measured_before, measured_after=measured_after,

@@ -20,6 +20,14 @@ def stated_slack(records) -> float:
     return next((value for value in stated if value is not None), 0.0)
 
 
+def planned_compiler_budget(records) -> float | None:
+    """The torch.compile partitioner budget the result was planned for (a kept pass's `compiler_budget`); None: the
+    compiler's own setting."""
+    planned = (record.budget_metrics().compiler_budget for record in records
+               if record.status in ("applied", "unchanged"))
+    return next((value for value in planned if value is not None), None)
+
+
 def over_budget(budget: int | None, peak: int, records) -> bool:
     """Whether `peak` misses `budget` beyond the stated slack."""
     return budget is not None and peak > budget * (1 + stated_slack(records))

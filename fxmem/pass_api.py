@@ -72,13 +72,18 @@ class BudgetMetrics:
     budget lines and strict mode read."""
     activation_budget: int | None = None  # bytes of activations kept at the end of forward the pass planned for
     slack: float | None = None  # the pass's stated tolerance: measured peak <= budget * (1 + slack)
+    # the torch.compile partitioner budget (activation_memory_budget) the result was planned for; None: the
+    # compiler's own setting (`fxmem.compile` compiles at it)
+    compiler_budget: float | None = None
 
     @classmethod
     def from_metrics(cls, metrics: dict | None) -> BudgetMetrics:
         metrics = metrics or {}
         activation_budget, slack = metrics.get("activation_budget"), metrics.get("slack")
+        compiler_budget = metrics.get("compiler_budget")
         return cls(activation_budget=None if activation_budget is None else int(activation_budget),
-                   slack=None if slack is None else float(slack))
+                   slack=None if slack is None else float(slack),
+                   compiler_budget=None if compiler_budget is None else float(compiler_budget))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from .compiled_budget import planned_budget, set_planned_budget
 from .graphdata import GraphDataError, graph_from_data, graph_to_data, is_identifier, is_path
 from .module_configs import KINDS, Config, ConfigError, kind_of
 from .nn import recast
@@ -77,6 +78,9 @@ def describe(graph_module: fx.GraphModule, *, mode: str, quantized: dict) -> tup
         specs.append(spec)
     doc = {"kind": STRUCTURE_KIND, "version": STRUCTURE_VERSION, "mode": mode, "root": root, "tensors": specs,
            "quantized": quantized}
+    budget = planned_budget(graph_module)
+    if budget is not None:  # the compiler setting the result was planned for (fxmem.compile reads it)
+        doc["compile"] = {"activation_memory_budget": budget}
     return doc, weights
 
 
@@ -160,6 +164,8 @@ def build(doc, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
             _check_mode_graph(root, path, mod)
     keep_persistence_when_copied(root)
     root.train(doc["mode"] == "train")
+    if "compile" in doc:
+        set_planned_budget(root, doc["compile"]["activation_memory_budget"])
     return root
 
 
@@ -179,12 +185,23 @@ def _check_document(doc) -> None:
     if doc.get("version") != STRUCTURE_VERSION:
         raise StructureError(f"structure version {doc.get('version')!r}; this fxmem reads {STRUCTURE_VERSION}")
     keys = {"kind", "version", "mode", "root", "tensors", "quantized"}
-    if set(doc) != keys:
-        raise StructureError(f"the document must hold exactly {', '.join(sorted(keys))}")
+    if not keys <= set(doc) <= keys | {"compile"}:
+        raise StructureError(f"the document must hold exactly {', '.join(sorted(keys))} (and compile, optional)")
+    if "compile" in doc:
+        _check_compile(doc["compile"])
     if doc["mode"] not in MODES:
         raise StructureError(f"mode must be one of {', '.join(MODES)}, got {doc['mode']!r}")
     if not isinstance(doc["tensors"], list) or not isinstance(doc["quantized"], dict):
         raise StructureError("tensors must be a list and quantized an object")
+
+
+def _check_compile(setting) -> None:
+    """The optional compiler setting: {"activation_memory_budget": a fraction in (0, 1]}."""
+    budget = setting.get("activation_memory_budget") if isinstance(setting, dict) else None
+    if set(setting if isinstance(setting, dict) else ()) != {"activation_memory_budget"} or \
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise StructureError(f"compile must be {{\"activation_memory_budget\": a fraction in (0, 1]}}, got "
+                             f"{setting!r}")
 
 
 def _build_module(entry, path: str, ctx: _Build) -> nn.Module:

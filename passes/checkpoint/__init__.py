@@ -28,8 +28,9 @@ from .candidates import (CandidateSet, RegionMeter, candidate_regions, glue_regi
 from .compact_dropout import compact_dropout
 from .emit import emit_regions
 from .matmul_operands import materialize_matmul_operands
-from .compiled_fit import fit_compiled, planner
-from .options import CheckpointOptions, Limits, compiled_budget, resolve_activation_budget, resolve_budget
+from .compiled_fit import CompiledGoal, fit_compiled, planner
+from .options import (CheckpointOptions, Limits, compiled_budget, compiler_budgets, resolve_activation_budget,
+                      resolve_budget)
 from .reach import Reach, reach, refine_targets
 from .remat import (RematSite, apply_remat, as_planned, choose_sites, product_site, remat_plan, remat_sites,
                     softmax_site)
@@ -62,10 +63,11 @@ class CheckpointPass(Pass):
             return PassResult(program, False, notes=["checkpoint: inference mode saves nothing for backward; "
                                                      "nothing to do"])
         base = ctx.baseline if ctx.baseline is not None else ctx.estimate(program)
-        compiled = compiled_budget(opts)
+        compiled, settings = compiled_budget(opts), compiler_budgets(opts)
         if compiled is not None:  # planned at the eager activation budget whose compiled step fits it
+            goal = CompiledGoal(compiled, settings, ctx.budget_strict, ctx.loss_fn)
             return fit_compiled(planner(self.run, program, replace(ctx, baseline=base)), program, base.activations,
-                                compiled, ctx.budget_strict)
+                                goal)
         limits = Limits(resolve_budget(opts, ctx, base.peak), resolve_activation_budget(opts, base.activations))
         if limits.peak is None and limits.activations is None:
             return PassResult(program, False, notes=["checkpoint: no budget set (passes.checkpoint.budget, "

@@ -23,6 +23,12 @@ class CheckpointOptions:
     # program the pass is given (after the passes before it). The pass is planned at the largest activation budget
     # whose compiled saves fit (compiled_fit); instead of activation_budget, with the peak budget if one is set
     compiled_activation_budget: Budget | None = None
+    # with compiled_activation_budget: the torch.compile partitioner budgets (activation_memory_budget) to fit the
+    # plan at, the fastest compiled step of those that fit kept (timed on the example inputs, compiled, on this
+    # machine; `fxmem.compile` then compiles the result at the one chosen): a list of fractions in (0, 1], or
+    # "auto" (for a fraction b: b, halfway to 1, and 1; for bytes 1, 0.75, 0.5). None: the compiler's own setting,
+    # one fit, nothing timed
+    compiler_budgets: list[float] | Literal["auto"] | None = None
     solver: Literal["auto", "dp", "milp", "greedy"] = "auto"  # auto: dp for chains, milp otherwise
     selective: bool = True  # allow selective regions (keep matmul outputs, recompute the rest)
     # recompute cost: roofline (max of FLOPs and `balance` x bytes moved: pointwise and normalization ops are
@@ -85,6 +91,30 @@ def compiled_budget(options: CheckpointOptions) -> Budget | None:
         return parse_budget(options.compiled_activation_budget)
     except ValueError as error:
         raise PolicyError(f"passes.checkpoint.compiled_activation_budget: {error}") from None
+
+
+def compiler_budgets(options: CheckpointOptions) -> tuple | str | None:
+    """`compiler_budgets` checked: None, "auto", or fractions in (0, 1] (a bad value names its key); without
+    compiled_activation_budget, a PolicyError (it chooses among fits to that budget)."""
+    value = options.compiler_budgets
+    if value is None or value == "auto":
+        if value is not None and options.compiled_activation_budget is None:
+            raise PolicyError("passes.checkpoint.compiler_budgets: needs passes.checkpoint.compiled_activation_budget "
+                              "(it chooses among plans that fit it)")
+        return value
+    key = "passes.checkpoint.compiler_budgets"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise PolicyError(f"{key}: expected \"auto\" or a list of fractions in (0, 1], got {value!r}")
+    for fraction in value:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise PolicyError(f"{key}: {fraction!r} is not a fraction in (0, 1] (torch.compile's "
+                              "activation_memory_budget)")
+    if options.compiled_activation_budget is None:
+        raise PolicyError(f"{key}: needs passes.checkpoint.compiled_activation_budget (it chooses among plans "
+                          "that fit it)")
+    return tuple(float(fraction) for fraction in value)
 
 
 def resolve_limit(budget, key: str, baseline: int) -> int:
