@@ -29,10 +29,12 @@ best of the rounds, the table also gives the median):
 - fxmem<=c@b+compile (--compile): fxmem planned so that its compiled step saves no more than compile@b's
   (passes.checkpoint.compiled_activation_budget, both read off the compiler's partition by
   fxmem.costmodel.compiled_saves), under torch.compile at its default budget; "(flops)": the same with
-  recomputation priced by FLOPs alone (passes.checkpoint.cost: flops).
+  recomputation priced by FLOPs alone (passes.checkpoint.cost: flops); "(timed)": the same fitted at partitioner
+  budgets 1, (1 + b) / 2 and b (passes.checkpoint.compiler_budgets), the fastest compiled step of the plans that fit
+  kept (timed by the pass) and compiled at its budget.
 
---kinds runs a subset of the methods after eager, captured and uniform (compile,fit_stack,fit_stack_flops: the
-fitted rows and what they are compared with).
+--kinds runs a subset of the methods after eager, captured and uniform (compile,fit_stack,fit_timed: the fitted
+rows and what they are compared with).
 
 With --compile, the goal lines also give an eager floor per budget: the least recomputation time any eager plan
 needs to keep no more activation bytes than compile@b (benchmarks/eager_floor.py: each recomputed op's inputs kept
@@ -75,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
+from fxmem.compiled_budget import partitioner_at  # noqa: E402
 from fxmem.costmodel import compiled_saves  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
@@ -198,7 +201,8 @@ class Bench:
 
 ROW_KEYS = {"fxmem": "fxmem@{0}", "compile": "compile@{0}", "stack": "fxmem@{0}+compile",
             "stack_at_b": "fxmem@{0}+compile@{0}", "bytes": "fxmem=c@{0}", "bytes_stack": "fxmem=c@{0}+compile",
-            "fit_stack": "fxmem<=c@{0}+compile", "fit_stack_flops": "fxmem<=c@{0}+compile (flops)"}
+            "fit_stack": "fxmem<=c@{0}+compile", "fit_stack_flops": "fxmem<=c@{0}+compile (flops)",
+            "fit_timed": "fxmem<=c@{0}+compile (timed)"}
 # the row a method is built from, at the same budget
 NEEDS = {"stack": "fxmem", "stack_at_b": "fxmem", "bytes": "compile", "bytes_stack": "bytes"}
 
@@ -229,10 +233,10 @@ def jobs_all(budgets, do_compile: bool, by_budget: bool = False) -> list[tuple[s
         return out + [("compile", b) for b in compile_budgets] + [("stack", b) for b in budgets] + \
             [("stack_at_b", b) for b in budgets] + [("bytes", b) for b in budgets] + \
             [("bytes_stack", b) for b in budgets] + [("fit_stack", b) for b in budgets] + \
-            [("fit_stack_flops", b) for b in budgets]
+            [("fit_stack_flops", b) for b in budgets] + [("fit_timed", b) for b in budgets]
     pairs = [(kind, b) for b in budgets for kind in ("compile", "bytes") if (kind, b) != ("compile", 1.0)]
-    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack", "fit_stack", "fit_stack_flops")
-               for b in budgets]
+    stacked = [(kind, b) for kind in ("stack", "stack_at_b", "bytes_stack", "fit_stack", "fit_stack_flops",
+                                      "fit_timed") for b in budgets]
     return out + [("compile", 1.0)] + pairs + stacked
 
 
@@ -286,29 +290,37 @@ def add_at_compile_bytes(bench: Bench, b: float) -> None:
     bench.info[f"fxmem=c@{b}"] = metrics
 
 
-def add_fit_stacked(bench: Bench, b: float, cost: str = "roofline") -> None:
+def add_fit_stacked(bench: Bench, b: float, cost: str = "roofline", compiler_budgets=None) -> None:
     """fxmem planned so that its step under torch.compile (default budget) saves no more than compile@b's does
     (passes.checkpoint.compiled_activation_budget, both counted by `fxmem.costmodel.compiled_saves`, the compiler's
     own partition: compile@b's bytes taken from the model as compiled in the compile@b row), its recomputation
     priced by `cost` (passes.checkpoint.cost: "flops" leaves pointwise ops nearly free, as inductor's fused
-    recomputation makes them: the fit_stack_flops row); then compiled."""
+    recomputation makes them: the fit_stack_flops row); then compiled. With `compiler_budgets` ("auto": b, halfway
+    to 1, and 1; the fit_timed row) the plan is fitted at each partitioner budget and the fastest compiled step of
+    those that fit is kept (measured by the pass), then compiled at the budget chosen (fxmem.compile_options)."""
     import torch._functorch.config as fcfg
     import torch._inductor.config as icfg
     target = compiled_saves(bench.model, bench.x, activation_memory_budget=b).total
+    if compiler_budgets == "auto":  # what the option's "auto" is for the fraction b (the target here is bytes)
+        compiler_budgets = [1.0, (1.0 + b) / 2, b]
     mod, search_s, _, note, metrics = fxmem_module(bench.program, bench.base, bench.loss_fn, None,
-                                                   compiled_activation_budget=Budget(bytes=target),
-                                                   cost=cost)
-    fm = torch.compile(copy.deepcopy(mod))
+                                                   compiled_activation_budget=Budget(bytes=target), cost=cost,
+                                                   compiler_budgets=compiler_budgets)
+    chosen = metrics.get("compiler_budget")
+    options = {} if chosen is None else {"custom_partitioner_fn": partitioner_at(chosen)}
+    fm = torch.compile(copy.deepcopy(mod), options=options)
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
-    key = row_key("fit_stack" if cost == "roofline" else f"fit_stack_{cost}", b)
+    key = row_key("fit_timed" if compiler_budgets else "fit_stack" if cost == "roofline" else f"fit_stack_{cost}",
+                  b)
     # what compiled_saves read off the partition against the hooks' count of the real compiled step, to the byte
     predicted, measured = metrics["compiled"]["saves"], saved_bytes(fm, bench.x)
     bench.compiled_acts[key] = measured
     check = "compiled_saves = hooks" if predicted == measured else \
         f"compiled_saves {predicted:,} B, hooks {measured:,} B"
-    bench.mods[key] = (fm, search_s + time.perf_counter() - t1, f"{note} ({check})".strip())
+    at = "" if chosen is None else f"compiled at {chosen:g}, "
+    bench.mods[key] = (fm, search_s + time.perf_counter() - t1, f"{note} ({at}{check})".strip())
     bench.info[key] = metrics
 
 
@@ -331,7 +343,8 @@ def hooks_offset(bench: Bench) -> int:
 BUILDERS = {"fxmem": add_fxmem, "compile": add_compile, "stack": add_stacked,
             "stack_at_b": functools.partial(add_stacked, kind="stack_at_b"), "bytes": add_at_compile_bytes,
             "bytes_stack": functools.partial(add_stacked, kind="bytes_stack"), "fit_stack": add_fit_stacked,
-            "fit_stack_flops": functools.partial(add_fit_stacked, cost="flops")}
+            "fit_stack_flops": functools.partial(add_fit_stacked, cost="flops"),
+            "fit_timed": functools.partial(add_fit_stacked, compiler_budgets="auto")}
 
 
 def build_methods(bench: Bench, todo, planner=None) -> dict[str, str]:
@@ -591,7 +604,9 @@ def goal_line(res, key: str, r: dict, c1: dict) -> str:
                            ("fxmem+compile@b", f"fxmem@{b}+compile@{b}"),
                            ("fxmem at compile@b's bytes, then compiled", f"fxmem=c@{b}+compile"),
                            ("fxmem fitted to compile@b's compiled saves, then compiled", f"fxmem<=c@{b}+compile"),
-                           ("the same priced by FLOPs", f"fxmem<=c@{b}+compile (flops)")):
+                           ("the same priced by FLOPs", f"fxmem<=c@{b}+compile (flops)"),
+                           ("the same fitted at partitioner budgets 1, halfway and b, the fastest compiled step kept "
+                            "(timed)", f"fxmem<=c@{b}+compile (timed)")):
         if rows.get(stacked) is not None:
             parts.append(stacked_part(label, rows[stacked], r))
     if res.get("floor") is not None:

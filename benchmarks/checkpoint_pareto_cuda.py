@@ -29,7 +29,8 @@ SETUP_S = 30.0  # a model's two captures, its estimates and the anchors' build: 
 # seconds a method of each kind is assumed to take until one of its kind has run on this model (then: the most
 # one took); cold torch.compile runs are the long ones, and the fitted rows (about eight plans, each partitioned)
 FIRST_GUESS_S = {"fxmem": 10.0, "compile": 45.0, "stack": 45.0, "stack_at_b": 45.0, "bytes": 10.0,
-                 "bytes_stack": 45.0, "fit_stack": 90.0, "fit_stack_flops": 90.0}
+                 "bytes_stack": 45.0, "fit_stack": 90.0, "fit_stack_flops": 90.0,
+                 "fit_timed": 180.0}
 # what one row costs once built, from the eager step time: fixed seconds (copies, fxmem.measure's dispatch-mode
 # overhead), steps beyond the timed rounds (warm-ups, fxmem.measure's two, the allocator's two, the hooks'
 # forward), and a factor for steps that recompute

@@ -37,7 +37,7 @@ def test_build_order_under_a_time_limit_keeps_every_method_and_each_base_first()
         ("fxmem", 0.1), ("fxmem", 0.5), ("compile", 0.1), ("compile", 0.5), ("compile", 1.0),
         ("stack", 0.1), ("stack", 0.5), ("stack_at_b", 0.1), ("stack_at_b", 0.5), ("bytes", 0.1), ("bytes", 0.5),
         ("bytes_stack", 0.1), ("bytes_stack", 0.5), ("fit_stack", 0.1), ("fit_stack", 0.5),
-        ("fit_stack_flops", 0.1), ("fit_stack_flops", 0.5)]
+        ("fit_stack_flops", 0.1), ("fit_stack_flops", 0.5), ("fit_timed", 0.1), ("fit_timed", 0.5)]
     limited = pareto.jobs(budgets, True, by_budget=True)
     assert sorted(limited) == sorted(pareto.jobs(budgets, True))
     assert limited[:3] == [("fxmem", 0.1), ("fxmem", 0.5), ("compile", 1.0)]
@@ -81,7 +81,7 @@ def limited_result():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cuda_side, "FIRST_GUESS_S", {"fxmem": 0.0, "bytes": 0.0, "compile": 1e3, "stack": 1e3,
                                                      "stack_at_b": 1e3, "bytes_stack": 1e3, "fit_stack": 1e3,
-                                                     "fit_stack_flops": 1e3})
+                                                     "fit_stack_flops": 1e3, "fit_timed": 1e3})
         run = cuda_side.DeviceRun("cpu", 200 + cuda_side.WRITE_S, target=TARGET, rounds=1, shapes=TINY)
         assert run.start_model(1)
         return pareto.run_model("gpt", False, [0.5], 1, True, run)
@@ -96,7 +96,8 @@ def test_rows_past_the_time_limit_are_left_out_with_why(limited_result):
                                "fxmem@0.5+compile@0.5": "not run (time limit)",
                                "fxmem=c@0.5+compile": "not run (fxmem=c@0.5 was not)",
                                "fxmem<=c@0.5+compile": "not run (time limit)",
-                               "fxmem<=c@0.5+compile (flops)": "not run (time limit)"}
+                               "fxmem<=c@0.5+compile (flops)": "not run (time limit)",
+                               "fxmem<=c@0.5+compile (timed)": "not run (time limit)"}
     assert res["rows"]["fxmem@0.5"]["acts"] < res["rows"]["eager"]["acts"]
     assert res["base"].peak <= TARGET  # captured at the batch the estimate picked
 
