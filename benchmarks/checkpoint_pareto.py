@@ -77,11 +77,12 @@ sys.path.insert(0, str(ROOT))
 
 import fxmem  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
-from fxmem.compiled_budget import partitioner_at  # noqa: E402
+from fxmem.compiled_budget import options_at  # noqa: E402
 from fxmem.costmodel import compiled_saves  # noqa: E402
 from fxmem.errors import BudgetError  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module  # noqa: E402
+from fxmem.step_timing import interleaved_times  # noqa: E402
 from fxmem.units import Budget, format_bytes, parse_size  # noqa: E402
 
 from benchmarks import checkpoint_pareto_cuda as cuda_side  # noqa: E402
@@ -307,8 +308,7 @@ def add_fit_stacked(bench: Bench, b: float, cost: str = "roofline", compiler_bud
                                                    compiled_activation_budget=Budget(bytes=target), cost=cost,
                                                    compiler_budgets=compiler_budgets)
     chosen = metrics.get("compiler_budget")
-    options = {} if chosen is None else {"custom_partitioner_fn": partitioner_at(chosen)}
-    fm = torch.compile(copy.deepcopy(mod), options=options)
+    fm = torch.compile(copy.deepcopy(mod), options=options_at(chosen))
     t1 = time.perf_counter()
     with fcfg.patch(enable_autograd_cache=False), icfg.patch(fx_graph_cache=False):
         step_fn(fm, bench.x, bench.loss_fn)()
@@ -401,18 +401,9 @@ def step_times(bench: Bench, rounds: int, sync=lambda: None) -> dict[str, list[f
     round; `sync()` (CUDA: synchronize) runs before and after each timed step."""
     steps = {k: step_fn(copy.deepcopy(m) if "compile" not in k else m, bench.x, bench.loss_fn)
              for k, (m, _, _) in bench.mods.items()}
-    times = {k: [] for k in steps}
     for s in steps.values():
         s()  # warm-up
-    keys = list(steps)
-    for i in range(rounds):
-        for k in keys[i % len(keys):] + keys[:i % len(keys)]:  # rotate the order every round
-            sync()
-            t1 = time.perf_counter()
-            steps[k]()
-            sync()
-            times[k].append(time.perf_counter() - t1)
-    return times
+    return interleaved_times(steps, rounds, sync)
 
 
 def run_model(name, full, budgets, rounds, do_compile, device_run=None, kinds=None):

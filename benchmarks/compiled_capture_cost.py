@@ -15,7 +15,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +25,9 @@ import torch._functorch.config as functorch_config  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
 
 import fxmem  # noqa: E402
-from fxmem.compiled_budget import partitioner_at  # noqa: E402
+from fxmem.compiled_budget import options_at  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
+from fxmem.step_timing import interleaved_times  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 from benchmarks.checkpoint_pareto import own_code, setup, step_fn  # noqa: E402
 
@@ -43,7 +43,7 @@ def compiled_copies(name: str, budget: float) -> tuple[dict, tuple, object]:
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
         for copy_number in (1, 2):
             for label, make in sources.items():
-                compiled = torch.compile(make(), options={"custom_partitioner_fn": partitioner_at(budget)})
+                compiled = torch.compile(make(), options=options_at(budget))
                 step_fn(compiled, inputs, example.loss_fn)()  # the cold compile
                 modules[f"{label} #{copy_number}"] = compiled
     return modules, inputs, example.loss_fn
@@ -51,16 +51,9 @@ def compiled_copies(name: str, budget: float) -> tuple[dict, tuple, object]:
 
 def rows(name: str, budget: float, rounds: int) -> list[str]:
     modules, inputs, loss_fn = compiled_copies(name, budget)
-    steps = {key: step_fn(module, inputs, loss_fn) for key, module in modules.items()}
-    times = {key: [] for key in steps}
-    keys = list(steps)
-    for i in range(rounds):
-        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
-            started = time.perf_counter()
-            steps[key]()
-            times[key].append(time.perf_counter() - started)
+    times = interleaved_times({key: step_fn(module, inputs, loss_fn) for key, module in modules.items()}, rounds)
     return [f"| {name} | {key} | {format_bytes(saved_bytes(modules[key], inputs))} | "
-            f"{min(times[key]) * 1e3:.2f} | {statistics.median(times[key]) * 1e3:.2f} |" for key in keys]
+            f"{min(times[key]) * 1e3:.2f} | {statistics.median(times[key]) * 1e3:.2f} |" for key in modules]
 
 
 def main(argv=None) -> int:

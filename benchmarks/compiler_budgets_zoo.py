@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -26,9 +27,10 @@ import torch._functorch.config as functorch_config  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
 
 import fxmem  # noqa: E402
-from fxmem.compiled_budget import partitioner_at  # noqa: E402
+from fxmem.compiled_budget import options_at  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.step import compute_loss  # noqa: E402
+from fxmem.step_timing import interleaved_times  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 from checkpoint_pareto import own_code  # noqa: E402
 from survey_models import MODELS  # noqa: E402
@@ -49,7 +51,7 @@ def transformed(model, args, kwargs, loss_fn, b: float):
 
 def compiled_alone(model, b: float):
     """The model as written under torch.compile at activation_memory_budget b (its own code object, cold)."""
-    return torch.compile(own_code(copy.deepcopy(model)), options={"custom_partitioner_fn": partitioner_at(b)})
+    return torch.compile(own_code(copy.deepcopy(model)), options=options_at(b))
 
 
 def step_times(modules: dict, args, kwargs, loss_fn) -> dict[str, float]:
@@ -59,16 +61,10 @@ def step_times(modules: dict, args, kwargs, loss_fn) -> dict[str, float]:
         loss.backward()
         for parameter in module.parameters():
             parameter.grad = None
-    times = {key: [] for key in modules}
-    keys = list(modules)
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
         for module in modules.values():
             step(module)  # cold compiles
-    for i in range(ROUNDS):
-        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
-            started = time.perf_counter()
-            step(modules[key])
-            times[key].append(time.perf_counter() - started)
+    times = interleaved_times({key: functools.partial(step, module) for key, module in modules.items()}, ROUNDS)
     return {key: statistics.median(seconds) for key, seconds in times.items()}
 
 

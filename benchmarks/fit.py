@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import fxmem  # noqa: E402
 from fxmem.costmodel.batch import largest_fitting, scaled_inputs  # noqa: E402
+from fxmem.step_timing import interleaved_times  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
 from benchmarks.checkpoint_pareto import setup, step_fn, uniform  # noqa: E402
@@ -69,18 +70,10 @@ def interleaved_samples_per_second(rows: list[dict], rounds: int) -> None:
     row alike."""
     steps = {index: step_fn(copy.deepcopy(row.pop("module")), row.pop("inputs"), row.pop("loss_fn"))
              for index, row in enumerate(rows) if "module" in row}
-    best = dict.fromkeys(steps, float("inf"))
     for step in steps.values():
         step()  # warm-up
-    order = list(steps)
-    for round_index in range(rounds):
-        shift = round_index % len(order)
-        for index in order[shift:] + order[:shift]:
-            started = time.perf_counter()
-            steps[index]()
-            best[index] = min(best[index], time.perf_counter() - started)
-    for index, seconds in best.items():
-        rows[index]["samples_s"] = rows[index]["batch"] / seconds
+    for index, seconds in interleaved_times(steps, rounds).items():
+        rows[index]["samples_s"] = rows[index]["batch"] / min(seconds)
 
 
 def method_row(name: str, model, x, loss_fn, batch: int, cap: int, extra: str = "") -> dict:

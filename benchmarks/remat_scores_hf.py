@@ -19,7 +19,6 @@ import argparse
 import copy
 import importlib
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fxmem  # noqa: E402
 from fxmem.modelfile import split_inputs  # noqa: E402
 from fxmem.step import compute_loss  # noqa: E402
+from fxmem.step_timing import interleaved_times  # noqa: E402
 from fxmem.units import format_bytes  # noqa: E402
 
 from benchmarks.checkpoint_pareto import paired_difference  # noqa: E402
@@ -84,16 +84,9 @@ def step_times(modules: dict, args, kwargs, loss_fn, rounds: int) -> dict[str, l
         return step
 
     steps = {k: step_of(copy.deepcopy(m)) for k, m in modules.items()}
-    times = {k: [] for k in steps}
     for step in steps.values():
         step()
-    keys = list(steps)
-    for i in range(rounds):
-        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            t1 = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - t1)
-    return times
+    return interleaved_times(steps, rounds)
 
 
 def model_section(name: str, budgets, rounds: int) -> str:

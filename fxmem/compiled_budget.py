@@ -37,7 +37,11 @@ def set_planned_budget(module: torch.fx.GraphModule, budget: float | None) -> No
 def compile_options(module, options: dict | None = None) -> dict:
     """`options` (inductor's, for torch.compile) with the partitioner `module` was planned for added; unchanged
     when it has none."""
-    budget = planned_budget(module)
+    return options_at(planned_budget(module), options)
+
+
+def options_at(budget: float | None, options: dict | None = None) -> dict:
+    """`options` (inductor's) with its partitioner run at `budget`; None: the compiler's own setting."""
     merged = dict(options or {})
     if budget is not None:
         merged["custom_partitioner_fn"] = partitioner_at(budget)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
 
-from .compiled_budget import partitioner_at
+from .compiled_budget import options_at
 from .step import compute_loss
+from .step_timing import interleaved_times
 from .userstate import rng_kept
 
 ROUNDS = 7  # timed steps per candidate at least, after its cold compile
@@ -40,18 +40,8 @@ def compiled_step_times(candidates: dict[Hashable, Candidate], args: tuple, kwar
     """Per candidate, the median seconds of a compiled training step (forward, loss, backward)."""
     with rng_kept(), torch.enable_grad():
         steps = {key: _compiled_step(candidate, args, kwargs, loss_fn) for key, candidate in candidates.items()}
-        times: dict[Hashable, list[float]] = {key: [] for key in steps}
-        keys = list(steps)
-        sync = _synchronizer(args, kwargs)
-        for i in range(MAX_ROUNDS):
-            if i >= ROUNDS and min(sum(seconds) for seconds in times.values()) >= SECONDS:
-                break
-            for key in keys[i % len(keys):] + keys[:i % len(keys)]:
-                sync()
-                start = time.perf_counter()
-                steps[key]()
-                sync()
-                times[key].append(time.perf_counter() - start)
+        times = interleaved_times(steps, ROUNDS, _synchronizer(args, kwargs), until_seconds=SECONDS,
+                                  max_rounds=MAX_ROUNDS)
     return {key: statistics.median(seconds) for key, seconds in times.items()}
 
 
@@ -60,9 +50,7 @@ def _compiled_step(candidate: Candidate, args: tuple, kwargs: dict, loss_fn) -> 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     module = copy.deepcopy(candidate.module)
-    options = {} if candidate.compiler_budget is None else \
-        {"custom_partitioner_fn": partitioner_at(candidate.compiler_budget)}
-    compiled = torch.compile(module, options=options)
+    compiled = torch.compile(module, options=options_at(candidate.compiler_budget))
 
     def step():
         loss = compute_loss(loss_fn, compiled(*args, **kwargs), args, kwargs)
