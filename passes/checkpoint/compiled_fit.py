@@ -103,7 +103,10 @@ def fit_compiled(plan: Callable[[int], PassResult], program: Program, baseline_a
     of those measured when there are several; the program itself where it fits as it is. Out of reach: a
     BudgetError when strict, else the lowest plan, saying so."""
     target, source = compiled_target(goal.budget, program)
-    fits = [_fit_at(plan, program, target, baseline_activations, c) for c in goal.settings()]
+    # at the target's own fraction the program's compiled saves are the target (one partition fewer)
+    fits = [_fit_at(plan, target, baseline_activations, c,
+                    target if c is not None and c == goal.budget.fraction else _saves(program, c))
+            for c in goal.settings()]
     chosen, times = _choose(fits, program, goal)
     if goal.strict:
         _require(chosen, target, source)
@@ -122,9 +125,9 @@ def fit_compiled(plan: Callable[[int], PassResult], program: Program, baseline_a
     return result
 
 
-def _fit_at(plan, program: Program, target: int, baseline_activations: int, compiler_budget) -> Fit:
-    """The search at one partitioner budget: the program itself when it fits, else the bisection's best."""
-    before = _saves(program, compiler_budget)
+def _fit_at(plan, target: int, baseline_activations: int, compiler_budget, before: int) -> Fit:
+    """The search at one partitioner budget, where the program saves `before` compiled: the program itself when
+    it fits, else the bisection's best."""
     if before <= target:
         return Fit(compiler_budget, before, [], None, True)
     tried = _bisect(plan, target, baseline_activations, compiler_budget)

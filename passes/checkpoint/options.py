@@ -96,24 +96,20 @@ def compiled_budget(options: CheckpointOptions) -> Budget | None:
 def compiler_budgets(options: CheckpointOptions) -> tuple | str | None:
     """`compiler_budgets` checked: None, "auto", or fractions in (0, 1] (a bad value names its key); without
     compiled_activation_budget, a PolicyError (it chooses among fits to that budget)."""
-    value = options.compiler_budgets
-    if value is None or value == "auto":
-        if value is not None and options.compiled_activation_budget is None:
-            raise PolicyError("passes.checkpoint.compiler_budgets: needs passes.checkpoint.compiled_activation_budget "
-                              "(it chooses among plans that fit it)")
+    value, key = options.compiler_budgets, "passes.checkpoint.compiler_budgets"
+    if value is None:
+        return None
+    if options.compiled_activation_budget is None:
+        raise PolicyError(f"{key}: needs passes.checkpoint.compiled_activation_budget (it chooses among plans "
+                          "that fit it)")
+    if value == "auto":
         return value
-    key = "passes.checkpoint.compiler_budgets"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value]
     if not isinstance(value, (list, tuple)) or not value:
         raise PolicyError(f"{key}: expected \"auto\" or a list of fractions in (0, 1], got {value!r}")
     for fraction in value:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise PolicyError(f"{key}: {fraction!r} is not a fraction in (0, 1] (torch.compile's "
                               "activation_memory_budget)")
-    if options.compiled_activation_budget is None:
-        raise PolicyError(f"{key}: needs passes.checkpoint.compiled_activation_budget (it chooses among plans "
-                          "that fit it)")
     return tuple(float(fraction) for fraction in value)
 
 
