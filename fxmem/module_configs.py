@@ -150,12 +150,15 @@ def _dim_spec(entry, where: str) -> DimSpec:
 
 
 def _checkpoint_config(module: CheckpointRegion) -> dict:
-    return {"keep_ops": sorted(module.keep_ops), "label": module.label, "restore_args": list(module.restore_args)}
+    config = {"keep_ops": sorted(module.keep_ops), "label": module.label, "restore_args": list(module.restore_args)}
+    if module.fxmem_region.as_recipes:
+        config["recipes"] = True  # (absent: torch's checkpoint, as every file written before recipe regions)
+    return config
 
 
 def _checkpoint_build(cfg: Config, children, runtimes) -> CheckpointRegion:
     return CheckpointRegion(children["body"], cfg.strings("keep_ops"), label=cfg.get("label", str),
-                            restore_args=cfg.ints("restore_args"))
+                            restore_args=cfg.ints("restore_args"), recipes=bool(cfg.get("recipes", bool, optional=True)))
 
 
 def _offload_config(module: OffloadRegion) -> dict:

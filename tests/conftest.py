@@ -184,6 +184,21 @@ def _largest_gap(pairs) -> str:
     return f"{max(gaps):.3g}" if gaps else "shapes differ"
 
 
+def gpt_at_activation_budget(budget: str, **options):
+    """The example decoder through fxmem.transform with the checkpoint pass at activation budget `budget` (and
+    more of its `options`), measured: (a copy of the model as it was, the result, args, kwargs, loss_fn, the
+    checkpoint pass's record)."""
+    import copy
+
+    import fxmem
+    torch.manual_seed(0)
+    model, args, kwargs, loss_fn = example("gpt")
+    ref = copy.deepcopy(model)
+    res = fxmem.transform(model, args, kwargs, loss_fn=loss_fn, measure=True, policy={
+        "version": 1, "passes": {"checkpoint": {"activation_budget": budget, **options}}})
+    return ref, res, args, kwargs, loss_fn, next(r for r in res.report.passes if r.name == "checkpoint")
+
+
 def force_remat_and_regions(monkeypatch) -> None:
     """The checkpoint pass emits remat + regions below what remat alone reaches, whichever of that and regions
     alone it would have found cheaper (for tests of the remat + regions program itself)."""

@@ -3,7 +3,7 @@ with `scores` the copies matrix products make of strided operands written as nod
 from __future__ import annotations
 
 from fxmem.pipeline import PassContext, pass_module
-from fxmem.passes.checkpoint import matmul_operands
+from fxmem import matmul_operands
 
 ck = pass_module("checkpoint")
 

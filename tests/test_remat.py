@@ -1031,11 +1031,12 @@ def test_matrix_product_sites_exact_and_estimated_as_measured_in_every_combinati
 def test_remat_alone_with_matrix_products_taken_where_it_fits_and_is_cheaper_than_regions():
     """At a budget the cheap sites alone miss, remat with matrix products as sites (the MLPs' first linears under
     their GELUs) reaches it without a region, and the cost model finds it cheaper than remat + regions or regions
-    alone: the pass emits it, says so, and the step is exact and measured within the budget. With
-    `remat_products: false` no linear is a site."""
-    _, off, *_ = _transform("gpt", "74%", remat_products=False)
+    alone run as torch's checkpoint (`region_recipes: false`; recomputing only what backward reads, an MLP region
+    is cheaper than its linear site here): the pass emits it, says so, and the step is exact and measured within
+    the budget. With `remat_products: false` no linear is a site."""
+    _, off, *_ = _transform("gpt", "74%", remat_products=False, region_recipes=False)
     assert "'aten.linear.default'" not in off.module.code
-    ref, res, args, kwargs, loss_fn = _transform("gpt", "74%")
+    ref, res, args, kwargs, loss_fn = _transform("gpt", "74%", region_recipes=False)
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
     assert "plan" not in rec.metrics and "remat_call('aten.linear.default'" in res.module.code
@@ -1048,10 +1049,11 @@ def test_regions_over_matrix_product_sites_where_remat_alone_misses():
     """At a budget remat alone misses even with the MLPs' first linears as sites, regions are also planned over the
     program with every site applied, linears included (a region's input may then be a recipe). On the example
     decoder at 65% that plan (attention regions, no MLP region) is cheaper by the cost model than remat + regions
-    or regions alone: the pass emits it and says so; the step is exact, measured within the budget and as
-    estimated, and its recompute (regions' and remat's) is below the plan without linear sites."""
-    _, off, *_ = _transform("gpt", "65%", remat_products=False)
-    ref, res, args, kwargs, loss_fn = _transform("gpt", "65%")
+    or regions alone, regions run as torch's checkpoint (`region_recipes: false`): the pass emits it and says so;
+    the step is exact, measured within the budget and as estimated, and its recompute (regions' and remat's) is
+    below the plan without linear sites."""
+    _, off, *_ = _transform("gpt", "65%", remat_products=False, region_recipes=False)
+    ref, res, args, kwargs, loss_fn = _transform("gpt", "65%", region_recipes=False)
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     off_rec = next(r for r in off.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason

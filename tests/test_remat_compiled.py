@@ -21,12 +21,14 @@ import examples.unet as unet  # noqa: E402
 
 
 def _remat_only(example, model, x, frac: float):
-    """`model` through the checkpoint pass at budget fraction `frac` (peak - (1 - frac) * activations)."""
+    """`model` through the checkpoint pass at budget fraction `frac` (peak - (1 - frac) * activations), regions (if
+    any) run as torch's checkpoint (`region_recipes: false`: remat's sites win where regions are priced so)."""
     program = fxmem.capture(model, x)
     program.refresh()
     base = estimate(program, mode="train", loss_fn=example.loss_fn)
     checkpoint = pass_module("checkpoint")
-    ctx = PassContext(policy=None, options=checkpoint.CheckpointOptions(), mode="train", optimizer="adamw",
+    ctx = PassContext(policy=None, options=checkpoint.CheckpointOptions(region_recipes=False), mode="train",
+                      optimizer="adamw",
                       budget=int(base.peak - (1 - frac) * base.activations), baseline=base, enabled=("checkpoint",),
                       loss_fn=example.loss_fn, budget_strict=False)
     with long_lived_frozen():

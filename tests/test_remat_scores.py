@@ -12,10 +12,11 @@ import fxmem
 from fxmem.costmodel import estimate, estimate_from_trace
 from fxmem.pipeline import pass_module
 
-from fxmem.passes.checkpoint import matmul_operands, remat
+from fxmem import matmul_operands
+from fxmem.passes.checkpoint import remat
 from fxmem.passes.checkpoint.remat import held_matmul, softmax_op
 
-from .conftest import example, step_difference
+from .conftest import example, gpt_at_activation_budget, step_difference
 from . import zoo
 from .remat_variant import pass_context, prepared
 
@@ -179,21 +180,12 @@ def test_a_mask_as_large_as_the_scores_is_not_kept():
     assert found[1] == [] and len(found[4]) == 1 and found[4][0].kept, found
 
 
-def _transform(budget: str, **options):
-    torch.manual_seed(0)
-    model, args, kwargs, loss_fn = example("gpt")
-    ref = copy.deepcopy(model)
-    res = fxmem.transform(model, args, kwargs, loss_fn=loss_fn, measure=True, policy={
-        "version": 1, "passes": {"checkpoint": {"activation_budget": budget, **options}}})
-    return ref, res, args, kwargs, loss_fn, next(r for r in res.report.passes if r.name == "checkpoint")
-
-
 def test_softmax_sites_alone_reach_an_activation_budget_exactly():
     """On the example decoder at 40% of its activations, remat with a softmax among its sites (recomputed from the
     copies of q and k, the probabilities' dropout output nested on it) reaches the budget without a region: the
     pass emits it and says so; the step is exact and keeps the bytes it planned. `remat_scores: false`: no softmax
     is recomputed."""
-    ref, res, args, kwargs, loss_fn, rec = _transform("40%")
+    ref, res, args, kwargs, loss_fn, rec = gpt_at_activation_budget("40%")
     assert rec.status == "applied", rec.reason
     assert rec.metrics["remat"]["softmaxes"] >= 1 and "plan" not in rec.metrics
     assert "remat_call('aten.softmax.int'" in res.module.code and "remat_call('aten.matmul.default'" in res.module.code
@@ -201,14 +193,15 @@ def test_softmax_sites_alone_reach_an_activation_budget_exactly():
     assert res.report.measured_after.activations == rec.metrics["estimated_activations"] <= \
         0.4 * res.report.measured_before.activations
     assert step_difference(ref, res.module, args, kwargs, loss_fn) is None
-    *_, off = _transform("40%", remat_scores=False)
+    *_, off = gpt_at_activation_budget("40%", remat_scores=False)
     assert "softmaxes" not in off.metrics["remat"]
 
 
 def test_regions_over_softmax_sites_exact_and_as_planned():
     """At 30%, regions planned over remat with softmax sites (an attention region over blocks whose softmaxes are
-    recipes) win by the cost model: the step is exact and keeps what the plan said."""
-    ref, res, args, kwargs, loss_fn, rec = _transform("30%")
+    recipes) win by the cost model, regions run as torch's checkpoint (`region_recipes: false`): the step is exact
+    and keeps what the plan said."""
+    ref, res, args, kwargs, loss_fn, rec = gpt_at_activation_budget("30%", region_recipes=False)
     assert rec.status == "applied", rec.reason
     assert rec.metrics["remat"]["softmaxes"] >= 1 and any(c != "keep" for c in rec.metrics["plan"].values())
     assert any("and attention scores" in n for n in rec.notes), rec.notes

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..nn.regions import names_op
 from .liveness import TraceLiveness, first_unpack
+from .recipe_closure import DRAW_PACKETS, recipe_high
 from .trace import ForwardTrace, cached_per_trace
 from .trace_index import TraceIndex
 
@@ -56,17 +57,18 @@ class RecomputeWalk:
         (the ops after it save nothing; their backward runs first)."""
         return self.records[first_unpack(self.records, first, last)].node
 
-    def over(self, first: int, last: int, keep_ops: frozenset) -> tuple[int, int, list]:
-        key = (first, last, frozenset(keep_ops))
+    def over(self, first: int, last: int, keep_ops: frozenset, recipes: bool = False) -> tuple[int, int, list]:
+        """(see the class docstring); `recipes`: the span runs as a recipe region (`recipe_closure`)."""
+        key = (first, last, frozenset(keep_ops), recipes)
         if key not in self._memo:
-            self._memo[key] = self._over(first, last, key[2])
+            self._memo[key] = self._over(first, last, key[2], recipes)
         return self._memo[key]
 
     def _made_again(self, key: int, first: int) -> bool:
         """Whether `key` is a region input (records from `first` on) that is a recipe's output."""
         return key in self.recorder.recipe_holds and self.created_in.get(key, -1) < first and key not in self.out_keys
 
-    def _over(self, first: int, last: int, keep_ops: frozenset) -> tuple[int, int, list]:
+    def _over(self, first: int, last: int, keep_ops: frozenset, recipes: bool) -> tuple[int, int, list]:
         records, storage_bytes, base = self.records, self.recorder.storage_bytes, self.base_keys
         keeps = Keeps(keep_ops)
         made = {key for record in records[first:last + 1] for key in record.new_keys}
@@ -83,7 +85,10 @@ class RecomputeWalk:
                  for key in record.in_keys + record.list_keys
                  if key is not None and base.get(key) is None and key not in saved and self._made_again(key, first)}
         leaves = sum(storage_bytes[key] for key in saved)
-        high = self.liveness.recompute_high(first, last, keeps, saved, again)
+        if recipes:
+            high = recipe_high(self.liveness, first, last, saved, again, draws_again=not keep_ops & DRAW_PACKETS)
+        else:
+            high = self.liveness.recompute_high(first, last, keeps, saved, again)
         extra = [(records[i].node, storage_bytes[key]) for key, i in saved.items()
                  if key not in plain or self._made_again(key, first)]
         return max(0, high - leaves), leaves, extra

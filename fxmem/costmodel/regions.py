@@ -17,10 +17,12 @@ from .. import ops as optable
 from ..nn.checkpoint import DRAW_OPS
 from ..nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from ..nn.regions import names_op
+from ..nn.region_recipe import recipe_compatible
 from ..node_value import node_value
 from ..outline import region_boundary
 from ..program import Program
 from .costs import op_cost
+from .recipe_closure import needed_records
 from .recompute import RecomputeWalk
 from .trace import DispatchRecorder, ForwardTrace, cached_per_trace
 from .trace_index import TraceIndex
@@ -78,6 +80,11 @@ class CandidateRegion:
     # held inputs and what the recomputation left that the baseline does not hold on top (recipe saves made plain,
     # inputs made again); filled by `build_region_model` for the region's choices
     spike: dict = field(default_factory=dict)
+    # its full and redraw recomputations run as recipes (`fxmem.nn.region_recipe`): only what its saves read, once
+    recipes: bool = False
+
+    def runs_as_recipes(self, choice: str) -> bool:
+        return self.recipes and choice in ("full", "redraw")
 
     def keeps(self, choice: str) -> tuple[frozenset, int]:
         """(the ops whose outputs a recomputation with `choice` keeps, their bytes): selective the keep ops and
@@ -149,11 +156,11 @@ def kept_then_written(index: TraceIndex, made: dict) -> str:
 
 def measure_regions(program: Program, regions: list[CandidateRegion], rec: DispatchRecorder, base_keys,
                     keep_ops: frozenset, node_time: dict[str, float] | None = None,
-                    balance: float | None = None) -> None:
+                    balance: float | None = None, recipes: bool = False) -> None:
     """Fill saved/kept/held bytes and recompute costs of each region from the forward trace (`rec`, `base_keys`:
     a `ForwardTrace`'s recorder and base keys). `node_time`: measured seconds per node instead of the roofline
-    cost at `balance`."""
-    _RegionMeasurer(rec, base_keys, keep_ops, node_time, balance).measure_all(regions)
+    cost at `balance`. `recipes`: regions whose ops allow it run as recipes (`CandidateRegion.recipes`)."""
+    _RegionMeasurer(rec, base_keys, keep_ops, node_time, balance, recipes).measure_all(regions)
 
 
 @dataclass
@@ -169,8 +176,9 @@ class _Breakdown:
 
 
 class _RegionMeasurer:
-    def __init__(self, recorder: DispatchRecorder, base_keys: dict, keep_ops: frozenset, node_time, balance):
-        self.recorder, self.base_keys, self.keep_ops = recorder, base_keys, keep_ops
+    def __init__(self, recorder: DispatchRecorder, base_keys: dict, keep_ops: frozenset, node_time, balance,
+                 recipes: bool):
+        self.recorder, self.base_keys, self.keep_ops, self.recipes = recorder, base_keys, keep_ops, recipes
         self.node_time, self.balance = node_time, balance
         self.index = TraceIndex.of(recorder)
         self.storage_bytes = recorder.storage_bytes
@@ -218,6 +226,10 @@ class _RegionMeasurer:
         parts = self._breakdown(records, idxs, keep_sel, keep_rng)
         if self.node_time is not None:
             self._node_time_costs(region, parts, keep_sel, keep_rng)
+        region.recipes = self.recipes and not recipe_compatible(region.nodes, DRAW_OPS, restores=False)
+        if region.recipes and idxs:
+            needed = needed_records(self.recorder.records, min(idxs), max(idxs), parts.saved)
+            parts.flops = self._closure_cost(region, needed)
         # the other outputs live on outside it (consumers save them): checkpointing cannot free them
         out_keys = {key for o in outs for key in self.keys_of(o)} - own_loose
         parts.saved -= out_keys
@@ -272,6 +284,15 @@ class _RegionMeasurer:
             if is_keep_full:
                 parts.kept_full.update(key for key in record.new_keys if base_keys.get(key) is None)
         return parts
+
+    def _closure_cost(self, region: CandidateRegion, needed: set[int]) -> float:
+        """A recipe region's full recompute cost: its needed closure's ops (draws are not among them: redraw adds
+        theirs), or the measured times of the nodes they belong to (a dropout's at its whole time)."""
+        records = self.recorder.records
+        if self.node_time is None:
+            return float(sum(self.cost(records[index]) for index in needed))
+        nodes = {records[index].node for index in needed}
+        return float(sum(self.node_time.get(node.name, 0.0) for node in region.nodes if node.name in nodes))
 
     def _node_time_costs(self, region: CandidateRegion, parts: _Breakdown, keep_sel: frozenset,
                          keep_rng: frozenset) -> None:
@@ -476,7 +497,7 @@ def _spike(region: CandidateRegion, choice: str, walk: RecomputeWalk, positions:
     backward of the first node saving it), the draws its tape keeps and the inputs it holds until its backward is
     done. (Its "lost" outputs, plain tensors savers after it keep, are gone by then: their backward ran first.)"""
     keep_ops, kept = region.keeps(choice)
-    over, leaves, extra = walk.over(*region.span, frozenset(keep_ops))
+    over, leaves, extra = walk.over(*region.span, frozenset(keep_ops), region.runs_as_recipes(choice))
     node_position = positions.position
     # the draws a region keeps its draw tape holds until the region's backward is done; the baseline frees each in
     # the backward of the first op saving it (the dropout's mask multiply), earlier in the region's backward

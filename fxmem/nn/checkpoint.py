@@ -5,6 +5,9 @@
 
 In training with autograd on, only the region's inputs are kept and the body runs again in backward (RNG state
 restored, or dropout masks kept by a `DrawTape`); `keep_ops` saves those ops' outputs (selective checkpointing).
+With `recipes=True` (the checkpoint pass's choice where the body allows it) a training forward inside the module's
+recipe scope keeps the same bytes but backward recomputes only what the region's saves read, under no_grad
+(`fxmem.nn.region_recipe`).
 Buffers the body updates in place are restored after the recomputation (`restore_args`). In eval mode or under
 no_grad the body is simply called. `fxmem_region = RegionInfo(kind="recompute", ...)` tells the cost model.
 Design: docs/design/checkpoint.md, "The runtime modules".
@@ -21,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..ops import packet
 from . import recast
 from .dropout import DrawTape
+from .region_recipe import run_as_recipes
 from .regions import RegionInfo
 
 # draws a region keeps through a DrawTape (fxmem.nn.dropout.bool_mask_dropout's Bernoulli draw)
@@ -46,7 +50,7 @@ def _policy(keep: frozenset, ctx, func, *args, **kwargs):
 class CheckpointRegion(nn.Module):
     """Runs `body` under non-reentrant activation checkpointing in training (see the module docstring)."""
 
-    def __init__(self, body: fx.GraphModule, keep_ops=(), label: str = "", restore_args=()):
+    def __init__(self, body: fx.GraphModule, keep_ops=(), label: str = "", restore_args=(), recipes: bool = False):
         super().__init__()
         self.body = body
         self.keep_ops = frozenset(keep_ops)
@@ -55,7 +59,8 @@ class CheckpointRegion(nn.Module):
         # the draw tape (forward below) holds the masks until the checkpoint lets go of the body: the end of the
         # region's backward
         self.fxmem_region = RegionInfo(kind="recompute", body=self.body, keep_ops=self.keep_ops,
-                                       held_ops=self.keep_ops & DRAW_OPS)
+                                       held_ops=self.keep_ops & DRAW_OPS,
+                                       as_recipes=recipes and isinstance(body, fx.GraphModule))
 
     def _context_fn(self):
         # a partial of module-level functions (not a bound method): torch.compile traces it as context_fn
@@ -69,8 +74,14 @@ class CheckpointRegion(nn.Module):
     def forward(self, *args):
         if not (self.training and torch.is_grad_enabled()):
             return self.body(*args)
-        body = self.body
         compiling = torch.compiler.is_compiling()
+        scope = None if compiling else recast.active_scope()
+        if scope is not None:
+            # the module's saved-tensor scope is active: recompute only what backward reads, under no_grad
+            outputs = run_as_recipes(self, scope, args)
+            if outputs is not None:
+                return outputs
+        body = self.body
         if self.restore_args and not compiling:
             body = _RestoringBody(self.body, self.restore_args)
         if self.keep_ops & DRAW_OPS and not compiling:

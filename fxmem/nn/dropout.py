@@ -51,21 +51,27 @@ class DrawTape:
 def _draw(tensor: torch.Tensor, probability: float) -> torch.Tensor:
     """A bool mask with the tensor's shape and strides, drawn in its memory order, as aten.dropout fills its float
     mask (`empty_like(tensor)`): drawn contiguous over its dims ordered as in memory, then permuted back."""
-    order = _memory_order(tensor)
-    dense = torch.empty([tensor.shape[d] for d in order], dtype=torch.bool, device=tensor.device)
+    return draw_mask(tensor.shape, tensor.stride(), tensor.device, probability)
+
+
+def draw_mask(shape, stride, device, probability: float) -> torch.Tensor:
+    """`_draw` for a tensor laid out as `shape` and `stride` on `device` (a recomputation drawing a forward's
+    masks again from their layouts)."""
+    order = _memory_order(stride)
+    dense = torch.empty([shape[d] for d in order], dtype=torch.bool, device=device)
     drawn = torch.ops.aten.bernoulli.p(dense, 1 - probability)
-    return drawn.permute(sorted(range(tensor.dim()), key=order.__getitem__))
+    return drawn.permute(sorted(range(len(shape)), key=order.__getitem__))
 
 
-def _memory_order(tensor: torch.Tensor) -> list[int]:
-    """The tensor's dims, outermost in memory first (a transposed tensor's swapped back)."""
-    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+def _memory_order(stride) -> list[int]:
+    """The dims of a tensor with these strides, outermost in memory first (a transposed tensor's swapped back)."""
+    return sorted(range(len(stride)), key=lambda d: -stride[d])
 
 
 def _dense(tensor: torch.Tensor) -> bool:
     """The tensor fills its memory without gaps or overlaps in some order of its dims (contiguous, transposed,
     permuted)."""
-    return tensor.permute(_memory_order(tensor)).is_contiguous()
+    return tensor.permute(_memory_order(tensor.stride())).is_contiguous()
 
 
 def dropout_scale(tensor: torch.Tensor, probability: float) -> torch.Tensor:

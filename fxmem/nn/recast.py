@@ -134,6 +134,21 @@ class _Pick:
         return outputs[self.i]
 
 
+class _Take:
+    """Item `index` of a list, which it leaves empty (a recipe's function: one value of a region's shared run
+    `whole`, recomputed once for all its saves, so that the list does not hold it past its own last use). A save
+    unpacked again after its last counted use (a backward through a graph a create_graph backward kept) finds its
+    item taken: the run is made again for it."""
+    __slots__ = ("i", "whole", "__name__")
+
+    def __init__(self, index: int, whole):
+        self.i, self.whole, self.__name__ = index, whole, f"value {index}"
+
+    def __call__(self, values: list):
+        value, values[self.i] = values[self.i], None
+        return value if value is not None else _recompute(self.whole)[self.i]
+
+
 def _storage_died(scope_ref, key: int, _storage_ref) -> None:
     """A registered storage died: its entry goes, and the scope's hooks too when nothing else needs them."""
     scope = scope_ref()
@@ -205,6 +220,31 @@ class RecastScope:
             part = _Remat(whole, None, None, None)
             part.how = "shared"
             self.register_recipe(tensor, _Pick(index), (part,), {})
+
+    def register_region_values(self, function, args: tuple, values: list) -> list:
+        """One shared run of function(*args), which returns a list, for `values` (its items, in order): each saved as
+        its item, recomputed with the others at the first unpack of any and held until its own last unpack
+        (`fxmem.nn.region_recipe`: a checkpoint region's needed closure). Returns what to `unregister` once the
+        region's saves are packed."""
+        whole = _Recipe(function, args, {}, None, share=True)
+        replaced = []
+        for index, tensor in enumerate(values):
+            part = _Remat(whole, None, None, None)
+            part.how = "shared"
+            key = tensor.untyped_storage()._cdata
+            replaced.append((key, self._entries.get(key)))
+            self.register_recipe(tensor, _Take(index, whole), (part,), {}, share=True)
+        return replaced
+
+    def unregister(self, replaced: list) -> None:
+        """Undo `register_region_values` (what it returned): each storage's registration as it was before, or none
+        (saves packed in between keep their recipes)."""
+        for key, entry in replaced:
+            if entry is None:
+                self._entries.pop(key, None)
+            else:
+                self._entries[key] = entry
+        self._unhook_saves()
 
     def defer_saves(self) -> tuple:
         """(previous, pending): from now until `stop_deferring(previous)`, saves are deferred into `pending` until
@@ -397,6 +437,11 @@ class _Deferred:
 
     def __init__(self, value):
         self.value = value
+
+
+def is_recipe(packed) -> bool:
+    """Whether `packed` (an argument `as_recipe_args` returned) is a recipe's output held as the recipe."""
+    return isinstance(packed, _Remat)
 
 
 def recipe_tensors(recipe: _Recipe) -> list[torch.Tensor]:

@@ -25,6 +25,9 @@ class RegionInfo:
     held_ops: frozenset = field(default_factory=frozenset)
     tier: str = "cpu"  # offload: "cpu" | "disk"
     offload_inputs: bool = False  # recompute: the region's saved inputs are offloaded too (offload around checkpoint)
+    # recompute: its forward runs inside the module's recipe scope and backward recomputes only what it reads, under
+    # no_grad (`fxmem.nn.region_recipe`), not by torch's checkpoint
+    as_recipes: bool = False
 
     def keeps(self, func) -> bool:
         return names_op(func, self.keep_ops)

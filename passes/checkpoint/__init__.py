@@ -27,7 +27,7 @@ from .candidates import (CandidateSet, RegionMeter, candidate_regions, glue_regi
                          module_paths, profile_nodes)
 from .compact_dropout import compact_dropout
 from .emit import emit_regions
-from .matmul_operands import materialize_matmul_operands
+from fxmem.matmul_operands import materialize_matmul_operands
 from .compiled_fit import CompiledGoal, fit_compiled, planner
 from .options import (CheckpointOptions, Limits, compiled_budget, compiler_budgets, resolve_activation_budget,
                       resolve_budget)

@@ -300,7 +300,7 @@ class RegionMeter:
     def measure(self, regions: list[CandidateRegion]) -> None:
         """Fill the regions' bytes and costs (`fxmem.costmodel.measure_regions`)."""
         measure_regions(self.program, regions, self.recorder, self.base_keys, self.keep_ops, self.node_time,
-                        self.balance)
+                        self.balance, recipes=self.opts.region_recipes)
 
     def admissible(self, regions: list[CandidateRegion]) -> list[CandidateRegion]:
         """The regions a recomputation can run: none writing a value made outside it (recomputation would see the

@@ -12,6 +12,8 @@ from torch import fx
 from fxmem import ops as optable
 from fxmem.costmodel import CandidateRegion
 from fxmem.nn.checkpoint import CheckpointRegion
+from fxmem.nn.recast import install as install_recast
+from fxmem.nn.region_recipe import explicit_values
 from fxmem.nn.remat import op_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pass_api import Change
@@ -36,7 +38,9 @@ def emit_regions(program: Program, regions: list[CandidateRegion], plan: list[st
                  keep_ops: frozenset) -> list[Change]:
     """Outline every region `plan` does not keep into a CheckpointRegion (in place on `program`, whose nodes
     carry the regions' node names: it may be a snapshot of the program they were found on). A region that
-    cannot be outlined is skipped, and its Change says why."""
+    cannot be outlined is skipped, and its Change says why. A region planned to run as recipes
+    (`CandidateRegion.runs_as_recipes`) has its body's saved values written as graph values
+    (`fxmem.nn.region_recipe.explicit_values`)."""
     changes = []
     by_name = {n.name: n for n in program.graph.nodes}
     for region, choice in zip(regions, plan):
@@ -44,6 +48,8 @@ def emit_regions(program: Program, regions: list[CandidateRegion], plan: list[st
             changes.append(_emit_region(program, region, choice, [by_name[n.name] for n in region.nodes], keep_ops))
     program.graph.lint()
     program.module.recompile()  # once for all the regions (outline(recompile=False))
+    if any(change.kind != "checkpoint_skipped" for change in changes):
+        install_recast(program.module)  # (its scope runs the regions as recipes: fxmem.nn.region_recipe)
     return changes
 
 
@@ -54,19 +60,25 @@ def _emit_region(program: Program, region: CandidateRegion, choice: str, nodes: 
     restore = restore_args(inputs, nodes)
     label = region.path.split("#")[0]
     before = [n.name for n in nodes]
+    recipes = region.runs_as_recipes(choice) and not restore
+
+    def wrap(body):
+        if recipes:
+            explicit_values(body.graph)
+            body.recompile()
+        return CheckpointRegion(body, keep, label=label, restore_args=restore, recipes=recipes)
     try:
-        call = outline(program, nodes, "ckpt_" + region.path.replace("#", "_"),
-                       wrap=lambda body: CheckpointRegion(body, keep, label=label, restore_args=restore),
-                       recompile=False)
+        call = outline(program, nodes, "ckpt_" + region.path.replace("#", "_"), wrap=wrap, recompile=False)
     except OutlineError as error:
         return Change("checkpoint_skipped", label, before, [], f"not outlined: {error}", 0)
     return Change(
         kind="checkpoint_" + choice, module=label, nodes_before=before, nodes_after=[call.name],
         reason=(("full recompute, dropout masks drawn again" if choice == "redraw" else f"{choice} recompute")
+                + (" of what backward reads, as recipes" if recipes else "")
                 + f": frees about {format_bytes(region.freed(choice))} of saved activations "
                 f"for {region.cost(choice):.3g} recompute cost"
                 + (f" (keeps outputs of {', '.join(sorted(keep))})" if keep else "")),
         bytes_saved=region.freed(choice),
-        details={"choice": choice, "saved_bytes": region.saved,
+        details={"choice": choice, "recipes": recipes, "saved_bytes": region.saved,
                  "kept_bytes": region.kept if choice == "selective" else region.kept_full,
                  "recompute_cost": region.cost(choice), "submodule": call.target})

@@ -46,6 +46,10 @@ class CheckpointOptions:
     # CPU dropout saves a float mask; draw the same numbers into a bool mask instead (bit-identical, 1/4 the bytes),
     # which recompute regions then keep rather than draw again (see compact_dropout)
     compact_dropout: bool = True
+    # full and redraw regions recompute only what their backward reads, under no_grad, inside the module's recipe
+    # scope (fxmem.nn.region_recipe), where their ops allow; false: torch's checkpoint replays each region up to its
+    # last save
+    region_recipes: bool = True
     # activations that are cheap functions of tensors autograd keeps anyway (GELU, dropout, layer norm outputs
     # feeding a matmul) are recomputed where backward needs them instead of saved (see remat), before regions
     remat: bool = True

@@ -29,7 +29,7 @@ def materialize_matmul_operands(graph: fx.Graph) -> list[str]:
         if node.op != "call_function" or node.target is not _MATMUL or len(node.args) != 2 or node.kwargs:
             continue
         operands = [node_value(a, tensor_only=True) if isinstance(a, fx.Node) else None for a in node.args]
-        if not all(isinstance(t, torch.Tensor) for t in operands) or not _batched(*operands):
+        if not all(isinstance(t, torch.Tensor) for t in operands) or not batched(*operands):
             continue
         copied = [i for i, t in enumerate(operands) if _reshape_copies(t)]
         for i in copied:
@@ -48,7 +48,7 @@ def materialize_matmul_operands(graph: fx.Graph) -> list[str]:
     return rewritten
 
 
-def _batched(a: torch.Tensor, b: torch.Tensor) -> bool:
+def batched(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() >= 3 and b.dim() >= 3 and a.shape[:-2] == b.shape[:-2]
 
 
