@@ -38,7 +38,7 @@ from ..node_value import node_value
 from . import dropout as dropout_module
 from .dropout import bool_mask_dropout, bool_mask_dropout_remat
 from .recast import aside, cast_param, is_recipe
-from .remat import op_call, remat, remat_call
+from .remat import op_call, op_named, remat, remat_call
 
 _CALLS = ("call_function", "call_method", "call_module")
 # what a region's recipe run returns, in this order: the closure's values, masks drawn again, inputs made again
@@ -299,10 +299,13 @@ class RegionRecipes:
 
 def explicit_values(graph: fx.Graph) -> None:
     """Write what a region's ops save as graph values, in place (the pass does so when it emits a recipe region,
-    where the graph's example values tell which matmul operands are copied): a layer norm as `native_layer_norm`
+    where the graph's example values tell which matmul operands are copied): remat calls as their plain ops (what
+    they run inside a region anyway), a layer norm as `native_layer_norm`
     (its mean and reciprocal deviation as getitems), matmul operands that its reshape copies as `contiguous` nodes
     right before it, every tensor a multi-output op returns as a getitem. The same ops, bit for bit, in the same
     order."""
+    for node in list(graph.nodes):
+        _plain(graph, node)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _LAYER_NORM and len(node.args) >= 2:
             _native_layer_norm(graph, node)
@@ -311,6 +314,23 @@ def explicit_values(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         _every_item(graph, node)
     graph.lint()
+
+
+def _plain(graph: fx.Graph, node: fx.Node) -> None:
+    """`remat(y, op, ...)` as y and `remat_call(op, *args)` as op(*args): inside a region the scope steps aside and
+    they run so (under torch.compile too, the region's checkpoint recomputes them with the rest)."""
+    if node.op != "call_function" or node.target not in (remat, remat_call):
+        return
+    if node.target is remat:
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+        return
+    kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_fxmem_")}
+    with graph.inserting_before(node):
+        plain = graph.call_function(op_named(node.args[0]), tuple(node.args[1:]), kwargs)
+    plain.meta.update(node.meta)
+    node.replace_all_uses_with(plain)
+    graph.erase_node(node)
 
 
 def _every_item(graph: fx.Graph, node: fx.Node) -> None:
