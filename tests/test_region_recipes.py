@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 import fxmem
-from fxmem.nn import region_recipe
+from fxmem.nn import region_graph, region_recipe
 from fxmem.nn.checkpoint import CheckpointRegion
 from fxmem.nn.dropout import bool_mask_dropout
 from fxmem.nn.recast import install
@@ -199,8 +199,8 @@ def test_what_cannot_run_as_recipes_says_why(source, reason):
     exec(f"def f(x, m, v):\n    return {source}\n", namespace)
     graph = fx.symbolic_trace(namespace["f"]).graph
     calls = [n for n in graph.nodes if n.op.startswith("call")]
-    assert reason in region_recipe.recipe_compatible(calls, frozenset(), False)
-    assert region_recipe.recipe_compatible(calls, frozenset({"mm"}), False) == "selective recomputation"
+    assert reason in region_graph.recipe_compatible(calls, frozenset(), False)
+    assert region_graph.recipe_compatible(calls, frozenset({"mm"}), False) == "selective recomputation"
 
 
 def test_saved_results_keep_their_recipe_regions(tmp_path):

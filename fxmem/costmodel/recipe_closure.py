@@ -4,7 +4,7 @@ Such a region's backward runs its *needed closure*: the ops that make the storag
 the ops making what those read, plus every op writing in place into a storage the closure makes; under no_grad, as
 graph code (a value is dropped after the last node of the closure that reads it). Its dropout masks are kept, or
 (redraw) all drawn again before the closure runs. Found op by op on a forward trace here, node by node on the graph
-there (`fxmem.nn.region_recipe.needed_nodes`): the same set where every saved storage is a graph value, which is
+there (`fxmem.nn.region_graph.needed_nodes`): the same set where every saved storage is a graph value, which is
 what `recipe_compatible` admits.
 """
 from __future__ import annotations

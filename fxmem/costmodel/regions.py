@@ -17,7 +17,7 @@ from .. import ops as optable
 from ..nn.checkpoint import DRAW_OPS
 from ..nn.dropout import bool_mask_dropout, bool_mask_dropout_remat
 from ..nn.regions import names_op
-from ..nn.region_recipe import recipe_compatible
+from ..nn.region_graph import recipe_compatible
 from ..node_value import node_value
 from ..outline import region_boundary
 from ..program import Program

@@ -15,43 +15,27 @@ runs. Values, gradients and the generators' states after the step are the checkp
     CheckpointRegion(body, keep_ops, recipes=True)      # the checkpoint pass, where `recipe_compatible` admits it
     outputs = run_as_recipes(region, scope, args)       # its training forward; None: run the checkpoint instead
 
-The pass admits full and redraw regions whose ops save only graph values or inputs (`recipe_compatible`: no
-buffer update, no input written in place, no random op but bool-mask dropout's draw, no composite op that could
-save a tensor of its own making) and writes a layer norm's statistics and matmul's operand copies as graph values
-first (`explicit_values`). The cost model walks the same closure op by op (`fxmem.costmodel.recipe_closure`).
-A draw no tape can replay (a dropout of a strided input, drawn by aten.dropout) makes that call keep its saves as
-they are and the region run as torch's checkpoint from then on. Design: docs/design/checkpoint.md, "Regions
+Which regions may, and the graph work that needs, is `fxmem.nn.region_graph`'s (`recipe_compatible`,
+`explicit_values`, `needed_nodes`). The cost model walks the same closure op by op
+(`fxmem.costmodel.recipe_closure`). A draw no tape can replay (a dropout of a strided input, drawn by aten.dropout), or a save of a storage that is no
+graph value, makes that call keep its saves as they are and the region run as torch's checkpoint from then on. Design: docs/design/checkpoint.md, "Regions
 recomputed as recipes".
 """
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 
 import torch
 from torch import fx
 
-from .. import ops as optable
-from ..matmul_operands import batched as _batched, materialize_matmul_operands
-from ..node_value import node_value
 from . import dropout as dropout_module
-from .dropout import bool_mask_dropout, bool_mask_dropout_remat
-from .recast import aside, cast_param, is_recipe
-from .remat import op_call, op_named, remat, remat_call
+from .recast import aside, is_recipe
+from .region_graph import DRAWS, DROPOUTS, needed_nodes
 
 _CALLS = ("call_function", "call_method", "call_module")
 # what a region's recipe run returns, in this order: the closure's values, masks drawn again, inputs made again
 _KINDS = ("value", "mask", "input")
-# the dropouts whose draws a region's tape records (inside a region `bool_mask_dropout_remat` registers nothing)
-_DROPOUTS = (bool_mask_dropout, bool_mask_dropout_remat)
-_LAYER_NORM = torch.ops.aten.layer_norm.default
-_NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
-
-# what runs inside a recipe region as it runs inside a checkpoint (plainly: the scope steps aside)
-_PLAIN_FUNCTIONS = (remat, remat_call, cast_param, operator.getitem)
-# norms that update the running statistics they are given (in training)
-_STATISTICS_UPDATES = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 # region module -> its RegionRecipes (built at the first training forward; nothing is stored on the module, so
 # state dicts, saved results and deep copies are as before)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -76,121 +60,6 @@ def run_as_recipes(region, scope, args: tuple):
                           "own making that are no graph value, which its recipes cannot make again: kept this step, "
                           "recomputed by torch's checkpoint from the next", RuntimeWarning, stacklevel=3)
     return outputs
-
-
-# the ops a recipe region's keep_ops may name: its dropout draws (kept as masks, or drawn again)
-DRAWS = frozenset({"bernoulli"})
-# composite ops (CompositeImplicitAutograd) whose saves are their inputs' storages or their own value's, so that a
-# needed closure recomputes all of them; layer_norm's statistics become graph values first (`explicit_values`),
-# matmul's and linear's operands only where folding them is a view or the copy is made a value
-# (`_folds_without_copy`)
-SAFE_COMPOSITES = frozenset({
-    "aten.softmax.int", "aten.log_softmax.int", "aten.contiguous.default", "aten.reshape.default",
-    "aten.flatten.using_ints", "aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
-    "aten.conv_transpose1d.default", "aten.conv_transpose2d.input", "aten.conv_transpose3d.input",
-    "aten.layer_norm.default", "aten.matmul.default", "aten.linear.default",
-})
-
-
-def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool) -> str:
-    """Why a region of `nodes` (graph order; its inputs are the nodes outside) cannot run as recipes ("" when it
-    can): it keeps op outputs (selective), restores buffers it updates, writes an input in place, draws random
-    numbers other than bool-mask dropout's, calls a submodule, a method or a function with effects, or runs a
-    composite op that could save a tensor of its own making (not a graph value a closure recomputes)."""
-    if keep_ops - DRAWS:
-        return "selective recomputation"
-    if restores:
-        return "updates buffers"
-    inside = set(nodes)
-    for node in nodes:
-        why = _node_incompatible(node, inside)
-        if why:
-            return why
-    return ""
-
-
-def _node_incompatible(node: fx.Node, inside: set) -> str:
-    if node.op in ("call_module", "call_method"):
-        return f"{node.op} {node.target}"
-    if node.op == "call_function" and node.target in _DROPOUTS:
-        return _dropout_incompatible(node)
-    if node.op != "call_function" or node.target in _PLAIN_FUNCTIONS:
-        return ""
-    target, args = op_call(node.target, node.args)
-    if not isinstance(target, torch._ops.OpOverload):
-        return f"calls {getattr(target, '__name__', target)}"
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return f"{target} draws random numbers"
-    if any(_base(arg) not in inside for arg in optable.written_args(target, args) if isinstance(arg, fx.Node)):
-        return f"{target} writes an input in place"
-    if target in _STATISTICS_UPDATES and any(isinstance(arg, fx.Node) for arg in args[3:5]):
-        return f"{target} updates running statistics"
-    name = str(target)
-    if torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd") and \
-            (name not in SAFE_COMPOSITES or not _folds_without_copy(target, args)):
-        return f"{target} may save a tensor of its own making"
-    return ""
-
-
-def _dropout_incompatible(node: fx.Node) -> str:
-    """A bool-mask dropout without the graph's own scale in its input's dtype makes its scale, a tensor it saves,
-    inside (no graph value a closure could make again)."""
-    args = list(node.args) + [node.kwargs.get(k) for k in ("scale", "scale_dtype")][len(node.args) - 3:]
-    value = node_value(args[0], tensor_only=True) if args else None
-    if len(args) < 5 or args[3] is None or value is None or value.dtype != args[4]:
-        return "a dropout makes its scale inside"
-    return ""
-
-
-def _folds_without_copy(target, args) -> bool:
-    """A linear's input, or a matmul's operands unless batched (whose copies become graph values), fold to 2-D or
-    3-D as views (no copy inside the op that its product would save)."""
-    if str(target) not in ("aten.matmul.default", "aten.linear.default"):
-        return True
-    values = [node_value(a, tensor_only=True) if isinstance(a, fx.Node) else None for a in args[:2]]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        return False
-    if str(target) == "aten.matmul.default" and _batched(*values):
-        return True
-    operands = values[:1] if str(target) == "aten.linear.default" else values
-    return all(v.dim() <= 2 or v.reshape(-1, v.shape[-1])._is_view() for v in operands)
-
-
-def _base(node):
-    """The node whose storage `node` views, following the first argument of view ops (a placeholder: an input)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and \
-            isinstance(node.target, torch._ops.OpOverload) and node.target.is_view and node.args:
-        node = node.args[0]
-    return node
-
-
-def needed_nodes(nodes: list, wanted: set) -> set:
-    """The nodes of `nodes` (graph order) a closure making `wanted` runs: those and, transitively, the nodes among
-    `nodes` their arguments come from, and every op that writes in place into a needed node's storage (with what it
-    reads). The cost model finds the same set op by op (`fxmem.costmodel.recompute.needed_records`)."""
-    inside = set(nodes)
-    needed: set = set()
-    stack = list(wanted)
-    while True:
-        while stack:
-            node = stack.pop()
-            if node in needed or node not in inside:
-                continue
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-        writers = [n for n in nodes if n not in needed and _writes_into(n, needed)]
-        if not writers:
-            return needed
-        stack.extend(writers)
-
-
-def _writes_into(node: fx.Node, needed: set) -> bool:
-    if node.op != "call_function":
-        return False
-    target, args = op_call(node.target, node.args)
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    return any(_base(arg) in needed for arg in optable.written_args(target, args) if isinstance(arg, fx.Node))
 
 
 class RegionRecipes:
@@ -297,88 +166,14 @@ class RegionRecipes:
         return closure
 
 
-def explicit_values(graph: fx.Graph) -> None:
-    """Write what a region's ops save as graph values, in place (the pass does so when it emits a recipe region,
-    where the graph's example values tell which matmul operands are copied): remat calls as their plain ops (what
-    they run inside a region anyway), a layer norm as `native_layer_norm`
-    (its mean and reciprocal deviation as getitems), matmul operands that its reshape copies as `contiguous` nodes
-    right before it, every tensor a multi-output op returns as a getitem. The same ops, bit for bit, in the same
-    order."""
-    for node in list(graph.nodes):
-        _plain(graph, node)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _LAYER_NORM and len(node.args) >= 2:
-            _native_layer_norm(graph, node)
-    for matmul in materialize_matmul_operands(graph):
-        _copies_next_to(graph, matmul)
-    for node in list(graph.nodes):
-        _every_item(graph, node)
-    graph.lint()
-
-
-def _plain(graph: fx.Graph, node: fx.Node) -> None:
-    """`remat(y, op, ...)` as y and `remat_call(op, *args)` as op(*args): inside a region the scope steps aside and
-    they run so (under torch.compile too, the region's checkpoint recomputes them with the rest)."""
-    if node.op != "call_function" or node.target not in (remat, remat_call):
-        return
-    if node.target is remat:
-        node.replace_all_uses_with(node.args[0])
-        graph.erase_node(node)
-        return
-    kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_fxmem_")}
-    with graph.inserting_before(node):
-        plain = graph.call_function(op_named(node.args[0]), tuple(node.args[1:]), kwargs)
-    plain.meta.update(node.meta)
-    node.replace_all_uses_with(plain)
-    graph.erase_node(node)
-
-
-def _every_item(graph: fx.Graph, node: fx.Node) -> None:
-    """A getitem for each tensor a multi-output op returns that no node takes yet (max pooling's indices, which it
-    saves): a graph value too, dropped at once where nothing uses it."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
-            len(node.target._schema.returns) < 2:
-        return
-    taken = {u.args[1] for u in node.users if u.target is operator.getitem}
-    with graph.inserting_after(node):
-        for index in reversed(range(len(node.target._schema.returns))):
-            if index not in taken and str(node.target._schema.returns[index].type) == "Tensor":
-                graph.call_function(operator.getitem, (node, index))
-
-
 def _keyed_graph(body: fx.GraphModule) -> fx.Graph:
     """A copy of the body's graph with each dropout keyed by its position among the draws (`_keyed_dropout`)."""
     graph = fx.Graph()
     out = graph.graph_copy(body.graph, {})
     graph.output(out)
-    for key, node in enumerate(n for n in graph.nodes if n.target in _DROPOUTS):
-        node.target, node.args = _keyed_dropout, (key, _DROPOUTS.index(node.target), *node.args)
+    for key, node in enumerate(n for n in graph.nodes if n.target in DROPOUTS):
+        node.target, node.args = _keyed_dropout, (key, DROPOUTS.index(node.target), *node.args)
     return graph
-
-
-def _copies_next_to(graph: fx.Graph, name: str) -> None:
-    """Move the operand copies `materialize_matmul_operands` put after the operands of matmul `name` to right before
-    it, where matmul itself made them: a copy lives no longer in the forward than it did."""
-    matmul = next(n for n in graph.nodes if n.name == name)
-    for operand in matmul.args:
-        if isinstance(operand, fx.Node) and operand.target is torch.ops.aten.contiguous.default:
-            matmul.prepend(operand)
-
-
-def _native_layer_norm(graph: fx.Graph, node: fx.Node) -> None:
-    """`aten.layer_norm(x, shape, w, b, eps)` as `native_layer_norm(x, shape, w, b, eps)[0]`, with the statistics
-    as getitems too: what layer_norm runs, its saves now graph values."""
-    args = list(node.args) + [None] * (5 - len(node.args))
-    eps = node.kwargs.get("eps", args[4] if args[4] is not None else 1e-5)
-    with graph.inserting_before(node):
-        native = graph.call_function(_NATIVE_LAYER_NORM, (args[0], args[1], node.kwargs.get("weight", args[2]),
-                                                          node.kwargs.get("bias", args[3]), eps))
-        out = graph.call_function(operator.getitem, (native, 0))
-        for index in (1, 2):
-            graph.call_function(operator.getitem, (native, index))
-    out.meta.update(node.meta)
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
 
 
 def _forward_module(body: fx.GraphModule, graph: fx.Graph, values: list) -> fx.GraphModule:
@@ -414,9 +209,9 @@ def _tensors(values) -> list[torch.Tensor]:
 
 
 def _keyed_dropout(key: int, kind: int, tensor, probability: float, train: bool, *args, **kwargs):
-    """`_DROPOUTS[kind](tensor, probability, train, *args, **kwargs)`, its draw (if any) recorded or replayed under
+    """`DROPOUTS[kind](tensor, probability, train, *args, **kwargs)`, its draw (if any) recorded or replayed under
     `key`; a draw that took another way (aten.dropout's own, for an input with gaps) is noted on the tape."""
-    function = _DROPOUTS[kind]
+    function = DROPOUTS[kind]
     tape = dropout_module._TAPE.get()
     if tape is None:
         return function(tensor, probability, train, *args, **kwargs)

@@ -13,7 +13,7 @@ from fxmem import ops as optable
 from fxmem.costmodel import CandidateRegion
 from fxmem.nn.checkpoint import CheckpointRegion
 from fxmem.nn.recast import install as install_recast
-from fxmem.nn.region_recipe import explicit_values
+from fxmem.nn.region_graph import explicit_values
 from fxmem.nn.remat import op_call
 from fxmem.outline import OutlineError, outline, region_boundary
 from fxmem.pass_api import Change
@@ -40,7 +40,7 @@ def emit_regions(program: Program, regions: list[CandidateRegion], plan: list[st
     carry the regions' node names: it may be a snapshot of the program they were found on). A region that
     cannot be outlined is skipped, and its Change says why. A region planned to run as recipes
     (`CandidateRegion.runs_as_recipes`) has its body's saved values written as graph values
-    (`fxmem.nn.region_recipe.explicit_values`)."""
+    (`fxmem.nn.region_graph.explicit_values`)."""
     changes = []
     by_name = {n.name: n for n in program.graph.nodes}
     for region, choice in zip(regions, plan):
