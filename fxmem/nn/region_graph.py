@@ -49,27 +49,37 @@ SAFE_COMPOSITES = frozenset({
 
 def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool) -> str:
     """Why a region of `nodes` (graph order; its inputs are the nodes outside) cannot run as recipes ("" when it
-    can): it keeps op outputs (selective), restores buffers it updates, writes an input in place, draws random
-    numbers other than bool-mask dropout's, calls a submodule, a method or a function with effects, or runs a
-    composite op that could save a tensor of its own making (not a graph value a closure recomputes)."""
+    can): it keeps op outputs (selective), restores buffers it updates, has an effect a closure would repeat or a
+    draw it could not replay (`recipe_effects`), or runs an op that could save a tensor of its own making (not a
+    graph value a closure recomputes; a composite op, a dropout making its scale)."""
     if keep_ops - DRAWS:
         return "selective recomputation"
     if restores:
         return "updates buffers"
     inside = set(nodes)
     for node in nodes:
-        why = _node_incompatible(node, inside)
+        why = _effect(node, inside) or _own_saves(node)
         if why:
             return why
     return ""
 
 
-def _node_incompatible(node: fx.Node, inside: set) -> str:
+def recipe_effects(nodes: list) -> str:
+    """The part of `recipe_compatible` that needs no example values: a submodule, method or other function call, a
+    random op but bool-mask dropout's draw, an input written in place, running statistics updated ("" when none). A
+    region loaded or built with `recipes=True` is held to it at its first run."""
+    inside = set(nodes)
+    for node in nodes:
+        why = _effect(node, inside)
+        if why:
+            return why
+    return ""
+
+
+def _effect(node: fx.Node, inside: set) -> str:
     if node.op in ("call_module", "call_method"):
         return f"{node.op} {node.target}"
-    if node.op == "call_function" and node.target in DROPOUTS:
-        return _dropout_incompatible(node)
-    if node.op != "call_function" or node.target in _PLAIN_FUNCTIONS:
+    if node.op != "call_function" or node.target in DROPOUTS or node.target in _PLAIN_FUNCTIONS:
         return ""
     target, args = op_call(node.target, node.args)
     if not isinstance(target, torch._ops.OpOverload):
@@ -80,9 +90,19 @@ def _node_incompatible(node: fx.Node, inside: set) -> str:
         return f"{target} writes an input in place"
     if target in _STATISTICS_UPDATES and any(isinstance(arg, fx.Node) for arg in args[3:5]):
         return f"{target} updates running statistics"
-    name = str(target)
-    if torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd") and \
-            (name not in SAFE_COMPOSITES or not _folds_without_copy(target, args)):
+    return ""
+
+
+def _own_saves(node: fx.Node) -> str:
+    """Why `node` could save a tensor of its own making that is no graph value ("" if it cannot)."""
+    if node.op != "call_function":
+        return ""
+    if node.target in DROPOUTS:
+        return _dropout_incompatible(node)
+    target, args = op_call(node.target, node.args)
+    if isinstance(target, torch._ops.OpOverload) and \
+            torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd") and \
+            (str(target) not in SAFE_COMPOSITES or not _folds_without_copy(target, args)):
         return f"{target} may save a tensor of its own making"
     return ""
 

@@ -31,7 +31,7 @@ from torch import fx
 
 from . import dropout as dropout_module
 from .recast import aside, is_recipe
-from .region_graph import DRAWS, DROPOUTS, needed_nodes
+from .region_graph import DRAWS, DROPOUTS, needed_nodes, recipe_effects
 
 _CALLS = ("call_function", "call_method", "call_module")
 # what a region's recipe run returns, in this order: the closure's values, masks drawn again, inputs made again
@@ -49,6 +49,11 @@ def run_as_recipes(region, scope, args: tuple):
     plan = _PLANS.get(region)
     if plan is None:
         plan = _PLANS[region] = RegionRecipes(region.body, keep_masks=bool(region.keep_ops & DRAWS))
+        why = recipe_effects([n for n in region.body.graph.nodes if n.op in _CALLS])
+        if why:  # (a region marked so by a saved file or by hand, not by the pass)
+            plan.applicable = False
+            warnings.warn(f"fxmem: checkpoint region {region.label!r} is marked to run as recipes, but {why}: it "
+                          "runs as torch's checkpoint", RuntimeWarning, stacklevel=3)
     if not plan.applicable:
         return None
     outputs, replayable = plan.run(scope, args)
