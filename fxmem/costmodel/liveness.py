@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ..nn.regions import region_info
 from ..program import Program
 from .offload_times import OffloadTimes
-from .recipe_closure import DRAW_PACKETS, recipe_high
+from ..nn.dropout import DRAW_OPS
+from .recipe_closure import recipe_high
 from .trace import ForwardTrace
 
 
@@ -339,7 +340,7 @@ class SavePlan:
             if info is not None and info.kind == "recompute" and getattr(info, "as_recipes", False):
                 high = recipe_high(self.liveness, self.region_first[name], self.region_last[name],
                                    self.recompute_keys[name], self.recompute_transient[name],
-                                   draws_again=not info.keep_ops & DRAW_PACKETS)
+                                   draws_again=not info.keep_ops & DRAW_OPS)
             elif info is not None and info.kind == "recompute":
                 high = self.liveness.recompute_high(self.region_first[name], self.region_last[name], info,
                                                     self.recompute_keys[name], self.recompute_transient[name])

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .. import ops as optable
+from ..nn.dropout import DRAW_OPS
 
-DRAW_PACKETS = frozenset({"bernoulli"})
 
 
 def needed_records(records: list, first: int, last: int, wanted) -> set[int]:
@@ -99,4 +99,4 @@ def _written_keys(record) -> list:
 
 
 def _draw(record) -> bool:
-    return optable.packet(record.func) in DRAW_PACKETS
+    return optable.packet(record.func) in DRAW_OPS

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..nn.regions import names_op
 from .liveness import TraceLiveness, first_unpack
-from .recipe_closure import DRAW_PACKETS, recipe_high
+from ..nn.dropout import DRAW_OPS
+from .recipe_closure import recipe_high
 from .trace import ForwardTrace, cached_per_trace
 from .trace_index import TraceIndex
 
@@ -86,7 +87,7 @@ class RecomputeWalk:
                  if key is not None and base.get(key) is None and key not in saved and self._made_again(key, first)}
         leaves = sum(storage_bytes[key] for key in saved)
         if recipes:
-            high = recipe_high(self.liveness, first, last, saved, again, draws_again=not keep_ops & DRAW_PACKETS)
+            high = recipe_high(self.liveness, first, last, saved, again, draws_again=not keep_ops & DRAW_OPS)
         else:
             high = self.liveness.recompute_high(first, last, keeps, saved, again)
         extra = [(records[i].node, storage_bytes[key]) for key, i in saved.items()

@@ -23,12 +23,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..ops import packet
 from . import recast
-from .dropout import DrawTape
+from .dropout import DRAW_OPS, DrawTape
 from .region_recipe import run_as_recipes
 from .regions import RegionInfo
 
-# draws a region keeps through a DrawTape (fxmem.nn.dropout.bool_mask_dropout's Bernoulli draw)
-DRAW_OPS = frozenset({"bernoulli"})
 
 # dispatch-level ops worth keeping under selective checkpointing: matmuls, convolutions, attention kernels
 MATMUL_OPS = frozenset({

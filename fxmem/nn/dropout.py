@@ -18,6 +18,9 @@ from .compiled_recompute import recompute_compiled
 from .recast import active_scope
 from .remat import register_recompute
 
+# the op of the draws a region keeps (its DrawTape) or draws again: bool_mask_dropout's Bernoulli draw
+DRAW_OPS = frozenset({"bernoulli"})
+
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("fxmem_draw_tape", default=None)
 
 

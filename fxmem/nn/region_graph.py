@@ -20,7 +20,7 @@ from torch import fx
 from .. import ops as optable
 from ..matmul_operands import batched as _batched, materialize_matmul_operands
 from ..node_value import node_value
-from .dropout import bool_mask_dropout, bool_mask_dropout_remat
+from .dropout import DRAW_OPS, bool_mask_dropout, bool_mask_dropout_remat
 from .recast import cast_param
 from .remat import op_call, op_named, remat, remat_call
 
@@ -33,8 +33,6 @@ _PLAIN_FUNCTIONS = (remat, remat_call, cast_param, operator.getitem)
 # norms that update the running statistics they are given (in training)
 _STATISTICS_UPDATES = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 
-# the ops a recipe region's keep_ops may name: its dropout draws (kept as masks, or drawn again)
-DRAWS = frozenset({"bernoulli"})
 # composite ops (CompositeImplicitAutograd) whose saves are their inputs' storages or their own value's, so that a
 # needed closure recomputes all of them; layer_norm's statistics become graph values first (`explicit_values`),
 # matmul's and linear's operands only where folding them is a view or the copy is made a value
@@ -52,7 +50,7 @@ def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool) -> str:
     can): it keeps op outputs (selective), restores buffers it updates, has an effect a closure would repeat or a
     draw it could not replay (`recipe_effects`), or runs an op that could save a tensor of its own making (not a
     graph value a closure recomputes; a composite op, a dropout making its scale)."""
-    if keep_ops - DRAWS:
+    if keep_ops - DRAW_OPS:
         return "selective recomputation"
     if restores:
         return "updates buffers"

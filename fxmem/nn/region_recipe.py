@@ -28,10 +28,12 @@ import weakref
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from . import dropout as dropout_module
 from .recast import aside, is_recipe
-from .region_graph import DRAWS, DROPOUTS, needed_nodes, recipe_effects
+from .dropout import DRAW_OPS
+from .region_graph import DROPOUTS, needed_nodes, recipe_effects
 
 _CALLS = ("call_function", "call_method", "call_module")
 # what a region's recipe run returns, in this order: the closure's values, masks drawn again, inputs made again
@@ -48,7 +50,7 @@ def run_as_recipes(region, scope, args: tuple):
         return None
     plan = _PLANS.get(region)
     if plan is None:
-        plan = _PLANS[region] = RegionRecipes(region.body, keep_masks=bool(region.keep_ops & DRAWS))
+        plan = _PLANS[region] = RegionRecipes(region.body, keep_masks=bool(region.keep_ops & DRAW_OPS))
         why = recipe_effects([n for n in region.body.graph.nodes if n.op in _CALLS])
         if why:  # (a region marked so by a saved file or by hand, not by the pass)
             plan.applicable = False
@@ -206,11 +208,7 @@ def _note(notes: list, index: int, value) -> None:
 
 
 def _tensors(values) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, (list, tuple)):
-        return [t for v in values for t in _tensors(v)]
-    return []
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 def _keyed_dropout(key: int, kind: int, tensor, probability: float, train: bool, *args, **kwargs):
