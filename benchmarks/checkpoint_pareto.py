@@ -38,7 +38,8 @@ rows and what they are compared with).
 
 With --compile, the goal lines also give an eager floor per budget: the least recomputation time any eager plan
 needs to keep no more activation bytes than compile@b (benchmarks/eager_floor.py: each recomputed op's inputs kept
-or recomputed too; the older bound, each op dropped alone, beside it), to tell where the goal is out of reach for
+or recomputed too, an op reading a kept input priced where backward runs it; the bound at forward times and the
+older bound, each op dropped alone, beside it), to tell where the goal is out of reach for
 eager execution itself and where it is fxmem's to close, and fxmem's recompute time at compile@b's bytes against
 it (issue 33's goal: within 1.15x).
 
@@ -556,9 +557,12 @@ def goal_lines(res) -> list[str]:
     lines = ["", "Goal per budget b: activation bytes <= compile@b's, and overhead over eager <= compile@b's overhead "
              "over compile@1.0 plus 5 points. Eager floor: the least time any eager recompute plan on this "
              "graph spends to keep no more activation bytes than compile@b (saved-tensor hooks on both sides): "
-             "the forward time of the ops it must run again, each recomputed op's inputs kept or recomputed "
-             "too, dropout masks kept as bool or drawn again (benchmarks/eager_floor.py; \"each op dropped "
-             "alone\": the cheapest ops per byte, inputs ignored); above the allowed overhead, no eager plan "
+             "the time of the ops it must run again, each recomputed op's inputs kept or recomputed "
+             "too, an op that reads a kept input at its time where backward runs it (benchmarks/backward_times.py), "
+             "one inside a recomputed chain at its forward time, dropout masks kept as bool or drawn again "
+             "(benchmarks/eager_floor.py; the floor at forward times alone in brackets; \"each op dropped "
+             "alone\": the cheapest ops per byte at forward time, inputs ignored); above the allowed overhead, no "
+             "eager plan "
              "meets the goal. fxmem's recompute time: its step at compile@b's bytes less the captured graph's (the "
              "program fxmem starts from) in the same round, median over the rounds (and quartiles). "
              "\"At compile@b's bytes\": fxmem with an activation budget of the bytes compile@b kept "
@@ -625,7 +629,8 @@ def floor_part(res, r: dict, allowed: float, b: str) -> str:
     eager = rows["eager"]["step_s"]
     fl = secs / eager
     part = (f"eager floor: dropping {format_bytes(max(0, drop))} ({format_bytes(min(floor.free, max(0, drop)))} "
-            f"of it free) costs any eager recompute plan at least {secs * 1000:.1f} ms, {fl * 100:+.0f}% "
+            f"of it free) costs any eager recompute plan at least {secs * 1000:.1f} ms "
+            f"({floor.forward_seconds(drop) * 1000:.1f} at forward times), {fl * 100:+.0f}% "
             f"({'unreachable in eager' if fl > allowed else 'reachable in principle'}; {loose * 1000:.1f} ms with "
             f"each op dropped alone)")
     at_bytes = rows.get(f"fxmem=c@{b}")

@@ -13,10 +13,11 @@ from .conftest import example
 
 
 def _graph(nodes, fixed: int = 0) -> RecomputeGraph:
-    """nodes: (name, seconds, bytes backward reads, bytes to keep it, input indices)."""
+    """nodes: (name, seconds, bytes backward reads, bytes to keep it, input indices[, extra seconds when it reads
+    a kept input])."""
     graph = RecomputeGraph(fixed=fixed)
-    for name, seconds, kept, keep, inputs in nodes:
-        graph._add(name, seconds, kept, keep, keep == 0, list(inputs))
+    for name, seconds, kept, keep, inputs, *extra in nodes:
+        graph._add(name, seconds, kept, keep, keep == 0, list(inputs), *extra)
     graph.total = sum(n[2] for n in nodes) + fixed
     return graph
 
@@ -36,6 +37,19 @@ def test_a_view_is_kept_only_through_its_base():
     graph = _graph([("x", 4.0, 0, 10, ()), ("v", 0.0, 0, 0, (0,)), ("y", 1.0, 10, 10, (1,))])
     assert graph.views == [False, True, False]
     assert dependency_floor(graph, 10) == pytest.approx(5.0)  # y alone would keep x's 10 bytes instead
+
+
+def test_a_recomputation_reading_a_kept_input_pays_its_backward_time():
+    # x (saved, too dear to recompute) -> a -> b, both saved: recomputing a reads the kept x (+2 s); b after a
+    # reads what a just made (no extra), but b alone reads a kept a (+3 s)
+    graph = _graph([("x", 100.0, 10, 10, (), 0.0), ("a", 1.0, 10, 10, (0,), 2.0), ("b", 1.0, 10, 10, (1,), 3.0)])
+    assert dependency_floor(graph, 10) == pytest.approx(3.0)  # a from the kept x: 1 + 2 (b alone: 4)
+    assert dependency_floor(graph, 20) == pytest.approx(4.0)  # a (from x, +2), then b from the fresh a
+    assert dependency_floor(graph, 10, situated=False) == pytest.approx(1.0)
+    assert dependency_floor(graph, 20, situated=False) == pytest.approx(2.0)
+    # a node without compute inputs reads kept tensors only (parameters, inputs): it always pays
+    graph = _graph([("x", 1.0, 10, 10, (), 0.5)])
+    assert dependency_floor(graph, 10) == pytest.approx(1.5)
 
 
 def test_bytes_no_plan_drops_make_the_floor_infinite():
@@ -68,3 +82,20 @@ def test_decoder_floor_keeps_masks_apart_and_grows_with_the_bytes_dropped(gpt_fl
     assert all(a <= b + 1e-9 for a, b in zip(seconds, seconds[1:])), seconds
     assert seconds[-1] > 0
     assert math.isinf(floor.seconds(graph.total))  # the loss's own saves stay
+
+
+def test_decoder_backward_times_cover_saved_outputs(gpt_floor):
+    from benchmarks.backward_times import backward_node_times
+    program, floor = gpt_floor
+    model, args, kwargs, loss_fn = example("gpt")
+    times = backward_node_times(program, loss_fn, steps=1)
+    ops = {n.name: str(n.target) for n in program.graph.nodes}
+    # the saved outputs' producers are timed (a GELU, the layer norms, the dropouts' remakes), the forward's
+    # last op's too; nothing that is not a node of the graph
+    kinds = {ops[name].split(".")[1] for name in times}
+    assert {"gelu", "layer_norm", "dropout", "linear"} <= kinds, kinds
+    assert all(t > 0 for t in times.values()) and set(times) <= set(ops)
+    # the floor charges them where a recomputation reads a kept input: never below the forward-time floor
+    drop = int(floor.graph.total * 0.5)
+    assert floor.seconds(drop) >= floor.forward_seconds(drop) - 1e-9
+    assert any(e > 0 for e in floor.graph.extra)
