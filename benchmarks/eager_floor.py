@@ -187,9 +187,15 @@ def dependency_floor(graph: RecomputeGraph, drop: int, time_limit: float = 30.0,
     """Least seconds of recomputation that keeps at most `graph.total - drop` bytes with every recomputed node's
     inputs available, a recomputed node that reads a kept input paying its `extra` (`situated`; see the module
     docstring); inf when no plan keeps so few."""
+    return dependency_plan(graph, drop, time_limit, situated)[0]
+
+
+def dependency_plan(graph: RecomputeGraph, drop: int, time_limit: float = 30.0,
+                    situated: bool = True) -> tuple[float, list[str]]:
+    """`dependency_floor` and the nodes the best plan found recomputes (empty when none was found)."""
     target = graph.total - drop - graph.fixed
     if target < 0:
-        return float("inf")
+        return float("inf"), []
     n = len(graph.names)
     extra = np.asarray(graph.extra if situated else [0.0] * n, dtype=float)
     # columns: keep[i] (i < n), recompute[i] (n + i), reads-a-kept-input[i] (2n + i); rows: needed, inputs
@@ -213,11 +219,12 @@ def dependency_floor(graph: RecomputeGraph, drop: int, time_limit: float = 30.0,
     lo.append(-float(target))
     col_hi = [0.0 if view else 1.0 for view in graph.views] + [1.0] * n + [1.0 if e > 0 else 0.0 for e in extra]
     cost = np.r_[np.zeros(n), np.asarray(graph.seconds, dtype=float), extra]
-    _, optimal, bound = pass_module("checkpoint.solvers").highs_milp(
+    values, optimal, bound = pass_module("checkpoint.solvers").highs_milp(
         cost, np.array(rows), lo, [math.inf] * len(rows), np.zeros(3 * n), col_hi, [True] * (3 * n), time_limit)
     # the optimum, or where the time limit stops HiGHS first its proven lower bound on it (a floor either way);
     # neither: infeasible, no plan keeps so few
-    return bound if bound is not None else math.inf
+    recomputed = [] if values is None else [graph.names[i] for i in range(n) if values[n + i] > 0.5]
+    return (bound if bound is not None else math.inf), recomputed
 
 
 def _row(width: int, entries: dict) -> np.ndarray:
