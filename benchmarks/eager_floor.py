@@ -30,13 +30,14 @@ against 1.35 ms of forward time.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import fx
 
-from fxmem.costmodel import node_costs
+from fxmem.costmodel import node_costs, trace_forward, value_key
 from fxmem.pipeline import pass_module
 
 try:
@@ -59,7 +60,7 @@ class EagerFloor:
         costs, times, free = node_costs(program, "train", loss_fn), _node_times(program), _free_bytes(program)
         backward = backward_node_times(program, loss_fn) if situated else {}
         return cls(recompute_items(costs, times), free,
-                   RecomputeGraph.build(program.graph, costs, times, backward))
+                   RecomputeGraph.build(program.graph, costs, times, backward, unsaved_outputs(program, loss_fn)))
 
     def seconds(self, drop: int) -> float:
         return dependency_floor(self.graph, drop)
@@ -71,12 +72,48 @@ class EagerFloor:
         return knapsack_floor(self.items, self.free, drop)
 
 
-def _node_times(program) -> dict[str, float]:
-    """Forward seconds per node: the checkpoint pass's profiler (no_grad, median of 5 runs on the example inputs),
+def _node_times(program, repeats: int = 9) -> dict[str, float]:
+    """Forward seconds per node: the least over `repeats` no_grad runs of the graph on the example inputs (a floor's
+    choice, and the steadiest: the pass's profiler, a median of five, moved single nodes threefold between runs),
     less the interpreter's own time per node (the least any node took: a getitem's)."""
-    times = pass_module("checkpoint").profile_nodes(program, repeats=5)
+    times: dict[str, float] = {}
+
+    class _Timer(fx.Interpreter):
+        def run_node(self, node):
+            started = time.perf_counter()
+            out = super().run_node(node)
+            seconds = time.perf_counter() - started
+            times[node.name] = min(seconds, times.get(node.name, math.inf))
+            return out
+
+    flat = program.flat_inputs()
+    with torch.no_grad():
+        for _ in range(repeats):
+            _Timer(program.module).run(*flat, enable_io_processing=False)
     overhead = min(times.values())
     return {name: max(0.0, t - overhead) for name, t in times.items()}
+
+
+def unsaved_outputs(program, loss_fn) -> dict[str, int]:
+    """Node name -> bytes of its output's storage, for nodes backward reads other storages of but not that one (a
+    batched matmul saves the copies it makes of its operands, not its product): keeping such a node's output for a
+    recomputation that reads it costs these bytes on top (the attention's `att @ v` under its `contiguous`)."""
+    traced = trace_forward(program, program.example_args, program.example_kwargs, "train", loss_fn)
+    recorder = traced.recorder
+    by_node: dict[str, list] = {}
+    saved: set[int] = set()
+    for record in recorder.records:
+        by_node.setdefault(record.node, []).append(record)
+        saved.update(record.saved)
+    out: dict[str, int] = {}
+    for node in program.graph.nodes:
+        records = by_node.get(node.name)
+        key = value_key(by_node, node) if records else None
+        if key is None or key in saved or not any(key in r.new_keys for r in records):
+            continue
+        if any(k in saved for r in records for k in r.new_keys):
+            out[node.name] = recorder.storage_bytes[key]
+    return out
 
 
 def _free_bytes(program) -> int:
@@ -109,12 +146,14 @@ class RecomputeGraph:
     """The graph as `dependency_floor` sees it. Per compute node: `seconds` to recompute it, `keep_bytes` to keep
     it, `views` (no storage of its own: kept only through its input), `needed` (backward reads bytes it creates),
     its compute-node `inputs`, `extra` seconds its recomputation takes on top when it reads a kept input
-    (backward-situated time less forward time); `fixed`: bytes kept whatever the plan (the loss's own saves),
+    (backward-situated time less forward time), `out_keep` bytes its output costs on top of `keep_bytes` when a
+    recomputation reads it (`unsaved_outputs`; 0: keeping the node keeps its output); `fixed`: bytes kept whatever the plan (the loss's own saves),
     `total`: the bytes the unplanned graph keeps (float masks)."""
     names: list[str] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     extra: list[float] = field(default_factory=list)
     keep_bytes: list[int] = field(default_factory=list)
+    out_keep: list[int] = field(default_factory=list)
     needed: list[bool] = field(default_factory=list)
     views: list[bool] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
@@ -122,13 +161,15 @@ class RecomputeGraph:
     total: int = 0
 
     @classmethod
-    def build(cls, graph: fx.Graph, costs: dict, times: dict, backward: dict | None = None) -> "RecomputeGraph":
-        """From the graph, its `node_costs`, forward seconds per node and backward-situated seconds where measured."""
+    def build(cls, graph: fx.Graph, costs: dict, times: dict, backward: dict | None = None,
+              unsaved: dict | None = None) -> "RecomputeGraph":
+        """From the graph, its `node_costs`, forward seconds per node, backward-situated seconds where measured and
+        `unsaved_outputs`."""
         model = cls(total=sum(c.kept_bytes for c in costs.values()))
-        model._add_nodes(graph, costs, times, backward or {})
+        model._add_nodes(graph, costs, times, backward or {}, unsaved or {})
         return model
 
-    def _add_nodes(self, graph: fx.Graph, costs: dict, times: dict, backward: dict) -> None:
+    def _add_nodes(self, graph: fx.Graph, costs: dict, times: dict, backward: dict, unsaved: dict) -> None:
         index: dict[str, int] = {}
         outputs = {n.name for n in graph.find_nodes(op="output")[0].all_input_nodes}
         # the least seconds per byte any node took to make its output: a dropout output's remake, a multiply, at it
@@ -147,6 +188,8 @@ class RecomputeGraph:
             extra = max(0.0, backward[node.name] - seconds) if node.name in backward else 0.0
             index[node.name] = self._add(node.name, seconds, kept, 0 if node.name in outputs else (kept or made),
                                          made == 0, inputs, extra)
+            if kept and node.name not in outputs:
+                self.out_keep[-1] = unsaved.get(node.name, 0)
         names = {node.name for node in graph.nodes}
         self.fixed += sum(c.kept_bytes for name, c in costs.items() if name not in names)  # the loss's saves
 
@@ -158,6 +201,7 @@ class RecomputeGraph:
         self.extra.append(extra)
         self.needed.append(kept > 0)
         self.keep_bytes.append(keep)
+        self.out_keep.append(0)
         self.views.append(view)
         self.inputs.append(inputs)
         return len(self.names) - 1
@@ -198,29 +242,33 @@ def dependency_plan(graph: RecomputeGraph, drop: int, time_limit: float = 30.0,
         return float("inf"), []
     n = len(graph.names)
     extra = np.asarray(graph.extra if situated else [0.0] * n, dtype=float)
-    # columns: keep[i] (i < n), recompute[i] (n + i), reads-a-kept-input[i] (2n + i); rows: needed, inputs
-    # available, reads a kept input (recomputed while an input is not), bytes
+    out_keep = graph.out_keep or [0] * n
+    # columns: keep[i] (i < n), recompute[i] (n + i), reads-a-kept-input[i] (2n + i), output kept for a
+    # recomputation (3n + i, nodes with `out_keep`); rows: needed, inputs available, reads a kept input (recomputed
+    # while an input is not), bytes
+    width = 4 * n
     rows: list[np.ndarray] = []
     lo: list[float] = []
     for i in range(n):
         for m in graph.inputs[i]:
-            rows.append(_row(3 * n, {m: 1.0, n + m: 1.0, n + i: -1.0}))
+            rows.append(_row(width, {(3 * n + m) if out_keep[m] else m: 1.0, n + m: 1.0, n + i: -1.0}))
             lo.append(0.0)
             if extra[i] > 0:
-                rows.append(_row(3 * n, {2 * n + i: 1.0, n + i: -1.0, n + m: 1.0}))
+                rows.append(_row(width, {2 * n + i: 1.0, n + i: -1.0, n + m: 1.0}))
                 lo.append(0.0)
         if extra[i] > 0 and not graph.inputs[i]:
-            rows.append(_row(3 * n, {2 * n + i: 1.0, n + i: -1.0}))
+            rows.append(_row(width, {2 * n + i: 1.0, n + i: -1.0}))
             lo.append(0.0)
         if graph.needed[i]:
-            rows.append(_row(3 * n, {i: 1.0, n + i: 1.0}))
+            rows.append(_row(width, {i: 1.0, n + i: 1.0}))
             lo.append(1.0)
-    rows.append(-np.r_[np.asarray(graph.keep_bytes, dtype=float), np.zeros(2 * n)])
+    rows.append(-np.r_[np.asarray(graph.keep_bytes, dtype=float), np.zeros(2 * n), np.asarray(out_keep, dtype=float)])
     lo.append(-float(target))
-    col_hi = [0.0 if view else 1.0 for view in graph.views] + [1.0] * n + [1.0 if e > 0 else 0.0 for e in extra]
-    cost = np.r_[np.zeros(n), np.asarray(graph.seconds, dtype=float), extra]
+    col_hi = [0.0 if view else 1.0 for view in graph.views] + [1.0] * n + [1.0 if e > 0 else 0.0 for e in extra] + \
+        [1.0 if b else 0.0 for b in out_keep]
+    cost = np.r_[np.zeros(n), np.asarray(graph.seconds, dtype=float), extra, np.zeros(n)]
     values, optimal, bound = pass_module("checkpoint.solvers").highs_milp(
-        cost, np.array(rows), lo, [math.inf] * len(rows), np.zeros(3 * n), col_hi, [True] * (3 * n), time_limit)
+        cost, np.array(rows), lo, [math.inf] * len(rows), np.zeros(width), col_hi, [True] * width, time_limit)
     # the optimum, or where the time limit stops HiGHS first its proven lower bound on it (a floor either way);
     # neither: infeasible, no plan keeps so few
     recomputed = [] if values is None else [graph.names[i] for i in range(n) if values[n + i] > 0.5]

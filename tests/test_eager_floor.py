@@ -52,6 +52,15 @@ def test_a_recomputation_reading_a_kept_input_pays_its_backward_time():
     assert dependency_floor(graph, 10) == pytest.approx(1.5)
 
 
+def test_an_output_backward_does_not_read_costs_its_bytes_when_a_recomputation_reads_it():
+    # m saves 10 bytes of its own making but not its 20-byte output, which c (saved, 20 bytes) is made from:
+    # recomputing c from a kept m keeps m's output too (a batched matmul's product under its contiguous copy)
+    graph = _graph([("m", 100.0, 10, 10, ()), ("c", 1.0, 20, 20, (0,))])
+    assert dependency_floor(graph, 20) == pytest.approx(1.0)  # without the output's bytes: c alone
+    graph.out_keep[0] = 20
+    assert dependency_floor(graph, 20) == pytest.approx(101.0)  # c from a kept m would keep 30 bytes: m too
+
+
 def test_bytes_no_plan_drops_make_the_floor_infinite():
     graph = _graph([("x", 1.0, 10, 10, ())], fixed=5)
     assert dependency_floor(graph, 10) == pytest.approx(1.0)
@@ -99,3 +108,6 @@ def test_decoder_backward_times_cover_saved_outputs(gpt_floor):
     drop = int(floor.graph.total * 0.5)
     assert floor.seconds(drop) >= floor.forward_seconds(drop) - 1e-9
     assert any(e > 0 for e in floor.graph.extra)
+    # the attention's `att @ v` saves its operands' copies, not its product, which its `contiguous` copies
+    matmuls = [floor.graph.names.index(n.name) for n in program.graph.nodes if str(n.target) == "aten.matmul.default"]
+    assert any(floor.graph.out_keep[i] > 0 for i in matmuls)
