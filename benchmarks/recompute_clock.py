@@ -9,7 +9,7 @@ backward. What it leaves out is what whole steps see besides: the forward's regi
 site, a few Python calls) and effects on the ops around.
 
     clock = RecomputeClock.on(module)     # instruments `module` (its regions) and recast, until `off()`
-    step(); clock.seconds                  # this step's recomputation
+    step(); clock.seconds                  # this step's recomputation; clock.runs: each one's seconds, in order
 """
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ def _in_backward() -> bool:
 
 
 class RecomputeClock:
-    """Accumulates, in `seconds`, the wall time of the outermost recomputations while it is on (one at a time)."""
+    """Accumulates, in `seconds`, the wall time of the outermost recomputations while it is on (one at a time), and
+    lists each in `runs`."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.runs: list[float] = []
         self._depth = 0
         self._started = 0.0
         self._handles: list = []
@@ -60,8 +62,8 @@ class RecomputeClock:
         self._handles = []
 
     def reset(self) -> float:
-        """This step's seconds so far, and start again from zero."""
-        seconds, self.seconds = self.seconds, 0.0
+        """This step's seconds so far, and start again from zero (`runs` too)."""
+        seconds, self.seconds, self.runs = self.seconds, 0.0, []
         return seconds
 
     def _body_enter(self, module, args):
@@ -80,4 +82,6 @@ class RecomputeClock:
     def _leave(self) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self.seconds += time.perf_counter() - self._started
+            seconds = time.perf_counter() - self._started
+            self.seconds += seconds
+            self.runs.append(seconds)
