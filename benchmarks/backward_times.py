@@ -2,10 +2,10 @@
 
 The eager floor (benchmarks/eager_floor.py) prices a recomputed node at its forward time, measured by running the
 graph in order: each op reads inputs the op before it just wrote, from cache. A recomputation in backward reads
-inputs that were kept since the forward, from memory: on the reference decoder a GELU recomputed in backward took
-229 us where the forward profile says 120 (and a 1M-element GELU on this machine: 114 us on a warm input, 296 on
-one evicted from cache). A floor built from forward times alone is one no plan reaches, the floor's own plan
-included.
+inputs that were kept since the forward, from memory: on the reference decoder at compile@0.7's bytes, where the
+floor's plan and fxmem's recompute the same ops (GELUs, layer norms, dropout remakes), fxmem's recomputation clocked
+in backward took twice the floor built from forward times (benchmarks/results/region_recipes.md). A floor built
+from forward times alone is one no plan reaches, the floor's own plan included.
 
 `backward_node_times(program, loss_fn)` measures the other end: it runs training steps of the captured graph,
 every node's inputs and output held, and at the first unpack of a save of a node's output it runs the node's op

@@ -18,9 +18,9 @@ cost model's `node_costs`):
 Times: a recomputed node that reads an input the plan keeps (from the forward, out of cache by backward) is priced
 at its recomputation's time where backward would run it (benchmarks/backward_times.py); one whose inputs are all
 recomputed just before it (a chain's later op, reading what the op before made) at its forward time. Forward times
-alone (`situated=False`, or `forward_seconds`) give a lower floor no plan reaches: on the reference decoder the
-floor's own plan at compile@0.7's bytes (its GELUs, layer norms and dropout outputs) recomputes in 2.9 ms of backward
-against 1.35 ms of forward time.
+alone (`situated=False`, or `forward_seconds`) give a lower floor no plan reaches (benchmarks/backward_times.py).
+A node kept for a recomputation keeps its output: where backward reads other storages of it and not its output
+(`unsaved_outputs`), the output's bytes count on top. Node times are the least over repeated runs.
 
     floor = EagerFloor.of(program, loss_fn)
     floor.seconds(drop)            # dependency_floor: what the benchmark's goal lines compare against
@@ -64,6 +64,10 @@ class EagerFloor:
 
     def seconds(self, drop: int) -> float:
         return dependency_floor(self.graph, drop)
+
+    def plan(self, drop: int) -> list[str]:
+        """The nodes the floor's plan recomputes (a dropout's mask drawn again: its name + ".mask")."""
+        return dependency_plan(self.graph, drop)[1]
 
     def forward_seconds(self, drop: int) -> float:
         return dependency_floor(self.graph, drop, situated=False)

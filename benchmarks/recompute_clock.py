@@ -1,8 +1,8 @@
 """The seconds a transformed module's backward spends recomputing, clocked where it happens.
 
 A plan's recompute time from whole steps (its step less the captured graph's, paired by round) carries this
-machine's step noise: two copies of the same module differ by -3.1 to +0.8 ms between quartiles on the 90 ms
-decoder step, more than the whole recomputation at compile@0.5-0.7's bytes. This clock times the recomputations
+machine's step noise: quartiles of several ms on the 100 ms decoder step (benchmarks/results/region_recipes.md),
+more than the whole recomputation at compile@0.5-0.7's bytes. This clock times the recomputations
 themselves: every outermost recipe run in backward (`fxmem.nn.recast`'s `_recompute`: remat sites, dropout
 remakes, a region's closure run as recipes) and every checkpoint region's body run again by torch's checkpoint in
 backward. What it leaves out is what whole steps see besides: the forward's registrations and pack hooks (per remat

@@ -26,6 +26,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -99,7 +100,18 @@ def run_model(name: str, targets, rounds: int) -> list[str]:
                      f"{high * 1e3:+.1f}) | {(clocked[t, True][1] - clocked[t, False][1]) * 1e3:+.2f} (medians) | | | |")
     step_ms = sorted(times["captured"])[len(times["captured"]) // 2] * 1e3
     lines.append(f"| {name} | | captured step (median) | | | | | {step_ms:.1f} | | | | |")
-    return lines
+    return lines, [floor_plan_line(name, t, floor.plan(captured_hooks - int(t * MIB)), program) for t in targets]
+
+
+def floor_plan_line(name: str, target: float, recomputed: list[str], program) -> str:
+    """What the floor's plan at `target` recomputes, counted by op (views and ops timed at zero left out)."""
+    ops = {n.name: str(n.target).split(".")[1] if "." in str(n.target) else str(n.target)
+           for n in program.graph.nodes if n.op == "call_function"}
+    kinds = Counter("dropout mask drawn again" if r.endswith(".mask") else ops.get(r, r) for r in recomputed)
+    views = {"view", "transpose", "permute", "expand", "reshape", "unsqueeze", "slice", "select", "alias", "getitem",
+             "split", "t", "_unsafe_view", "squeeze"}
+    shown = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common() if kind not in views)
+    return f"- {name} at {target} MiB: the floor's plan recomputes {shown or 'nothing'}"
 
 
 def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
@@ -147,10 +159,13 @@ def main(argv=None) -> int:
               "peak MiB (estimate - measured) | step recompute ms | clocked ms (each least, summed / median) | floor ms | clocked / floor | "
               "step / floor |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines = []
+    lines, plans = [], []
     for name in args.models.split(","):
-        lines += run_model(name, TARGETS[name], args.rounds)
-    text = "\n".join(header + lines) + "\n"
+        rows, floor_plans = run_model(name, TARGETS[name], args.rounds)
+        lines += rows
+        plans += floor_plans
+    text = "\n".join(header + lines + ["", "What the floor's plans recompute (benchmarks/eager_floor.py, "
+                                              "`EagerFloor.plan`; ops by name):", ""] + plans) + "\n"
     Path(args.out).with_suffix(".md").write_text(text)
     print(text)
     return 0
