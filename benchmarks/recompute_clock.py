@@ -10,6 +10,7 @@ site, a few Python calls) and effects on the ops around.
 
     clock = RecomputeClock.on(module)     # instruments `module` (its regions) and recast, until `off()`
     step(); clock.seconds                  # this step's recomputation; clock.runs: each one's seconds, in order
+    clocked_seconds(module, step, 15)      # (each recomputation's least, summed; the median step)
 """
 from __future__ import annotations
 
@@ -85,3 +86,21 @@ class RecomputeClock:
             seconds = time.perf_counter() - self._started
             self.seconds += seconds
             self.runs.append(seconds)
+
+
+def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
+    """Seconds per step `module`'s backward spends recomputing (`RecomputeClock`) over `steps` steps: the sum of
+    each recomputation's least (the floor's estimator: it sums each op's least time; the least of whole steps
+    when steps ran different recomputations), and the median step."""
+    clock = RecomputeClock.on(module)
+    try:
+        per_step, runs = [], []
+        for _ in range(steps):
+            clock.reset()
+            step()
+            runs.append(clock.runs)
+            per_step.append(clock.reset())
+    finally:
+        clock.off()
+    each_least = sum(map(min, zip(*runs))) if len({len(r) for r in runs}) == 1 else min(per_step)
+    return each_least, sorted(per_step)[len(per_step) // 2]

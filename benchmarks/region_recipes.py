@@ -42,7 +42,7 @@ from fxmem.nn.checkpoint import CheckpointRegion  # noqa: E402
 from fxmem.step_timing import interleaved_times  # noqa: E402
 from checkpoint_pareto import fxmem_module, paired_difference, setup, step_fn  # noqa: E402
 from eager_floor import EagerFloor  # noqa: E402
-from recompute_clock import RecomputeClock  # noqa: E402
+from recompute_clock import clocked_seconds  # noqa: E402
 
 # compile@0.1 / 0.2 / 0.3 / 0.5 / 0.7's saved bytes (MiB, hooks), benchmarks/results/checkpoint_pareto_full.md
 TARGETS = {"gpt": (7.51, 15.5, 23.0, 38.0, 47.5), "unet": (3.05, 4.55, 6.05, 10.3, 11.8)}
@@ -105,31 +105,13 @@ def run_model(name: str, targets, rounds: int) -> list[str]:
 
 def floor_plan_line(name: str, target: float, recomputed: list[str], program) -> str:
     """What the floor's plan at `target` recomputes, counted by op (views and ops timed at zero left out)."""
-    ops = {n.name: str(n.target).split(".")[1] if "." in str(n.target) else str(n.target)
-           for n in program.graph.nodes if n.op == "call_function"}
+    ops = {n.name: str(n.target).split(".")[1] if isinstance(n.target, torch._ops.OpOverload)
+           else getattr(n.target, "__name__", str(n.target)) for n in program.graph.nodes if n.op == "call_function"}
     kinds = Counter("dropout mask drawn again" if r.endswith(".mask") else ops.get(r, r) for r in recomputed)
     views = {"view", "transpose", "permute", "expand", "reshape", "unsqueeze", "slice", "select", "alias", "getitem",
              "split", "t", "_unsafe_view", "squeeze"}
     shown = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common() if kind not in views)
     return f"- {name} at {target} MiB: the floor's plan recomputes {shown or 'nothing'}"
-
-
-def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
-    """Seconds per step `module`'s backward spends recomputing (`RecomputeClock`) over `steps` steps: the sum of
-    each recomputation's least (the floor's estimator: it sums each op's least time; the least of whole steps
-    when steps ran different recomputations), and the median step."""
-    clock = RecomputeClock.on(module)
-    try:
-        per_step, runs = [], []
-        for _ in range(steps):
-            clock.reset()
-            step()
-            runs.append(clock.runs)
-            per_step.append(clock.reset())
-    finally:
-        clock.off()
-    each_least = sum(map(min, zip(*runs))) if len({len(r) for r in runs}) == 1 else min(per_step)
-    return each_least, sorted(per_step)[len(per_step) // 2]
 
 
 def main(argv=None) -> int:

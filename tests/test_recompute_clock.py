@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from benchmarks.recompute_clock import RecomputeClock
+from benchmarks.recompute_clock import RecomputeClock, clocked_seconds
 from fxmem.nn import recast
 from fxmem.nn.checkpoint import CheckpointRegion
 
@@ -48,3 +48,11 @@ def test_clock_counts_backward_recomputation_and_leaves_the_module_as_it_was():
         assert clock.reset() == 0.0
     finally:
         clock.off()
+
+
+def test_clocked_seconds_sums_each_recomputations_least():
+    _, res, args, kwargs, loss_fn, _ = gpt_at_activation_budget("12%")
+    module = res.module
+    each_least, median = clocked_seconds(module, lambda: _step(module, args, kwargs, loss_fn), 3)
+    assert 0.0 < each_least <= median
+    assert recast._recompute.__name__ == "_recompute"  # instruments off again
