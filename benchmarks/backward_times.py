@@ -2,9 +2,9 @@
 
 The eager floor (benchmarks/eager_floor.py) prices a recomputed node at its forward time, measured by running the
 graph in order: each op reads inputs the op before it just wrote, from cache. A recomputation in backward reads
-inputs that were kept since the forward, from memory: on the reference decoder at compile@0.7's bytes, where the
-floor's plan and fxmem's recompute the same ops (GELUs, layer norms, dropout remakes), fxmem's recomputation clocked
-in backward took twice the floor built from forward times (benchmarks/results/region_recipes.md). A floor built
+inputs that were kept since the forward, from memory: on the reference decoder at compile@0.7's bytes, where
+fxmem's plan recomputes only GELUs, layer norms and dropout remakes, its recomputation clocked in backward took about
+twice the floor built from forward times (benchmarks/results/region_recipes_runs/). A floor built
 from forward times alone is one no plan reaches, the floor's own plan included.
 
 `backward_node_times(program, loss_fn)` measures the other end: it runs training steps of the captured graph,

@@ -1,7 +1,7 @@
 """The seconds a transformed module's backward spends recomputing, clocked where it happens.
 
 A plan's recompute time from whole steps (its step less the captured graph's, paired by round) carries this
-machine's step noise: quartiles of several ms on the 100 ms decoder step (benchmarks/results/region_recipes.md),
+machine's step noise: quartiles of several ms on the 100 ms decoder step (benchmarks/results/region_recipes_runs/),
 more than the whole recomputation at compile@0.5-0.7's bytes. This clock times the recomputations
 themselves: every outermost recipe run in backward (`fxmem.nn.recast`'s `_recompute`: remat sites, dropout
 remakes, a region's closure run as recipes) and every checkpoint region's body run again by torch's checkpoint in
