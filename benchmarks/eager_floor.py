@@ -1,8 +1,7 @@
 """Eager floors: the least backward recomputation time any eager plan needs to keep fewer activation bytes.
 
 Issue 33 asks fxmem's checkpoint plans to run within 1.15x of the eager floor at torch.compile's bytes. Two floors
-for one captured graph, both from the same per-node forward times (the checkpoint pass's profiler) and bytes (the
-cost model's `node_costs`):
+for one captured graph, both from per-node times (below) and bytes (the cost model's `node_costs`):
 
 - `knapsack_floor`: the cheapest ops per byte covering the bytes to drop, each op droppable on its own (a
   fractional knapsack). A relaxation: recomputing an op in backward needs its inputs there, which it ignores, so it
@@ -12,8 +11,9 @@ cost model's `node_costs`):
   recomputed too, and the kept bytes stay within the target. Every eager recompute plan without offload (fxmem's
   remat sites and regions, uniform checkpointing) is such a choice, and recomputes each node it needs at least
   once, so its recompute time is at least this. Where the model is unsure it errs low (a floor): a node kept for
-  a recomputation is charged only the bytes some op saves of it when it has any; a dropout's output is recomputed
-  from its kept mask at the graph's cheapest time per byte; a node the profiler did not time costs nothing.
+  a recomputation is charged the bytes some op saves of it when it has any (plus its output's where backward
+  reads other storages of it, below); a dropout's output is remade from its kept mask at the graph's cheapest time
+  per byte (plus its backward-situated excess, below); a node nothing timed costs nothing.
 
 Times: a recomputed node that reads an input the plan keeps (from the forward, out of cache by backward) is priced
 at its recomputation's time where backward would run it (benchmarks/backward_times.py); one whose inputs are all
@@ -78,8 +78,8 @@ class EagerFloor:
 
 def _node_times(program, repeats: int = 9) -> dict[str, float]:
     """Forward seconds per node: the least over `repeats` no_grad runs of the graph on the example inputs (a floor's
-    choice, and the steadiest: the pass's profiler, a median of five, moved single nodes threefold between runs),
-    less the interpreter's own time per node (the least any node took: a getitem's)."""
+    choice, and steadier between runs than the pass's profiler, a median of five), less the interpreter's own time
+    per node (the least any node took: a getitem's)."""
     times: dict[str, float] = {}
 
     class _Timer(fx.Interpreter):
@@ -151,8 +151,8 @@ class RecomputeGraph:
     it, `views` (no storage of its own: kept only through its input), `needed` (backward reads bytes it creates),
     its compute-node `inputs`, `extra` seconds its recomputation takes on top when it reads a kept input
     (backward-situated time less forward time), `out_keep` bytes its output costs on top of `keep_bytes` when a
-    recomputation reads it (`unsaved_outputs`; 0: keeping the node keeps its output); `fixed`: bytes kept whatever the plan (the loss's own saves),
-    `total`: the bytes the unplanned graph keeps (float masks)."""
+    recomputation reads it (`unsaved_outputs`; 0: keeping the node keeps its output); `fixed`: bytes kept whatever
+    the plan (the loss's own saves), `total`: the bytes the unplanned graph keeps (float masks)."""
     names: list[str] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     extra: list[float] = field(default_factory=list)

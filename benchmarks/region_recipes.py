@@ -11,7 +11,8 @@ recompute time is the median of its step less the captured graph's in the same r
 (quartiles of a few ms), so each plan's recomputation is also clocked where it runs (benchmarks/recompute_clock.py:
 recipe and region recomputations in backward, median over the clocked steps). The eager floor
 (benchmarks/eager_floor.py; recomputations reading kept inputs priced where backward runs them, the forward-time
-floor beside it) is what issue 33 holds eager plans to (within 1.15x). Memory is measured (`fxmem.measure`: activations left at the
+floor beside it) is what issue 33 holds eager plans to (within 1.15x). Memory is measured (`fxmem.measure`:
+activations left at the
 end of forward and the step's peak; `saved_bytes`: the hooks' count the targets are in).
 
 The default targets are torch.compile's saved bytes at activation_memory_budget 0.1-0.7 on these models (the
@@ -93,11 +94,13 @@ def run_model(name: str, targets, rounds: int) -> list[str]:
             lines.append(f"| {name} | {t} | {'recipes' if recipes else 'checkpoint'} | {p['sites']} / {p['regions']}"
                          f" ({p['as_recipes']}) | {p['hooks'] / MIB:.2f} | {p['activations'] / MIB:.2f} | "
                          f"{p['peak'] / MIB:.2f} ({(p['estimated_peak'] - p['peak']) / 1024:+.1f} KiB) | "
-                         f"{spent * 1e3:.1f} ({low * 1e3:.1f}-{high * 1e3:.1f}) | {clock * 1e3:.2f} / {clock_median * 1e3:.2f} | "
-                         f"{floor_s * 1e3:.2f} ({forward_s * 1e3:.2f}) | {clock / floor_s:.2f} | {spent / floor_s:.2f} |")
+                         f"{spent * 1e3:.1f} ({low * 1e3:.1f}-{high * 1e3:.1f}) | {clock * 1e3:.2f} / "
+                         f"{clock_median * 1e3:.2f} | {floor_s * 1e3:.2f} ({forward_s * 1e3:.2f}) | "
+                         f"{clock / floor_s:.2f} | {spent / floor_s:.2f} |")
         spent, low, high = paired_difference(times[t, True], times[t, False])
+        medians = clocked[t, True][1] - clocked[t, False][1]
         lines.append(f"| {name} | {t} | recipes - checkpoint | | | | | {spent * 1e3:+.1f} ({low * 1e3:+.1f}-"
-                     f"{high * 1e3:+.1f}) | {(clocked[t, True][1] - clocked[t, False][1]) * 1e3:+.2f} (medians) | | | |")
+                     f"{high * 1e3:+.1f}) | {medians * 1e3:+.2f} (medians) | | | |")
     step_ms = sorted(times["captured"])[len(times["captured"]) // 2] * 1e3
     lines.append(f"| {name} | | captured step (median) | | | | | {step_ms:.1f} | | | | |")
     return lines, [floor_plan_line(name, t, floor.plan(captured_hooks - int(t * MIB)), program) for t in targets]
@@ -138,7 +141,8 @@ def main(argv=None) -> int:
               "1.15x of it. Clocked / floor compares the two sums of least times; step / floor, the step's median "
               "recompute.", "",
               "| model | target MiB | regions run as | sites / regions (recipes) | saved MiB | activations MiB | "
-              "peak MiB (estimate - measured) | step recompute ms | clocked ms (each least, summed / median) | floor ms | clocked / floor | "
+              "peak MiB (estimate - measured) | step recompute ms | clocked ms (each least, summed / median) | "
+              "floor ms | clocked / floor | "
               "step / floor |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines, plans = [], []
