@@ -242,25 +242,3 @@ def test_softmax_sites_without_matrix_product_sites_win_on_hugging_face_gpt2():
     assert res.report.measured_after.activations == rec.metrics["estimated_activations"] <= \
         0.25 * res.report.measured_before.activations
     assert step_difference(ref, res.module, args, kwargs, loss_fn) is None
-
-
-@pytest.mark.parametrize("softmaxes_exist", [True, False])
-def test_softmax_sites_without_products_are_planned_when_the_plan_with_products_takes_none(monkeypatch,
-                                                                                           softmaxes_exist):
-    # the plan with products and softmaxes takes no softmax site when the linears cover the need first (the full
-    # decoder at compile@0.5's bytes); the plan with softmaxes alone may still take them, so it is planned too.
-    # Skipped only when the graph has no softmax site at all.
-    ck = pass_module("checkpoint")
-    original, calls = ck.CheckpointRun.remat, []
-
-    def remat_taking_no_softmax(self, variant, products=False, scores=False):
-        result = original(self, variant, products, scores)
-        calls.append((products, scores))
-        if products and scores:
-            self.softmax_sites = self.softmax_sites and softmaxes_exist
-            return None  # (as when the cheapest prefix reaches the limits with linears)
-        return result
-    monkeypatch.setattr(ck.CheckpointRun, "remat", remat_taking_no_softmax)
-    gpt_at_activation_budget("40%")
-    assert (True, True) in calls
-    assert ((False, True) in calls) == softmaxes_exist

@@ -106,11 +106,9 @@ class CheckpointPass(Pass):
         no_softmax_site = False
         for products, scores in _site_variants(opts):
             if scores and not products and no_softmax_site:
-                continue  # (the graph has no softmax site: none without products either)
+                continue  # (no softmax site the plan with products would take: none without them either)
             rematted_more = job.remat(variant, products=products, scores=scores)
-            # (a plan with products that takes no softmax site says nothing of one without them, whose cheapest
-            # sites past the pointwise ones are the softmaxes: only a graph without softmax sites skips it)
-            no_softmax_site = scores and not job.softmax_sites
+            no_softmax_site = scores and rematted_more is None
             if rematted_more is not None and limits.fits(rematted_more.estimate):
                 options.append(PlanOption(partial(_remat_alone, rematted_more, limits), rematted_more.rewrite_cost))
             elif rematted_more is not None:
@@ -294,7 +292,6 @@ class CheckpointRun:
     def __init__(self, opts: CheckpointOptions, ctx: PassContext, limits: Limits, started: float):
         self.opts, self.ctx, self.limits, self.started = opts, ctx, limits, started
         self.keep_ops = frozenset(opts.keep_ops)
-        self.softmax_sites = False  # the last `remat(scores=True)` found softmax sites among its candidates
 
     def trace(self, program: Program):
         return CheckpointPass._trace(program, self.ctx)
@@ -350,8 +347,6 @@ class CheckpointRun:
         balance = opts.balance if opts.balance is not None \
             else default_balance(program) if opts.cost == "roofline" else None
         sites = remat_sites(program, traced, balance, products, scores)
-        if scores:
-            self.softmax_sites = any(map(softmax_site, sites))
         if not sites or (products and not any(map(product_site, sites))) or \
                 (scores and not any(map(softmax_site, sites))):
             return None
