@@ -106,7 +106,11 @@ class CheckpointPass(Pass):
         no_softmax_site = False
         for products, scores in _site_variants(opts):
             if scores and not products and no_softmax_site:
-                continue  # (no softmax site the plan with products would take: none without them either)
+                # (the plan with products took no softmax site: none exists, or the products, cheaper per byte,
+                # covered the need first; without them the softmaxes would cover it at a higher cost per byte, a
+                # plan the one with products alone dominates by the cost model; planned anyway, it lengthened the
+                # transform by a third on the decoder at compile@0.5's bytes and lost)
+                continue
             rematted_more = job.remat(variant, products=products, scores=scores)
             no_softmax_site = scores and rematted_more is None
             if rematted_more is not None and limits.fits(rematted_more.estimate):
