@@ -10,8 +10,8 @@ from forward times alone is one no plan reaches, the floor's own plan included.
 `backward_node_times(program, loss_fn)` measures the other end: it runs training steps of the captured graph,
 every node's inputs and output held, and at the first unpack of a save of a node's output it runs the node's op
 again on its recorded inputs (no_grad, result dropped) and times it: the node's recomputation as the first backward
-op that reads it would meet it. A dropout's output is timed as fxmem remakes it from a kept mask (scale, then the
-uint8 mask's multiply in place). In-place ops and ops that are not aten overloads are not timed. Holding every
+op that reads it would meet it. A dropout's output is timed as fxmem remakes it from a kept mask
+(`fxmem.nn.dropout.remake`). In-place ops and ops that are not aten overloads are not timed. Holding every
 value changes what the allocator reuses, so the times lean to the slow side of what a plan meets; the floor uses
 them only for nodes whose inputs a plan keeps (a recomputed chain's later ops read what the op before made, and
 keep their forward time).
@@ -24,6 +24,8 @@ import time
 
 import torch
 from torch import fx
+
+from fxmem.nn.dropout import remake
 
 DROPOUT = "aten.dropout.default"
 
@@ -79,9 +81,9 @@ class _FirstUnpackTimer:
                 x, scale = args[0], 1.0 / (1.0 - args[1])
                 mask = self.masks.get(node.name)
                 if mask is None:
-                    mask = self.masks[node.name] = (torch.rand_like(x) >= args[1]).view(torch.uint8)
+                    mask = self.masks[node.name] = torch.rand_like(x) >= args[1]
                 started = time.perf_counter()
-                torch.mul(x, scale).mul_(mask)
+                remake(x, mask, scale)
             else:
                 started = time.perf_counter()
                 target(*args, **kwargs)

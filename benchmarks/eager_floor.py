@@ -30,7 +30,6 @@ A node kept for a recomputation keeps its output: where backward reads other sto
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,20 +79,7 @@ def _node_times(program, repeats: int = 9) -> dict[str, float]:
     """Forward seconds per node: the least over `repeats` no_grad runs of the graph on the example inputs (a floor's
     choice, and steadier between runs than the pass's profiler, a median of five), less the interpreter's own time
     per node (the least any node took: a getitem's)."""
-    times: dict[str, float] = {}
-
-    class _Timer(fx.Interpreter):
-        def run_node(self, node):
-            started = time.perf_counter()
-            out = super().run_node(node)
-            seconds = time.perf_counter() - started
-            times[node.name] = min(seconds, times.get(node.name, math.inf))
-            return out
-
-    flat = program.flat_inputs()
-    with torch.no_grad():
-        for _ in range(repeats):
-            _Timer(program.module).run(*flat, enable_io_processing=False)
+    times = pass_module("checkpoint").profile_nodes(program, repeats, statistic=min)
     overhead = min(times.values())
     return {name: max(0.0, t - overhead) for name, t in times.items()}
 

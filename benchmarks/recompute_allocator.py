@@ -16,7 +16,6 @@ heap. "Backward outside the clock" = the backward's excess less the clocked reco
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 import statistics
@@ -31,12 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import fxmem  # noqa: E402
-from fxmem.costmodel import estimate  # noqa: E402
-from fxmem.measure import saved_bytes  # noqa: E402
-from checkpoint_pareto import fxmem_module, setup  # noqa: E402
 from recompute_clock import RecomputeClock  # noqa: E402
-from region_recipes import MIB, TARGETS  # noqa: E402
+from region_recipes import TARGETS, plan, prepared  # noqa: E402
 
 HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 32), "MALLOC_TRIM_THRESHOLD_": str(2 ** 32),
             "MALLOC_TOP_PAD_": str(2 ** 29)}
@@ -44,16 +39,9 @@ HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 32), "MALLOC_TRIM_THRESHOLD_": st
 
 def plan_for(name: str, target_mib: float):
     """(captured module, plan at `target_mib` of saved bytes, example inputs, loss_fn, remat sites)."""
-    ex, model, x = setup(name, True)
-    torch.manual_seed(0)
-    program = fxmem.capture(model, x)
-    program.refresh()
-    captured = program.snapshot().module
-    base = estimate(program, mode="train", loss_fn=ex.loss_fn)
-    offset = fxmem.measure(copy.deepcopy(captured), x, loss_fn=ex.loss_fn).activations - \
-        saved_bytes(copy.deepcopy(captured), x)
-    module, _, _, _, metrics = fxmem_module(program, base, ex.loss_fn, None, acts=target_mib * MIB + offset)
-    return captured, module, x, ex.loss_fn, (metrics.get("remat") or {}).get("sites", 0)
+    bench = prepared(name)
+    planned = plan(bench, target_mib, recipes=True)
+    return bench["captured"], planned["module"], bench["x"], bench["loss_fn"], planned["sites"]
 
 
 def phase_times(captured, module, x, loss_fn, steps: int) -> dict:

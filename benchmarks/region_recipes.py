@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxmem  # noqa: E402
+from fxmem import ops as optable  # noqa: E402
 from fxmem.costmodel import estimate  # noqa: E402
 from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.nn.checkpoint import CheckpointRegion  # noqa: E402
@@ -64,20 +65,29 @@ def plan(bench: dict, target_mib: float, recipes: bool) -> dict:
             "activations": measured.activations, "peak": measured.peak, "estimated_peak": metrics["estimated_peak"]}
 
 
-def run_model(name: str, targets, rounds: int) -> list[str]:
+def prepared(name: str) -> dict:
+    """One model at the benchmark's size, captured: its program, captured module, inputs, loss, estimate, saved bytes
+    (the hooks' count) and what fxmem.measure counts beyond them (`offset`), for `plan`."""
     ex, model, x = setup(name, True)
     torch.manual_seed(0)
     program = fxmem.capture(model, x)
     program.refresh()
     captured = program.snapshot().module
-    bench = {"program": program, "x": x, "loss_fn": ex.loss_fn,
-             "base": estimate(program, mode="train", loss_fn=ex.loss_fn)}
-    captured_hooks = saved_bytes(copy.deepcopy(captured), x)
-    bench["offset"] = fxmem.measure(copy.deepcopy(captured), x, loss_fn=ex.loss_fn).activations - captured_hooks
-    floor = EagerFloor.of(program, ex.loss_fn)
+    bench = {"program": program, "captured": captured, "x": x, "loss_fn": ex.loss_fn,
+             "base": estimate(program, mode="train", loss_fn=ex.loss_fn),
+             "hooks": saved_bytes(copy.deepcopy(captured), x)}
+    bench["offset"] = fxmem.measure(copy.deepcopy(captured), x, loss_fn=ex.loss_fn).activations - bench["hooks"]
+    return bench
+
+
+def run_model(name: str, targets, rounds: int) -> list[str]:
+    bench = prepared(name)
+    program, captured, x, captured_hooks = bench["program"], bench["captured"], bench["x"], bench["hooks"]
+    loss_fn = bench["loss_fn"]
+    floor = EagerFloor.of(program, loss_fn)
     plans = {(t, r): plan(bench, t, r) for t in targets for r in (True, False)}
-    steps = {"captured": step_fn(captured, x, ex.loss_fn)}
-    steps.update({key: step_fn(p["module"], x, ex.loss_fn) for key, p in plans.items()})
+    steps = {"captured": step_fn(captured, x, loss_fn)}
+    steps.update({key: step_fn(p["module"], x, loss_fn) for key, p in plans.items()})
     for step in steps.values():  # (warm-up)
         step()
         step()
@@ -107,13 +117,13 @@ def run_model(name: str, targets, rounds: int) -> list[str]:
 
 
 def floor_plan_line(name: str, target: float, recomputed: list[str], program) -> str:
-    """What the floor's plan at `target` recomputes, counted by op (views and ops timed at zero left out)."""
-    ops = {n.name: str(n.target).split(".")[1] if isinstance(n.target, torch._ops.OpOverload)
-           else getattr(n.target, "__name__", str(n.target)) for n in program.graph.nodes if n.op == "call_function"}
-    kinds = Counter("dropout mask drawn again" if r.endswith(".mask") else ops.get(r, r) for r in recomputed)
-    views = {"view", "transpose", "permute", "expand", "reshape", "unsqueeze", "slice", "select", "alias", "getitem",
-             "split", "t", "_unsafe_view", "squeeze"}
-    shown = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common() if kind not in views)
+    """What the floor's plan at `target` recomputes, counted by op (the op table's views and getitems left out)."""
+    ops = {n.name: optable.packet(n.target) for n in program.graph.nodes
+           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+           and optable.category(n.target) != optable.VIEW}
+    kinds = Counter("dropout mask drawn again" if r.endswith(".mask") else ops[r] for r in recomputed
+                    if r.endswith(".mask") or r in ops)
+    shown = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
     return f"- {name} at {target} MiB: the floor's plan recomputes {shown or 'nothing'}"
 
 

@@ -132,6 +132,12 @@ def _masked(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
     return torch.mul(tensor, scale) * keep
 
 
+def remake(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
+    """A bool-mask dropout's output from its input, its bool mask `keep` and its scale: what the forward and the
+    recipe run (benchmarks time the recomputation through it)."""
+    return _apply_mask(tensor, keep, scale)
+
+
 def _apply_mask(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
     # The mask goes in as uint8, a view of the same bytes: CPU kernels convert a bool operand to x's dtype
     # element by element, which took longer than the multiply (and much longer than uint8's conversion on a fp32
