@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from ..errors import CaptureError
+from .example_size import known_size
 
 
 class CompiledSaves(NamedTuple):
@@ -101,11 +102,9 @@ def saved_by(forward: fx.GraphModule, backward: fx.GraphModule, static: set) -> 
 def _concrete(nbytes, node: fx.Node) -> int:
     """A saved value's bytes as an int: a size dynamo made symbolic at its value here; one that depends on the data
     (an unbacked size: nonzero, a mask's selection) is not known before the step runs, a CaptureError."""
-    if not isinstance(nbytes, torch.SymInt):
-        return nbytes
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
-    if has_guarding_hint(nbytes):
-        return int(guarding_hint_or_throw(nbytes))
+    known = known_size(nbytes)
+    if known is not None:
+        return known
     raise CaptureError(f"compiled_saves: the compiled step saves {node.name}, whose size depends on the data "
                        f"({nbytes} bytes): not known before the step runs")
 
