@@ -15,6 +15,7 @@ from fxmem.costmodel import compiled_saves, estimate
 from fxmem.errors import BudgetError, PolicyError
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module
 from fxmem.units import Budget
+from tests.conftest import needs_shared_remat_region
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import examples.gpt as gpt  # noqa: E402
@@ -40,6 +41,7 @@ def _run(setup, strict: bool = True, **options):
         return checkpoint.CheckpointPass().run(program.snapshot(), ctx)
 
 
+@needs_shared_remat_region
 def test_the_compiled_result_saves_no_more_than_torch_compile_alone_at_b(small_gpt):
     model, x, program, _ = small_gpt
     result = _run(small_gpt, compiled_activation_budget=0.3)

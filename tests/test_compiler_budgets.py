@@ -19,6 +19,7 @@ from fxmem.errors import PolicyError
 from fxmem.measure import saved_bytes
 from fxmem.pipeline import pass_module
 from fxmem.structure import StructureError, build, describe
+from tests.conftest import needs_shared_remat_region
 
 from tests.test_compiled_fit import _run, gpt, small_gpt  # noqa: F401  (the fixture)
 from tests.conftest import step_difference
@@ -37,6 +38,7 @@ def _fake_timer(monkeypatch, seconds: dict) -> list:
     return given
 
 
+@needs_shared_remat_region
 def test_the_fastest_plan_that_fits_is_kept(small_gpt, monkeypatch):
     model, x, _, _ = small_gpt
     given = _fake_timer(monkeypatch, {1.0: 0.010, 0.3: 0.020})

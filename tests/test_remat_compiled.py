@@ -14,6 +14,7 @@ from fxmem.costmodel import estimate
 from fxmem.measure import saved_bytes
 from fxmem.nn.compiled_recompute import REMAT_REGION_ID, remat_region_contexts
 from fxmem.pipeline import PassContext, long_lived_frozen, pass_module
+from tests.conftest import needs_shared_remat_region
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import examples.gpt as gpt  # noqa: E402
@@ -49,6 +50,7 @@ def _train_step(module, x):
     return out.detach(), grads
 
 
+@needs_shared_remat_region
 def test_compiled_remat_sites_keep_what_the_eager_result_keeps():
     model, result, x = _remat_only_unet()
     code = result.program.module.code
