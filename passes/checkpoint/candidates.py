@@ -164,55 +164,6 @@ def chunk_regions(program: Program, regions: list[CandidateRegion], size: int) -
     return out
 
 
-def block_pairs(regions: list[CandidateRegion]) -> list[tuple[int, int]]:
-    """Disjoint pairs of consecutive regions that are consecutive items of one module list (`h.0` and `h.1`, `h.2`
-    and `h.3`, ...), as indices into `regions`, from the first."""
-    pairs, index = [], 0
-    while index + 1 < len(regions):
-        (parent, item), (next_parent, next_item) = _list_item(regions[index].path), _list_item(regions[index + 1].path)
-        if parent is not None and parent == next_parent and next_item == item + 1:
-            pairs.append((index, index + 1))
-            index += 2
-        else:
-            index += 1
-    return pairs
-
-
-def _list_item(path: str) -> tuple[str | None, int]:
-    parent, _, item = path.rpartition(".")
-    return (parent, int(item)) if parent and item.isdigit() else (None, -1)
-
-
-def pair_counts(available: int) -> list[int]:
-    """How many pairs the block-pairs levels join: 1, 2, 4, ... and all of them (a few levels for a deep stack)."""
-    counts, count = [], 1
-    while count < available:
-        counts.append(count)
-        count *= 2
-    return counts + [available] if available else []
-
-
-def paired_blocks(program: Program, regions: list[CandidateRegion], pairs: list[tuple[int, int]]
-                  ) -> list[CandidateRegion]:
-    """`regions` (the block level) with each of `pairs` joined into one region (`_spanning`, named `h.0+1`): a
-    joined pair recomputes the value between its two blocks (the residual stream) instead of keeping it, one more
-    way to free bytes once every block recomputes, cheaper on a CPU than drawing dropout masks again
-    (docs/design/checkpoint.md, "Block pairs")."""
-    position = {n: i for i, n in enumerate(program.graph.nodes)}
-    joined = {first: second for first, second in pairs}
-    out, index = [], 0
-    while index < len(regions):
-        second = joined.get(index)
-        if second is None:  # (a copy: measuring this level must not change the block level's regions)
-            out.append(_spanning(program, position, [regions[index]], regions[index].path))
-            index += 1
-        else:
-            group = regions[index:second + 1]
-            out.append(_spanning(program, position, group, f"{group[0].path}+{group[-1].path.rpartition('.')[2]}"))
-            index = second + 1
-    return out
-
-
 def _spanning(program: Program, position: dict, group: list[CandidateRegion], name: str) -> CandidateRegion:
     """One region from the first node of `group`'s first region to the last of its last, with every region node in
     between (the glue too, so it stays convex)."""
@@ -344,11 +295,6 @@ class RegionMeter:
             for size in range(2, max(2, int(math.isqrt(len(finest)))) + 2):
                 if len(finest) >= size + 1:
                     levels.append((f"segments-{size}", chunk_regions(self.program, finest, size)))
-            if not opts.within_blocks:
-                blocks = levels[0][1]
-                pairs = block_pairs(blocks)
-                levels += [(f"block-pairs-{count}", paired_blocks(self.program, blocks, pairs[:count]))
-                           for count in pair_counts(len(pairs))]
         return levels
 
     def measure(self, regions: list[CandidateRegion]) -> None:
