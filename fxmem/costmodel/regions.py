@@ -183,6 +183,8 @@ class _RegionMeasurer:
         self.index = TraceIndex.of(recorder)
         self.storage_bytes = recorder.storage_bytes
         self.op_costs = cached_per_trace(recorder, "_fxmem_op_costs", dict)  # (record, balance) -> op_cost
+        # node -> why it may save a tensor of its own making (`recipe_compatible`; the traced program's nodes)
+        self.own_saves = cached_per_trace(recorder, "_fxmem_own_saves", dict)
 
     def cost(self, record) -> float:
         key = (record.idx, self.balance)
@@ -226,7 +228,8 @@ class _RegionMeasurer:
         parts = self._breakdown(records, idxs, keep_sel, keep_rng)
         if self.node_time is not None:
             self._node_time_costs(region, parts, keep_sel, keep_rng)
-        region.recipes = self.recipes and not recipe_compatible(region.nodes, DRAW_OPS, restores=False)
+        region.recipes = self.recipes and not recipe_compatible(region.nodes, DRAW_OPS, restores=False,
+                                                                own_saves=self.own_saves)
         if region.recipes and idxs:
             needed = needed_records(self.recorder.records, min(idxs), max(idxs), parts.saved)
             parts.flops = self._closure_cost(region, needed)

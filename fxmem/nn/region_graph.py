@@ -45,18 +45,25 @@ SAFE_COMPOSITES = frozenset({
 })
 
 
-def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool) -> str:
+def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool, own_saves: dict | None = None) -> str:
     """Why a region of `nodes` (graph order; its inputs are the nodes outside) cannot run as recipes ("" when it
     can): it keeps op outputs (selective), restores buffers it updates, has an effect a closure would repeat or a
     draw it could not replay (`recipe_effects`), or runs an op that could save a tensor of its own making (not a
-    graph value a closure recomputes; a composite op, a dropout making its scale)."""
+    graph value a closure recomputes; a composite op, a dropout making its scale). `own_saves`: node -> the last
+    reason, filled as asked (it depends on the node alone: a planner asking about many regions of one graph passes
+    one dict)."""
     if keep_ops - DRAW_OPS:
         return "selective recomputation"
     if restores:
         return "updates buffers"
     inside = set(nodes)
+    known = {} if own_saves is None else own_saves
     for node in nodes:
-        why = _effect(node, inside) or _own_saves(node)
+        why = _effect(node, inside)
+        if not why:
+            why = known.get(node)
+            if why is None:
+                why = known[node] = _own_saves(node)
         if why:
             return why
     return ""

@@ -296,6 +296,8 @@ class CheckpointRun:
     def __init__(self, opts: CheckpointOptions, ctx: PassContext, limits: Limits, started: float):
         self.opts, self.ctx, self.limits, self.started = opts, ctx, limits, started
         self.keep_ops = frozenset(opts.keep_ops)
+        # variant -> it with matmul operand copies as nodes: both softmax-site variants start from the same one
+        self._explicit: dict[int, tuple[Variant, Variant]] = {}
 
     def trace(self, program: Program):
         return CheckpointPass._trace(program, self.ctx)
@@ -346,7 +348,11 @@ class CheckpointRun:
         matmul operand copies made nodes (`_matmul_operands_explicit`), and there must be some."""
         opts = self.opts
         if scores:
-            variant = self._matmul_operands_explicit(variant)
+            given, explicit = self._explicit.get(id(variant), (None, None))
+            if given is not variant:  # (the pair keeps `variant` alive, so its id is not reused)
+                explicit = self._matmul_operands_explicit(variant)
+                self._explicit[id(variant)] = (variant, explicit)
+            variant = explicit
         program, traced, before = variant.program, variant.traced, variant.estimate
         balance = opts.balance if opts.balance is not None \
             else default_balance(program) if opts.cost == "roofline" else None
