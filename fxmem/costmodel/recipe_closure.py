@@ -19,8 +19,9 @@ from ..nn.dropout import DRAW_OPS
 def needed_records(records: list, first: int, last: int, wanted) -> set[int]:
     """Indices of the records first..last a closure making the storages `wanted` runs (see the module docstring);
     draws are never run (their masks are kept or drawn again beforehand)."""
-    made_by = {key: record.idx for record in records[first:last + 1] if not _draw(record)
-               for key in record.new_keys}
+    span = records[first:last + 1]
+    made_by = {key: record.idx for record in span if not _draw(record) for key in record.new_keys}
+    in_place = [(record.idx, written) for record in span for written in [_written_keys(record)] if written]
     needed: set[int] = set()
     stack = [made_by[key] for key in wanted if key in made_by]
     while True:
@@ -32,8 +33,7 @@ def needed_records(records: list, first: int, last: int, wanted) -> set[int]:
             record = records[index]
             stack.extend(made_by[key] for key in _read_keys(record) if made_by.get(key, index) < index)
         made = {key for key, index in made_by.items() if index in needed}
-        writers = [record.idx for record in records[first:last + 1]
-                   if record.idx not in needed and any(key in made for key in _written_keys(record))]
+        writers = [index for index, written in in_place if index not in needed and any(key in made for key in written)]
         if not writers:
             return needed
         stack.extend(writers)
