@@ -18,7 +18,6 @@ except ImportError:
         from torch.fx.experimental.symbolic_shapes import hint_int as example_size
 
 
-
 def known_size(value) -> int | None:
     """`value` as an int where it has one before the step runs: an int as is, a backed symbol at its example value;
     None for a size that depends on the data (an unbacked symbol)."""

@@ -49,9 +49,9 @@ def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool, own_save
     """Why a region of `nodes` (graph order; its inputs are the nodes outside) cannot run as recipes ("" when it
     can): it keeps op outputs (selective), restores buffers it updates, has an effect a closure would repeat or a
     draw it could not replay (`recipe_effects`), or runs an op that could save a tensor of its own making (not a
-    graph value a closure recomputes; a composite op, a dropout making its scale). `own_saves`: node -> the last
-    reason, filled as asked (it depends on the node alone: a planner asking about many regions of one graph passes
-    one dict)."""
+    graph value a closure recomputes; a composite op, a dropout making its scale). `own_saves`: node -> why it may
+    save a tensor of its own making ("" when it cannot), filled as asked (a question of the node alone: a planner
+    asking about many regions of one graph passes one dict)."""
     if keep_ops - DRAW_OPS:
         return "selective recomputation"
     if restores:
