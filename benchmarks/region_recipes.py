@@ -12,8 +12,7 @@ recompute time is the median of its step less the captured graph's in the same r
 recipe and region recomputations in backward, median over the clocked steps). The eager floor
 (benchmarks/eager_floor.py; recomputations reading kept inputs priced where backward runs them, the forward-time
 floor beside it) is what issue 33 holds eager plans to (within 1.15x). Memory is measured (`fxmem.measure`:
-activations left at the
-end of forward and the step's peak; `saved_bytes`: the hooks' count the targets are in).
+activations left at the end of forward and the step's peak; `saved_bytes`: the hooks' count the targets are in).
 
 The default targets are torch.compile's saved bytes at activation_memory_budget 0.1-0.7 on these models (the
 hooks' count, as benchmarks/checkpoint_pareto.py measures them; docs/benchmarks.md's pareto table), so the rows

@@ -15,6 +15,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxmem.nn.compiled_recompute import SHARES_REGION_ID
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 EXAMPLE_NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "__init__")
@@ -29,15 +31,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _needs_shared_remat_region():
-    from fxmem.nn.compiled_recompute import SHARES_REGION_ID
-    return pytest.mark.xfail(not SHARES_REGION_ID, strict=True, reason=(
-        "this torch numbers each checkpoint region's graph id itself (fxmem.nn.compiled_recompute): under "
-        "torch.compile every remat site is its own region and the compiled step keeps nested sites' inputs"))
-
-
 # a test of what a compiled remat plan saves: it holds where remat sites share one checkpoint region (torch 2.13)
-needs_shared_remat_region = _needs_shared_remat_region()
+needs_shared_remat_region = pytest.mark.xfail(not SHARES_REGION_ID, strict=True, reason=(
+    "this torch numbers each checkpoint region's graph id itself (fxmem.nn.compiled_recompute): under "
+    "torch.compile every remat site is its own region and the compiled step keeps nested sites' inputs"))
 
 
 class OpCounter(TorchDispatchMode):

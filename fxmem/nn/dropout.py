@@ -103,12 +103,12 @@ def bool_mask_dropout(tensor: torch.Tensor, probability: float, train: bool, sca
     tape = _TAPE.get()
     keep = tape.draw(tensor, probability) if tape is not None else _draw(tensor, probability)
     applied_scale = _applied_scale(tensor, probability, scale, scale_dtype)
-    out = _apply_mask(tensor, keep, applied_scale)
+    out = remake(tensor, keep, applied_scale)
     if remat:
         scope = active_scope() if nest is not None else None
         args = (tensor, keep, applied_scale) if scope is None else scope.as_recipe_args((tensor, keep, applied_scale),
                                                                                        nest)
-        register_recompute(out, _apply_mask, args)
+        register_recompute(out, remake, args)
     return out
 
 
@@ -127,7 +127,7 @@ def _compiled_remat(tensor: torch.Tensor, probability: float, scale, scale_dtype
 
 
 def _masked(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
-    """`_apply_mask` out of place (inside a compiled checkpoint: no in-place op, no uint8 view for CPU's eager
+    """`remake` out of place (inside a compiled checkpoint: no in-place op, no uint8 view for CPU's eager
     kernels to convert faster; the compiler fuses the product)."""
     return torch.mul(tensor, scale) * keep
 
@@ -135,10 +135,6 @@ def _masked(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
 def remake(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
     """A bool-mask dropout's output from its input, its bool mask `keep` and its scale: what the forward and the
     recipe run (benchmarks time the recomputation through it)."""
-    return _apply_mask(tensor, keep, scale)
-
-
-def _apply_mask(tensor: torch.Tensor, keep: torch.Tensor, scale) -> torch.Tensor:
     # The mask goes in as uint8, a view of the same bytes: CPU kernels convert a bool operand to x's dtype
     # element by element, which took longer than the multiply (and much longer than uint8's conversion on a fp32
     # tensor). Autograd saves the uint8 view (1 byte per element); the backward's grad * mask converts it the
