@@ -88,13 +88,11 @@ class RecomputeClock:
             self.runs.append(seconds)
 
 
-def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
-    """Seconds per step `module`'s backward spends recomputing (`RecomputeClock`) over `steps` steps: the sum of
-    each recomputation's least (the floor's estimator: it sums each op's least time; the least of whole steps
-    when steps ran different recomputations), and the median step."""
+def clocked_runs(module, step, steps: int) -> tuple[list[list[float]], list[float]]:
+    """`steps` steps of `module` under the clock: each step's recomputations (seconds, in order) and its total."""
     clock = RecomputeClock.on(module)
     try:
-        per_step, runs = [], []
+        runs, per_step = [], []
         for _ in range(steps):
             clock.reset()
             step()
@@ -102,5 +100,18 @@ def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
             per_step.append(clock.reset())
     finally:
         clock.off()
-    each_least = sum(map(min, zip(*runs))) if len({len(r) for r in runs}) == 1 else min(per_step)
-    return each_least, sorted(per_step)[len(per_step) // 2]
+    return runs, per_step
+
+
+def each_least(runs: list[list[float]], per_step: list[float]) -> float:
+    """Each recomputation's least over the steps, summed (the least whole step when steps ran different
+    recomputations)."""
+    return sum(map(min, zip(*runs))) if len({len(r) for r in runs}) == 1 else min(per_step)
+
+
+def clocked_seconds(module, step, steps: int) -> tuple[float, float]:
+    """Seconds per step `module`'s backward spends recomputing (`RecomputeClock`) over `steps` steps: the sum of
+    each recomputation's least (the floor's estimator: it sums each op's least time; the least of whole steps
+    when steps ran different recomputations), and the median step."""
+    runs, per_step = clocked_runs(module, step, steps)
+    return each_least(runs, per_step), sorted(per_step)[len(per_step) // 2]

@@ -207,6 +207,15 @@ def gpt_at_activation_budget(budget: str, **options):
     return ref, res, args, kwargs, loss_fn, next(r for r in res.report.passes if r.name == "checkpoint")
 
 
+def train_and_clear(module, args, kwargs, loss_fn) -> None:
+    """One training forward and backward of `module`, its gradients cleared after (a step the benchmarks' clocks
+    time, without an optimizer)."""
+    module.train()
+    loss = loss_fn(module(*args, **kwargs), args)
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+
+
 def force_remat_and_regions(monkeypatch) -> None:
     """The checkpoint pass emits remat + regions below what remat alone reaches, whichever of that and regions
     alone it would have found cheaper (for tests of the remat + regions program itself)."""

@@ -11,14 +11,7 @@ from benchmarks.recompute_clock import RecomputeClock, clocked_seconds
 from fxmem.nn import recast
 from fxmem.nn.checkpoint import CheckpointRegion
 
-from .conftest import gpt_at_activation_budget
-
-
-def _step(module, args, kwargs, loss_fn):
-    module.train()
-    loss = loss_fn(module(*args, **kwargs), args)
-    loss.backward()
-    module.zero_grad(set_to_none=True)
+from .conftest import gpt_at_activation_budget, train_and_clear
 
 
 def test_clock_counts_backward_recomputation_and_leaves_the_module_as_it_was():
@@ -32,7 +25,7 @@ def test_clock_counts_backward_recomputation_and_leaves_the_module_as_it_was():
             module.eval()
             module(*args, **kwargs)  # no backward: nothing recomputed
         assert clock.reset() == 0.0
-        _step(module, args, kwargs, loss_fn)
+        train_and_clear(module, args, kwargs, loss_fn)
         runs = clock.runs
         assert runs and clock.reset() == pytest.approx(sum(runs)) and clock.runs == []
     finally:
@@ -44,7 +37,7 @@ def test_clock_counts_backward_recomputation_and_leaves_the_module_as_it_was():
     plain = copy.deepcopy(ref)
     clock = RecomputeClock.on(plain)
     try:
-        _step(plain, args, kwargs, loss_fn)
+        train_and_clear(plain, args, kwargs, loss_fn)
         assert clock.reset() == 0.0
     finally:
         clock.off()
@@ -53,6 +46,6 @@ def test_clock_counts_backward_recomputation_and_leaves_the_module_as_it_was():
 def test_clocked_seconds_sums_each_recomputations_least():
     _, res, args, kwargs, loss_fn, _ = gpt_at_activation_budget("12%")
     module = res.module
-    each_least, median = clocked_seconds(module, lambda: _step(module, args, kwargs, loss_fn), 3)
+    each_least, median = clocked_seconds(module, lambda: train_and_clear(module, args, kwargs, loss_fn), 3)
     assert 0.0 < each_least <= median
     assert recast._recompute.__name__ == "_recompute"  # instruments off again
