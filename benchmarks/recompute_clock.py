@@ -62,6 +62,11 @@ class RecomputeClock:
             handle.remove()
         self._handles = []
 
+    @property
+    def inside(self) -> bool:
+        """Whether a recomputation is running now (and being clocked)."""
+        return self._depth > 0
+
     def reset(self) -> float:
         """This step's seconds so far, and start again from zero (`runs` too)."""
         seconds, self.seconds, self.runs = self.seconds, 0.0, []

@@ -55,7 +55,7 @@ class OpTimer(TorchDispatchMode):
         self.ops: list[tuple[str, float]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.clock._depth == 0:
+        if not self.clock.inside:
             return func(*args, **(kwargs or {}))
         started = time.perf_counter()
         out = func(*args, **(kwargs or {}))
