@@ -45,6 +45,15 @@ except ImportError:  # run from benchmarks/ (its scripts put that directory on t
     from backward_times import backward_node_times
 
 DROPOUT_TARGETS = frozenset({"aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default"})
+# a dropout's mask is a node of its own, named the dropout's name + MASK_SUFFIX; in a plan, recomputing it is drawing
+# the mask again (MASK_DRAWN_AGAIN where plans are listed by op)
+MASK_SUFFIX = ".mask"
+MASK_DRAWN_AGAIN = "dropout mask drawn again"
+
+
+def is_mask(name: str) -> bool:
+    """Whether a `RecomputeGraph` node name is a dropout's mask."""
+    return name.endswith(MASK_SUFFIX)
 
 
 @dataclass
@@ -202,7 +211,7 @@ class RecomputeGraph:
         by one multiply. Returns the output's (bytes backward reads, seconds to remake it) and the mask's index."""
         mask = made // 2
         itemsize = node.meta["val"].dtype.itemsize
-        index = self._add(node.name + ".mask", seconds, mask, mask // itemsize, False, [])
+        index = self._add(node.name + MASK_SUFFIX, seconds, mask, mask // itemsize, False, [])
         return max(0, kept - mask), cheapest * (made - mask), index
 
 

@@ -36,9 +36,14 @@ from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.nn.checkpoint import CheckpointRegion  # noqa: E402
 from fxmem.nn.dropout import DRAW_OPS  # noqa: E402
 from checkpoint_pareto import fxmem_module, step_fn  # noqa: E402
-from eager_floor import EagerFloor  # noqa: E402
-from recompute_ops import DRAW, clock_steps, op_split  # noqa: E402
+from eager_floor import EagerFloor, is_mask  # noqa: E402
+from recompute_ops import clock_steps, draw_seconds, op_split  # noqa: E402
 from region_recipes import MIB, TARGETS, prepared  # noqa: E402
+
+
+def packed(nbytes: int) -> int:
+    """The bytes of a mask of `nbytes` bool elements packed eight to a byte."""
+    return (nbytes + 7) // 8
 
 
 @contextlib.contextmanager
@@ -52,7 +57,7 @@ def masks_priced_as_bits():
         out = original(self, func, types, args, kwargs)
         if func.overloadpacket.__name__ in DRAW_OPS and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
             key = self.key(out)[0]
-            self.storage_bytes[key] = (self.storage_bytes[key] + 7) // 8
+            self.storage_bytes[key] = packed(self.storage_bytes[key])
         return out
     recorder.__torch_dispatch__ = priced
     try:
@@ -64,8 +69,7 @@ def masks_priced_as_bits():
 def floor_with_bit_masks(floor: EagerFloor) -> EagerFloor:
     """`floor` with each dropout mask kept for an eighth of its bytes (rounded up)."""
     graph = copy.deepcopy(floor.graph)
-    graph.keep_bytes = [(kept + 7) // 8 if name.endswith(".mask") else kept
-                        for name, kept in zip(graph.names, graph.keep_bytes)]
+    graph.keep_bytes = [packed(kept) if is_mask(name) else kept for name, kept in zip(graph.names, graph.keep_bytes)]
     return EagerFloor(floor.items, floor.free, graph)
 
 
@@ -88,7 +92,7 @@ def planned_row(bench: dict, target: float, bits: bool, floor: EagerFloor, steps
     measured = saved_bytes(copy.deepcopy(module), bench["x"]) / MIB
     sites = (metrics.get("remat") or {}).get("sites", 0)
     return (f"| {target} | {'bits' if bits else 'bytes'} | {sites} / {len(regions)} ({redraws}) | {projected:.2f} | "
-            f"{measured:.2f} | {split.get(DRAW, (0, 0.0))[1] * 1e3:.2f} | {op_by_op * 1e3:.2f} | "
+            f"{measured:.2f} | {draw_seconds(split) * 1e3:.2f} | {op_by_op * 1e3:.2f} | "
             f"{clocked * 1e3:.2f} | {floor_s * 1e3:.2f} | {op_by_op / floor_s:.2f} | {clocked / floor_s:.2f} |")
 
 

@@ -12,12 +12,12 @@ by graph op (a dropout mask drawn again as its own line). Graph ops and dispatch
 as `addmm`, a matmul as `bmm` with its copies), so the two lists are read by kind: draws, matrix products, the rest.
 
 Two estimators of one recomputation. The clock's sums each recomputation's least over the steps (31 of them at
-gpt's 0.1). The floor's sums each *node's* least (about 180 at gpt's 0.1): a sum of more minima, each taken alone,
-lies further below any one step. Measured on the same steps, fxmem's ops summed op by op come out several percent
-below the least step's sum of the same ops. So fxmem's recomputation is also given on the floor's own estimator
-("op by op"): each aten op's least over the steps, summed, plus the time outside the ops (Python around them: fx
-code, recipe bookkeeping), taken as the least clocked step (without the op timer) less the least step's op sum
-(with it). The floor's node times are the least of 9 forward runs and of 5 backward steps; the default 9 steps here
+gpt's 0.1). The floor's sums each *node's* least (over 90 at gpt's 0.1): a sum of more minima, each taken alone,
+lies further below any one step (a sum of per-item minima is never above the least step's sum of the same
+items, and the more items, the further below it tends to lie). So fxmem's recomputation is also given on the
+floor's own estimator ("op by op"): each aten op's least over the steps, summed, plus the time outside the ops
+(Python around them: fx code, recipe bookkeeping), taken as the least clocked step (without the op timer) less the
+least step's op sum (with it). The floor's node times are the least of 9 forward runs and of 5 backward steps; the default 9 steps here
 sit between.
 """
 from __future__ import annotations
@@ -38,13 +38,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fxmem import ops as optable  # noqa: E402
+from fxmem.nn.dropout import DRAW_OPS  # noqa: E402
 from checkpoint_pareto import step_fn  # noqa: E402
-from eager_floor import EagerFloor  # noqa: E402
+from eager_floor import MASK_DRAWN_AGAIN, EagerFloor, is_mask  # noqa: E402
 from recompute_clock import RecomputeClock, clocked_runs, each_least  # noqa: E402
 from region_recipes import MIB, TARGETS, plan, prepared  # noqa: E402
-
-DRAW = "bernoulli"
-
 
 class OpTimer(TorchDispatchMode):
     """Times each aten op dispatched while `clock` is inside a recomputation; `ops`: (op name, seconds) in order."""
@@ -97,17 +95,22 @@ def clock_steps(module, step, steps: int) -> tuple[float, float]:
 
 def floor_split(floor: EagerFloor, drop: int, program) -> dict[str, tuple[int, float]]:
     """Graph op -> (count, seconds) the floor's plan at `drop` recomputes, at the floor's prices (a mask drawn again
-    as "dropout mask drawn again")."""
+    as MASK_DRAWN_AGAIN)."""
     graph = floor.graph
     index = {name: i for i, name in enumerate(graph.names)}
     ops = {n.name: optable.packet(n.target) for n in program.graph.nodes if n.op == "call_function"}
     split: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for name in floor.plan(drop):
         i = index[name]
-        kind = "dropout mask drawn again" if name.endswith(".mask") else str(ops.get(name, name))
+        kind = MASK_DRAWN_AGAIN if is_mask(name) else str(ops.get(name, name))
         split[kind][0] += 1
         split[kind][1] += graph.seconds[i] + graph.extra[i]
     return {kind: (count, seconds) for kind, (count, seconds) in split.items()}
+
+
+def draw_seconds(split: dict[str, tuple[int, float]]) -> float:
+    """The seconds of an `op_split` spent in random draws (dropout masks drawn again, `DRAW_OPS`)."""
+    return sum(seconds for name, (_, seconds) in split.items() if name in DRAW_OPS)
 
 
 def _listed(split: dict, limit: int = 8) -> str:
@@ -134,11 +137,11 @@ def run_model(name: str, targets, steps: int) -> list[str]:
         split, ops_least_step = op_split(module, step, steps)
         ops_s = sum(seconds for _, seconds in split.values())
         outside = max(0.0, least_step - ops_least_step)
-        draws_s = split.get(DRAW, (0, 0.0))[1]
+        draws_s = draw_seconds(split)
         drop = bench["hooks"] - int(target * MIB)
         floor_s = floor.seconds(drop)
         floor_ops = floor_split(floor, drop, bench["program"])
-        floor_draws = floor_ops.get("dropout mask drawn again", (0, 0.0))[1]
+        floor_draws = floor_ops.get(MASK_DRAWN_AGAIN, (0, 0.0))[1]
         lines.append(
             f"| {name} | {target} | {planned['sites']} / {planned['regions']} | {clocked * 1e3:.2f} | "
             f"{ops_s * 1e3:.2f} | {draws_s * 1e3:.2f} | {outside * 1e3:.2f} | {(ops_s + outside) * 1e3:.2f} | "

@@ -42,7 +42,7 @@ from fxmem.measure import saved_bytes  # noqa: E402
 from fxmem.nn.checkpoint import CheckpointRegion  # noqa: E402
 from fxmem.step_timing import interleaved_times  # noqa: E402
 from checkpoint_pareto import fxmem_module, paired_difference, setup, step_fn  # noqa: E402
-from eager_floor import EagerFloor  # noqa: E402
+from eager_floor import MASK_DRAWN_AGAIN, EagerFloor, is_mask  # noqa: E402
 from recompute_clock import clocked_seconds  # noqa: E402
 
 # compile@0.1 / 0.2 / 0.3 / 0.5 / 0.7's saved bytes (MiB, hooks), benchmarks/results/checkpoint_pareto_full.md
@@ -120,8 +120,7 @@ def floor_plan_line(name: str, target: float, recomputed: list[str], program) ->
     ops = {n.name: optable.packet(n.target) for n in program.graph.nodes
            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
            and optable.category(n.target) != optable.VIEW}
-    kinds = Counter("dropout mask drawn again" if r.endswith(".mask") else ops[r] for r in recomputed
-                    if r.endswith(".mask") or r in ops)
+    kinds = Counter(MASK_DRAWN_AGAIN if is_mask(r) else ops[r] for r in recomputed if is_mask(r) or r in ops)
     shown = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
     return f"- {name} at {target} MiB: the floor's plan recomputes {shown or 'nothing'}"
 

@@ -17,7 +17,8 @@ from .conftest import example
 
 
 def _mask_bytes(program, loss_fn) -> list[tuple[int, int]]:
-    """(elements, recorded bytes) of each bool Bernoulli draw in a forward trace of `program`."""
+    """(bytes the trace records for its storage, bytes of the tensor: one per element) of each bool Bernoulli draw
+    in a forward trace of `program`."""
     recorder = trace_forward(program, program.example_args, program.example_kwargs, "train", loss_fn).recorder
     return [(recorder.storage_bytes[record.new_keys[0]], record.out_bytes[0]) for record in recorder.records
             if packet(record.func) in DRAW_OPS and record.region is None]
