@@ -25,6 +25,7 @@ import time
 import torch
 from torch import fx
 
+from fxmem.nn.bitmask import pack
 from fxmem.nn.dropout import remake
 
 DROPOUT = "aten.dropout.default"
@@ -80,8 +81,8 @@ class _FirstUnpackTimer:
             if str(target) == DROPOUT and args[2]:
                 x, scale = args[0], 1.0 / (1.0 - args[1])
                 mask = self.masks.get(node.name)
-                if mask is None:
-                    mask = self.masks[node.name] = torch.rand_like(x) >= args[1]
+                if mask is None:  # (packed, as the dropout keeps it)
+                    mask = self.masks[node.name] = pack(torch.rand_like(x) >= args[1])
                 started = time.perf_counter()
                 remake(x, mask, scale)
             else:

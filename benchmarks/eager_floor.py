@@ -37,6 +37,7 @@ import torch
 from torch import fx
 
 from fxmem.costmodel import node_costs, trace_forward, value_key
+from fxmem.nn.bitmask import packed_size
 from fxmem.pipeline import pass_module
 
 try:
@@ -116,7 +117,8 @@ def unsaved_outputs(program, loss_fn) -> dict[str, int]:
 
 
 def _free_bytes(program) -> int:
-    """Bytes fxmem drops at no recompute at all: dropout masks kept as bool instead of float (compact_dropout)."""
+    """Bytes fxmem drops at no recompute at all: dropout masks kept packed, a bit per element, instead of float
+    (compact_dropout)."""
     return sum(c.bytes_saved for c in pass_module("checkpoint").compact_dropout(program.snapshot()))
 
 
@@ -206,12 +208,13 @@ class RecomputeGraph:
         return len(self.names) - 1
 
     def _dropout(self, node: fx.Node, kept: int, made: int, seconds: float, cheapest: float):
-        """A dropout as two nodes: its mask (as many elements as the output, in the input's dtype on CPU; kept as
-        bool, fxmem's compact dropout, or drawn again at the dropout's time) and its output, remade from the mask
-        by one multiply. Returns the output's (bytes backward reads, seconds to remake it) and the mask's index."""
+        """A dropout as two nodes: its mask (as many elements as the output, in the input's dtype on CPU; kept
+        packed, a bit per element, fxmem's compact dropout, or drawn again at the dropout's time) and its output,
+        remade from the mask by one multiply. Returns the output's (bytes backward reads, seconds to remake it) and
+        the mask's index."""
         mask = made // 2
         itemsize = node.meta["val"].dtype.itemsize
-        index = self._add(node.name + MASK_SUFFIX, seconds, mask, mask // itemsize, False, [])
+        index = self._add(node.name + MASK_SUFFIX, seconds, mask, packed_size(mask // itemsize), False, [])
         return max(0, kept - mask), cheapest * (made - mask), index
 
 

@@ -76,6 +76,9 @@ class OpInfo:
     # on CUDA, cuDNN takes a workspace from the allocator while the op (forward or backward) runs: no tensor, not
     # counted by the cost model or fxmem.measure (`fxmem.costmodel.workspaces` names it)
     cuda_workspace: bool = False
+    # a custom op whose registered autograd formula runs it below autograd, with grad off (fxmem's own,
+    # `fxmem.nn.dropout_ops`): a dispatch mode sees it as an op without a backward until its node returns
+    custom_autograd: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- save rules
@@ -463,6 +466,12 @@ _reg(["_ctc_loss"], OpInfo(LOSS, lambda c: _all_tensor_inputs(c) + [("out", 0), 
 
 
 _LOOKED_UP: dict = {}  # op -> entry (the table is filled at import and not changed after)
+
+
+def register(op, info: OpInfo) -> None:
+    """Enter an op that is not aten's (fxmem's own custom ops, `fxmem.nn.dropout_ops`) in the table."""
+    OPS[op] = info
+    _LOOKED_UP.pop(op, None)
 
 
 def lookup(op) -> OpInfo | None:

@@ -82,12 +82,13 @@ def test_decoder_floor_keeps_masks_apart_and_grows_with_the_bytes_dropped(gpt_fl
     dropouts = [n.name for n in program.graph.nodes if str(n.target) == "aten.dropout.default"]
     assert dropouts and {n + ".mask" for n in dropouts} <= set(graph.names)
     masks = [graph.names.index(n + ".mask") for n in dropouts]
-    # a mask is read by its dropout's remake, kept as bool (a quarter of a float32 mask's bytes)
+    # a mask is read by its dropout's remake, kept packed (a bit per element)
     assert all(graph.needed[i] and graph.seconds[i] >= 0 for i in masks)
     assert all(graph.names.index(n + ".mask") in graph.inputs[graph.names.index(n)] for n in dropouts)
     steps = [int(graph.total * f) for f in (0.0, 0.2, 0.4, 0.6, 0.8)]
     seconds = [floor.seconds(d) for d in steps]
-    assert seconds[0] == 0.0 and all(math.isfinite(s) for s in seconds)
+    # (dropping nothing recomputes nothing: HiGHS's bound is zero within its tolerance)
+    assert floor.plan(0) == [] and seconds[0] < 1e-6 and all(math.isfinite(s) for s in seconds)
     assert all(a <= b + 1e-9 for a, b in zip(seconds, seconds[1:])), seconds
     assert seconds[-1] > 0
     assert math.isinf(floor.seconds(graph.total))  # the loss's own saves stay

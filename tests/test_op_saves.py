@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fxmem import ops as optable
+import fxmem.nn.dropout_ops  # noqa: F401 - the table's custom ops (a dropout's packed mask)
 
 aten = torch.ops.aten
 
@@ -82,6 +83,9 @@ def _long(high: int, *shape) -> torch.Tensor:
 # calls for ops whose schema-made arguments are not valid (shapes that must agree, ranges, keyword-only arguments):
 # name -> (op, args[, kwargs])
 SHAPED_CALLS = {
+    # (fxmem's own: a dropout's packed mask, 24 elements in 3 bytes)
+    "masked_scale": lambda: (torch.ops.fxmem.masked_scale.default,
+                             (_t(4, 6), torch.randint(0, 256, (3,), dtype=torch.uint8), 1.25)),
     "mm": lambda: (aten.mm.default, (_t(4, 6), _t(6, 3))),
     "bmm": lambda: (aten.bmm.default, (_t(2, 4, 6), _t(2, 6, 3))),
     "addmm": lambda: (aten.addmm.default, (_t(3), _t(4, 6), _t(6, 3))),

@@ -198,10 +198,11 @@ def test_softmax_sites_alone_reach_an_activation_budget_exactly():
 
 
 def test_regions_over_softmax_sites_exact_and_as_planned():
-    """At 30%, regions planned over remat with softmax sites (an attention region over blocks whose softmaxes are
-    recipes) win by the cost model, regions run as torch's checkpoint (`region_recipes: false`): the step is exact
-    and keeps what the plan said."""
-    ref, res, args, kwargs, loss_fn, rec = gpt_at_activation_budget("30%", region_recipes=False)
+    """At 24%, regions planned over remat with softmax sites (regions over blocks whose softmaxes are recipes, run
+    as recipes) win by the cost model: the step is exact and keeps what the plan said. (With torch's checkpoint for
+    regions, `region_recipes: false`, regions over matrix-product sites alone win from 20% to 28% since masks are
+    packed.)"""
+    ref, res, args, kwargs, loss_fn, rec = gpt_at_activation_budget("24%")
     assert rec.status == "applied", rec.reason
     assert rec.metrics["remat"]["softmaxes"] >= 1 and any(c != "keep" for c in rec.metrics["plan"].values())
     assert any("and attention scores" in n for n in rec.notes), rec.notes
@@ -224,7 +225,7 @@ def test_dropout_over_a_no_op_cast_of_the_softmax_holds_it_nested():
 def test_softmax_sites_without_matrix_product_sites_win_on_hugging_face_gpt2():
     """Softmaxes (with the cheap sites) are sites in a plan without any linear being one: on Hugging Face's GPT-2 (3
     layers, 4 x 128 tokens; its mask kept, its probabilities' cast looked through), whose Conv1D linears are dear
-    sites, regions over that remat are the cheapest plan at 25% of the activations: the pass says so, and the
+    sites, regions over that remat are the cheapest plan at 22% of the activations: the pass says so, and the
     step is exact and keeps the bytes it planned."""
     import examples.hf_gpt2 as gpt2
     from fxmem.modelfile import split_inputs
@@ -233,12 +234,12 @@ def test_softmax_sites_without_matrix_product_sites_win_on_hugging_face_gpt2():
     args, kwargs = split_inputs(gpt2.example_inputs(batch=4, seq_len=128))
     ref = copy.deepcopy(model)
     res = fxmem.transform(model, args, kwargs, loss_fn=loss_fn, measure=True, policy={
-        "version": 1, "passes": {"checkpoint": {"activation_budget": "25%"}}})
+        "version": 1, "passes": {"checkpoint": {"activation_budget": "22%"}}})
     rec = next(r for r in res.report.passes if r.name == "checkpoint")
     assert rec.status == "applied", rec.reason
     assert any("regions over remat with attention scores among its sites" in n for n in rec.notes), rec.notes
     assert rec.metrics["remat"]["softmaxes"] == 3 and "products" not in rec.metrics["remat"], rec.metrics["remat"]
     assert "remat_call('aten.softmax.int'" in res.module.code and "'aten.addmm.default'" not in res.module.code
     assert res.report.measured_after.activations == rec.metrics["estimated_activations"] <= \
-        0.25 * res.report.measured_before.activations
+        0.22 * res.report.measured_before.activations
     assert step_difference(ref, res.module, args, kwargs, loss_fn) is None

@@ -228,9 +228,10 @@ class DispatchRecorder(TorchDispatchMode):
             self._record_grad_alias(record, func, args, kwargs)
             self._record_views(record, func, args, outs)
             self._hold_saved(record, (*args, *kwargs.values(), *outs))
-        elif self.grad_enabled and any(in_rg) and optable.lookup(func) is None:
+        elif self.grad_enabled and any(in_rg) and _below_autograd(func):
             # an op outside the table run with grad off on inputs needing grad: a custom op whose autograd formula
-            # runs it below autograd, or an op inside a custom autograd Function's forward (`settle_deferred`).
+            # runs it below autograd (the table's custom ops too), or an op inside a custom autograd Function's
+            # forward (`settle_deferred`).
             # (Without a backward anywhere, in inference, an op costs its outputs alone, which are tracked: never
             # unknown.)
             record.known = False
@@ -589,3 +590,10 @@ def cached_per_trace(recorder: DispatchRecorder, name: str, make):
     if hit is None or hit[0] is not recorder.records:
         hit = recorder.__dict__[name] = (recorder.records, make())
     return hit[1]
+
+
+def _below_autograd(func) -> bool:
+    """`func` may be a custom op run below its autograd formula: outside the op table, or one of the table's custom
+    ops (`fxmem.ops.OpInfo.custom_autograd`)."""
+    info = optable.lookup(func)
+    return info is None or info.custom_autograd

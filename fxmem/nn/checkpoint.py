@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..ops import packet
 from . import recast
-from .dropout import DRAW_OPS, DrawTape
+from .dropout import DRAW_OPS, DrawTape, kept_draws
 from .region_recipe import run_as_recipes
 from .regions import RegionInfo
 
@@ -51,7 +51,7 @@ class CheckpointRegion(nn.Module):
     def __init__(self, body: fx.GraphModule, keep_ops=(), label: str = "", restore_args=(), recipes: bool = False):
         super().__init__()
         self.body = body
-        self.keep_ops = frozenset(keep_ops)
+        self.keep_ops = kept_draws(keep_ops)
         self.label = label  # the module path the region came from, for reports
         self.restore_args = tuple(restore_args)  # inputs (buffers) the body mutates: restored after recompute
         # the draw tape (forward below) holds the masks until the checkpoint lets go of the body: the end of the

@@ -49,7 +49,7 @@ def recipe_compatible(nodes: list, keep_ops: frozenset, restores: bool, own_save
     """Why a region of `nodes` (graph order; its inputs are the nodes outside) cannot run as recipes ("" when it
     can): it keeps op outputs (selective), restores buffers it updates, has an effect a closure would repeat or a
     draw it could not replay (`recipe_effects`), or runs an op that could save a tensor of its own making (not a
-    graph value a closure recomputes; a composite op, a dropout making its scale). `own_saves`: node -> why it may
+    graph value a closure recomputes; a composite op). `own_saves`: node -> why it may
     save a tensor of its own making ("" when it cannot), filled as asked (a question of the node alone: a planner
     asking about many regions of one graph passes one dict)."""
     if keep_ops - DRAW_OPS:
@@ -103,22 +103,12 @@ def _own_saves(node: fx.Node) -> str:
     if node.op != "call_function":
         return ""
     if node.target in DROPOUTS:
-        return _dropout_incompatible(node)
+        return ""  # (its one save of its own making, the packed mask, is the tape's: kept or drawn again)
     target, args = op_call(node.target, node.args)
     if isinstance(target, torch._ops.OpOverload) and \
             torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd") and \
             (str(target) not in SAFE_COMPOSITES or not _folds_without_copy(target, args)):
         return f"{target} may save a tensor of its own making"
-    return ""
-
-
-def _dropout_incompatible(node: fx.Node) -> str:
-    """A bool-mask dropout without the graph's own scale in its input's dtype makes its scale, a tensor it saves,
-    inside (no graph value a closure could make again)."""
-    args = list(node.args) + [node.kwargs.get(k) for k in ("scale", "scale_dtype")][len(node.args) - 3:]
-    value = node_value(args[0], tensor_only=True) if args else None
-    if len(args) < 5 or args[3] is None or value is None or value.dtype != args[4]:
-        return "a dropout makes its scale inside"
     return ""
 
 

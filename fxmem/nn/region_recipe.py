@@ -229,8 +229,8 @@ def _keyed_dropout(key: int, kind: int, tensor, probability: float, train: bool,
 
 
 class _Tape:
-    """The draws of one forward of a region, by key: the masks and their layouts and probabilities (to be drawn
-    again). A draw without a key (another dropout form) is noted."""
+    """The draws of one forward of a region, by key: the packed masks and their sizes, devices and probabilities (to
+    be drawn again). A draw without a key (another dropout form) is noted."""
 
     def __init__(self):
         self.key = None
@@ -241,14 +241,14 @@ class _Tape:
     def draw(self, tensor: torch.Tensor, probability: float) -> torch.Tensor:
         if self.key is None:
             self.other_draws = True
-        keep = self.masks[self.key] = dropout_module._draw(tensor, probability)
-        self.layouts.append((self.key, tensor.shape, tensor.stride(), tensor.device, probability))
+        packed = self.masks[self.key] = dropout_module._draw(tensor, probability)
+        self.layouts.append((self.key, tensor.numel(), tensor.device, probability))
         self.key = None
-        return keep
+        return packed
 
 
 class _Replay:
-    """The draw tape of a recomputation: each keyed draw answered with the forward's mask."""
+    """The draw tape of a recomputation: each keyed draw answered with the forward's packed mask."""
 
     def __init__(self, masks: dict):
         self.masks, self.key = masks, None
@@ -304,8 +304,8 @@ def _draw_again(states: dict, layouts: list) -> dict:
     try:
         for device, state in states.items():
             _generator(device).set_state(state)
-        return {key: dropout_module.draw_mask(shape, stride, device, probability)
-                for key, shape, stride, device, probability in layouts}
+        return {key: dropout_module.draw_mask(numel, device, probability)
+                for key, numel, device, probability in layouts}
     finally:
         for device, state in now.items():
             _generator(device).set_state(state)

@@ -1,15 +1,16 @@
 """Compact dropout masks: CPU `aten.dropout` draws its mask into a float tensor that autograd saves.
 
 `compact_dropout` replaces it by `fxmem.nn.dropout.bool_mask_dropout`: the same random numbers drawn into a bool
-mask (bit-identical outputs and gradients, a quarter of the bytes). Recompute regions then keep those draws
-(`fxmem.nn.checkpoint.DRAW_OPS`) instead of drawing again. CUDA runs the fused native_dropout, whose mask is bool
-already, so CUDA graphs are left alone.
+mask and kept packed, a bit per element (bit-identical outputs and gradients, a 32nd of a float32 mask's bytes).
+Recompute regions then keep those packed draws (`fxmem.nn.checkpoint.DRAW_OPS`) instead of drawing again. CUDA
+runs the fused native_dropout, whose mask is bool already, so CUDA graphs are left alone.
 """
 from __future__ import annotations
 
 import torch
 from torch import fx
 
+from fxmem.nn.bitmask import packed_size
 from fxmem.nn.dropout import bool_mask_dropout
 from fxmem.node_value import node_value
 from fxmem.pass_api import Change
@@ -52,13 +53,15 @@ def _compact(graph: fx.Graph, node: fx.Node) -> Change | None:
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
+    elements = static_numel(value)
     return Change(
         kind="checkpoint_compact_dropout", module=(module_paths(new) or ["<root>"])[-1], nodes_before=[node.name],
         nodes_after=[new.name],
-        reason=f"dropout p={probability:g} on CPU: the mask autograd saves is drawn as bool (1 byte per element "
-               f"instead of {value.element_size()}): the same random numbers, bit-identical outputs and gradients",
-        bytes_saved=static_numel(value) * (value.element_size() - 1),
-        details={"p": float(probability), "elements": static_numel(value) or "data-dependent"})
+        reason=f"dropout p={probability:g} on CPU: the mask autograd saves is drawn as bool and kept packed (a bit "
+               f"per element instead of {value.element_size()} bytes): the same random numbers, bit-identical "
+               "outputs and gradients",
+        bytes_saved=elements * value.element_size() - packed_size(elements),
+        details={"p": float(probability), "elements": elements or "data-dependent"})
 
 
 def static_numel(value: torch.Tensor) -> int:
