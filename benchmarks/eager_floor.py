@@ -57,6 +57,13 @@ def is_mask(name: str) -> bool:
     return name.endswith(MASK_SUFFIX)
 
 
+# Node times are each node's least over this many forward runs and backward steps. With 9 and 5 the reference
+# decoder's floor at compile@0.1's bytes came out anywhere from 18.9 to 33.2 ms between calls in one process
+# (2026-11-30, 2 threads); with 30 and 15 at 19.1-19.5 ms in three calls (about 5 s a call instead of 2).
+FORWARD_REPEATS = 30
+BACKWARD_STEPS = 15
+
+
 @dataclass
 class EagerFloor:
     """Both floors of one captured graph, timed once."""
@@ -66,8 +73,9 @@ class EagerFloor:
 
     @classmethod
     def of(cls, program, loss_fn, situated: bool = True) -> "EagerFloor":
-        costs, times, free = node_costs(program, "train", loss_fn), _node_times(program), _free_bytes(program)
-        backward = backward_node_times(program, loss_fn) if situated else {}
+        costs, free = node_costs(program, "train", loss_fn), _free_bytes(program)
+        times = _node_times(program, FORWARD_REPEATS)
+        backward = backward_node_times(program, loss_fn, BACKWARD_STEPS) if situated else {}
         return cls(recompute_items(costs, times), free,
                    RecomputeGraph.build(program.graph, costs, times, backward, unsaved_outputs(program, loss_fn)))
 

@@ -17,8 +17,8 @@ lies further below any one step (a sum of per-item minima is never above the lea
 items, and the more items, the further below it tends to lie). So fxmem's recomputation is also given on the
 floor's own estimator ("op by op"): each aten op's least over the steps, summed, plus the time outside the ops
 (Python around them: fx code, recipe bookkeeping), taken as the least clocked step (without the op timer) less the
-least step's op sum (with it). The floor's node times are the least of 9 forward runs and of 5 backward steps; the default 9 steps here
-sit between.
+least step's op sum (with it). The floor's node times are the least of 30 forward runs and of 15 backward steps
+(`eager_floor.FORWARD_REPEATS`, `BACKWARD_STEPS`).
 """
 from __future__ import annotations
 
