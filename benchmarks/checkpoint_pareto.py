@@ -564,7 +564,7 @@ def goal_lines(res) -> list[str]:
              "graph spends to keep no more activation bytes than compile@b (saved-tensor hooks on both sides): "
              "the time of the ops it must run again, each recomputed op's inputs kept or recomputed "
              "too, an op that reads a kept input at its time where backward runs it (benchmarks/backward_times.py), "
-             "one inside a recomputed chain at its forward time, dropout masks kept as bool or drawn again "
+             "one inside a recomputed chain at its forward time, dropout masks kept packed or drawn again "
              "(benchmarks/eager_floor.py; the floor at forward times alone in brackets; \"each op dropped "
              "alone\": the cheapest ops per byte at forward time, inputs ignored); above the allowed overhead, no "
              "eager plan "

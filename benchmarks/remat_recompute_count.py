@@ -13,7 +13,7 @@ extra calls of that op in backward.
 
 `--kernels` times, at the U-Net benchmark's shapes, the CPU kernels the cost model charges per byte written
 (fxmem.costmodel.SLOW_KERNELS_CPU) against an addcmul pass, in FLOP-equivalents at 200 per ns (the convention of
-DRAW_COST_PER_BYTE_CPU).
+DRAW_COST_PER_ELEMENT_CPU).
 
 `--overhead` times a training step with every site applied and with none, on an input so small (batch 1, 8 pixels
 or tokens a side) that kernels cost next to nothing, on one thread: the difference per site, forward and backward,

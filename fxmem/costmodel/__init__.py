@@ -15,7 +15,7 @@ partition. `estimate` takes a Program: `fxmem.estimate(model, args)` captures fi
 """
 from .batch import plan_batch, smallest_fitting_prefix
 from .compiled import CompiledSaves, compiled_saves
-from .costs import (CPU_BALANCE, DRAW_COST_PER_BYTE_CPU, SLOW_KERNELS_CPU, NodeCost, default_balance, node_costs,
+from .costs import (CPU_BALANCE, DRAW_COST_PER_ELEMENT_CPU, SLOW_KERNELS_CPU, NodeCost, default_balance, node_costs,
                     op_cost, step_cost)
 from .estimator import check_estimate_options, estimate, estimate_from_trace, program_key
 from .formula import UNMEASURED_FORMULA, TensorMeta, call_signature, formula_temps
@@ -27,7 +27,7 @@ from .recipe_layout import RecipeLayout, as_recipes
 from .trace import ForwardTrace, OpRecord, trace_forward
 from .trace_index import TraceIndex
 
-__all__ = ["CPU_BALANCE", "DRAW_COST_PER_BYTE_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "CompiledSaves", "ForwardTrace",
+__all__ = ["CPU_BALANCE", "DRAW_COST_PER_ELEMENT_CPU", "SLOW_KERNELS_CPU", "CandidateRegion", "CompiledSaves", "ForwardTrace",
            "MemoryEstimate", "NodeCost", "OpRecord", "RecipeLayout", "RecomputeWalk", "RegionModel", "TensorMeta", "TraceIndex",
            "UNMEASURED_FORMULA",
            "as_recipes", "build_region_model", "call_signature", "compiled_saves", "check_estimate_options", "default_balance",

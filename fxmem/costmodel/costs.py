@@ -10,8 +10,9 @@ from .trace import trace_forward
 # CPU machine balance (FLOPs per byte at which an op stops being memory-bound)
 CPU_BALANCE = 10.0
 # CPU random draws cost far more than their bytes (a Bernoulli draw per element against fast matmuls): 1000
-# FLOP-equivalents per byte drawn (a bool mask: per element)
-DRAW_COST_PER_BYTE_CPU = 1000.0
+# FLOP-equivalents per element drawn, whatever the dtype it is drawn into (the CPU kernel takes the same time per
+# element for bool, uint8 and float; a packed mask writes an eighth of a byte per element and costs the same)
+DRAW_COST_PER_ELEMENT_CPU = 1000.0
 # CPU kernels slower per byte written than the roofline says, in FLOP-equivalents as above (`python
 # benchmarks/remat_recompute_count.py --kernels` measures them): poolings and convolutions, at about the lowest of
 # what that benchmark finds (larger convolutions are above that by their FLOPs anyway). Dispatch-level names, as
@@ -24,7 +25,8 @@ SLOW_KERNELS_CPU = {**dict.fromkeys(("max_pool1d_with_indices", "max_pool2d_with
 def op_cost(record, balance: float | None) -> float:
     """Recompute cost of one recorded op: FLOPs, or with a machine balance the roofline max(FLOPs, balance x bytes
     read and written). Views and metadata ops (prim.device) move no data. On CPU (balance below CUDA's) a random
-    draw costs DRAW_COST_PER_BYTE_CPU per byte it writes, a pooling or convolution at least SLOW_KERNELS_CPU's."""
+    draw costs DRAW_COST_PER_ELEMENT_CPU per element it draws (its FLOPs in the op table), a pooling or
+    convolution at least SLOW_KERNELS_CPU's."""
     if balance is None:
         return float(record.flops)
     category = optable.category(record.func)
@@ -33,7 +35,7 @@ def op_cost(record, balance: float | None) -> float:
     written = sum(nbytes for nbytes in record.out_bytes if nbytes)
     moved = sum(nbytes for nbytes in record.in_bytes if nbytes) + written
     if category == optable.RANDOM and balance < 100:
-        return max(float(record.flops), DRAW_COST_PER_BYTE_CPU * written)
+        return DRAW_COST_PER_ELEMENT_CPU * float(record.flops)
     slow = SLOW_KERNELS_CPU.get(optable.packet(record.func)) if balance < 100 else None
     if slow is not None:
         return max(float(record.flops), balance * moved, slow * written)

@@ -11,6 +11,7 @@ path (`_pack_bits` / `_unpack_bits`, also the tests' reference).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -55,9 +56,7 @@ def unpack(packed: torch.Tensor, shape, stride) -> torch.Tensor:
     """The bool mask `pack` packed, laid out as `shape` and `stride` (the packed tensor's device)."""
     order = memory_order(stride)
     dense_shape = [shape[d] for d in order]
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if _LITTLE:
         words = packed.to(torch.int64).mul_(_REPEAT).bitwise_and_(_SPREAD)
         words.add_(_NONZERO).bitwise_right_shift_(7).bitwise_and_(_ONES)
@@ -66,7 +65,6 @@ def unpack(packed: torch.Tensor, shape, stride) -> torch.Tensor:
         flat = _unpack_bits(packed)
     dense = flat[:numel].view(torch.bool).view(dense_shape)
     return dense.permute(sorted(range(len(shape)), key=order.__getitem__))
-
 
 
 def _weights(device) -> torch.Tensor:

@@ -43,7 +43,7 @@ class CheckpointOptions:
     min_region_fraction: float = 0.01  # ignore candidates saving less than this share of the saved bytes
     verify: bool = True  # estimate the planned program with the cost model (one more trace) and re-plan if high
     refine: int = 2  # at most this many re-plans when the cost model's estimate is above the budget
-    # CPU dropout saves a float mask; draw the same numbers into a bool mask instead (bit-identical, 1/4 the bytes),
+    # CPU dropout saves a float mask; draw the same numbers as bool, kept packed (bit-identical, 1/32 the bytes),
     # which recompute regions then keep rather than draw again (see compact_dropout)
     compact_dropout: bool = True
     # full and redraw regions recompute only what their backward reads, under no_grad, inside the module's recipe
